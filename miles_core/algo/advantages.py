@@ -1,0 +1,34 @@
+"""Group-relative advantages (GRPO style) over the G samples of one prompt."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(reward: Tensor, group_id: Tensor, std_normalize: bool = False, eps: float = 1e-6) -> Tensor:
+    """A_i = r_i - mean(r over i's group), optionally divided by the group's std.
+
+    reward [B] (NaN = unscored, treated as 0 reward), group_id [B] -> advantage [B].
+    A group whose rewards are all equal gets A = 0 exactly: it carries no signal.
+    """
+    r = torch.nan_to_num(reward.float(), nan=0.0)
+    _, inv = torch.unique(group_id, return_inverse=True)
+    g = int(inv.max()) + 1
+    count = torch.zeros(g).index_add_(0, inv, torch.ones_like(r))
+    mean = torch.zeros(g).index_add_(0, inv, r) / count
+    adv = r - mean[inv]
+    if std_normalize:
+        var = torch.zeros(g).index_add_(0, inv, adv**2) / (count - 1).clamp_min(1)
+        adv = adv / (var.sqrt()[inv] + eps)
+    return adv
+
+
+def zero_variance_groups(reward: Tensor, group_id: Tensor) -> Tensor:
+    """[B] bool: True where the row's group has identical rewards (skipped by the learner)."""
+    r = torch.nan_to_num(reward.float(), nan=0.0)
+    out = torch.zeros_like(r, dtype=torch.bool)
+    for g in torch.unique(group_id):
+        m = group_id == g
+        out[m] = bool((r[m] == r[m][0]).all())
+    return out

@@ -1,0 +1,71 @@
+"""The pieces of one RL iteration, shared by the synchronous flow, async workers and benchmarks:
+rollout (G samples per prompt, recorded) -> reward -> group advantages -> ``adpo_update``."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import torch
+
+from miles_core.algo.advantages import group_advantages
+from miles_core.config import SamplerConfig
+from miles_core.samplers.sampler import sample
+from miles_core.tokenizer import CharTokenizer
+from miles_core.types import TrajectoryBatch
+
+RewardFn = Callable[..., list]
+
+
+def rollout(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence[str], cfg: SamplerConfig,
+            completion_len: int, group_size: int, generator: torch.Generator, policy_version: int = 0,
+            group_offset: int = 0, threshold: float | None = None) -> TrajectoryBatch:
+    """Sample ``group_size`` completions per prompt; rows of one prompt share a group id."""
+    model.eval()
+    ids = [tok.encode(p) for p in prompts for _ in range(group_size)]
+    gid = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
+    batch = sample(model, tok, ids, cfg, completion_len, generator, gid, policy_version, threshold)
+    batch.meta = [{"answer": a} for a in answers for _ in range(group_size)]
+    return batch
+
+
+def score_rewards(batch: TrajectoryBatch, reward_fn: RewardFn) -> TrajectoryBatch:
+    """Apply a reward function with the TRL contract ``fn(prompts, completions, **meta)``.
+
+    A reward of None (unscorable reference) becomes NaN and is treated as 0 for advantages.
+    A reward function that raises is a bug in the reward, so the error names it.
+    """
+    keys = batch.meta[0].keys() if batch.meta else []
+    meta = {k: [m.get(k) for m in batch.meta] for k in keys}
+    try:
+        r = reward_fn(batch.prompts, batch.completions, **meta)
+    except Exception as e:  # noqa: BLE001 - re-raised with context
+        raise RuntimeError(f"reward function {getattr(reward_fn, '__name__', reward_fn)!r} failed: {e}") from e
+    if len(r) != len(batch):
+        raise ValueError(f"reward function returned {len(r)} values for {len(batch)} completions")
+    batch.reward = torch.tensor([math.nan if v is None else float(v) for v in r], dtype=torch.float32)
+    return batch
+
+
+def assign_advantages(batch: TrajectoryBatch, std_normalize: bool = False) -> TrajectoryBatch:
+    assert batch.reward is not None
+    batch.advantage = group_advantages(batch.reward, batch.group_id, std_normalize)
+    return batch
+
+
+def rollout_stats(batch: TrajectoryBatch) -> dict[str, float]:
+    """Reward mean/std, NFE, fraction of groups with no signal: what to watch for collapse."""
+    assert batch.reward is not None and batch.advantage is not None
+    r = torch.nan_to_num(batch.reward, nan=0.0)
+    zero_groups = 0
+    groups = torch.unique(batch.group_id)
+    for g in groups:
+        m = batch.group_id == g
+        zero_groups += int((r[m] == r[m][0]).all())
+    distinct = len(set(batch.completions)) / max(len(batch), 1)
+    return {
+        "reward_mean": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,
+        "nfe_mean": float(batch.nfe.float().mean()), "steps_mean": float(batch.num_steps.float().mean()),
+        "zero_variance_frac": zero_groups / max(len(groups), 1), "distinct_frac": distinct,
+        "completions": float(len(batch)),
+    }

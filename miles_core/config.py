@@ -1,0 +1,278 @@
+"""Typed, frozen recipe configuration, loaded from YAML with ``key.sub=value`` overrides.
+
+Every field is checked at load: an unknown key or a bad value fails before any work, with a
+message naming the field and the allowed values (see tests/test_config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+
+class ConfigError(ValueError):
+    """A recipe or override is invalid; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    backend: Literal["tiny"] = "tiny"
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 512
+    max_len: int = 64
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    name: Literal["arith"] = "arith"
+    min_ops: int = 2
+    max_ops: int = 3
+    max_digits: int = 2
+    mul_max_digits: int = 1
+    num_train: int = 1000      # labelled demonstrations available to SFT (scarce on purpose)
+    num_test: int = 500        # held-out problems for evaluation
+    completion_len: int = 32
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 3000
+    batch_size: int = 64
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    warmup: int = 100
+    eval_every: int = 500
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class SamplerConfig:
+    kind: Literal["static", "nsd"] = "static"
+    steps: int = 16                     # static: total denoising steps for the completion
+    block_size: int = 0                 # 0: the whole completion is one block
+    temperature: float = 1.0
+    remasking: Literal["low_confidence", "random"] = "low_confidence"
+    threshold: float = 0.9              # nsd: commit every position with confidence >= threshold
+    max_per_step: int = 8               # nsd: cap on positions committed in one step
+    min_per_step: int = 1               # nsd: always commit at least this many
+
+    def hash(self, completion_len: int) -> str:
+        blob = json.dumps({**dataclasses.asdict(self), "completion_len": completion_len}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+
+
+@dataclass(frozen=True)
+class ADPOConfig:
+    estimator: Literal["adpo", "meanfield"] = "adpo"
+    lr: float = 1e-3
+    warmup: int = 5
+    clip_eps: float = 0.2
+    is_cap: float = 2.0                 # C in w = min(pi_prox / mu, C)
+    step_fraction: float = 1.0          # rho: fraction of each trajectory's steps per update
+    kl_coef: float = 0.0                # KL to the reference (adapter disabled)
+    entropy_floor: float = 0.0          # penalise mean entropy below this (NSD guard)
+    entropy_coef: float = 0.0
+    std_normalize: bool = False         # group advantages: mean-centred, optionally /std
+    skip_zero_variance: bool = True
+    num_minibatches: int = 1
+    epochs: int = 1
+    row_chunk: int = 256                # rows per forward/backward (bounds peak memory)
+    max_grad_norm: float = 1.0
+    prompt_mask_prob: float = 0.15      # meanfield (d1): fraction of prompt tokens masked
+    max_staleness: int = 4              # async: S
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    iterations: int = 40
+    prompts_per_iter: int = 16
+    group_size: int = 8
+    eval_every: int = 10
+    seed: int = 0
+    reward: str = "math_exact"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    num_problems: int = 500
+    steps: int = 16
+    block_size: int = 0
+    temperature: float = 0.0
+    remasking: Literal["low_confidence", "random"] = "low_confidence"
+    n_samples: int = 1
+    seed: int = 1234
+    batch_size: int = 250
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    name: str = "arith"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    adpo: ADPOConfig = field(default_factory=ADPOConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalSettings = field(default_factory=EvalSettings)
+    torch_threads: int = 0               # 0: leave torch's default
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """Dotted key -> value, for MLflow params."""
+        out: dict[str, Any] = {}
+
+        def walk(prefix: str, d: dict) -> None:
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    walk(f"{prefix}{k}.", v)
+                else:
+                    out[f"{prefix}{k}"] = v
+        walk("", self.to_dict())
+        return out
+
+
+def _coerce(path: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{path}: {value!r} is not allowed; allowed values: {', '.join(map(repr, allowed))}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, got {value!r}")
+        return build(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{path}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{path}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)):
+            raise ConfigError(f"{path}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
+    """Construct dataclass ``cls`` from a mapping, rejecting unknown keys by name."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown config key {full!r}; allowed keys here: {', '.join(sorted(names))}")
+        kwargs[key] = _coerce(full, hints[key], value)
+        if dataclasses.is_dataclass(hints[key]):
+            continue
+    obj = cls(**kwargs)
+    validate(obj, path)
+    return obj
+
+
+def validate(obj: Any, path: str = "") -> None:
+    """Range checks that types alone cannot express."""
+    def need(cond: bool, field_name: str, msg: str) -> None:
+        if not cond:
+            raise ConfigError(f"{path}{field_name}: {msg}")
+    if isinstance(obj, SamplerConfig):
+        need(obj.steps >= 1, "steps", "must be >= 1")
+        need(obj.temperature >= 0, "temperature", "must be >= 0")
+        need(0 < obj.threshold <= 1.0, "threshold", "must be in (0, 1]")
+        need(1 <= obj.min_per_step <= obj.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
+        need(obj.block_size >= 0, "block_size", "must be >= 0")
+    if isinstance(obj, ADPOConfig):
+        need(0 < obj.step_fraction <= 1.0, "step_fraction", "must be in (0, 1]")
+        need(obj.clip_eps > 0, "clip_eps", "must be > 0")
+        need(obj.is_cap >= 1.0, "is_cap", "must be >= 1")
+        need(obj.lr > 0, "lr", "must be > 0")
+        need(obj.row_chunk >= 1 and obj.num_minibatches >= 1 and obj.epochs >= 1, "row_chunk", "row_chunk, num_minibatches, epochs must be >= 1")
+        need(obj.max_staleness >= 0, "max_staleness", "must be >= 0")
+    if isinstance(obj, TrainConfig):
+        need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
+        need(obj.prompts_per_iter >= 1 and obj.iterations >= 0, "prompts_per_iter", "must be >= 1")
+    if isinstance(obj, TaskConfig):
+        need(1 <= obj.min_ops <= obj.max_ops, "min_ops", "need 1 <= min_ops <= max_ops")
+        need(obj.completion_len >= 4, "completion_len", "must be >= 4")
+    if isinstance(obj, ModelConfig):
+        need(obj.d_model % obj.n_heads == 0, "d_model", "must be divisible by n_heads")
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like key.sub=value")
+    key, raw = text.split("=", 1)
+    import yaml
+
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | None = None) -> RecipeConfig:
+    """Recipe from a YAML path, a built-in name (``recipes/NAME.yaml``), a dict or defaults."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    if isinstance(source, dict):
+        data = json.loads(json.dumps(source))
+    elif source:
+        path = Path(source)
+        if not path.exists():
+            builtin = Path(__file__).parent / "recipes" / f"{source}.yaml"
+            if not builtin.exists():
+                names = sorted(p.stem for p in (Path(__file__).parent / "recipes").glob("*.yaml"))
+                raise ConfigError(f"recipe {str(source)!r} is neither a file nor a built-in recipe; built-ins: {', '.join(names)}")
+            path = builtin
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: top level must be a mapping")
+    for ov in overrides or []:
+        keys, value = parse_override(ov)
+        cur = data
+        for k in keys[:-1]:
+            nxt = cur.setdefault(k, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {ov!r}: {k!r} is not a section")
+            cur = nxt
+        cur[keys[-1]] = value
+    return build(RecipeConfig, data)

@@ -1,0 +1,61 @@
+"""Evaluate a policy on held-out problems: pass@1 (greedy) or unbiased pass@k from n samples.
+
+Every number carries the EvalConfig that produced it (length, steps, block size, temperature,
+remasking, sampler, seed), because scores move with sampling settings (ANCHORS: evaluation
+mismatches are users' most common complaint)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from miles_core.config import SamplerConfig
+from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
+from miles_core.samplers.sampler import sample
+from miles_core.tokenizer import CharTokenizer
+
+
+def sampler_for(ec: EvalConfig) -> SamplerConfig:
+    return SamplerConfig(kind=ec.sampler, steps=ec.steps,  # type: ignore[arg-type]
+                         block_size=0 if ec.block_size in (0, ec.completion_len) else ec.block_size,
+                         temperature=ec.temperature, remasking=ec.remasking,  # type: ignore[arg-type]
+                         threshold=ec.threshold if ec.threshold is not None else 0.9)
+
+
+@torch.no_grad()
+def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence[str], ec: EvalConfig,
+             reward_fn: Callable[..., list], batch_size: int = 250, progress: bool = False,
+             sampler: SamplerConfig | None = None) -> EvalResult:
+    """Sample ``ec.n_samples`` completions per problem; correct = reward >= 1."""
+    if len(prompts) != len(answers):
+        raise ValueError(f"evaluate: {len(prompts)} prompts but {len(answers)} answers")
+    scfg = sampler or sampler_for(ec)
+    model.eval()
+    gen = torch.Generator().manual_seed(ec.seed)
+    correct: list[list[bool]] = [[] for _ in prompts]
+    samples: list[dict] = []
+    nfe_total, tokens, t0 = 0, 0, time.perf_counter()
+    order = [(i, s) for s in range(ec.n_samples) for i in range(len(prompts))]
+    chunks = range(0, len(order), batch_size)
+    if progress:
+        from tqdm import tqdm
+
+        chunks = tqdm(chunks, desc="eval", leave=False)
+    for start in chunks:
+        part = order[start:start + batch_size]
+        batch = sample(model, tok, [tok.encode(prompts[i]) for i, _ in part], scfg, ec.completion_len, gen)
+        rewards = reward_fn([prompts[i] for i, _ in part], batch.completions, answer=[answers[i] for i, _ in part])
+        for (i, s), c, r in zip(part, batch.completions, rewards):
+            ok = r is not None and r >= 1.0
+            correct[i].append(ok)
+            if len(samples) < 20 and s == 0:
+                samples.append({"prompt": prompts[i], "completion": c, "answer": answers[i], "correct": ok})
+        nfe_total += int(batch.nfe.sum())
+        tokens += batch.completion_ids.numel()
+    seconds = time.perf_counter() - t0
+    pass_at = aggregate_pass_at_k(correct, ec.ks)
+    metrics = {"nfe_mean": nfe_total / max(len(order), 1), "tokens_per_s": tokens / max(seconds, 1e-9),
+               "seconds": seconds}
+    return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics)

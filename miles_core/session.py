@@ -1,0 +1,165 @@
+"""High-level building blocks a recipe runs: build the task, train the SFT baseline, and an RL
+learner/sampler state that can be checkpointed and resumed. Flows, the CLI and benchmarks all
+use these, so what a benchmark measures is what a user runs."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
+from miles_core.algo.sft import train_sft
+from miles_core.algo.update import adpo_update
+from miles_core.config import RecipeConfig, SamplerConfig
+from miles_core.data.arith import ArithConfig, ArithTask, Problem
+from miles_core.eval.evaluate import evaluate
+from miles_core.eval.passk import EvalConfig, EvalResult
+from miles_core.models.base import load_checkpoint, save_checkpoint
+from miles_core.models.lora import add_lora, load_adapter
+from miles_core.models.tiny import TinyConfig, TinyDenoiser
+from miles_core.rewards.math import get_reward
+from miles_core.tokenizer import CharTokenizer
+from miles_core.types import TrajectoryBatch
+
+
+@dataclass
+class TaskData:
+    task: ArithTask
+    train: list[Problem]      # scarce labelled demonstrations (SFT)
+    test: list[Problem]       # held-out, provably disjoint (hash bucket)
+
+
+def build_task(cfg: RecipeConfig) -> TaskData:
+    t = cfg.task
+    task = ArithTask(ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits,
+                                 mul_max_digits=t.mul_max_digits))
+    return TaskData(task, task.split("train", t.num_train, seed=0), task.split("test", t.num_test, seed=0))
+
+
+def new_model(cfg: RecipeConfig, tok: CharTokenizer, seed: int) -> TinyDenoiser:
+    torch.manual_seed(seed)
+    m = cfg.model
+    return TinyDenoiser(TinyConfig(tok.vocab_size, m.d_model, m.n_layers, m.n_heads, m.d_ff, m.max_len))
+
+
+def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: SamplerConfig | None = None) -> EvalConfig:
+    e = cfg.eval
+    s = sampler
+    return EvalConfig(num_problems=num_problems or e.num_problems, completion_len=cfg.task.completion_len,
+                      steps=s.steps if s else e.steps, block_size=(s.block_size if s else e.block_size) or cfg.task.completion_len,
+                      temperature=s.temperature if s else e.temperature,
+                      remasking=s.remasking if s else e.remasking, sampler=s.kind if s else "static",
+                      threshold=s.threshold if s and s.kind == "nsd" else None, n_samples=e.n_samples,
+                      ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed, split="test")
+
+
+def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_problems: int | None = None,
+             sampler: SamplerConfig | None = None, progress: bool = False) -> EvalResult:
+    ec = eval_config(cfg, num_problems, sampler)
+    probs = data.test[:ec.num_problems]
+    return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, get_reward("math_exact"),
+                    batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler)
+
+
+def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed: int | None = None,
+                   on_eval: Callable[[int, float, dict], None] | None = None, progress: bool = False,
+                   eval_problems: int = 200) -> tuple[TinyDenoiser, CharTokenizer]:
+    """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps."""
+    s = cfg.sft
+    seed = s.seed if seed is None else seed
+    tok = CharTokenizer()
+    model = new_model(cfg, tok, seed)
+
+    def cb(step: int, stats: dict) -> None:
+        if on_eval is not None:
+            r = run_eval(model, tok, cfg, data, num_problems=eval_problems)
+            on_eval(step, r.pass_at["pass@1"], stats)
+    train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
+              completion_len=cfg.task.completion_len, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
+              weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, callback=cb,
+              callback_every=s.eval_every if on_eval else 0, progress=progress)
+    save_checkpoint(model, tok, out_dir)
+    return model, tok
+
+
+class Learner:
+    """Base (frozen) + LoRA policy, optimizer, warm-up schedule, RNGs and policy version.
+
+    ``state()``/``load_state()`` capture everything needed to resume bit-exactly."""
+
+    def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None):
+        self.cfg = cfg
+        base, self.tok = load_checkpoint(base_dir)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        if adapter_dir is not None:
+            self.model = load_adapter(base, adapter_dir, trainable=True)
+        else:
+            torch.manual_seed(seed)
+            self.model = add_lora(base, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
+        a = cfg.adpo
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / max(a.warmup, 1)))
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.version = 0
+        self.reward_fn = get_reward(cfg.train.reward)
+        self.groups_seen = 0
+
+    def draw_prompts(self, data: TaskData, n: int) -> list[Problem]:
+        """Fresh RL prompts from the verifier's unlimited supply (never the test bucket)."""
+        return [data.task.sample(self.rng, split="rl") for _ in range(n)]
+
+    def rollout(self, problems: list[Problem], sampler: SamplerConfig | None = None,
+                threshold: float | None = None) -> TrajectoryBatch:
+        s = sampler or self.cfg.sampler
+        batch = rollout(self.model, self.tok, [p.prompt for p in problems], [p.answer for p in problems], s,
+                        self.cfg.task.completion_len, self.cfg.train.group_size, self.gen, self.version,
+                        group_offset=self.groups_seen, threshold=threshold)
+        self.groups_seen += len(problems)
+        score_rewards(batch, self.reward_fn)
+        return assign_advantages(batch, self.cfg.adpo.std_normalize)
+
+    def update(self, batch: TrajectoryBatch, temperature: float | None = None) -> dict[str, float]:
+        t = self.cfg.sampler.temperature if temperature is None else temperature
+        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched)
+        self.version += 1
+        stats["policy_version"] = float(self.version)
+        return stats
+
+    def save_adapter(self, directory: str | Path) -> Path:
+        self.model.save_pretrained(str(directory))
+        return Path(directory)
+
+    def state(self) -> dict:
+        return {"adapter": {k: v.clone() for k, v in self.model.state_dict().items() if "lora_" in k},
+                "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "gen": self.gen.get_state(),
+                "rng": self.rng.getstate(), "version": self.version, "groups_seen": self.groups_seen,
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, st: dict) -> None:
+        missing = self.model.load_state_dict(st["adapter"], strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"checkpoint has unexpected adapter keys: {missing.unexpected_keys[:3]}")
+        self.opt.load_state_dict(st["opt"])
+        self.sched.load_state_dict(st["sched"])
+        self.gen.set_state(st["gen"])
+        self.rng.setstate(st["rng"])
+        self.version = int(st["version"])
+        self.groups_seen = int(st["groups_seen"])
+        torch.set_rng_state(st["torch_rng"])
+
+
+def rollout_summary(batch: TrajectoryBatch) -> dict[str, float]:
+    return rollout_stats(batch)
+
+
+def write_json(path: str | Path, obj: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(obj, indent=2, default=str))

@@ -1,0 +1,79 @@
+"""A character tokenizer for the built-in tasks.
+
+Special ids (pad, mask, eos) come from here and nowhere else: samplers and losses ask the
+tokenizer, so a swapped backend (a transformers tokenizer with an added [MASK]) works unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DEFAULT_CHARS = "0123456789+-*/=;()#.,:? abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_[]{}<>!'\"\\\n"
+SPECIALS = ("[PAD]", "[MASK]", "[EOS]", "[UNK]")
+
+
+class CharTokenizer:
+    """One id per character plus four specials.
+
+    ``decode`` stops at the first EOS: completions are padded with EOS (LLaDA style), so the
+    model itself decides the answer length inside a fixed completion window.
+    """
+
+    def __init__(self, chars: str = DEFAULT_CHARS) -> None:
+        if len(set(chars)) != len(chars):
+            raise ValueError("CharTokenizer: chars must be unique")
+        self.chars = chars
+        self.itos: list[str] = list(SPECIALS) + list(chars)
+        self.stoi: dict[str, int] = {s: i for i, s in enumerate(self.itos)}
+        self.pad_id = self.stoi["[PAD]"]
+        self.mask_id = self.stoi["[MASK]"]
+        self.eos_id = self.stoi["[EOS]"]
+        self.unk_id = self.stoi["[UNK]"]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    @property
+    def forbidden_ids(self) -> list[int]:
+        """Ids a denoiser must never emit for a completion position."""
+        return [self.pad_id, self.mask_id, self.unk_id]
+
+    def encode(self, text: str) -> list[int]:
+        return [self.stoi.get(c, self.unk_id) for c in text]
+
+    def decode(self, ids: list[int], stop_at_eos: bool = True) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id and stop_at_eos:
+                break
+            if i == self.mask_id:
+                out.append("_")
+            elif i in (self.pad_id, self.eos_id, self.unk_id):
+                continue
+            else:
+                out.append(self.itos[i])
+        return "".join(out)
+
+    def encode_completion(self, text: str, length: int) -> list[int]:
+        """Target completion: the text, then EOS up to ``length`` (raises if it does not fit)."""
+        ids = self.encode(text)
+        if len(ids) > length:
+            raise ValueError(f"completion of {len(ids)} chars does not fit completion_len={length}: {text!r}")
+        return ids + [self.eos_id] * (length - len(ids))
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        (Path(directory) / "tokenizer.json").write_text(json.dumps({"type": "char", "chars": self.chars}))
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "CharTokenizer":
+        path = Path(directory) / "tokenizer.json"
+        if not path.exists():
+            raise FileNotFoundError(f"no tokenizer.json in {directory}")
+        data = json.loads(path.read_text())
+        if data.get("type") != "char":
+            raise ValueError(f"{path}: unsupported tokenizer type {data.get('type')!r}")
+        return cls(data["chars"])
