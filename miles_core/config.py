@@ -159,7 +159,7 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"{path}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, got {value!r}")
-        return build(tp, value, path)
+        return build(tp, value, f"{path}.")
     if tp is bool:
         if isinstance(value, bool):
             return value

@@ -59,7 +59,8 @@ class ADPOLoss(nn.Module):
                 # only pushes back when the policy gets more confident than the floor allows
                 loss = loss + self.entropy_coef * torch.relu(self.entropy_floor - ent_mean) * (n_tok / normaliser)
         with torch.no_grad():
-            clipped = ((ratio - 1).abs() > self.clip_eps).float()
+            # tokens whose gradient the clip removed: ratio pushed past the trust region in A's direction
+            clipped = (((ratio > 1 + self.clip_eps) & (adv > 0)) | ((ratio < 1 - self.clip_eps) & (adv < 0))).float()
             log_r = logp - prox_logp
             stats = {
                 "clip_frac": float((clipped * m).sum() / n_tok),

@@ -53,7 +53,7 @@ def denoise_step(model, x: Tensor, attn: Tensor, prompt_width: int, *, temperatu
     if tokens is None:
         if temperature > 0:
             u = torch.rand(logp_all.shape, generator=generator, device=logp_all.device)
-            gumbel = -torch.log(-torch.log(u.clamp_min(1e-20)).clamp_min(1e-20))
+            gumbel = -torch.log((-torch.log(u.clamp(1e-20, 1.0 - 1e-7))).clamp_min(1e-20))
             tokens = (logp_all + gumbel).argmax(-1)
         else:
             tokens = logp_all.argmax(-1)

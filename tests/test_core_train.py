@@ -1,0 +1,154 @@
+"""Learning components: SFT objective, LoRA-only updates, per-step autograd, meanfield, config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from miles_core.algo.advantages import group_advantages
+from miles_core.algo.sft import make_batch, sft_loss
+from miles_core.algo.update import adpo_update
+from miles_core.config import ADPOConfig, ConfigError, SamplerConfig, load_recipe
+from miles_core.models.lora import add_lora, load_adapter, reference_policy
+from miles_core.models.tiny import TinyConfig, TinyDenoiser
+from miles_core.samplers.sampler import sample
+from miles_core.tokenizer import CharTokenizer
+
+TOK = CharTokenizer()
+
+
+def base_model(seed: int = 0) -> TinyDenoiser:
+    torch.manual_seed(seed)
+    return TinyDenoiser(TinyConfig(TOK.vocab_size, d_model=32, n_layers=2, n_heads=2, d_ff=64, max_len=48))
+
+
+def scored_batch(model, n_prompts: int = 3, g: int = 4, steps: int = 4, length: int = 8):
+    prompts = [TOK.encode(p) for p in ["1+2", "3*4", "5-6", "7+8*9"][:n_prompts] for _ in range(g)]
+    gid = torch.arange(n_prompts).repeat_interleave(g)
+    batch = sample(model, TOK, prompts, SamplerConfig(steps=steps), length, torch.Generator().manual_seed(0), gid)
+    batch.reward = torch.arange(len(batch), dtype=torch.float32) % 3  # varied rewards within groups
+    batch.advantage = group_advantages(batch.reward, batch.group_id)
+    return batch
+
+
+def test_sft_loss_only_masks_and_scores_answer_positions():
+    model = base_model()
+    batch = make_batch(TOK, ["12+3", "4*5"], ["12+3=15", "4*5=20"], 10)
+    seen = []
+    orig = model.forward
+    model.forward = lambda x, a=None: (seen.append(x.clone()), orig(x, a))[1]
+    loss, stats = sft_loss(model, batch, TOK.mask_id, torch.Generator().manual_seed(0))
+    x = seen[0]
+    assert torch.equal(x[:, :batch.width], batch.x[:, :batch.width])  # prompt never masked
+    assert (x[:, batch.width:] == TOK.mask_id).any()
+    # gradient of the loss w.r.t. logits is zero at every prompt position and unmasked answer position
+    logits = orig(x, batch.attn).detach().requires_grad_(True)
+    comp = batch.x[:, batch.width:]
+    masked = x[:, batch.width:] == TOK.mask_id
+    ce = torch.nn.functional.cross_entropy(logits[:, batch.width:].reshape(-1, TOK.vocab_size), comp.reshape(-1),
+                                           reduction="none").view(comp.shape)
+    (ce * masked).sum().backward()
+    assert logits.grad[:, :batch.width].abs().sum() == 0
+    assert logits.grad[:, batch.width:][~masked].abs().sum() == 0
+    assert torch.isfinite(loss) and stats["masked_frac"] > 0
+
+
+def test_sft_loss_weight_is_one_over_t():
+    """With every answer token masked (t -> 1 region), loss equals mean CE / t; check on a fixed t."""
+    model = base_model()
+    batch = make_batch(TOK, ["1+1"], ["1+1=2"], 6)
+    gen = torch.Generator().manual_seed(0)
+    t = torch.rand(1, 1, generator=gen) * (1 - 1e-3) + 1e-3
+    masked = torch.rand(1, 6, generator=gen) < t
+    loss, _ = sft_loss(model, batch, TOK.mask_id, torch.Generator().manual_seed(0))
+    x = batch.x.clone()
+    x[:, batch.width:] = batch.x[:, batch.width:].masked_fill(masked, TOK.mask_id)
+    logits = model(x, batch.attn)[:, batch.width:]
+    ce = torch.nn.functional.cross_entropy(logits[0], batch.x[0, batch.width:], reduction="none")
+    assert loss.item() == pytest.approx(float((ce * masked[0]).sum() / t / 6), rel=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["adpo", "meanfield"])
+def test_update_changes_only_lora_parameters(estimator):
+    model = add_lora(base_model(), r=4, alpha=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():  # make B non-zero so A also receives gradient
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = scored_batch(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    stats = adpo_update(model, opt, batch, ADPOConfig(estimator=estimator, row_chunk=5), TOK, 1.0,
+                        torch.Generator().manual_seed(0))
+    after = model.state_dict()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed)
+    assert stats["rows"] > 0 and "clip_frac" in stats and "iw_max" in stats
+
+
+def test_update_graph_covers_one_step_per_row():
+    """Chunked per-row backward == full-batch gradient, and every backward sees one forward."""
+    model = add_lora(base_model(), r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    params = [p for p in model.parameters() if p.requires_grad]
+    batch = scored_batch(model)
+    grads = {}
+    for chunk in (1, 10_000):
+        forwards, backwards = [], []
+        h1 = model.base_model.model.register_forward_hook(lambda m, i, o: forwards.append(i[0].shape[0]))
+        h2 = model.base_model.model.register_full_backward_hook(lambda m, gi, go: backwards.append(len(forwards)))
+        opt = torch.optim.SGD(params, lr=0.0)  # lr 0: keep weights, read accumulated grads
+        adpo_update(model, opt, batch, ADPOConfig(row_chunk=chunk, max_grad_norm=1e9), TOK, 1.0,
+                    torch.Generator().manual_seed(0))
+        h1.remove(), h2.remove()
+        grads[chunk] = torch.cat([p.grad.flatten() for p in params]).clone()
+        if chunk == 1:
+            # each forward covers exactly one (trajectory, step) row and is followed by its own backward
+            assert set(forwards) == {1} and backwards == list(range(1, len(forwards) + 1))
+    assert torch.allclose(grads[1], grads[10_000], atol=1e-6, rtol=1e-4)
+
+
+def test_reference_policy_is_adapter_disabled():
+    base = base_model()
+    x = torch.randint(4, 20, (2, 6))
+    ref_out = base(x)
+    model = add_lora(base, r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    assert not torch.allclose(model(x), ref_out)
+    with reference_policy(model) as ref:
+        assert torch.allclose(ref(x), ref_out)
+
+
+def test_adapter_roundtrip_peft_format(tmp_path):
+    model = add_lora(base_model(), r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    model.save_pretrained(str(tmp_path / "ad"))
+    assert (tmp_path / "ad" / "adapter_model.safetensors").exists()
+    x = torch.randint(4, 20, (2, 6))
+    loaded = load_adapter(base_model(), tmp_path / "ad")
+    assert torch.allclose(loaded(x), model(x), atol=1e-6)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="adpo.nope"):
+        load_recipe("tiny", ["adpo.nope=1"])
+    with pytest.raises(ConfigError, match=r"adpo.lr: expected a number"):
+        load_recipe("tiny", ["adpo.lr=abc"])
+    with pytest.raises(ConfigError, match=r"sampler.remasking.*allowed values: 'low_confidence', 'random'"):
+        load_recipe("tiny", ["sampler.remasking=best"])
+    with pytest.raises(ConfigError, match=r"adpo.step_fraction: must be in"):
+        load_recipe("tiny", ["adpo.step_fraction=0"])
+    with pytest.raises(ConfigError, match="built-ins"):
+        load_recipe("no-such-recipe")
+    cfg = load_recipe("tiny", ["adpo.lr=0.5", "sampler.kind=nsd"])
+    assert cfg.adpo.lr == 0.5 and cfg.sampler.kind == "nsd"
