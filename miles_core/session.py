@@ -15,8 +15,8 @@ import torch
 from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
 from miles_core.algo.sft import train_sft
 from miles_core.algo.update import adpo_update
-from miles_core.config import RecipeConfig, SamplerConfig
-from miles_core.data.arith import ArithConfig, ArithTask, Problem
+from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
+from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
 from miles_core.models.base import load_checkpoint, save_checkpoint
@@ -36,8 +36,12 @@ class TaskData:
 
 def build_task(cfg: RecipeConfig) -> TaskData:
     t = cfg.task
-    task = ArithTask(ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits,
-                                 mul_max_digits=t.mul_max_digits))
+    acfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits, mul_max_digits=t.mul_max_digits)
+    need = max_target_len(acfg)
+    if t.completion_len < need:
+        raise ConfigError(f"task.completion_len: {t.completion_len} is shorter than the longest target ({need} tokens) "
+                          f"for these task settings; set task.completion_len>={need}")
+    task = ArithTask(acfg)
     return TaskData(task, task.split("train", t.num_train, seed=0), task.split("test", t.num_test, seed=0))
 
 

@@ -49,9 +49,17 @@ def sft_loss(model, batch: SFTBatch, mask_id: int, generator: torch.Generator,
 
 def train_sft(model, tok: CharTokenizer, prompts: Sequence[str], targets: Sequence[str], *, completion_len: int,
               steps: int, batch_size: int, lr: float, weight_decay: float = 0.01, warmup: int = 100, seed: int = 0,
-              callback: Callable[[int, dict[str, float]], None] | None = None, callback_every: int = 0,
-              progress: bool = False) -> list[dict[str, float]]:
-    """Plain SFT loop over a fixed labelled set; ``callback(step, stats)`` every ``callback_every``."""
+              callback: Callable[[int, dict[str, float]], bool | None] | None = None, callback_every: int = 0,
+              progress: bool = False, time_budget_s: float | None = None) -> list[dict[str, float]]:
+    """Plain SFT loop over a fixed labelled set.
+
+    ``callback(step, stats)`` runs every ``callback_every`` steps and may return True to stop
+    early (plateau detection); ``time_budget_s`` stops after that much wall-clock time (used to
+    give continued SFT exactly the time an RL run took).
+    """
+    import time
+
+    t_start = time.perf_counter()
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
@@ -73,9 +81,12 @@ def train_sft(model, tok: CharTokenizer, prompts: Sequence[str], targets: Sequen
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        if callback is not None and callback_every and (step + 1) % callback_every == 0:
-            stats = dict(stats)
-            callback(step + 1, stats)
-            model.train()
         history.append(stats)
+        if callback is not None and callback_every and (step + 1) % callback_every == 0:
+            stop = callback(step + 1, dict(stats))
+            model.train()
+            if stop:
+                break
+        if time_budget_s is not None and time.perf_counter() - t_start >= time_budget_s:
+            break
     return history

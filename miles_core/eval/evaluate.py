@@ -58,4 +58,5 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     pass_at = aggregate_pass_at_k(correct, ec.ks)
     metrics = {"nfe_mean": nfe_total / max(len(order), 1), "tokens_per_s": tokens / max(seconds, 1e-9),
                "seconds": seconds}
-    return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics)
+    return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics,
+                      correct=correct)

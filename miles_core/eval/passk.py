@@ -122,6 +122,7 @@ class EvalResult:
     config: EvalConfig
     samples: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
+    correct: list[list[bool]] = field(default_factory=list)  # per problem, per sample (paired tests)
 
     def to_dict(self) -> dict[str, Any]:
         return {

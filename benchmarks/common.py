@@ -1,0 +1,38 @@
+"""Shared helpers for benchmarks: result files, tables, paired sign test."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def write_result(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {**payload, "_meta": {"benchmark": name, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                    "python": platform.python_version(), "machine": platform.machine()}}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    cells = [[str(h) for h in header]] + [[f"{c:.4f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact binomial sign test on discordant pairs (ties dropped)."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)

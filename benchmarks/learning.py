@@ -1,0 +1,134 @@
+"""Does ADPO teach a masked-diffusion LM something SFT cannot? (issue: discrete RL core)
+
+Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
+  1. SFT on the scarce labelled set until pass@1 plateaus (curve recorded);
+  2. from that checkpoint, with the same number of sampled completions:
+     (a) ADPO (per-step trajectory likelihood), (b) the d1 mean-field estimator,
+     and (c) SFT continued on the labelled data for the wall-clock time (a) took;
+  3. every arm evaluated on the same >= 500 held-out problems with one pinned eval config.
+Writes benchmarks/results/learning.json. Run: python -m benchmarks.learning [--seeds 0 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import sign_test_p, table, write_result
+
+DEFAULT_OVERRIDES: list[str] = []
+
+
+def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from miles_core.algo.sft import train_sft
+    from miles_core.config import load_recipe
+    from miles_core.models.base import load_checkpoint
+    from miles_core.session import Learner, build_task, run_eval, train_baseline
+
+    cfg = load_recipe("arith", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
+    data = build_task(cfg)
+    work = Path(out) / f"seed{seed}"
+    ckpt = work / "sft"
+    curve: list[dict] = []
+    best = {"pass1": -1.0, "step": 0}
+
+    def on_eval(step: int, pass1: float, stats: dict) -> bool:
+        curve.append({"step": step, "pass1": pass1, "loss": stats["loss"]})
+        print(f"[seed {seed}] sft step {step} pass@1(200) {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
+        if pass1 > best["pass1"]:
+            best.update(pass1=pass1, step=step)
+        return step - best["step"] >= plateau_patience * cfg.sft.eval_every  # plateau: no gain for a while
+
+    t0 = time.perf_counter()
+    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, eval_problems=200)
+    sft_seconds = time.perf_counter() - t0
+
+    def final_eval(model, tok) -> dict:
+        r = run_eval(model, tok, cfg, data)
+        return {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "config": r.config.to_dict(),
+                "nfe_mean": r.metrics["nfe_mean"]}
+
+    base, tok = load_checkpoint(ckpt)
+    results = {"sft": final_eval(base, tok)}
+    print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f}", flush=True)
+    arms_time: dict[str, float] = {}
+    samples: dict[str, int] = {}
+    for arm in ("adpo", "meanfield"):
+        arm_cfg = load_recipe("arith", overrides + [f"adpo.estimator={arm}", f"train.seed={seed}"])
+        learner = Learner(arm_cfg, ckpt, seed=seed)
+        t1 = time.perf_counter()
+        n = 0
+        for it in range(arm_cfg.train.iterations):
+            batch = learner.rollout(learner.draw_prompts(data, arm_cfg.train.prompts_per_iter))
+            n += len(batch)
+            st = learner.update(batch)
+            if (it + 1) % 10 == 0:
+                r = float(batch.reward.nan_to_num(0).mean())
+                print(f"[seed {seed}] {arm} it {it + 1} reward {r:.3f} clip {st.get('clip_frac', 0):.3f} "
+                      f"ent {st.get('entropy', 0):.3f}", flush=True)
+        arms_time[arm] = time.perf_counter() - t1
+        samples[arm] = n
+        results[arm] = final_eval(learner.model, learner.tok)
+        print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({arms_time[arm]:.0f}s)", flush=True)
+    # (c) SFT continued for the same wall-clock as ADPO, on the same labelled data, all weights
+    model, tok = load_checkpoint(ckpt)
+    t2 = time.perf_counter()
+    s = cfg.sft
+    train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
+              completion_len=cfg.task.completion_len, steps=10**9, batch_size=s.batch_size, lr=s.lr,
+              weight_decay=s.weight_decay, warmup=1, seed=seed + 1000, time_budget_s=arms_time["adpo"])
+    arms_time["sft_continued"] = time.perf_counter() - t2
+    results["sft_continued"] = final_eval(model, tok)
+    print(f"[seed {seed}] sft_continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
+    return {"seed": seed, "results": results, "sft_curve": curve, "sft_seconds": sft_seconds,
+            "arm_seconds": arms_time, "samples": samples}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap.add_argument("--patience", type=int, default=3, help="SFT evals without improvement = plateau")
+    ap.add_argument("--workdir", default=None)
+    args = ap.parse_args()
+    overrides = DEFAULT_OVERRIDES + args.set
+    t0 = time.perf_counter()
+    work = args.workdir or tempfile.mkdtemp(prefix="miles-learning-")
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(min(len(args.seeds), 2)) as pool:
+        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.patience) for s in args.seeds])
+    arms = ["sft", "adpo", "meanfield", "sft_continued"]
+    mean = {a: sum(p["results"][a]["pass1"] for p in per_seed) / len(per_seed) for a in arms}
+    wins = losses = 0
+    for p in per_seed:
+        for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]):
+            wins += a and not b
+            losses += b and not a
+    rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
+    rows.append(["mean"] + [mean[a] for a in arms])
+    print(table(rows, ["seed", "sft", "adpo", "meanfield", "sft_continued"]))
+    p_value = sign_test_p(wins, losses)
+    print(f"ADPO - SFT = {mean['adpo'] - mean['sft']:+.4f}; sign test wins {wins} losses {losses} p = {p_value:.3g}")
+    payload = {
+        "sft_pass1": mean["sft"], "adpo_pass1": mean["adpo"], "meanfield_pass1": mean["meanfield"],
+        "sft_continued_pass1": mean["sft_continued"], "adpo_minus_sft": mean["adpo"] - mean["sft"],
+        "paired_sign_test_p": p_value, "sign_test_wins": wins, "sign_test_losses": losses,
+        "seeds": args.seeds, "samples": {str(p["seed"]): p["samples"] for p in per_seed},
+        "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["sft"]["config"],
+        "overrides": overrides,
+        "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
+                      "sft_curve": p["sft_curve"], "sft_seconds": p["sft_seconds"],
+                      "arm_seconds": p["arm_seconds"]} for p in per_seed],
+    }
+    print(f"wrote {write_result('learning', payload)}")
+
+
+if __name__ == "__main__":
+    main()
