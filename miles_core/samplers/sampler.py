@@ -47,8 +47,15 @@ def topk_commit(score: Tensor, eligible: Tensor, n: Tensor) -> Tensor:
 
 
 def nsd_commit(conf: Tensor, eligible: Tensor, threshold: float, lo: int, hi: int) -> Tensor:
-    """Confident positions (conf >= threshold), clamped to [lo, hi] per row (highest first)."""
-    n_conf = ((conf >= threshold) & eligible).sum(1)
+    """Confident positions (conf >= threshold), clamped to [lo, hi] per row (highest first).
+
+    threshold >= 1 means "never confident enough": exactly ``lo`` per step, so NSD then equals
+    the static low-confidence schedule with ``lo`` tokens per step (a test checks it bit for bit).
+    """
+    if threshold >= 1.0:
+        n_conf = torch.zeros(conf.shape[0], dtype=torch.long, device=conf.device)
+    else:
+        n_conf = ((conf >= threshold) & eligible).sum(1)
     n = n_conf.clamp(min=lo, max=hi).minimum(eligible.sum(1))
     return topk_commit(conf, eligible, n)
 
