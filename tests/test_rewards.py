@@ -143,3 +143,12 @@ def test_random_garbage_never_raises() -> None:
     for c in comps:
         r = extract_answer(c)  # type: ignore[arg-type]
         assert r is None or isinstance(r, str)
+
+
+def test_arith_steps_process_reward_counts_correct_prefix():
+    from miles_core.rewards.math import arith_steps_reward
+
+    prompts = ["47+8*6-13"] * 5 + ["not an expression"]
+    comps = ["8*6=48;47+48=95;95-13=82", "8*6=48;47+48=95;95-13=81", "8*6=48;1+1=2;95-13=82", "", "1+1=2;8*6=48"]
+    comps.append("1")
+    assert arith_steps_reward(prompts, comps) == [1.0, 2 / 3, 1 / 3, 0.0, 0.0, None]

@@ -281,8 +281,33 @@ def _reasoning_gym_reward(prompts: Sequence[str], completions: Sequence[Any], **
     return reasoning_gym_reward(prompts, completions, **meta)
 
 
+def arith_steps_reward(prompts: Sequence[str], completions: Sequence[Any], **_: Any) -> list[float | None]:
+    """Process reward for the arithmetic task: the fraction of the reference worked steps that the
+    completion reproduces as a correct prefix (``8*6=48;47+48=95`` scores 1/2 for ``8*6=48;47+48=94``).
+
+    It is dense where the exact-answer reward is sparse, and it cannot be gamed by writing true
+    but irrelevant equations: each step must be the one the verifier derives from the prompt.
+    """
+    from miles_core.data.arith import solve
+
+    out: list[float | None] = []
+    for p, c in zip(prompts, completions):
+        try:
+            ref = solve(p)[0].split(";")
+        except ValueError:
+            out.append(None)
+            continue
+        got = completion_text(c).strip().split(";")
+        k = 0
+        while k < len(ref) and k < len(got) and got[k].strip() == ref[k]:
+            k += 1
+        out.append(k / len(ref))
+    return out
+
+
 REWARDS: dict[str, RewardFn] = {
     "math_exact": math_exact_reward,
+    "arith_steps": arith_steps_reward,
     "format": format_reward,
     "reasoning_gym": _reasoning_gym_reward,
 }
