@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,8 +196,6 @@ def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
         if key not in names:
             raise ConfigError(f"unknown config key {full!r}; allowed keys here: {', '.join(sorted(names))}")
         kwargs[key] = _coerce(full, hints[key], value)
-        if dataclasses.is_dataclass(hints[key]):
-            continue
     obj = cls(**kwargs)
     validate(obj, path)
     return obj
@@ -224,7 +221,8 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.max_staleness >= 0, "max_staleness", "must be >= 0")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
-        need(obj.prompts_per_iter >= 1 and obj.iterations >= 0, "prompts_per_iter", "must be >= 1")
+        need(obj.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")
+        need(obj.iterations >= 0, "iterations", "must be >= 0")
     if isinstance(obj, TaskConfig):
         need(1 <= obj.min_ops <= obj.max_ops, "min_ops", "need 1 <= min_ops <= max_ops")
         need(obj.completion_len >= 4, "completion_len", "must be >= 4")

@@ -1,0 +1,54 @@
+# Miles: one command from a fresh clone to a result (`make demo`) or a green suite (`make test`).
+# The install step is stamped, so a second `make test` goes straight to pytest.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.miles-installed
+# torch is installed first with its exact pin: an unpinned torch resolves to a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+PYTEST_ARGS ?= -q
+DEMO_ARGS ?=
+
+.PHONY: help install demo test bench lock clean-runs
+
+help:
+	@echo "make demo    SFT -> ADPO -> eval on CPU (~10 min), prints SFT vs RL pass@1 and the UI commands"
+	@echo "             (extra overrides: make demo DEMO_ARGS='torch_threads=1 train.iterations=20')"
+	@echo "make test    install (once) and run the test suite"
+	@echo "make bench BENCH=NAME   run benchmarks/NAME.py (python -m benchmarks.NAME)"
+	@echo "make install create $(VENV) and install miles with its test extras"
+	@echo "make lock    rewrite constraints.txt from the current $(VENV)"
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	$(BIN)/python -m pip install --no-input --quiet -c constraints.txt "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --no-input --quiet -c constraints.txt -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(BIN)/miles demo $(DEMO_ARGS)
+
+test: install
+	$(BIN)/python -m pytest $(PYTEST_ARGS) tests
+
+bench: install
+	@if [ -z "$(BENCH)" ]; then \
+		echo "usage: make bench BENCH=NAME; available:"; \
+		ls benchmarks/*.py 2>/dev/null | xargs -n1 basename | sed -e 's/\.py$$//' -e '/^__/d' -e 's/^/  /'; \
+		exit 2; \
+	fi
+	$(BIN)/python -m benchmarks.$(BENCH)
+
+lock:
+	$(BIN)/python -m pip freeze --exclude-editable | sed 's/^torch==.*/torch==2.13.0/' > constraints.tmp
+	{ echo "# Exact versions the repo is developed and tested with (pip install -c constraints.txt)."; \
+	  echo "# Regenerate with: make lock"; grep '^torch==' constraints.tmp; grep -v '^torch==' constraints.tmp; } > constraints.txt
+	@rm -f constraints.tmp
+
+clean-runs:
+	rm -rf runs mlruns

@@ -1,0 +1,140 @@
+"""Flow parameters as pydantic models, and the ``python -m flows.<name>`` command line built from them.
+
+Why both plain typed flow arguments and these models: Prefect renders a flow's typed signature as
+the deployment form in its UI and the ``miles`` CLI calls ``flow(**params)``, while these models
+hold the checks that types alone cannot express (an override must be ``key=value``; an adapter
+needs its base checkpoint). Each flow validates its arguments through its model first, so a bad
+value fails before any work with a message naming the field. ``tests/test_flows.py`` checks that
+every flow signature matches its model field for field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import sys
+import typing
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RUNS_DIR = "runs"
+
+
+class FlowParams(BaseModel):
+    """Shared by every flow: which recipe, where outputs go, which MLflow experiment."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    recipe: str = Field("arith", description="built-in recipe name (arith, tiny) or a YAML file")
+    overrides: list[str] = Field(default_factory=list, description="recipe overrides, key.sub=value")
+    run_dir: str | None = Field(None, description="local folder for checkpoints/plots (default ./runs/<flow>-<recipe>-<time>)")
+    experiment: str = Field("miles", min_length=1, description="MLflow experiment name")
+    tracking_uri: str | None = Field(None, description="MLflow tracking URI (default MLFLOW_TRACKING_URI or ./mlruns sqlite)")
+    progress: bool = Field(False, description="show progress bars")
+
+    @field_validator("overrides")
+    @classmethod
+    def _overrides_are_pairs(cls, value: list[str]) -> list[str]:
+        for ov in value:
+            if "=" not in ov or not ov.split("=", 1)[0].strip():
+                raise ValueError(f"override {ov!r} must look like key.sub=value")
+        return value
+
+    def run_path(self, flow: str) -> Path:
+        """``run_dir`` resolved, or a fresh timestamped folder under ``./runs``."""
+        if self.run_dir:
+            return Path(self.run_dir).expanduser().resolve()
+        stem = Path(self.recipe or "model").stem
+        return (Path(RUNS_DIR) / f"{flow}-{stem}-{datetime.now():%Y%m%d-%H%M%S}").resolve()
+
+
+class SFTParams(FlowParams):
+    eval_problems: int | None = Field(None, ge=1, description="held-out problems per plateau evaluation (default eval.num_problems)")
+    register_as: str | None = Field(None, description="also register the SFT checkpoint as this MLflow model")
+
+
+class TrainParams(FlowParams):
+    store_uri: str | None = Field(None, description="trajectory/adapter store: folder or s3://bucket/prefix (default <run_dir>/store)")
+    base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
+    iterations: int | None = Field(None, ge=0, description="RL iterations (overrides train.iterations)")
+    register_as: str | None = Field("miles-arith", description="MLflow registered model for the final adapter (empty: do not register)")
+    resume: bool = Field(False, description="continue the learner checkpoint found in run_dir")
+    log_adapters: bool = Field(True, description="log every adapter version as an MLflow artifact")
+
+    def recipe_overrides(self) -> list[str]:
+        return [*self.overrides, *([f"train.iterations={self.iterations}"] if self.iterations is not None else [])]
+
+
+class EvalParams(FlowParams):
+    recipe: str | None = Field(None, description="recipe for task and eval settings (default: the model's own, else arith)")  # type: ignore[assignment]
+    model_uri: str | None = Field(None, description="models:/NAME@champion, models:/NAME/3 or runs:/ID/model")
+    adapter: str | None = Field(None, description="PEFT adapter folder or <store_uri>/adapters/vNNNNNN (needs base_checkpoint)")
+    base_checkpoint: str | None = Field(None, description="SFT checkpoint folder (for adapter, or alone to evaluate the base)")
+    num_problems: int | None = Field(None, ge=1, description="held-out problems (overrides eval.num_problems)")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvalParams":
+        if self.model_uri and self.adapter:
+            raise ValueError("give either model_uri or adapter, not both")
+        if not self.model_uri and not self.base_checkpoint:
+            raise ValueError("base_checkpoint is required unless model_uri is given")
+        return self
+
+
+def documented(model: type[BaseModel]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Append an ``Args:`` section built from ``model``'s field descriptions to a flow's docstring,
+    which Prefect shows as the help text of each field in the deployment form."""
+    def deco(fn: Callable[..., Any]) -> Callable[..., Any]:
+        args = "\n".join(f"    {name}: {f.description}" for name, f in model.model_fields.items() if f.description)
+        fn.__doc__ = f"{(fn.__doc__ or '').rstrip()}\n\nArgs:\n{args}\n"
+        return fn
+    return deco
+
+
+def validate(model: type[BaseModel], values: dict[str, Any]) -> Any:
+    """Build ``model`` from a flow's arguments (``None`` for a list means its empty default)."""
+    return model.model_validate({k: v for k, v in values.items() if not (v is None and k == "overrides")})
+
+
+def check_signature(fn: Callable[..., Any], model: type[BaseModel]) -> None:
+    """Raise if ``fn``'s parameters (names and defaults) drift from ``model``'s fields."""
+    params = inspect.signature(fn).parameters
+    fields = model.model_fields
+    if set(params) != set(fields):
+        raise TypeError(f"{fn.__name__}: parameters {sorted(params)} != {model.__name__} fields {sorted(fields)}")
+    for name, f in fields.items():
+        default = [] if f.default_factory is list else f.default
+        got = params[name].default
+        if not (got == default or (got is None and default == [])):
+            raise TypeError(f"{fn.__name__}({name}=...) default {got!r} != {model.__name__}.{name} default {default!r}")
+
+
+def _arg_type(annotation: Any) -> Callable[[str], Any]:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return int if args[0] is int else str
+
+
+def cli_main(flow: Callable[..., Any], model: type[BaseModel], argv: Sequence[str] | None = None) -> int:
+    """``python -m flows.<name>``: one option per field (``--set key=value`` for overrides)."""
+    module = f"flows.{Path(inspect.getfile(getattr(flow, 'fn', flow))).stem}"
+    parser = argparse.ArgumentParser(prog=f"python -m {module}", description=(flow.__doc__ or "").split("\n")[0])
+    for name, f in model.model_fields.items():
+        opt = "--" + name.replace("_", "-")
+        if name == "overrides":
+            parser.add_argument("--set", dest=name, action="append", default=[], metavar="KEY=VALUE", help=f.description)
+        elif f.annotation is bool:
+            parser.add_argument(opt, dest=name, action=argparse.BooleanOptionalAction, default=f.default, help=f.description)
+        else:
+            parser.add_argument(opt, dest=name, type=_arg_type(f.annotation), default=f.default, help=f.description)
+    args = vars(parser.parse_args(argv))
+    if "register_as" in args and args["register_as"] == "":
+        args["register_as"] = None
+    result = flow(**args)
+    json.dump(result, sys.stdout, indent=2, default=str)
+    print()
+    return 0

@@ -1,0 +1,128 @@
+"""Synchronous ADPO training flow (DESIGN.md section 1):
+
+    per iteration: rollout -> score rewards -> ADPO update (+ publish adapter) -> evaluate every N
+
+Tasks hand each other batch ids and URIs in the trajectory store, never tensors. One MLflow run
+per flow run, tagged with the Prefect flow run id: the resolved recipe as params, per-iteration
+metrics, adapters, sample completions and the learning curve. At the end the final adapter is
+registered as a pyfunc model version, and alias ``champion`` moves only if its pass@1 beats the
+current champion's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from prefect import flow, get_run_logger
+
+from flows.params import TrainParams, cli_main, documented, validate
+from flows.sft import sft_flow
+from miles_core.config import load_recipe
+from tasks import tracking, training
+
+CURVE_PANELS = [("rollout reward", ["reward/reward_mean"]), ("held-out pass@1", ["eval/pass1"])]
+
+
+def _iteration_metrics(ro: dict[str, Any], sc: dict[str, Any], up: dict[str, Any]) -> dict[str, float]:
+    """Flatten the three tasks' stats into MLflow metric names (phase/stat, time/<phase>_s)."""
+    out = {f"rollout/{k}": v for k, v in ro["stats"].items() if k != "seconds"}
+    out.update({f"reward/{k}": v for k, v in sc["stats"].items() if k != "seconds"})
+    out.update({f"update/{k}": v for k, v in up["stats"].items() if k != "seconds"})
+    out.update({"time/rollout_s": ro["stats"]["seconds"], "time/score_s": sc["stats"]["seconds"],
+                "time/update_s": up["stats"].get("seconds")})
+    if "approx_kl" not in up["stats"]:  # every group had equal rewards: no gradient, policy unchanged
+        out.update({"update/approx_kl": 0.0, "update/clip_frac": 0.0})
+    return out
+
+
+def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: dict[str, Any]) -> dict[str, Any]:
+    """Iterations ``init['iteration']..train.iterations``; returns first/last eval and last adapter."""
+    log = get_run_logger()
+    run, start, total = str(out), init["iteration"], cfg.train.iterations
+    every = cfg.train.eval_every if cfg.train.eval_every > 0 else max(total, 1)
+    ev = first = training.evaluate_policy(run, init["version"], p.progress)
+    tracking.log_eval(run_id, ev, start)
+    tracking.log_params(run_id, {f"eval_config.{k}": v for k, v in ev["config"].items()})
+    adapter = init
+    for it in range(start, total):
+        ro = training.rollout(run, store, it)
+        sc = training.score_rewards(run, store, ro["batch_id"])
+        adapter = training.adpo_update(run, store, sc["batch_id"])
+        step = it + 1
+        tracking.log_metrics(run_id, _iteration_metrics(ro, sc, adapter), step)
+        tracking.log_table(run_id, [{"iteration": step, **s} for s in sc["samples"]], "samples/rollouts.json")
+        if p.log_adapters:
+            tracking.log_artifacts(run_id, adapter["adapter_dir"], f"adapters/v{adapter['version']:06d}")
+        log.info("iteration %d/%d: reward %.3f, adapter v%d", step, total, sc["stats"]["reward_mean"], adapter["version"])
+        if step % every == 0 or step == total:
+            ev = training.evaluate_policy(run, adapter["version"], p.progress)
+            tracking.log_eval(run_id, ev, step)
+            log.info("iteration %d: held-out pass@1 %.3f", step, ev["pass1"])
+    tracking.log_metrics(run_id, {"final/pass1": ev["pass1"], "final/start_pass1": first["pass1"]}, total)
+    tracking.log_artifact(run_id, ev["path"], "eval")
+    tracking.log_table(run_id, [{"version": adapter["version"], **s} for s in ev["samples"]], "samples/eval.json")
+    tracking.log_curves(run_id, CURVE_PANELS, "plots/learning_curve.png")
+    return {"first": first, "last": ev, "adapter": adapter}
+
+
+@flow(name="miles-train", persist_result=False)
+@documented(TrainParams)
+def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_dir: str | None = None,
+               experiment: str = "miles", tracking_uri: str | None = None, progress: bool = False,
+               store_uri: str | None = None, base_checkpoint: str | None = None, iterations: int | None = None,
+               register_as: str | None = "miles-arith", resume: bool = False,
+               log_adapters: bool = True) -> dict[str, Any]:
+    """ADPO post-training of a LoRA adapter on an SFT checkpoint (trained first when not given)."""
+    p: TrainParams = validate(TrainParams, dict(locals()))
+    cfg = load_recipe(p.recipe, p.recipe_overrides())
+    out = p.run_path("train")
+    tracking.configure(p.tracking_uri)
+    previous = training.checkpoint_meta(out)
+    if previous is not None and not p.resume:
+        raise FileExistsError(f"{out} already holds a learner checkpoint (iteration {previous['iteration']}); "
+                              "pass resume=True to continue it, or choose a new run_dir")
+    store = p.store_uri or (previous or {}).get("store_uri") or str(out / "store")
+    base = p.base_checkpoint or (previous or {}).get("base_checkpoint")
+    sft: dict[str, Any] = {}
+    if base is None:
+        sft = sft_flow(recipe=p.recipe, overrides=p.overrides, run_dir=str(out / "sft"), experiment=p.experiment,
+                       tracking_uri=p.tracking_uri, progress=p.progress)
+        base = sft["base_checkpoint"]
+    tags = {"miles.kind": "train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
+            "miles.base_checkpoint": Path(base).resolve(), "miles.sft_run_id": sft.get("mlflow_run_id", "")}
+    reg: dict[str, Any] = {}
+    try:
+        with tracking.run(p.experiment, f"train-{cfg.name}", cfg.flat(), tags) as run_id:
+            init = training.init_learner(str(out), cfg.to_dict(), str(base), store, p.resume)
+            tracking.set_tags(run_id, {"miles.run_key": init["run_key"], "miles.resumed_from": init["iteration"]})
+            get_run_logger().info("train %s: iterations %d..%d, store %s, MLflow run %s", cfg.name,
+                                  init["iteration"], cfg.train.iterations, store, run_id)
+            res = _loop(p, cfg, out, store, run_id, init)
+            ev, adapter = res["last"], res["adapter"]
+            if p.register_as:
+                reg = training.register_policy(
+                    run_id, p.register_as, init["base_checkpoint"], adapter["adapter_dir"], cfg.to_dict(),
+                    ev["pass1"], ev["fingerprint"],
+                    {"miles.adapter_uri": adapter["adapter_uri"], "miles.policy_version": adapter["version"],
+                     "miles.recipe": p.recipe, "miles.run_key": init["run_key"]})
+                tracking.set_tags(run_id, {"miles.model_uri": reg["model_uri"], "miles.promoted": reg["promoted"]})
+    finally:
+        training.release(out)  # the checkpoint stays; only the cached learner's memory goes
+    summary = {"sft_pass1": res["first"]["pass1"] if init["iteration"] == 0 else None,
+               "start_pass1": res["first"]["pass1"], "final_pass1": ev["pass1"],
+               "iterations": cfg.train.iterations - init["iteration"], "mlflow_run_id": run_id, "run_dir": str(out),
+               "store_uri": store, "base_checkpoint": init["base_checkpoint"], "adapter_dir": adapter["adapter_dir"],
+               "adapter_uri": adapter["adapter_uri"], "adapter_version": adapter["version"],
+               "eval_fingerprint": ev["fingerprint"], "model_uri": reg.get("model_uri"),
+               "model_version": reg.get("version"), "promoted": reg.get("promoted"),
+               "champion_version": reg.get("champion_version"), "promotion_reason": reg.get("reason")}
+    get_run_logger().info("train done: %s", summary)
+    return summary
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    sys.exit(cli_main(train_flow, TrainParams))

@@ -1,0 +1,120 @@
+"""The registered model: an SFT base checkpoint plus a LoRA adapter, as an MLflow pyfunc that
+turns text prompts into generated answers.
+
+Why a pyfunc: whoever loads ``models:/NAME@champion`` (a serving endpoint, a notebook, the
+``miles generate`` command) gets generation with the sampling settings the version was evaluated
+with, recorded in ``model_config``, without knowing anything about Miles. It is logged as an
+MLflow "model from code" (this file, ending in ``set_model``) with its own copy of ``miles_core`` as
+a code path, so loading needs neither a checkout of Miles nor unpickling of Miles classes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import mlflow.pyfunc
+from mlflow.models.signature import ModelSignature
+from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
+
+INPUT_COLUMN = "prompt"
+
+
+def model_signature(temperature: float, seed: int) -> ModelSignature:
+    """Input: one string column (a list of prompts, or a DataFrame with one column such as
+    ``prompt``); output: one completion per prompt; optional ``temperature``/``seed`` params.
+
+    The column is unnamed on purpose: MLflow then accepts a plain list of strings as well."""
+    return ModelSignature(
+        inputs=Schema([ColSpec("string")]),
+        outputs=Schema([ColSpec("string")]),
+        params=ParamSchema([ParamSpec("temperature", "double", float(temperature)),
+                            ParamSpec("seed", "long", int(seed))]),
+    )
+
+
+def prompts_from_input(model_input: Any) -> list[str]:
+    """Accept a string, a list of strings, a pandas Series/DataFrame (``prompt`` column) or an array."""
+    data = model_input
+    if hasattr(data, "columns"):  # pandas DataFrame
+        if INPUT_COLUMN in data.columns:
+            data = data[INPUT_COLUMN]
+        elif len(data.columns) == 1:
+            data = data[data.columns[0]]
+        else:
+            raise ValueError(f"model input has columns {list(data.columns)}; expected a {INPUT_COLUMN!r} column")
+    if isinstance(data, str):
+        data = [data]
+    if hasattr(data, "tolist"):
+        data = data.tolist()
+    if not isinstance(data, (list, tuple)):
+        raise TypeError(f"model input must be prompts (list of str or a {INPUT_COLUMN!r} column), "
+                        f"got {type(model_input).__name__}")
+    flat = [row[0] if isinstance(row, (list, tuple)) and len(row) == 1 else row for row in data]
+    for i, p in enumerate(flat):
+        if not isinstance(p, str):
+            raise TypeError(f"prompt {i} must be a string, got {type(p).__name__} ({p!r})")
+    return list(flat)
+
+
+class MilesGenerator(mlflow.pyfunc.PythonModel):
+    """Artifacts: ``base`` (checkpoint folder) and optionally ``adapter`` (PEFT folder).
+    ``model_config["recipe"]``: the resolved recipe (task format, eval sampling settings)."""
+
+    def load_context(self, context: Any) -> None:
+        from miles_core.config import load_recipe
+        from miles_core.eval.evaluate import sampler_for
+        from miles_core.models.base import load_checkpoint
+        from miles_core.models.lora import load_adapter
+        from miles_core.session import eval_config
+
+        recipe = (context.model_config or {}).get("recipe")
+        if not isinstance(recipe, dict):
+            raise ValueError("model_config has no 'recipe' mapping; this model was not logged by Miles")
+        self.cfg = load_recipe(recipe)
+        base, self.tok = load_checkpoint(context.artifacts["base"])
+        adapter = context.artifacts.get("adapter")
+        self.model = load_adapter(base, adapter) if adapter else base
+        self.model.eval()
+        ec = eval_config(self.cfg)
+        self.sampler = sampler_for(ec)
+        self.seed = ec.seed
+        self.completion_len = ec.completion_len
+        self.max_len = int(base.config.max_len)
+
+    def _canonical(self, prompt: str) -> str:
+        # the arithmetic task is trained on whitespace-free expressions (data.arith.canonical_prompt)
+        return "".join(prompt.split()) if self.cfg.task.name == "arith" else prompt
+
+    # model_input stays unannotated on purpose: MLflow would take a type hint as the schema in place
+    # of the explicit signature, and lose its sampling params (MLflow prints advice to add one)
+    def predict(self, context: Any, model_input, params: dict[str, Any] | None = None) -> list[str]:  # type: ignore[no-untyped-def]
+        """One completion per prompt (greedy by default, as evaluated; ``temperature``/``seed`` params)."""
+        import torch
+
+        from miles_core.samplers.sampler import sample
+
+        params = dict(params or {})
+        prompts = [self._canonical(p) for p in prompts_from_input(model_input)]
+        limit = self.max_len - self.completion_len
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            if len(p) > limit:
+                raise ValueError(f"prompt {i} has {len(p)} characters; this model takes at most {limit} "
+                                 f"(max_len {self.max_len} - completion_len {self.completion_len})")
+        temperature = float(params.get("temperature", self.sampler.temperature))
+        if temperature < 0:
+            raise ValueError(f"param temperature must be >= 0, got {temperature}")
+        scfg = dataclasses.replace(self.sampler, temperature=temperature)
+        gen = torch.Generator().manual_seed(int(params.get("seed", self.seed)))
+        out: list[str] = []
+        step = max(int(self.cfg.eval.batch_size), 1)
+        for start in range(0, len(prompts), step):
+            chunk = prompts[start:start + step]
+            batch = sample(self.model, self.tok, [self.tok.encode(p) for p in chunk], scfg, self.completion_len, gen)
+            out.extend(batch.completions)
+        return out
+
+
+mlflow.models.set_model(MilesGenerator())

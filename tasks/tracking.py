@@ -1,0 +1,345 @@
+"""The only module that talks to MLflow: runs, params, metrics, artifacts, the learning-curve plot,
+and the model registry (pyfunc versions and the ``champion`` alias). DESIGN.md section 7.
+
+Why one module: flows and tasks stay small, and an MLflow upgrade lands in one place. Every call
+takes an explicit run id and goes through ``MlflowClient``, never the fluent "active run", so a
+task running in a worker thread cannot log into somebody else's run.
+
+Defaults: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<cwd>/mlruns/mlflow.db`` with artifacts
+in ``<cwd>/mlruns/artifacts`` (the embedded, one-machine mode of DESIGN.md section 8).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from importlib.metadata import PackageNotFoundError, version as pkg_version
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+
+CHAMPION = "champion"
+PASS1_TAG = "miles.pass1"
+FINGERPRINT_TAG = "miles.eval_fingerprint"
+MODEL_ARTIFACT = "model"
+_BATCH = 100  # MLflow accepts at most 100 params / 1000 metrics per log_batch call
+_BAD_KEY = re.compile(r"[^A-Za-z0-9_\-. /:]")
+_REQUIREMENTS = ("torch", "peft", "transformers", "safetensors", "numpy", "pyyaml", "mlflow")
+
+
+def default_tracking_uri() -> str:
+    """``MLFLOW_TRACKING_URI`` if set, else a SQLite file under ``./mlruns``."""
+    return os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path.cwd().resolve() / 'mlruns' / 'mlflow.db'}"
+
+
+def _sqlite_file(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def configure(tracking_uri: str | None = None) -> str:
+    """Point MLflow (tracking and, unless ``MLFLOW_REGISTRY_URI`` says otherwise, registry) at a store."""
+    uri = tracking_uri or default_tracking_uri()
+    db = _sqlite_file(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    # per-file download bars of tiny artifacts (table appends, model downloads) only bury the logs
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    mlflow.set_tracking_uri(uri)
+    if not os.environ.get("MLFLOW_REGISTRY_URI"):
+        mlflow.set_registry_uri(uri)
+    return uri
+
+
+def metric_key(name: str) -> str:
+    """MLflow-safe metric name (``pass@1`` -> ``pass_at_1``; other odd characters -> ``_``)."""
+    return _BAD_KEY.sub("_", name.replace("@", "_at_"))
+
+
+def _experiment_id(client: MlflowClient, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    db = _sqlite_file(mlflow.get_tracking_uri())
+    location = (db.resolve().parent / "artifacts").as_uri() if db is not None else None
+    try:
+        return client.create_experiment(name, artifact_location=location)
+    except MlflowException:  # created concurrently by another run
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def _prefect_tags() -> dict[str, str]:
+    """Link the MLflow run to the Prefect flow run it belongs to (empty outside a flow run)."""
+    try:
+        from prefect.runtime import flow_run
+    except ImportError:
+        return {}
+    run_id = flow_run.id
+    if not run_id:
+        return {}
+    return {"prefect.flow_run_id": str(run_id), "prefect.flow_run_name": str(flow_run.name or ""),
+            "prefect.flow_name": str(flow_run.flow_name or "")}
+
+
+def start_run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
+              tags: Mapping[str, Any] | None = None) -> str:
+    """Create a run in ``experiment`` (created if missing), tagged with the Prefect flow run id."""
+    client = MlflowClient()
+    all_tags = {**_prefect_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
+    run = client.create_run(_experiment_id(client, experiment), tags=all_tags, run_name=run_name)
+    if params:
+        log_params(run.info.run_id, params)
+    return run.info.run_id
+
+
+def end_run(run_id: str, status: str = "FINISHED") -> None:
+    MlflowClient().set_terminated(run_id, status=status)
+
+
+@contextlib.contextmanager
+def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
+        tags: Mapping[str, Any] | None = None) -> Iterator[str]:
+    """``with run(...) as run_id``: the run ends FINISHED, or FAILED if the body raises."""
+    run_id = start_run(experiment, run_name, params, tags)
+    try:
+        yield run_id
+    except BaseException:
+        end_run(run_id, "FAILED")
+        raise
+    end_run(run_id, "FINISHED")
+
+
+def log_params(run_id: str, params: Mapping[str, Any]) -> None:
+    """Log params (values stringified; lists/dicts as JSON) in chunks MLflow accepts."""
+    items = [Param(k, (json.dumps(v) if isinstance(v, (list, dict, tuple)) else str(v))[:6000])
+             for k, v in params.items()]
+    client = MlflowClient()
+    for i in range(0, len(items), _BATCH):
+        client.log_batch(run_id, params=items[i:i + _BATCH])
+
+
+def set_tags(run_id: str, tags: Mapping[str, Any]) -> None:
+    MlflowClient().log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
+
+
+def log_metrics(run_id: str, metrics: Mapping[str, float | int | None], step: int = 0) -> None:
+    """Log numeric metrics at ``step``; ``None`` values are skipped, names made MLflow-safe."""
+    ts = int(time.time() * 1000)
+    items = [Metric(metric_key(k), float(v), ts, int(step)) for k, v in metrics.items() if v is not None]
+    if items:
+        MlflowClient().log_batch(run_id, metrics=items)
+
+
+def log_eval(run_id: str, ev: Mapping[str, Any], step: int, prefix: str = "eval") -> None:
+    """Metrics of an evaluation summary: ``{prefix}/pass1``, other pass@k, NFE, tokens/s, seconds."""
+    metrics = {f"{prefix}/pass1": ev["pass1"]}
+    metrics.update({f"{prefix}/{k}": v for k, v in ev["pass_at"].items() if k != "pass@1"})
+    metrics.update({f"{prefix}/{k}": v for k, v in ev["metrics"].items()})
+    log_metrics(run_id, metrics, step)
+
+
+def log_artifact(run_id: str, local_file: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+    MlflowClient().log_artifact(run_id, os.fspath(local_file), artifact_path)
+
+
+def log_artifacts(run_id: str, local_dir: str | os.PathLike[str], artifact_path: str | None = None) -> None:
+    MlflowClient().log_artifacts(run_id, os.fspath(local_dir), artifact_path)
+
+
+def log_table(run_id: str, rows: Sequence[Mapping[str, Any]], artifact_file: str) -> None:
+    """Append rows to a table artifact (shown in the MLflow UI's evaluation/table view)."""
+    if not rows:
+        return
+    import pandas as pd
+
+    MlflowClient().log_table(run_id, pd.DataFrame([dict(r) for r in rows]), artifact_file)
+
+
+def metric_history(run_id: str, key: str) -> list[tuple[int, float]]:
+    """``(step, value)`` pairs of one metric, sorted by step."""
+    hist = MlflowClient().get_metric_history(run_id, metric_key(key))
+    return sorted((int(m.step), float(m.value)) for m in hist)
+
+
+def log_curves(run_id: str, panels: Sequence[tuple[str, Sequence[str]]], artifact_file: str,
+               xlabel: str = "iteration") -> bool:
+    """Plot logged metric histories (one subplot per panel) to a PNG artifact; False if no data.
+
+    Plotting from MLflow's own history means the figure shows exactly what was logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = [(title, [(k, metric_history(run_id, k)) for k in keys]) for title, keys in panels]
+    if not any(h for _, lines in series for _, h in lines):
+        return False
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.6), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], series):
+        for key, hist in lines:
+            if hist:
+                ax.plot([s for s, _ in hist], [v for _, v in hist], marker="o", markersize=3, label=key)
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.grid(alpha=0.3)
+        if any(h for _, h in lines):
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    try:
+        MlflowClient().log_figure(run_id, fig, artifact_file)
+    finally:
+        plt.close(fig)
+    return True
+
+
+# ----------------------------------------------------------------------------- registry
+
+
+def _stage_core(dest: Path) -> str:
+    """Copy ``miles_core`` (no caches) so the logged model needs no checkout of Miles."""
+    import miles_core
+
+    core = dest / "miles_core"
+    shutil.copytree(Path(miles_core.__file__).parent, core, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    return str(core)
+
+
+def _requirements() -> list[str]:
+    out = []
+    for name in _REQUIREMENTS:
+        try:
+            out.append(f"{name}=={pkg_version(name).split('+')[0]}")
+        except PackageNotFoundError:
+            continue
+    return out
+
+
+def _ensure_registered_model(client: MlflowClient, name: str) -> None:
+    try:
+        client.get_registered_model(name)
+    except MlflowException:
+        try:
+            client.create_registered_model(name, description="Miles LoRA policies (pyfunc: text prompt -> answer)")
+        except MlflowException:  # created concurrently
+            client.get_registered_model(name)
+
+
+def _tag_float(mv: Any, key: str) -> float | None:
+    raw = (mv.tags or {}).get(key)
+    try:
+        value = float(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and math.isfinite(value) else None
+
+
+def champion(name: str) -> Any | None:
+    """The model version holding alias ``champion``, or None."""
+    try:
+        return MlflowClient().get_model_version_by_alias(name, CHAMPION)
+    except MlflowException:
+        return None
+
+
+def promote_if_better(name: str, version: int | str) -> dict[str, Any]:
+    """Move alias ``champion`` to ``version`` only if its pass@1 tag beats the champion's (strictly).
+
+    A champion without a recorded pass@1 is replaced; a candidate without one is an error. Both
+    eval-config fingerprints are reported so a caller can see whether the numbers are comparable.
+    """
+    client = MlflowClient()
+    cand = client.get_model_version(name, str(version))
+    cand_p1 = _tag_float(cand, PASS1_TAG)
+    if cand_p1 is None:
+        raise ValueError(f"model {name!r} version {version} has no numeric {PASS1_TAG!r} tag to compare")
+    current = champion(name)
+    out: dict[str, Any] = {"candidate_version": int(cand.version), "candidate_pass1": cand_p1,
+                           "previous_champion": int(current.version) if current else None,
+                           "previous_pass1": _tag_float(current, PASS1_TAG) if current else None}
+    if current is not None:
+        out["comparable"] = (current.tags or {}).get(FINGERPRINT_TAG) == (cand.tags or {}).get(FINGERPRINT_TAG)
+    if current is not None and current.version == cand.version:
+        promoted, reason = False, "already champion"
+    elif current is None:
+        promoted, reason = True, "no champion yet"
+    elif out["previous_pass1"] is None:
+        promoted, reason = True, f"champion v{current.version} has no {PASS1_TAG} tag"
+    elif cand_p1 > out["previous_pass1"]:
+        promoted, reason = True, f"pass@1 {cand_p1:.4f} > {out['previous_pass1']:.4f}"
+    else:
+        promoted, reason = False, f"pass@1 {cand_p1:.4f} <= champion v{current.version} {out['previous_pass1']:.4f}"
+    if promoted:
+        client.set_registered_model_alias(name, CHAMPION, str(cand.version))
+    champ = champion(name)
+    out.update(promoted=promoted, reason=reason, champion_version=int(champ.version) if champ else None)
+    return out
+
+
+def register_model(run_id: str, name: str, base_dir: str | os.PathLike[str], adapter_dir: str | os.PathLike[str] | None,
+                   recipe: Mapping[str, Any], pass1: float, eval_fingerprint: str = "",
+                   tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """Log the policy as a pyfunc under ``model/`` of ``run_id``, register it as a new version of
+    ``name`` (tags: pass@1, eval fingerprint, ``tags``) and apply :func:`promote_if_better`."""
+    import tasks.pyfunc_model as pyfunc_model
+
+    ev = dict(recipe.get("eval") or {})
+    artifacts = {"base": os.fspath(base_dir)}
+    if adapter_dir is not None:
+        artifacts["adapter"] = os.fspath(adapter_dir)
+    client = MlflowClient()
+    with tempfile.TemporaryDirectory(prefix="miles-model-") as tmp:
+        local = Path(tmp) / MODEL_ARTIFACT
+        with warnings.catch_warnings():  # the signature is explicit; an input example adds nothing
+            warnings.filterwarnings("ignore", message=".*input example was not provided.*")
+            mlflow.pyfunc.save_model(
+                str(local), python_model=pyfunc_model.__file__, artifacts=artifacts,
+                code_paths=[_stage_core(Path(tmp) / "code")], pip_requirements=_requirements(),
+                model_config={"recipe": json.loads(json.dumps(dict(recipe)))},
+                signature=pyfunc_model.model_signature(float(ev.get("temperature", 0.0)), int(ev.get("seed", 0))))
+        client.log_artifacts(run_id, str(local), MODEL_ARTIFACT)
+    source = f"{client.get_run(run_id).info.artifact_uri.rstrip('/')}/{MODEL_ARTIFACT}"
+    _ensure_registered_model(client, name)
+    all_tags = {PASS1_TAG: repr(float(pass1)), FINGERPRINT_TAG: eval_fingerprint,
+                **{k: str(v) for k, v in (tags or {}).items()}}
+    mv = client.create_model_version(name, source, run_id=run_id, tags=all_tags)
+    decision = promote_if_better(name, mv.version)
+    return {"name": name, "version": int(mv.version), "model_uri": f"models:/{name}/{mv.version}", **decision}
+
+
+def resolve_model(model_uri: str, dst_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """Download a Miles pyfunc (``models:/NAME@alias``, ``models:/NAME/3``, ``runs:/...``) and return
+    its ``base_dir``, ``adapter_dir`` (None for a base-only model), ``recipe`` and registry info."""
+    from mlflow.models import Model
+
+    local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model_uri, dst_path=os.fspath(dst_dir)))
+    if not (local / "MLmodel").exists():
+        raise ValueError(f"{model_uri} is not an MLflow model (no MLmodel file in {local})")
+    conf = Model.load(str(local)).flavors.get("python_function", {})
+    arts = conf.get("artifacts") or {}
+    recipe = (conf.get("config") or conf.get("model_config") or {}).get("recipe")
+    if "base" not in arts or not isinstance(recipe, dict):
+        raise ValueError(f"{model_uri} was not logged by Miles (needs a 'base' artifact and a recipe model_config)")
+    out: dict[str, Any] = {"local_dir": str(local), "base_dir": str(local / arts["base"]["path"]),
+                           "adapter_dir": str(local / arts["adapter"]["path"]) if "adapter" in arts else None,
+                           "recipe": recipe, "name": None, "version": None, "registered_pass1": None}
+    m = re.match(r"^models:/([^/@]+)(?:@(.+)|/(\d+))$", model_uri)
+    if m:
+        client = MlflowClient()
+        name, alias, ver = m.groups()
+        mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, ver)
+        out.update(name=name, version=int(mv.version), registered_pass1=_tag_float(mv, PASS1_TAG))
+    return out

@@ -1,0 +1,142 @@
+"""The ``miles`` command line, run as a user runs it: a separate process, exit codes, stderr.
+
+Why subprocesses: what matters is what a shell sees (exit code 2 and one line naming the field for
+a bad override, before any flow or model is started; ``--help`` that does not pay for torch), and
+the demo's whole chain SFT -> ADPO -> registered model -> ``miles generate``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes"]
+FLOW_STARTED = ("Beginning flow run", "Starting temporary server")
+
+
+def cli_env(tmp: Path | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "MLFLOW_"))}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    if tmp is not None:
+        env.update({"PREFECT_HOME": str(tmp / "prefect"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
+                    "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlruns' / 'mlflow.db'}"})
+    return env
+
+
+def miles(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None,
+          timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "miles.cli", *args], cwd=cwd, env=env or cli_env(),
+                          capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+# ----------------------------------------------------------------------------- help
+
+def test_top_level_help_lists_every_command() -> None:
+    r = miles("--help")
+    assert r.returncode == 0, r.stderr
+    for cmd in COMMANDS:
+        assert cmd in r.stdout, f"{cmd} missing from --help"
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_subcommand_help(cmd: str) -> None:
+    r = miles(cmd, "--help")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"usage: miles {cmd}"), r.stdout[:200]
+
+
+def test_help_and_validation_do_not_import_heavy_libraries() -> None:
+    """``--help`` and recipe checks must stay instant: no torch, prefect or mlflow imported."""
+    code = ("import sys\nfrom miles import cli\np = cli.build_parser()\np.format_help()\n"
+            "cli.validate_recipe('arith', ['adpo.lr=0.01'])\n"
+            "print(sorted(m for m in ('torch', 'prefect', 'mlflow', 'flows', 'tasks') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "[]"
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    r = miles("fly")
+    assert r.returncode == 2
+    assert "invalid choice" in r.stderr
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize(("args", "names"), [
+    (["train", "arith", "adpo.lr=abc"], ["adpo.lr", "abc"]),
+    (["train", "arith", "adpo.nope=1"], ["adpo.nope"]),
+    (["sft", "tiny", "sft.steps=many"], ["sft.steps"]),
+    (["train", "tiny", "sampler.kind=fast"], ["sampler.kind", "static", "nsd"]),
+    (["train", "no-such-recipe"], ["no-such-recipe", "arith", "tiny"]),
+    (["train", "tiny", "lr"], ["lr", "key.sub=value"]),
+    (["eval", "--model", "models:/miles-arith@champion", "eval.temperature=hot"], ["eval.temperature"]),
+    (["demo", "train.group_size=1"], ["train.group_size"]),
+])
+def test_bad_recipe_or_override_fails_fast_naming_the_field(args: list[str], names: list[str]) -> None:
+    r = miles(*args, timeout=60)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("miles: error: "), r.stderr
+    for name in names:
+        assert name in lines[0], f"{name!r} not named in: {lines[0]}"
+    assert not any(marker in r.stdout + r.stderr for marker in FLOW_STARTED)
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["eval"], "--model"),
+    (["eval", "--adapter", "some/adapter"], "--base"),
+    (["eval", "--model", "models:/m@champion", "--base", "b"], "--base"),
+    (["train", "tiny", "--resume"], "--run-dir"),
+])
+def test_source_and_resume_errors(args: list[str], needle: str) -> None:
+    r = miles(*args, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+
+
+def test_recipes_lists_builtins_with_descriptions() -> None:
+    r = miles("recipes")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}
+    assert {"arith", "tiny"} <= set(rows)
+    assert "arithmetic" in rows["arith"].lower()
+
+
+def test_console_script_is_declared() -> None:
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["scripts"]["miles"] == "miles.cli:main"
+    script = Path(sys.executable).with_name("miles")
+    if script.exists():  # installed (make install / pip install -e .): the real entry point works
+        r = subprocess.run([str(script), "recipes"], capture_output=True, text=True, timeout=60, env=cli_env())
+        assert r.returncode == 0 and "tiny" in r.stdout, r.stderr
+
+
+# ----------------------------------------------------------------------------- the demo, end to end
+
+def test_demo_then_generate_on_the_tiny_recipe(tmp_path: Path) -> None:
+    env = cli_env(tmp_path)
+    r = miles("demo", "--recipe", "tiny", "--no-progress", "--register-as", "cli-demo",
+              "sft.steps=10", "eval.num_problems=8", "train.iterations=1", "train.prompts_per_iter=2",
+              cwd=tmp_path, env=env, timeout=420)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+    out = r.stdout
+    for needle in ("SFT baseline pass@1", "ADPO (RL)    pass@1", "models:/cli-demo/1",
+                   f"mlflow ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}", "prefect server start"):
+        assert needle in out, f"{needle!r} missing from the demo output:\n{out}"
+    assert (tmp_path / "mlruns" / "mlflow.db").exists()
+    assert any(tmp_path.glob("runs/demo-*/train"))
+
+    g = miles("generate", "--model", "models:/cli-demo@champion", "--with-prompt", "1+2*3", "4-5",
+              cwd=tmp_path, env=env, timeout=180)
+    assert g.returncode == 0, g.stderr[-3000:]
+    lines = g.stdout.splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["1+2*3", "4-5"], g.stdout

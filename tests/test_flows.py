@@ -1,0 +1,242 @@
+"""End to end through real Prefect (test server), real MLflow (SQLite) and real S3 (moto):
+SFT -> ADPO training -> evaluation, what gets logged, committed and registered, resume, and the
+champion rule."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import EXPERIMENT, TINY_OVERRIDES, TrainedProject
+from mlflow import MlflowClient
+from prefect import flow, task
+from pydantic import ValidationError
+
+from flows.evaluate import evaluate_flow
+from flows.params import EvalParams, SFTParams, TrainParams, check_signature
+from flows.sft import sft_flow
+from flows.train import train_flow
+from miles_core.config import ConfigError, load_recipe
+from miles_core.storage import AdapterRegistry, TrajectoryStore
+from tasks import tracking, training
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _artifact_files(client: MlflowClient, run_id: str, path: str | None = None) -> set[str]:
+    out: set[str] = set()
+    for f in client.list_artifacts(run_id, path):
+        out |= _artifact_files(client, run_id, f.path) if f.is_dir else {f.path}
+    return out
+
+
+def _prefect_flow_name(flow_run_id: str) -> str:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        run = client.read_flow_run(flow_run_id)
+        return client.read_flow(run.flow_id).name
+
+
+def test_flow_signatures_match_their_parameter_models() -> None:
+    check_signature(sft_flow.fn, SFTParams)
+    check_signature(train_flow.fn, TrainParams)
+    check_signature(evaluate_flow.fn, EvalParams)
+
+
+def test_parameter_models_reject_bad_input_by_name() -> None:
+    with pytest.raises(ValidationError, match="must look like key.sub=value"):
+        TrainParams(overrides=["train.iterations"])
+    with pytest.raises(ValidationError, match="iterations"):
+        TrainParams(iterations=-1)
+    with pytest.raises(ValidationError, match="either model_uri or adapter"):
+        EvalParams(model_uri="models:/m@champion", adapter="a", base_checkpoint="b")
+    with pytest.raises(ValidationError, match="base_checkpoint is required"):
+        EvalParams(adapter="some/adapter")
+    with pytest.raises(ValidationError, match="stepz"):
+        SFTParams(recipe="tiny", stepz=3)
+
+
+def test_bad_recipe_fails_before_any_run(prefect_harness: None, tmp_project: Path) -> None:
+    with pytest.raises(ConfigError, match="adpo.lr"):
+        train_flow(recipe="tiny", overrides=["adpo.lr=-1"], run_dir=str(tmp_project / "bad"))
+    assert not (tmp_project / "bad").exists()
+    assert not (tmp_project / "mlruns").exists()  # nothing was logged either
+
+
+def test_sft_run_logs_plateau_curve_and_checkpoint(trained: TrainedProject) -> None:
+    client = MlflowClient()
+    run = client.get_run(trained.sft["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert _prefect_flow_name(run.data.tags["prefect.flow_run_id"]) == "miles-sft"
+    assert run.data.params["sft.steps"] == "60"
+    steps = [m.step for m in client.get_metric_history(run.info.run_id, "sft/pass1")]
+    assert steps == [20, 40, 60]
+    assert run.data.metrics["sft_final/pass1"] == trained.sft["sft_pass1"]
+    files = _artifact_files(client, run.info.run_id)
+    assert {"plots/sft_curve.png", "base_checkpoint/model.safetensors", "eval/sft.json"} <= files
+    assert (Path(trained.sft["base_checkpoint"]) / "config.json").exists()
+
+
+def test_train_run_logs_params_metrics_and_artifacts(trained: TrainedProject) -> None:
+    client = MlflowClient()
+    rid = trained.train["mlflow_run_id"]
+    run = client.get_run(rid)
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["miles.sft_run_id"] == ""  # base checkpoint given: no SFT subflow
+    assert _prefect_flow_name(run.data.tags["prefect.flow_run_id"]) == "miles-train"
+    cfg = load_recipe("tiny", [*TINY_OVERRIDES, "train.iterations=2"])
+    for key, value in cfg.flat().items():
+        assert run.data.params[key] == str(value), key
+    assert run.data.params["eval_config.steps"] == str(cfg.eval.steps)
+    for key in ("reward/reward_mean", "reward/reward_std", "rollout/nfe_mean", "rollout/tokens_per_s",
+                "update/approx_kl", "update/clip_frac", "update/policy_version", "time/rollout_s",
+                "time/score_s", "time/update_s"):
+        assert [m.step for m in client.get_metric_history(rid, key)] == [1, 2], key
+    evals = sorted((m.step, m.value) for m in client.get_metric_history(rid, "eval/pass1"))
+    assert [s for s, _ in evals] == [0, 1, 2]  # start, then every iteration (tiny: eval_every=1)
+    assert evals[0][1] == trained.train["sft_pass1"] == trained.sft["sft_pass1"]  # zero LoRA == SFT base
+    assert evals[-1][1] == trained.train["final_pass1"]
+    files = _artifact_files(client, rid)
+    for expected in ("plots/learning_curve.png", "samples/rollouts.json", "samples/eval.json", "eval/v000002.json",
+                     "adapters/v000001/adapter_config.json", "adapters/v000002/adapter_model.safetensors",
+                     "model/MLmodel"):
+        assert expected in files, expected
+    png = Path(client.download_artifacts(rid, "plots/learning_curve.png", str(trained.root / "dl")))
+    assert png.read_bytes()[:8] == PNG_MAGIC
+    table = json.loads(Path(client.download_artifacts(rid, "samples/rollouts.json", str(trained.root / "dl"))).read_text())
+    assert "completion" in table["columns"] and len(table["data"]) == 2 * training.SAMPLE_ROWS
+
+
+def test_batches_committed_and_adapters_published(trained: TrainedProject) -> None:
+    meta = training.checkpoint_meta(trained.train["run_dir"])
+    assert meta is not None and meta["iteration"] == 2
+    ids = [f"{meta['run_key']}-it{i:06d}" for i in range(2)]
+    raw = TrajectoryStore(f"{trained.store_uri}/{training.RAW}")
+    scored = TrajectoryStore(f"{trained.store_uri}/{training.SCORED}")
+    assert raw.list_batches() == ids and scored.list_batches() == ids
+    assert meta["consumed"] == ids  # each batch used exactly once
+    for bid, version in zip(ids, (0, 1)):
+        assert raw.read_batch(bid).reward.isnan().all()  # raw: sampled, not yet scored
+        batch = scored.read_batch(bid)
+        assert len(batch) == 4 * 4 and not batch.reward.isnan().any()
+        assert batch.policy_version.tolist() == [version] * len(batch)
+        for g in batch.group_id.unique():  # group-relative advantages are mean-centred
+            assert abs(float(batch.advantage[batch.group_id == g].sum())) < 1e-5
+    reg = AdapterRegistry(trained.store_uri)
+    assert reg.versions() == [0, 1, 2] and reg.latest_version() == 2
+    assert reg.metadata(2)["run_key"] == meta["run_key"]
+    assert trained.train["adapter_uri"] == f"{trained.store_uri}/adapters/v000002"
+
+
+def test_final_adapter_registered_as_champion(trained: TrainedProject) -> None:
+    client = MlflowClient()
+    assert trained.train["model_uri"] == f"models:/{trained.model_name}/1" and trained.train["promoted"] is True
+    champ = client.get_model_version_by_alias(trained.model_name, "champion")
+    assert int(champ.version) == 1 and champ.run_id == trained.train["mlflow_run_id"]
+    assert float(champ.tags[tracking.PASS1_TAG]) == trained.train["final_pass1"]
+    assert champ.tags[tracking.FINGERPRINT_TAG] == trained.train["eval_fingerprint"]
+    assert champ.tags["miles.adapter_uri"] == trained.train["adapter_uri"]
+
+
+def test_evaluate_flow_reproduces_the_champion_and_the_stored_adapter(trained: TrainedProject) -> None:
+    by_alias = evaluate_flow(model_uri=f"models:/{trained.model_name}@champion", run_dir=str(trained.root / "ev1"),
+                             experiment=EXPERIMENT)
+    assert by_alias["model_version"] == 1 and by_alias["registered_pass1"] == trained.train["final_pass1"]
+    # greedy decoding with the recipe's own eval config: the same number as the training run
+    assert by_alias["pass1"] == trained.train["final_pass1"]
+    assert by_alias["eval_fingerprint"] == trained.train["eval_fingerprint"]
+    from_s3 = evaluate_flow(adapter=trained.train["adapter_uri"], base_checkpoint=trained.sft["base_checkpoint"],
+                            recipe="tiny", overrides=TINY_OVERRIDES, run_dir=str(trained.root / "ev2"))
+    assert from_s3["pass1"] == trained.train["final_pass1"]
+    assert (Path(from_s3["adapter_dir"]) / "adapter_config.json").exists()
+    run = MlflowClient().get_run(by_alias["mlflow_run_id"])
+    assert run.data.tags["miles.registered_version"] == "1"
+    assert run.data.params["eval_config.temperature"] == "0.0" and run.data.metrics["eval/pass1"] == by_alias["pass1"]
+
+
+def test_worse_run_does_not_move_the_champion(trained: TrainedProject) -> None:
+    """An (almost) untrained base with no RL must not take the alias from the trained champion."""
+    weak = sft_flow(recipe="tiny", overrides=["sft.steps=1"], run_dir=str(trained.root / "weak-sft"),
+                    experiment=EXPERIMENT)
+    res = train_flow(recipe="tiny", overrides=TINY_OVERRIDES, run_dir=str(trained.root / "weak"),
+                     base_checkpoint=weak["base_checkpoint"], iterations=0, experiment=EXPERIMENT,
+                     register_as=trained.model_name)
+    champ = MlflowClient().get_model_version_by_alias(trained.model_name, "champion")
+    assert res["model_version"] == 2 and res["final_pass1"] == weak["sft_pass1"]
+    assert res["final_pass1"] < float(champ.tags[tracking.PASS1_TAG]), "precondition: the weak run is worse"
+    assert res["promoted"] is False and "<=" in res["promotion_reason"]
+    assert int(champ.version) == 1 and res["champion_version"] == 1
+
+
+def test_champion_moves_only_on_strict_improvement(trained: TrainedProject) -> None:
+    name, base = "miles-test-promotion", trained.sft["base_checkpoint"]
+    cfg = load_recipe("tiny").to_dict()
+    with tracking.run(EXPERIMENT, "promotion-rule") as run_id:
+        results = [tracking.register_model(run_id, name, base, None, cfg, p1, "fp") for p1 in (0.2, 0.5, 0.5, 0.3)]
+    assert [r["promoted"] for r in results] == [True, True, False, False]
+    assert [r["champion_version"] for r in results] == [1, 2, 2, 2]
+    assert int(MlflowClient().get_model_version_by_alias(name, "champion").version) == 2
+
+
+def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: TrainedProject) -> None:
+    """No base checkpoint: SFT runs first as a subflow; the resumed run then finds base and store
+    in the checkpoint, and refuses changed training settings."""
+    run_dir = trained.root / "resumable"
+    overrides = [*TINY_OVERRIDES, "sft.steps=5", "sft.eval_every=5"]
+    common = dict(recipe="tiny", overrides=overrides, run_dir=str(run_dir), experiment=EXPERIMENT,
+                  register_as=None, log_adapters=False)
+    first = train_flow(iterations=1, store_uri=str(trained.root / "resumable-store"), **common)
+    assert first["adapter_version"] == 1 and first["model_uri"] is None
+    assert first["base_checkpoint"] == str(run_dir / "sft" / "base")
+    sft_run = MlflowClient().get_run(first["mlflow_run_id"]).data.tags["miles.sft_run_id"]
+    assert MlflowClient().get_run(sft_run).data.tags["miles.kind"] == "sft"
+    with pytest.raises(FileExistsError, match="resume=True"):
+        train_flow(iterations=2, **common)
+    with pytest.raises(ConfigError, match="adpo.lr"):
+        train_flow(iterations=2, resume=True, **{**common, "overrides": [*overrides, "adpo.lr=0.1"]})
+    second = train_flow(iterations=2, resume=True, **common)
+    assert second["iterations"] == 1 and second["adapter_version"] == 2 and second["sft_pass1"] is None
+    assert second["store_uri"] == first["store_uri"] and second["base_checkpoint"] == first["base_checkpoint"]
+    meta = training.checkpoint_meta(run_dir)
+    assert meta is not None and meta["iteration"] == 2 and len(meta["consumed"]) == 2
+    store = first["store_uri"]
+    assert TrajectoryStore(f"{store}/{training.SCORED}").list_batches() == meta["consumed"]
+    assert AdapterRegistry(store).versions() == [0, 1, 2]
+    # a retried task finds its work done: the committed batch is reused, the update not applied twice
+    again = training.rollout.fn(str(run_dir), store, 1)
+    assert again["reused"] and again["batch_id"] == meta["consumed"][1]
+    update = training.adpo_update.fn(str(run_dir), store, meta["consumed"][1])
+    assert update["version"] == 2 and training.checkpoint_meta(run_dir)["iteration"] == 2
+    training.release(run_dir)
+
+
+def test_only_transient_failures_are_retried(prefect_harness: None) -> None:
+    assert training.is_transient(TimeoutError("slow S3"))
+    assert not training.is_transient(FileExistsError("adapter version 3 belongs to another run"))
+    assert not training.is_transient(ConfigError("adpo.lr: must be > 0"))
+    calls = {"io": 0, "bug": 0}
+    policy = {**training.STORAGE, **training.LIGHT, "retry_delay_seconds": 0}
+
+    @task(**policy)
+    def flaky_io() -> str:
+        calls["io"] += 1
+        if calls["io"] < 3:
+            raise ConnectionResetError("connection reset by peer")
+        return "ok"
+
+    @task(**policy)
+    def buggy() -> None:
+        calls["bug"] += 1
+        raise ValueError("a bug is not fixed by retrying")
+
+    @flow
+    def storage_flow() -> str:
+        out = flaky_io()
+        with pytest.raises(ValueError):
+            buggy()
+        return out
+
+    assert storage_flow() == "ok"
+    assert calls == {"io": 3, "bug": 1}

@@ -1,0 +1,143 @@
+"""The layering contract (DESIGN.md section 2), checked two independent ways.
+
+Why both: import-linter follows the real import graph (including indirect chains such as
+miles_core -> tasks -> prefect) but only sees module-level imports that grimp resolves; the AST
+scan also catches imports hidden inside functions and ``importlib.import_module("...")`` calls.
+Each checker is also run against a synthetic violating tree, so a broken checker cannot pass.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / ".importlinter"
+
+# package folder -> top-level modules it must never import
+RULES: dict[str, frozenset[str]] = {
+    "miles_core": frozenset({"prefect", "mlflow", "tasks", "flows", "miles"}),
+    "flows": frozenset({"torch"}),
+}
+
+
+@dataclass(frozen=True)
+class Violation:
+    path: Path
+    line: int
+    module: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line} imports {self.module}"
+
+
+def _imported_modules(tree: ast.AST) -> list[tuple[int, str]]:
+    """Absolute module names imported anywhere in ``tree`` (top level, functions, dynamic)."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((node.lineno, alias.name) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name in ("import_module", "__import__") and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return found
+
+
+def scan(package_dir: Path, forbidden: frozenset[str]) -> list[Violation]:
+    """Every import of a forbidden top-level module under ``package_dir``."""
+    if not package_dir.is_dir():
+        raise FileNotFoundError(f"layering scan: package folder {package_dir} does not exist")
+    out: list[Violation] = []
+    for path in sorted(package_dir.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for line, module in _imported_modules(tree):
+            if module.split(".")[0] in forbidden:
+                out.append(Violation(path.relative_to(package_dir.parent), line, module))
+    return out
+
+
+def lint_imports(cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run import-linter with the repo's contract file against the packages under ``cwd``."""
+    exe = Path(sys.executable).with_name("lint-imports")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "importlinter.cli"]
+    return subprocess.run([*cmd, str(CONFIG), "--no-cache"], cwd=cwd, capture_output=True,
+                          text=True, timeout=300, env={**_clean_env(), "PYTHONPATH": str(cwd)})
+
+
+def _clean_env() -> dict[str, str]:
+    import os
+
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+
+
+# A tree shaped like the repo whose every layer breaks the contract in a different way.
+VIOLATING_TREE = {
+    "miles/__init__.py": "",
+    "miles_core/__init__.py": "",
+    "miles_core/algo.py": "import prefect\n",
+    "miles_core/deep/__init__.py": "",
+    "miles_core/deep/lazy.py": "def f():\n    from mlflow.tracking import MlflowClient\n    return MlflowClient\n",
+    "miles_core/dyn.py": "import importlib\nflows = importlib.import_module('flows.train')\n",
+    "tasks/__init__.py": "",
+    "tasks/run.py": "import torch\nimport prefect\n",
+    "flows/__init__.py": "",
+    "flows/train.py": "import torch.nn\nfrom tasks import run\n",
+}
+
+
+# ----------------------------------------------------------------------------- the real repo
+
+@pytest.mark.parametrize("package", sorted(RULES))
+def test_repo_ast_scan_is_clean(package: str) -> None:
+    violations = scan(REPO / package, RULES[package])
+    assert not violations, "layering broken:\n" + "\n".join(map(str, violations))
+
+
+def test_repo_import_linter_contracts_kept() -> None:
+    for package in ("miles_core", "tasks", "flows", "miles"):
+        assert (REPO / package / "__init__.py").exists(), f"{package}/__init__.py missing: import-linter needs a package"
+    result = lint_imports(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Contracts: 2 kept, 0 broken" in result.stdout, result.stdout
+
+
+# ----------------------------------------------------------------------------- the checkers can fail
+
+def test_ast_scan_flags_synthetic_violations(tmp_path: Path) -> None:
+    _write(tmp_path, VIOLATING_TREE)
+    core = {(str(v.path), v.module) for v in scan(tmp_path / "miles_core", RULES["miles_core"])}
+    assert core == {("miles_core/algo.py", "prefect"), ("miles_core/deep/lazy.py", "mlflow.tracking"),
+                    ("miles_core/dyn.py", "flows.train")}
+    flows = {(str(v.path), v.module) for v in scan(tmp_path / "flows", RULES["flows"])}
+    assert flows == {("flows/train.py", "torch.nn")}
+
+
+def test_ast_scan_ignores_relative_and_allowed_imports(tmp_path: Path) -> None:
+    _write(tmp_path, {"miles_core/__init__.py": "", "miles_core/a.py": "from . import b\nimport torch\n",
+                      "miles_core/b.py": "from .a import torch\nimport prefect_like_name\n"})
+    assert scan(tmp_path / "miles_core", RULES["miles_core"]) == []
+
+
+def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
+    _write(tmp_path, VIOLATING_TREE)
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert "Contracts: 0 kept, 2 broken" in result.stdout, result.stdout
+    assert "miles_core.algo -> prefect" in result.stdout
+    assert "flows.train -> torch" in result.stdout
