@@ -62,6 +62,7 @@ class SamplerConfig:
     threshold: float = 0.9              # nsd: commit every position with confidence >= threshold
     max_per_step: int = 8               # nsd: cap on positions committed in one step
     min_per_step: int = 1               # nsd: always commit at least this many
+    block_cache: bool = False           # reuse prompt + finished blocks' keys/values (approximate)
 
     def hash(self, completion_len: int) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "completion_len": completion_len}, sort_keys=True)

@@ -47,15 +47,36 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
         self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
 
-    def forward(self, h: Tensor, attn_bias: Tensor | None) -> Tensor:
+    def forward(self, h: Tensor, attn_bias: Tensor | None,
+                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """h [B, T, D] -> (h', (k, v) of these T positions, each [B, H, T, D/H]).
+
+        With ``past`` (cached keys/values of earlier positions) the queries attend to past + own.
+        """
         b, t, d = h.shape
         x = self.ln1(h)
-        # [B, T, D] -> [B, H, T, D/H]
         q, k, v = (p(x).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
                    for p in (self.q_proj, self.k_proj, self.v_proj))
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias)
+        kk, vv = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
+        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_bias)
         h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
-        return h + self.fc2(F.gelu(self.fc1(self.ln2(h))))
+        return h + self.fc2(F.gelu(self.fc1(self.ln2(h)))), (k, v)
+
+
+@dataclass
+class PrefixCache:
+    """Keys/values of positions [0, length) for every layer: [B, H, length, D/H] each.
+
+    Approximate by design (Fast-dLLM's prefix cache): in a bidirectional model the prefix's
+    keys would change as later positions get unmasked; the cache freezes them as they were when
+    it was built (at the start of a block). Exact only while the suffix is unchanged.
+    """
+
+    length: int
+    kv: list[tuple[Tensor, Tensor]]
+
+    def select(self, idx: Tensor) -> "PrefixCache":
+        return PrefixCache(self.length, [(k[idx], v[idx]) for k, v in self.kv])
 
 
 class TinyDenoiser(nn.Module):
@@ -78,26 +99,39 @@ class TinyDenoiser(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        b, t = input_ids.shape
-        if t > self.config.max_len:
-            raise ValueError(f"sequence length {t} exceeds max_len={self.config.max_len}")
-        pos = torch.arange(t, device=input_ids.device)
-        h = self.tok_emb(input_ids) + self.pos_emb(pos)[None]
-        bias = None
-        if attention_mask is not None:
-            # [B, 1, 1, T]: padded keys get -inf, every query still sees all real tokens
-            bias = torch.zeros(b, 1, 1, t, dtype=h.dtype, device=h.device)
-            bias = bias.masked_fill(~attention_mask.bool()[:, None, None, :], float("-inf"))
-        for blk in self.blocks:
-            h = blk(h, bias)
-        return self.lm_head(self.ln_f(h))
+    def _bias(self, attention_mask: Tensor | None, b: int, dtype: torch.dtype) -> Tensor | None:
+        if attention_mask is None:
+            return None
+        # [B, 1, 1, S]: padded keys get -inf, every query still sees all real tokens
+        bias = torch.zeros(b, 1, 1, attention_mask.shape[1], dtype=dtype, device=attention_mask.device)
+        return bias.masked_fill(~attention_mask.bool()[:, None, None, :], float("-inf"))
 
-    def flops_per_token(self, seq_len: int) -> int:
-        """Analytic forward FLOPs per token (2 per multiply-add): linears + attention scores."""
-        c = self.config
-        per_layer = 2 * (4 * c.d_model * c.d_model + 2 * c.d_model * c.d_ff) + 2 * 2 * seq_len * c.d_model
-        return c.n_layers * per_layer + 2 * c.d_model * c.vocab_size
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        return self.forward_cached(input_ids, attention_mask)[0]
+
+    def forward_cached(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: PrefixCache | None = None,
+                       build_upto: int = 0) -> tuple[Tensor, PrefixCache | None]:
+        """Logits for ``input_ids`` (the positions after ``cache.length`` when a cache is given).
+
+        attention_mask covers the whole sequence [B, cache.length + T]. ``build_upto = s > 0``
+        also returns a cache of positions [0, s) for later calls (semi-AR blocks: the prompt and
+        finished blocks are then not recomputed).
+        """
+        b, t = input_ids.shape
+        start = cache.length if cache is not None else 0
+        if start + t > self.config.max_len:
+            raise ValueError(f"sequence length {start + t} exceeds max_len={self.config.max_len}")
+        pos = torch.arange(start, start + t, device=input_ids.device)
+        h = self.tok_emb(input_ids) + self.pos_emb(pos)[None]
+        bias = self._bias(attention_mask, b, h.dtype)
+        kvs = []
+        for i, blk in enumerate(self.blocks):
+            h, kv = blk(h, bias, cache.kv[i] if cache is not None else None)
+            kvs.append(kv)
+        new_cache = None
+        if build_upto > 0:
+            new_cache = PrefixCache(build_upto, [(k[:, :, :build_upto], v[:, :, :build_upto]) for k, v in kvs])
+        return self.lm_head(self.ln_f(h)), new_cache
 
     def save_pretrained(self, directory: str | Path) -> None:
         d = Path(directory)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from miles_core.config import SamplerConfig
-from miles_core.samplers.step import denoise_step, left_pad
+from miles_core.samplers.step import left_pad, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -77,6 +77,8 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
     if cfg.kind == "static" and cfg.steps % len(blocks) != 0:
         raise ValueError(f"sampler.steps={cfg.steps} must be a multiple of the number of blocks ({len(blocks)})")
     thr = cfg.threshold if threshold is None else threshold
+    use_cache = cfg.block_cache and hasattr(model, "forward_cached")
+    cache = None
     for lo, hi in blocks:
         in_block = torch.zeros(length, dtype=torch.bool)
         in_block[lo:hi] = True
@@ -88,8 +90,17 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             active = eligible_all.any(1).nonzero().squeeze(1)          # rows with work in this block
             if active.numel() == 0:
                 break
-            out = denoise_step(model, x[active], attn[active], width, temperature=cfg.temperature,
-                               forbidden=tok.forbidden_ids, generator=generator)
+            if not use_cache:
+                logits = model(x[active], attn[active])[:, width:]                      # [A, L, V]
+            elif j == 0:  # block start: one full pass, which also caches prompt + finished blocks
+                assert active.numel() == b, "every row has work at the start of a block"
+                full, cache = model.forward_cached(x, attn, build_upto=width + lo)
+                logits = full[:, width:]
+            else:  # only the current block and what follows are recomputed
+                part, _ = model.forward_cached(x[active, width + lo:], attn[active], cache.select(active))
+                logits = torch.cat([part.new_zeros(active.numel(), lo, part.shape[-1]), part], dim=1)
+            out = step_from_logits(logits, temperature=cfg.temperature, forbidden=tok.forbidden_ids,
+                                   generator=generator)
             eligible = eligible_all[active]
             if cfg.kind == "static":
                 n = torch.full((active.numel(),), counts[j], dtype=torch.long)

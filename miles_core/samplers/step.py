@@ -49,6 +49,12 @@ def denoise_step(model, x: Tensor, attn: Tensor, prompt_width: int, *, temperatu
     seeded generator, so it is an exact draw and reproducible; temperature 0 is argmax.
     """
     logits = model(x, attn)[:, prompt_width:]                  # [B, L, V]
+    return step_from_logits(logits, temperature=temperature, forbidden=forbidden, generator=generator, tokens=tokens)
+
+
+def step_from_logits(logits: Tensor, *, temperature: float, forbidden: list[int],
+                     generator: torch.Generator | None = None, tokens: Tensor | None = None) -> StepOut:
+    """The sampling/scoring half of ``denoise_step`` for logits computed elsewhere (block cache)."""
     logp_all = tempered_log_softmax(logits, temperature, forbidden)
     if tokens is None:
         if temperature > 0:

@@ -1,0 +1,206 @@
+"""Peak memory of ONE policy update versus the number of denoising steps K (issue 7).
+
+ADPO scores every recorded step as its own row, in chunks of a fixed ``row_chunk``, so the graph
+alive at any moment covers one chunk of single-step rows, whatever K is. The baseline
+backpropagates through the whole sampling chain (K denoiser calls with autograd on, one backward
+at the end), so everything the K calls saved is alive at once. Both are measured for the
+continuous diffusion policy and for the discrete masked-diffusion transformer.
+
+What is measured: the peak over the update of the bytes held by tensors that autograd saved for
+backward, counted through ``torch.autograd.graph.saved_tensors_hooks``: each distinct storage
+once, freed when the graph that saved it is freed, parameters excluded (they are resident
+whatever the method). This is the activation memory that differs between the methods, and it is
+deterministic, unlike RSS on a shared machine. Writes benchmarks/results/memory.json.
+Run: python -m benchmarks.memory
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+
+from benchmarks.common import table, write_result
+
+KS = (8, 16, 32, 64)
+
+
+class SavedTensorMeter:
+    """Live and peak bytes of autograd-saved tensors (deduplicated by storage, params excluded)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.skip = {p.untyped_storage().data_ptr() for p in params}
+        self.refs: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _release(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            self.live -= self.sizes.pop(key)
+            del self.refs[key]
+
+    def pack(self, t: torch.Tensor):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.skip or storage.nbytes() == 0:
+            return t
+        if key not in self.refs:
+            self.refs[key], self.sizes[key] = 0, storage.nbytes()
+            self.live += storage.nbytes()
+            self.peak = max(self.peak, self.live)
+        self.refs[key] += 1
+        # a detached alias: holding ``t`` itself would tie an op's saved output to its own grad_fn
+        # (a reference cycle), so graphs that are never backpropagated would never be freed
+        return _Saved(t.detach(), key, self)
+
+    @staticmethod
+    def unpack(obj):
+        return obj.tensor if isinstance(obj, _Saved) else obj
+
+    def measure(self, fn: Callable[[], object]) -> int:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            fn()
+        return self.peak
+
+
+class _Saved:
+    """What the graph holds instead of the tensor: releases its bytes when the graph lets go."""
+
+    __slots__ = ("tensor", "key", "meter")
+
+    def __init__(self, tensor: torch.Tensor, key: int, meter: SavedTensorMeter) -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter._release(self.key)
+
+
+def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int) -> dict[str, dict[int, int]]:
+    from miles_core.config import ADPOConfig
+    from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, DenoiserConfig, encode_prompts
+    from miles_core.continuous.sde import DEFAULT_SCHEDULE, ddim_step
+    from miles_core.continuous.task import ConstraintTask
+    from miles_core.continuous.train import adpo_update, rollout
+    from miles_core.models.lora import add_lora, trainable_parameters
+    from miles_core.tokenizer import CharTokenizer
+
+    tok, task = CharTokenizer(), ConstraintTask()
+    torch.manual_seed(seed)
+    model = add_lora(ContinuousDenoiser(DenoiserConfig(4, tok.vocab_size, hidden=256)), r=8, alpha=16, targets=LORA_TARGETS)
+    prompts = task.split("train")[: n_traj // 8]
+    ids = encode_prompts(tok, prompts, model.config.prompt_len)
+    params = trainable_parameters(model)
+    out: dict[str, dict[int, int]] = {"adpo": {}, "chain": {}}
+    for k in ks:
+        g = torch.Generator().manual_seed(seed + k)
+        batch = rollout(model, task, prompts, ids, 8, k, 1.0, g, schedule=DEFAULT_SCHEDULE)
+        opt = torch.optim.SGD(params, lr=0.0)
+        cfg = ADPOConfig(row_chunk=row_chunk, num_minibatches=1, epochs=1, skip_zero_variance=False)
+        out["adpo"][k] = SavedTensorMeter(params).measure(lambda: adpo_update(model, opt, batch, cfg, g))
+
+        def chain() -> None:  # the same K sampler steps (ddim_step) with grad, log-probs summed, one backward
+            x = torch.randn(len(batch), 4, generator=g)
+            total = torch.zeros(len(batch))
+            for j in range(k):
+                x, lp, _, _ = ddim_step(model, x, batch.timesteps[j], batch.timesteps[j + 1], batch.prompt_ids, 1.0, g)
+                total = total + lp
+            loss = -(batch.advantage * total).mean()
+            opt.zero_grad()
+            loss.backward()
+
+        out["chain"][k] = SavedTensorMeter(params).measure(chain)
+    return out
+
+
+def discrete_peaks(ks: tuple[int, ...], n_seq: int, row_chunk: int, seed: int) -> dict[str, dict[int, int]]:
+    from miles_core.config import ADPOConfig, SamplerConfig
+    from miles_core.algo.update import adpo_update
+    from miles_core.models.lora import add_lora, trainable_parameters
+    from miles_core.models.tiny import TinyConfig, TinyDenoiser
+    from miles_core.samplers.sampler import sample, static_counts, topk_commit
+    from miles_core.samplers.step import denoise_step, left_pad
+    from miles_core.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    length = max(ks)
+    torch.manual_seed(seed)
+    model = add_lora(TinyDenoiser(TinyConfig(tok.vocab_size, d_model=64, n_layers=2, n_heads=4, d_ff=256, max_len=96)),
+                     r=8, alpha=16)
+    params = trainable_parameters(model)
+    prompt_ids = [tok.encode(f"{11 * i + 3}+{7 * i}*{i % 9}=") for i in range(n_seq)]
+    out: dict[str, dict[int, int]] = {"adpo": {}, "chain": {}}
+    for k in ks:
+        g = torch.Generator().manual_seed(seed + k)
+        scfg = SamplerConfig(kind="static", steps=k, temperature=1.0)
+        batch = sample(model, tok, prompt_ids, scfg, length, g)
+        batch.advantage = torch.linspace(-1, 1, n_seq)
+        opt = torch.optim.SGD(params, lr=0.0)
+        cfg = ADPOConfig(row_chunk=row_chunk, num_minibatches=1, epochs=1, skip_zero_variance=False)
+        out["adpo"][k] = SavedTensorMeter(params).measure(
+            lambda: adpo_update(model, opt, batch, cfg, tok, temperature=1.0, generator=g))
+
+        def chain() -> None:  # the same K sampler steps (denoise_step), with grad, summed log-probs
+            prompt, real = left_pad(prompt_ids, tok.pad_id)
+            width = prompt.shape[1]
+            x = torch.cat([prompt, torch.full((n_seq, length), tok.mask_id, dtype=torch.long)], dim=1)
+            attn = torch.cat([real, torch.ones(n_seq, length, dtype=torch.bool)], dim=1)
+            total = torch.zeros(n_seq)
+            for n in static_counts(length, k):
+                step = denoise_step(model, x, attn, width, temperature=1.0, forbidden=tok.forbidden_ids, generator=g)
+                eligible = x[:, width:] == tok.mask_id
+                commit = topk_commit(step.confidence.detach(), eligible, torch.full((n_seq,), n))
+                total = total + (step.logp * commit).sum(1)
+                x = x.clone()
+                x[:, width:] = torch.where(commit, step.tokens, x[:, width:])
+            loss = -(batch.advantage * total).mean()
+            opt.zero_grad()
+            loss.backward()
+
+        out["chain"][k] = SavedTensorMeter(params).measure(chain)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--continuous-trajectories", type=int, default=64)
+    ap.add_argument("--continuous-row-chunk", type=int, default=256)
+    ap.add_argument("--discrete-sequences", type=int, default=8)
+    ap.add_argument("--discrete-row-chunk", type=int, default=16)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    cont = continuous_peaks(KS, args.continuous_trajectories, args.continuous_row_chunk, args.seed)
+    disc = discrete_peaks(KS, args.discrete_sequences, args.discrete_row_chunk, args.seed)
+    mib = lambda b: b / 2**20  # noqa: E731
+    rows = [[name, k, mib(res["adpo"][k]), mib(res["chain"][k]), res["chain"][k] / res["adpo"][k]]
+            for name, res in (("continuous", cont), ("discrete", disc)) for k in KS]
+    print(table(rows, ["model", "K", "adpo_MiB", "chain_MiB", "chain/adpo"]))
+    ratio = lambda res, m: res[m][KS[-1]] / res[m][KS[0]]  # noqa: E731
+    payload = {
+        "metric": "peak bytes of autograd-saved tensors during one policy update (storage-deduplicated, params excluded)",
+        "ks": list(KS),
+        "adpo_ratio_64_8": ratio(disc, "adpo"),
+        "chain_ratio_64_8": ratio(disc, "chain"),
+        "continuous_adpo_ratio_64_8": ratio(cont, "adpo"),
+        "continuous_chain_ratio_64_8": ratio(cont, "chain"),
+        "discrete": {"adpo_bytes": disc["adpo"], "chain_bytes": disc["chain"], "adpo_ratio_64_8": ratio(disc, "adpo"),
+                     "chain_ratio_64_8": ratio(disc, "chain"), "sequences": args.discrete_sequences,
+                     "row_chunk": args.discrete_row_chunk, "completion_len": max(KS)},
+        "continuous": {"adpo_bytes": cont["adpo"], "chain_bytes": cont["chain"], "adpo_ratio_64_8": ratio(cont, "adpo"),
+                       "chain_ratio_64_8": ratio(cont, "chain"), "trajectories": args.continuous_trajectories,
+                       "row_chunk": args.continuous_row_chunk},
+        "seed": args.seed,
+        "seconds": time.perf_counter() - t0,
+    }
+    print(f"ADPO peak K=64/K=8: discrete {payload['adpo_ratio_64_8']:.3f}, continuous "
+          f"{payload['continuous_adpo_ratio_64_8']:.3f}; chain baseline: discrete {payload['chain_ratio_64_8']:.2f}, "
+          f"continuous {payload['continuous_chain_ratio_64_8']:.2f}")
+    print(f"wrote {write_result('memory', payload)}")
+
+
+if __name__ == "__main__":
+    main()
