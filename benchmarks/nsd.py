@@ -81,8 +81,9 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=500)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2, help="torch threads (state it with the figures)")
     args = ap.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
     cfg = load_recipe("arith", args.set)
     data = build_task(cfg)
@@ -115,7 +116,7 @@ def main() -> None:
         "train_flops_reduction": 1 - tr_nsd["flops"] / tr_static["flops"], "train_static_pass1": tr_static["pass1"],
         "train_nsd_pass1": tr_nsd["pass1"], "train_static": tr_static, "train_nsd": tr_nsd,
         "train_static_sampler": static_s.__dict__, "train_nsd_sampler": nsd_s.__dict__, "sampling_rows": rows,
-        "problems": args.problems, "overrides": args.set, "seconds": time.perf_counter() - t_all,
+        "problems": args.problems, "overrides": args.set, "threads": args.threads, "seconds": time.perf_counter() - t_all,
         "eval_config": eval_config(cfg).to_dict(),
     }
     print(f"flops_reduction {payload['flops_reduction']:.3f} (pass@1 {chosen['pass1']:.3f} vs {static1['pass1']:.3f}); "
