@@ -4,7 +4,6 @@ use these, so what a benchmark measures is what a user runs."""
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Callable
 
 import torch
 
-from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
+from miles_core.algo.rl import assign_advantages, rollout, score_rewards
 from miles_core.algo.sft import train_sft
 from miles_core.algo.update import adpo_update
 from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
@@ -159,11 +158,3 @@ class Learner:
         self.groups_seen = int(st["groups_seen"])
         torch.set_rng_state(st["torch_rng"])
 
-
-def rollout_summary(batch: TrajectoryBatch) -> dict[str, float]:
-    return rollout_stats(batch)
-
-
-def write_json(path: str | Path, obj: dict) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(obj, indent=2, default=str))

@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from miles_core.algo.advantages import group_advantages
+from miles_core.algo.advantages import group_advantages, zero_variance_groups
 from miles_core.config import SamplerConfig
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import CharTokenizer
@@ -57,11 +57,8 @@ def rollout_stats(batch: TrajectoryBatch) -> dict[str, float]:
     """Reward mean/std, NFE, fraction of groups with no signal: what to watch for collapse."""
     assert batch.reward is not None and batch.advantage is not None
     r = torch.nan_to_num(batch.reward, nan=0.0)
-    zero_groups = 0
     groups = torch.unique(batch.group_id)
-    for g in groups:
-        m = batch.group_id == g
-        zero_groups += int((r[m] == r[m][0]).all())
+    zero_groups = torch.unique(batch.group_id[zero_variance_groups(batch.reward, batch.group_id)]).numel()
     distinct = len(set(batch.completions)) / max(len(batch), 1)
     return {
         "reward_mean": float(r.mean()), "reward_std": float(r.std()) if len(r) > 1 else 0.0,

@@ -12,15 +12,15 @@ sequence is flattened, so the encoder is position-aware (``a=+3`` and ``s=+3`` d
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
+
+from miles_core.models.checkpoint import load_module, save_module
 
 from miles_core.tokenizer import CharTokenizer
 
@@ -93,23 +93,11 @@ class ContinuousDenoiser(nn.Module):
         return self.head(h)
 
     def save_pretrained(self, directory: str | Path) -> None:
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "config.json").write_text(json.dumps(self.config.to_dict(), indent=1))
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(d / "model.safetensors"))
+        save_module(self, self.config.to_dict(), directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "ContinuousDenoiser":
-        d = Path(directory)
-        for name in ("config.json", "model.safetensors"):
-            if not (d / name).exists():
-                raise FileNotFoundError(f"checkpoint {d} is missing {name}")
-        cfg = json.loads((d / "config.json").read_text())
-        if cfg.get("model_type") != "miles-continuous-mlp":
-            raise ValueError(f"{d}/config.json: model_type {cfg.get('model_type')!r} is not 'miles-continuous-mlp'")
-        model = cls(DenoiserConfig(**cfg))
-        model.load_state_dict(load_file(str(d / "model.safetensors")))
-        return model
+        return load_module(directory, "miles-continuous-mlp", lambda cfg: cls(DenoiserConfig(**cfg)))
 
 
 def encode_prompts(tok: CharTokenizer, prompts: list[str], prompt_len: int) -> Tensor:

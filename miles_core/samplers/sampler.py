@@ -11,8 +11,6 @@ Rows that finish stop costing denoiser calls, so NFE is counted per sequence.
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import Tensor
 
@@ -124,6 +122,3 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
         meta=[{} for _ in range(b)], sampler_hash=cfg.hash(completion_len),
     )
 
-
-def expected_static_nfe(cfg: SamplerConfig, completion_len: int) -> int:
-    return cfg.steps if cfg.kind == "static" else math.ceil(completion_len / max(cfg.max_per_step, 1))
