@@ -21,12 +21,18 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    backend: Literal["tiny"] = "tiny"
+    backend: Literal["tiny", "llama"] = "tiny"
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
     d_ff: int = 512
     max_len: int = 64
+    # llama only: a local Hugging Face folder (config.json, safetensors, tokenizer) to start from;
+    # empty: a random-init Llama of the sizes above with a character tokenizer (toy recipes).
+    path: str = ""
+    # llama only: token to use as [MASK] when the tokenizer registers none (e.g. '<|mdm_mask|>');
+    # empty: the tokenizer's mask token, else '[MASK]' is added.
+    mask_token: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,6 +114,20 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class AsyncSettings:
+    """Decoupled samplers and learner (miles_core/asyncrl). Staleness S is ``adpo.max_staleness``."""
+
+    num_samplers: int = 1
+    batches_per_sampler: int = 10       # sample budget: each sampler commits this many batches
+    max_pending: int = 2                # back-pressure: committed batches the learner has not taken yet
+    checkpoint_every: int = 1           # learner checkpoint to the store every N updates (and on stop)
+    poll_interval: float = 0.05         # seconds between store polls while waiting
+    sampler_threads: int = 1            # torch threads per sampler process
+    learner_threads: int = 1            # torch threads of the learner process
+    retry_budget_s: float = 60.0        # storage errors are retried with backoff for this long
+
+
+@dataclass(frozen=True)
 class EvalSettings:
     num_problems: int = 500
     steps: int = 16
@@ -129,6 +149,7 @@ class RecipeConfig:
     lora: LoraSettings = field(default_factory=LoraSettings)
     adpo: ADPOConfig = field(default_factory=ADPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    async_rl: AsyncSettings = field(default_factory=AsyncSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     torch_threads: int = 0               # 0: leave torch's default
 
@@ -220,6 +241,14 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.lr > 0, "lr", "must be > 0")
         need(obj.row_chunk >= 1 and obj.num_minibatches >= 1 and obj.epochs >= 1, "row_chunk", "row_chunk, num_minibatches, epochs must be >= 1")
         need(obj.max_staleness >= 0, "max_staleness", "must be >= 0")
+    if isinstance(obj, AsyncSettings):
+        need(obj.num_samplers >= 1, "num_samplers", "must be >= 1")
+        need(obj.batches_per_sampler >= 1, "batches_per_sampler", "must be >= 1")
+        need(obj.max_pending >= 1, "max_pending", "must be >= 1")
+        need(obj.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
+        need(obj.poll_interval > 0, "poll_interval", "must be > 0")
+        need(obj.sampler_threads >= 1 and obj.learner_threads >= 1, "sampler_threads", "threads must be >= 1")
+        need(obj.retry_budget_s >= 0, "retry_budget_s", "must be >= 0")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
         need(obj.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")
@@ -229,6 +258,8 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.completion_len >= 4, "completion_len", "must be >= 4")
     if isinstance(obj, ModelConfig):
         need(obj.d_model % obj.n_heads == 0, "d_model", "must be divisible by n_heads")
+        need(obj.backend == "llama" or not obj.path, "path", "only the 'llama' backend loads a checkpoint folder")
+        need(obj.backend == "llama" or not obj.mask_token, "mask_token", "only used by the 'llama' backend")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,0 +1,164 @@
+"""Asynchronous vs synchronous ADPO on the same recipe and the same number of completions.
+
+Both arms start from one SFT checkpoint and consume num_samplers x batches_per_sampler batches of
+prompts_per_iter x G completions.
+  sync:  one process, torch threads = all cores: rollout -> reward -> update, in turn;
+  async: the learner and num_samplers samplers as separate processes, one torch thread each,
+         talking only through the run's store (local folder by default, --s3 for the loopback
+         S3 endpoint), bounded staleness S = adpo.max_staleness, back-pressure max_pending.
+Each arm's seconds are end to end, process start-up included. Both final adapters are evaluated
+on the same held-out problems with the recipe's pinned eval config.
+Writes benchmarks/results/async_vs_sync.json. Run: python -m benchmarks.async_vs_sync
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import table, write_result
+
+# 3 single-thread samplers + 1 single-thread learner on 2 cores: sampling costs ~2.5x an update
+# here, and samplers that back-pressure blocks sleep and hand their core to the learner.
+DEFAULT_OVERRIDES = ["async_rl.num_samplers=3", "async_rl.batches_per_sampler=30", "async_rl.max_pending=2",
+                     "adpo.max_staleness=4", "sft.steps=2500"]
+
+
+def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
+    """The synchronous loop, in its own process (so start-up costs match the async arm)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from miles_core.config import load_recipe
+    from miles_core.session import Learner, build_task
+
+    cfg = load_recipe(json.loads(cfg_json))
+    data = build_task(cfg)
+    learner = Learner(cfg, base, seed=cfg.train.seed)
+    n = cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
+    roll = upd = 0.0
+    for _ in range(n):
+        t0 = time.perf_counter()
+        batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
+        t1 = time.perf_counter()
+        learner.update(batch)
+        roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1
+    learner.save_adapter(out)
+    Path(out, "timing.json").write_text(json.dumps({"rollout_s": roll, "update_s": upd, "batches": n}))
+
+
+def evaluate(cfg, base: str, adapter: str) -> tuple[float, list[bool]]:
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    from miles_core.models.base import load_checkpoint
+    from miles_core.models.lora import load_adapter
+    from miles_core.session import build_task, run_eval
+
+    model, tok = load_checkpoint(base)
+    r = run_eval(load_adapter(model, adapter), tok, cfg, build_task(cfg))
+    return r.pass_at["pass@1"], [c[0] for c in r.correct]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap.add_argument("--checkpoint", default=None, help="SFT checkpoint to start from (trained if omitted)")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
+    args = ap.parse_args()
+    import torch
+
+    from miles_core.asyncrl.launch import prepare_run, run_local
+    from miles_core.config import load_recipe
+    from miles_core.session import build_task, train_baseline
+
+    cores = os.cpu_count() or 1
+    overrides = DEFAULT_OVERRIDES + args.set
+    cfg = load_recipe("arith", overrides)
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-async-"))
+    base = args.checkpoint
+    if base is None:
+        torch.set_num_threads(cores)
+        base = str(work / "sft")
+        t = time.perf_counter()
+        train_baseline(cfg, build_task(cfg), base, progress=True)
+        print(f"SFT checkpoint trained in {time.perf_counter() - t:.0f}s", flush=True)
+
+    # --- sync
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import sys; from benchmarks.async_vs_sync import sync_arm; "
+                    "sync_arm(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])",
+                    json.dumps(cfg.to_dict()), base, str(cores), str(work / "sync_adapter")],
+                   check=True, cwd=Path(__file__).resolve().parents[1])
+    sync_seconds = time.perf_counter() - t0
+    timing = json.loads((work / "sync_adapter" / "timing.json").read_text())
+    print(f"sync: {sync_seconds:.1f}s (rollout {timing['rollout_s']:.1f}s, update {timing['update_s']:.1f}s)", flush=True)
+
+    # --- async
+    server = None
+    env: dict[str, str] = {}
+    run_uri = str(work / "async_run")
+    if args.s3:
+        from benchmarks.common import start_loopback_s3
+
+        server, env = start_loopback_s3("miles-bench")
+        os.environ.update(env)
+        run_uri = "s3://miles-bench/async_run"
+    try:
+        prepare_run(run_uri, cfg, base)
+        t1 = time.perf_counter()
+        summary = run_local(run_uri, cfg.async_rl.num_samplers, work / "logs", timeout=3600, env=env)
+        async_seconds = time.perf_counter() - t1
+        from miles_core.asyncrl.layout import RunStore
+
+        rs = RunStore(run_uri)
+        rs.adapters.fetch(summary["version"], work / "async_adapter")
+    finally:
+        if server is not None:
+            server.stop()
+    print(f"async: {async_seconds:.1f}s, learner idle {summary['idle_fraction']:.3f}", flush=True)
+
+    sync_pass1, sync_correct = evaluate(cfg, base, str(work / "sync_adapter"))
+    async_pass1, async_correct = evaluate(cfg, base, str(work / "async_adapter"))
+    from miles_core.models.base import load_checkpoint
+
+    full_bytes = sum(p.stat().st_size for p in Path(base).glob("*.safetensors"))
+    n_params = sum(p.numel() for p in load_checkpoint(base)[0].parameters())
+    completions = cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler * cfg.train.prompts_per_iter * cfg.train.group_size
+    payload = {
+        "sync_seconds": sync_seconds, "async_seconds": async_seconds, "speedup": sync_seconds / async_seconds,
+        "learner_idle_fraction": summary["idle_fraction"], "sync_pass1": sync_pass1, "async_pass1": async_pass1,
+        "max_staleness_seen": summary["max_staleness_seen"], "staleness_bound": summary["staleness_bound"],
+        "staleness_hist": summary["staleness_hist"], "dropped_batches": summary["dropped"],
+        "adapter_sync_bytes": summary["adapter_sync_bytes_mean"], "adapter_sync_bytes_total": summary["adapter_sync_bytes"],
+        "adapter_syncs": summary["adapter_syncs"], "adapter_sync_seconds_mean": summary["adapter_sync_seconds_mean"],
+        "adapter_sync_lag_seconds_mean": summary["adapter_sync_lag_seconds_mean"],
+        "full_weights_bytes": full_bytes, "base_parameters": n_params,
+        "completions": completions, "completions_consumed_async": summary["completions"],
+        "samples_per_s_sync": completions / sync_seconds, "samples_per_s_async": completions / async_seconds,
+        "sync_rollout_s": timing["rollout_s"], "sync_update_s": timing["update_s"],
+        "threads": {"sync": cores, "async_sampler": cfg.async_rl.sampler_threads,
+                    "async_learner": cfg.async_rl.learner_threads, "async_processes": cfg.async_rl.num_samplers + 1,
+                    "cores": cores},
+        "store": "s3 (loopback moto)" if args.s3 else "local folder", "overrides": overrides,
+        "pass1_agreement": sum(a == b for a, b in zip(sync_correct, async_correct)) / max(len(sync_correct), 1),
+    }
+    rows = [["sync", f"{sync_seconds:.1f}", f"{completions / sync_seconds:.1f}", "-", sync_pass1, "-"],
+            ["async", f"{async_seconds:.1f}", f"{completions / async_seconds:.1f}",
+             f"{summary['idle_fraction']:.3f}", async_pass1, summary["max_staleness_seen"]]]
+    print(table(rows, ["arm", "seconds", "samples/s", "learner idle", "pass@1", "max staleness"]))
+    print(f"speedup {payload['speedup']:.2f}x; adapter sync {payload['adapter_sync_bytes']:.0f} B per version vs "
+          f"full weights {full_bytes} B (1/{full_bytes / max(payload['adapter_sync_bytes'], 1):.0f}); "
+          f"dropped {summary['dropped']}")
+    print(f"wrote {write_result('async_vs_sync', payload)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""``python -m miles_core.asyncrl sampler RUN_URI --worker w0`` / ``... learner RUN_URI``.
+
+The process entry points of an asynchronous run: what a Prefect deployment, a Kubernetes job or
+a local launcher starts. Everything else (recipe, base weights, staleness bound) comes from the
+run's ``run.json`` in the store, so a worker needs only the URI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m miles_core.asyncrl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("role", choices=["sampler", "learner"])
+    ap.add_argument("run_uri", help="the run's store URI (local folder, file:// or s3://)")
+    ap.add_argument("--worker", default="w0", help="sampler name (unique per sampler; batch ids carry it)")
+    ap.add_argument("--index", type=int, default=0, help="sampler index in [0, num_samplers)")
+    ap.add_argument("--cache-dir", default=None, help="local folder for the base and adapter downloads")
+    ap.add_argument("--max-updates", type=int, default=None, help="learner: stop after this many updates")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.role == "sampler":
+        from miles_core.asyncrl.sampler import SamplerWorker
+
+        out = SamplerWorker(args.run_uri, args.worker, args.index, args.cache_dir).run()
+    else:
+        from miles_core.asyncrl.learner import AsyncLearner
+
+        out = AsyncLearner(args.run_uri, args.cache_dir, max_updates=args.max_updates).run()
+    print(json.dumps({k: v for k, v in out.items() if k != "sync_lag_seconds"}, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

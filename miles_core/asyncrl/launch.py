@@ -1,0 +1,146 @@
+"""Prepare an asynchronous run and, on one machine, run its processes.
+
+``prepare_run`` writes the spec and uploads the base once; from then on any process anywhere
+that can reach the store URI can join as a sampler or the learner
+(``python -m miles_core.asyncrl sampler|learner RUN_URI``). At scale the Prefect flow
+``flows/async_train.py`` starts them as deployments on work pools; ``run_local`` starts them as
+local subprocesses, which is what the benchmarks and the CLI use on a single machine.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_core.asyncrl.layout import RunStore
+from miles_core.config import RecipeConfig
+
+
+def prepare_run(run_uri: str, cfg: RecipeConfig, base_dir: str | os.PathLike[str],
+                storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Create (or re-open, if the recipe matches) the run at ``run_uri``; return its spec."""
+    if not (Path(base_dir) / "config.json").exists():
+        raise FileNotFoundError(f"base checkpoint {base_dir} is not a Miles checkpoint folder (no config.json)")
+    rs = RunStore(run_uri, storage_options, cfg.async_rl.retry_budget_s)
+    spec = rs.write_spec({"cfg": cfg.to_dict(), "base_source": str(Path(base_dir).resolve()),
+                          "created_unix": time.time()})
+    rs.upload_base(base_dir)
+    return spec
+
+
+def worker_names(n: int) -> list[str]:
+    return [f"w{i}" for i in range(n)]
+
+
+def command(role: str, run_uri: str, worker: str | None = None, index: int = 0) -> list[str]:
+    cmd = [sys.executable, "-m", "miles_core.asyncrl", role, run_uri]
+    if role == "sampler":
+        cmd += ["--worker", str(worker), "--index", str(index)]
+    return cmd
+
+
+@dataclass
+class LocalRun:
+    """Subprocesses of one run on this machine: ``procs[name]`` (``learner``, ``w0``, ``w1`` ...)."""
+
+    run_uri: str
+    num_samplers: int
+    env: dict[str, str]
+    log_dir: Path
+    procs: dict[str, subprocess.Popen] = field(default_factory=dict)
+    starts: dict[str, int] = field(default_factory=dict)
+
+    def start(self, name: str) -> subprocess.Popen:
+        if name == "learner":
+            cmd = command("learner", self.run_uri)
+        else:
+            cmd = command("sampler", self.run_uri, name, int(name[1:]))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        out = open(self.log_dir / f"{name}.log", "ab")
+        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+        out.close()
+        self.starts[name] = self.starts.get(name, 0) + 1
+        return self.procs[name]
+
+    def start_all(self) -> None:
+        self.start("learner")
+        for w in worker_names(self.num_samplers):
+            self.start(w)
+
+    def failed(self) -> dict[str, int]:
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
+
+    def wait(self, timeout: float, restart_failed: bool = False) -> dict[str, int]:
+        """Wait until every process exited 0 (restarting crashed ones if asked); return exit codes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, code in self.failed().items():
+                if not restart_failed:
+                    self.stop()
+                    raise RuntimeError(f"{name} exited with {code}; see {self.log_dir / (name + '.log')}:\n"
+                                       + self.tail(name))
+                self.start(name)
+            if all(p.poll() == 0 for p in self.procs.values()):
+                return {n: 0 for n in self.procs}
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(f"asynchronous run {self.run_uri} did not finish within {timeout:.0f}s")
+
+    def tail(self, name: str, n: int = 3000) -> str:
+        path = self.log_dir / f"{name}.log"
+        return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def local_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Child environment: the repo importable, one OpenMP thread unless told otherwise."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.update(extra or {})
+    return env
+
+
+def run_local(run_uri: str, num_samplers: int, log_dir: str | os.PathLike[str], timeout: float = 3600.0,
+              env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run the learner and ``num_samplers`` samplers as subprocesses until the sample budget is spent."""
+    run = LocalRun(run_uri, num_samplers, local_env(env), Path(log_dir))
+    run.start_all()
+    try:
+        run.wait(timeout)
+    finally:
+        run.stop()
+    return summarize(run_uri)
+
+
+def summarize(run_uri: str, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Learner status + sampler sync stats + store counts: the figures a run is judged by."""
+    rs = RunStore(run_uri, storage_options)
+    status = rs.read_json("learner", "status.json") or {}
+    samplers = [rs.read_json("samplers", f"{w}.json") or {} for w in worker_names(
+        load_num_samplers(rs))]
+    committed = rs.retry(rs.trajectories.list_batches, "listing trajectories")
+    quarantined = rs.retry(rs.trajectories.list_quarantined, "listing quarantine")
+    lags = [x for s in samplers for x in s.get("sync_lag_seconds", [])]
+    syncs = sum(s.get("syncs", 0) for s in samplers)
+    return {**status, "batches_committed": len(committed) + len(quarantined),
+            "adapter_sync_bytes": sum(s.get("sync_bytes", 0) for s in samplers), "adapter_syncs": syncs,
+            "adapter_sync_bytes_mean": sum(s.get("sync_bytes", 0) for s in samplers) / max(syncs, 1),
+            "adapter_sync_seconds_mean": sum(s.get("sync_seconds", 0.0) for s in samplers) / max(syncs, 1),
+            "adapter_sync_lag_seconds_mean": sum(lags) / max(len(lags), 1),
+            "sampler_restarts": sum(s.get("restarts", 0) for s in samplers)}
+
+
+def load_num_samplers(rs: RunStore) -> int:
+    return int(rs.read_spec()["cfg"]["async_rl"]["num_samplers"])

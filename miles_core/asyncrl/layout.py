@@ -1,0 +1,176 @@
+"""Where an asynchronous run keeps its state: one store URI, shared by every process.
+
+    {run}/run.json                  the run spec (recipe, seed): written once, exclusive create
+    {run}/base/                     the frozen base checkpoint, uploaded once (COMMITTED last)
+    {run}/trajectories/             committed Parquet batches (TrajectoryStore)
+    {run}/adapters/vNNNNNN/         published LoRA versions (AdapterRegistry)
+    {run}/learner/checkpoints/      learner state: adapter, optimizer, RNGs, version, ledger
+    {run}/learner/CHECKPOINT        pointer to the newest checkpoint (+ its sha256), written last
+    {run}/learner/status.json       progress the samplers read for back-pressure
+    {run}/samplers/{worker}.json    each sampler's progress (next sequence number, sync stats)
+    {run}/control/STOP              ask every process to stop cleanly
+
+Why one layout object: samplers and the learner never talk to each other, only to storage, so
+they must agree on these paths; every read and write goes through :func:`call_with_retry`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from miles_core.storage import AdapterRegistry, TrajectoryStore
+from miles_core.storage import uri as U
+from miles_core.storage.retry import call_with_retry
+
+T = TypeVar("T")
+BASE_FILES_MARKER = "COMMITTED"
+
+
+class RunSpecMismatch(ValueError):
+    """``run.json`` already exists with a different recipe: refusing to mix two experiments."""
+
+
+class RunStore:
+    """Paths and small JSON/bytes helpers for one asynchronous run under ``run_uri``."""
+
+    def __init__(self, run_uri: str, storage_options: dict[str, Any] | None = None, retry_budget_s: float = 60.0):
+        self.uri = run_uri.rstrip("/")
+        self.options = storage_options
+        self.fs, self.root = U.resolve(self.uri, storage_options)
+        self.trajectories = TrajectoryStore(f"{self.uri}/trajectories", storage_options)
+        self.adapters = AdapterRegistry(self.uri, storage_options)
+        self.retry_budget_s = retry_budget_s
+
+    def path(self, *parts: str) -> str:
+        return U.join(self.root, *parts)
+
+    def retry(self, fn: Callable[[], T], what: str) -> T:
+        return call_with_retry(fn, f"{what} ({self.uri})", self.retry_budget_s)
+
+    # ------------------------------------------------------------------ small objects
+    def read_json(self, *parts: str) -> dict[str, Any] | None:
+        """The JSON object at ``parts``, or None if it does not exist (retried on outages)."""
+        path = self.path(*parts)
+
+        def go() -> dict[str, Any] | None:
+            try:
+                return U.read_json(self.fs, path)
+            except FileNotFoundError:
+                return None
+        return self.retry(go, f"reading {'/'.join(parts)}")
+
+    def write_json(self, obj: dict[str, Any], *parts: str) -> None:
+        path = self.path(*parts)
+        self.retry(lambda: U.write_bytes_atomic(self.fs, path, U.dumps(obj)), f"writing {'/'.join(parts)}")
+
+    def exists(self, *parts: str) -> bool:
+        path = self.path(*parts)
+        return self.retry(lambda: U.exists(self.fs, path), f"checking {'/'.join(parts)}")
+
+    # ------------------------------------------------------------------ run spec
+    def write_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
+        """Create ``run.json`` or, if it exists, check it describes the same run; return the stored spec."""
+        path = self.path("run.json")
+        try:
+            self.retry(lambda: U.create_exclusive(self.fs, path, U.dumps(spec)), "creating run.json")
+            return spec
+        except U.AlreadyExistsError:
+            old = self.read_spec()
+            if json.dumps(old.get("cfg"), sort_keys=True) != json.dumps(spec.get("cfg"), sort_keys=True):
+                raise RunSpecMismatch(f"{self.uri}/run.json describes a different recipe; use a new run URI "
+                                      "(or the same recipe to resume)") from None
+            return old
+
+    def read_spec(self) -> dict[str, Any]:
+        spec = self.read_json("run.json")
+        if spec is None:
+            raise FileNotFoundError(f"{self.uri}/run.json does not exist: prepare the run first (miles_core.asyncrl.launch.prepare_run)")
+        return spec
+
+    # ------------------------------------------------------------------ base checkpoint
+    def upload_base(self, local_dir: str | os.PathLike[str]) -> None:
+        """Copy the base checkpoint into the run once (files, then the marker), so workers on other
+        machines load exactly the weights the run was prepared with."""
+        if self.exists("base", BASE_FILES_MARKER):
+            return
+        files = sorted(p for p in Path(local_dir).iterdir() if p.is_file())
+        if not files:
+            raise FileNotFoundError(f"base checkpoint {local_dir} has no files")
+        manifest = {}
+        for p in files:
+            data = p.read_bytes()
+            manifest[p.name] = hashlib.sha256(data).hexdigest()
+            dest = self.path("base", p.name)
+            self.retry(lambda: U.write_bytes_atomic(self.fs, dest, data), f"uploading base/{p.name}")
+        marker = self.path("base", BASE_FILES_MARKER)
+        try:
+            self.retry(lambda: U.create_exclusive(self.fs, marker, U.dumps({"files": manifest})), "committing base/")
+        except U.AlreadyExistsError:
+            pass
+
+    def fetch_base(self, cache_dir: str | os.PathLike[str]) -> Path:
+        """Download (once per cache folder) and checksum the base checkpoint; return the local folder."""
+        info = self.read_json("base", BASE_FILES_MARKER)
+        if info is None:
+            raise FileNotFoundError(f"{self.uri}/base has no {BASE_FILES_MARKER}: the base checkpoint was never uploaded")
+        digest = hashlib.sha256(U.dumps(info)).hexdigest()[:16]
+        dest = Path(cache_dir) / f"base-{digest}"
+        if (dest / BASE_FILES_MARKER).exists():
+            return dest
+        tmp = Path(cache_dir) / f".base-{digest}-{os.getpid()}"
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name, sha in info["files"].items():
+            src = self.path("base", name)
+            data = self.retry(lambda: self.fs.cat_file(src), f"downloading base/{name}")
+            if hashlib.sha256(data).hexdigest() != sha:
+                raise ValueError(f"{self.uri}/base/{name}: checksum mismatch with {BASE_FILES_MARKER}")
+            (tmp / name).write_bytes(data)
+        (tmp / BASE_FILES_MARKER).write_bytes(U.dumps(info))
+        try:
+            os.replace(tmp, dest)
+        except OSError:  # another process on this machine won the race: use its copy
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        return dest
+
+    # ------------------------------------------------------------------ learner checkpoints
+    def save_checkpoint(self, blob: dict[str, Any], version: int) -> str:
+        """Write ``learner/checkpoints/v{version}.pt`` then move the pointer; both atomic, pointer last.
+
+        A learner killed anywhere in here leaves the previous pointer intact, so a resume sees
+        either the old checkpoint or the new one, never a mix."""
+        buf = io.BytesIO()
+        torch.save(blob, buf)
+        data = buf.getvalue()
+        name = f"v{version:06d}.pt"
+        path = self.path("learner", "checkpoints", name)
+        self.retry(lambda: U.write_bytes_atomic(self.fs, path, data), f"writing learner checkpoint {name}")
+        self.write_json({"file": name, "version": version, "sha256": hashlib.sha256(data).hexdigest(),
+                         "bytes": len(data)}, "learner", "CHECKPOINT")
+        return name
+
+    def load_checkpoint(self) -> dict[str, Any] | None:
+        """The newest learner checkpoint (verified against its pointer's sha256), or None."""
+        ptr = self.read_json("learner", "CHECKPOINT")
+        if ptr is None:
+            return None
+        path = self.path("learner", "checkpoints", ptr["file"])
+        data = self.retry(lambda: self.fs.cat_file(path), f"reading learner checkpoint {ptr['file']}")
+        if hashlib.sha256(data).hexdigest() != ptr["sha256"]:
+            raise ValueError(f"{self.uri}/learner/checkpoints/{ptr['file']}: sha256 does not match learner/CHECKPOINT")
+        return torch.load(io.BytesIO(data), weights_only=True)
+
+    # ------------------------------------------------------------------ control
+    def stop_requested(self) -> bool:
+        return self.exists("control", "STOP")
+
+    def request_stop(self, reason: str = "") -> None:
+        self.write_json({"reason": reason}, "control", "STOP")

@@ -1,0 +1,177 @@
+"""A sampler worker: load the base once, hot-swap LoRA versions, sample groups, commit batches.
+
+The loop, per batch:
+
+    wait while the learner has >= max_pending committed batches it has not taken (back-pressure)
+    load the newest published adapter if it changed (LoRA tensors only: the base stays put)
+    sample prompts_per_iter prompts x G completions, score rewards, group advantages
+    commit the batch as ``{seq:06d}-{worker}`` tagged with the adapter version that sampled it
+
+Restart safety: batch ids are deterministic and each batch's randomness is seeded from (run seed,
+worker, seq), so a killed sampler resumes at its first uncommitted sequence number; a batch it
+was writing when killed was never visible (commit marker last) and is simply written again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
+from miles_core.asyncrl.layout import RunStore
+from miles_core.config import load_recipe
+from miles_core.models.base import load_checkpoint
+from miles_core.models.lora import add_lora
+from miles_core.rewards.math import get_reward
+from miles_core.session import build_task
+from miles_core.storage import BatchExistsError
+
+log = logging.getLogger(__name__)
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def batch_id(seq: int, worker: str) -> str:
+    """Sorts by sequence number first, so the learner takes batches roughly in sampling order."""
+    return f"{seq:06d}-{worker}"
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+class SamplerWorker:
+    """One sampler process. ``run()`` returns its final status (also written to the store)."""
+
+    def __init__(self, run_uri: str, worker: str, worker_index: int = 0, cache_dir: str | None = None,
+                 storage_options: dict[str, Any] | None = None) -> None:
+        self.run_store = RunStore(run_uri, storage_options)
+        spec = self.run_store.read_spec()
+        self.cfg = load_recipe(spec["cfg"])
+        self.run_store.retry_budget_s = self.cfg.async_rl.retry_budget_s
+        torch.set_num_threads(self.cfg.async_rl.sampler_threads)
+        self.worker, self.index = worker, worker_index
+        self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
+        base_dir = self.run_store.fetch_base(self.cache)
+        base, self.tok = load_checkpoint(base_dir)  # loaded once; only LoRA tensors change later
+        for p in base.parameters():
+            p.requires_grad_(False)
+        torch.manual_seed(0)
+        self.model = add_lora(base, self.cfg.lora.r, self.cfg.lora.alpha, 0.0)
+        self.base_ptr = next(iter(base.parameters())).data_ptr()
+        self.data = build_task(self.cfg)
+        self.reward_fn = get_reward(self.cfg.train.reward)
+        self.version: int | None = None
+        prev = self.run_store.read_json("samplers", f"{worker}.json") or {}
+        self.stats: dict[str, Any] = {"worker": worker, "committed": prev.get("committed", 0),
+                                      "next_seq": prev.get("next_seq", 0), "sync_bytes": prev.get("sync_bytes", 0),
+                                      "syncs": prev.get("syncs", 0), "sync_seconds": prev.get("sync_seconds", 0.0),
+                                      "sync_lag_seconds": prev.get("sync_lag_seconds", []), "busy_s": 0.0,
+                                      "wait_s": 0.0, "restarts": prev.get("restarts", -1) + 1, "done": False}
+
+    # ------------------------------------------------------------------ adapter hot-swap
+    def sync_adapter(self) -> bool:
+        """Load the newest published adapter into the resident model if it is newer; True if swapped."""
+        rs = self.run_store
+        latest = rs.retry(rs.adapters.latest_version, "polling adapters/LATEST")
+        if latest is None or latest == self.version:
+            return False
+        t0 = time.perf_counter()
+        dest = self.cache / f"adapter-v{latest:06d}"
+        rs.retry(lambda: rs.adapters.fetch(latest, dest), f"fetching adapter v{latest}")
+        state = load_file(str(dest / ADAPTER_WEIGHTS))
+        result = set_peft_model_state_dict(self.model, state)
+        if getattr(result, "unexpected_keys", None):
+            raise ValueError(f"adapter v{latest} does not fit this model: unexpected keys {result.unexpected_keys[:3]}")
+        assert next(iter(self.model.get_base_model().parameters())).data_ptr() == self.base_ptr
+        manifest = rs.retry(lambda: rs.adapters.manifest(latest), f"reading adapter v{latest} manifest")
+        nbytes = sum(int(f["bytes"]) for f in manifest["files"].values())
+        published = manifest.get("metadata", {}).get("published_unix")
+        self.stats["sync_bytes"] += nbytes
+        self.stats["syncs"] += 1
+        self.stats["sync_seconds"] += time.perf_counter() - t0
+        if published is not None:
+            self.stats["sync_lag_seconds"] = (self.stats["sync_lag_seconds"] + [time.time() - float(published)])[-200:]
+        for old in self.cache.glob("adapter-v*"):
+            if old != dest:
+                import shutil
+
+                shutil.rmtree(old, ignore_errors=True)
+        self.version = latest
+        return True
+
+    # ------------------------------------------------------------------ back-pressure
+    def pending(self) -> int:
+        """Committed batches the learner has not taken (consumed, dropped or quarantined) yet."""
+        rs = self.run_store
+        committed = len(rs.retry(rs.trajectories.list_batches, "listing trajectories"))
+        status = rs.read_json("learner", "status.json") or {}
+        return committed - int(status.get("consumed", 0)) - int(status.get("dropped", 0))
+
+    def _wait(self, cond, poll: float) -> bool:
+        """Sleep until ``cond()``; False if a stop was requested meanwhile."""
+        t0 = time.perf_counter()
+        try:
+            while not cond():
+                if self.run_store.stop_requested():
+                    return False
+                time.sleep(poll)
+            return True
+        finally:
+            self.stats["wait_s"] += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ one batch
+    def make_batch(self, seq: int):
+        """Sample and score batch ``seq`` with the resident adapter (deterministic in run seed, worker, seq)."""
+        cfg = self.cfg
+        rng = random.Random(_seed(cfg.train.seed, self.worker, seq, "prompts"))
+        gen = torch.Generator().manual_seed(_seed(cfg.train.seed, self.worker, seq, "noise"))
+        problems = [self.data.task.sample(rng, split="rl") for _ in range(cfg.train.prompts_per_iter)]
+        offset = (seq * cfg.async_rl.num_samplers + self.index) * cfg.train.prompts_per_iter
+        batch = rollout(self.model, self.tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
+                        cfg.task.completion_len, cfg.train.group_size, gen, int(self.version or 0), group_offset=offset)
+        score_rewards(batch, self.reward_fn)
+        return assign_advantages(batch, cfg.adpo.std_normalize)
+
+    def run(self) -> dict[str, Any]:
+        a = self.cfg.async_rl
+        rs = self.run_store
+        quarantined = set(rs.retry(rs.trajectories.list_quarantined, "listing quarantine"))
+        if not self._wait(lambda: rs.retry(rs.adapters.latest_version, "polling adapters") is not None, a.poll_interval):
+            return self._finish(stopped=True)
+        seq = int(self.stats["next_seq"])
+        while seq < a.batches_per_sampler:
+            bid = batch_id(seq, self.worker)
+            if bid in quarantined or rs.retry(lambda: rs.exists("trajectories", "commits", f"{bid}.json"), "checking"):
+                seq += 1  # committed before a restart: never sampled twice
+                continue
+            if not self._wait(lambda: self.pending() < a.max_pending, a.poll_interval):
+                return self._finish(stopped=True, next_seq=seq)
+            t0 = time.perf_counter()
+            self.sync_adapter()
+            batch = self.make_batch(seq)
+            try:
+                rs.retry(lambda: rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
+                self.stats["committed"] += 1
+            except BatchExistsError:
+                log.info("batch %s was already committed; skipping", bid)
+            seq += 1
+            self.stats["busy_s"] += time.perf_counter() - t0
+            self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch))
+            rs.write_json(self.stats, "samplers", f"{self.worker}.json")
+        return self._finish(stopped=False, next_seq=seq)
+
+    def _finish(self, stopped: bool, next_seq: int | None = None) -> dict[str, Any]:
+        if next_seq is not None:
+            self.stats["next_seq"] = next_seq
+        self.stats.update(done=not stopped, stopped=stopped)
+        self.run_store.write_json(self.stats, "samplers", f"{self.worker}.json")
+        return self.stats

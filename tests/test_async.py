@@ -1,0 +1,224 @@
+"""Asynchronous ADPO (issue 5) and its reliability (issue 6): staleness, exactly-once, hot-swap,
+resume, kills, corrupt batches, config errors. Samplers and the learner run in-process where the
+property is about logic, and as real subprocesses killed with SIGKILL where it is about crashes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from miles_core.asyncrl.launch import command, local_env, prepare_run
+from miles_core.asyncrl.layout import RunSpecMismatch, RunStore
+from miles_core.asyncrl.learner import AsyncLearner
+from miles_core.asyncrl.sampler import SamplerWorker, batch_id
+from miles_core.config import ConfigError, load_recipe
+from miles_core.models.base import load_checkpoint
+from miles_core.models.lora import load_adapter
+from miles_core.session import build_task, train_baseline
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
+        "task.completion_len=16", "async_rl.poll_interval=0.01", "train.reward=math_exact:1.0,format:0.5,arith_steps:0.5"]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.set_num_threads(1)
+    cfg = load_recipe("tiny", BASE)
+    out = tmp_path_factory.mktemp("async") / "sft"
+    train_baseline(cfg, build_task(cfg), out)
+    return out
+
+
+def make_run(tmp: Path, base: Path, *overrides: str) -> tuple[str, object]:
+    cfg = load_recipe("tiny", BASE + list(overrides))
+    run = str(tmp / "run")
+    prepare_run(run, cfg, base)
+    return run, cfg
+
+
+def lora_state(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+
+
+def test_staleness_bound_holds_with_a_fast_sampler_and_a_slow_learner(tmp_path: Path, base_dir: Path) -> None:
+    # the sampler commits 5 batches from v0 before the learner takes any: the learner must use
+    # the first S+1 (staleness 0..S) and drop the rest, counting them
+    run, _ = make_run(tmp_path, base_dir, "adpo.max_staleness=1", "async_rl.batches_per_sampler=5",
+                      "async_rl.max_pending=10")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))  # publishes v0
+    st = SamplerWorker(run, "w0", 0, str(tmp_path / "sc")).run()
+    assert st["committed"] == 5 and st["version"] == 0
+    out = learner.run()
+    consumed, dropped = learner.ledger["consumed"], learner.ledger["dropped"]
+    assert [e["staleness"] for e in consumed] == [0, 1]
+    assert [e["id"] for e in dropped] == [batch_id(s, "w0") for s in (2, 3, 4)]
+    assert all(e["staleness"] > 1 for e in dropped)
+    assert out["max_staleness_seen"] <= out["staleness_bound"] == 1 and out["dropped"] == 3 and out["done"]
+
+
+def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path: Path, base_dir: Path) -> None:
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2",
+                        "async_rl.max_pending=1", "adpo.max_staleness=8")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    samplers = [SamplerWorker(run, f"w{i}", i, str(tmp_path / f"sc{i}")) for i in range(2)]
+    base_ptrs = [s.base_ptr for s in samplers]
+    # interleave by hand: each sampler commits one batch, then the learner drains
+    for _ in range(2):
+        for s in samplers:
+            seq = s.stats["next_seq"]
+            s.sync_adapter()
+            s.run_store.trajectories.write_batch(s.make_batch(seq), batch_id(seq, s.worker))
+            s.stats["next_seq"] = seq + 1
+        learner.max_updates = len(learner.ledger["consumed"]) + 2
+        learner.run()
+    ids = [e["id"] for e in learner.ledger["consumed"]]
+    assert sorted(ids) == sorted(learner.rs.trajectories.list_batches()) and len(ids) == len(set(ids)) == 4
+    # the second round was sampled with a newer adapter, hot-swapped into the resident base
+    s = samplers[0]
+    assert s.sync_adapter() and s.version == learner.learner.version == 4
+    assert [x.base_ptr for x in samplers] == base_ptrs
+    assert next(iter(s.model.get_base_model().parameters())).data_ptr() == s.base_ptr
+    published = load_adapter(load_checkpoint(base_dir)[0], learner.rs.adapters.fetch(4, tmp_path / "v4"))
+    x = torch.randint(5, 20, (2, 12))
+    s.model.eval()
+    assert torch.equal(s.model(x), published.eval()(x))
+    assert any(v.abs().sum() > 0 for k, v in lora_state(s.model).items() if "lora_B" in k)
+
+
+def test_importance_weights_are_one_on_policy(tmp_path: Path, base_dir: Path) -> None:
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=1", "adpo.num_minibatches=2",
+                      "sampler.temperature=1.0")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
+    sampler.sync_adapter()
+    batch = sampler.make_batch(0)
+    batch.reward = torch.arange(len(batch), dtype=torch.float32) % 2  # signal in every group
+    from miles_core.algo.rl import assign_advantages
+
+    assign_advantages(batch)
+    sampler.run_store.trajectories.write_batch(batch, "000000-w0")
+    stored = learner.rs.trajectories.read_batch("000000-w0")
+    assert torch.equal(stored.logp, batch.logp)  # behaviour log-probs survive storage bit-exactly
+    stats = learner.learner.update(stored)
+    assert stats["iw_mean"] == pytest.approx(1.0, abs=1e-5) and stats["iw_max"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_corrupt_batch_is_quarantined_and_the_run_continues(tmp_path: Path, base_dir: Path) -> None:
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.max_pending=10")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    SamplerWorker(run, "w0", 0, str(tmp_path / "sc")).run()
+    store = learner.rs.trajectories
+    bad = batch_id(1, "w0")
+    Path(store.data_path(bad)).write_bytes(b"PAR1 this is not parquet")
+    out = learner.run()
+    assert out["done"] and out["quarantined"] == 1 and out["consumed"] == 2
+    assert learner.ledger["quarantined"][0]["id"] == bad and "sha256" in learner.ledger["quarantined"][0]["reason"]
+    assert bad in store.list_quarantined() and bad not in store.list_batches()
+
+
+def test_run_spec_and_async_config_errors_name_the_field(tmp_path: Path, base_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="async_rl.max_pending: must be >= 1"):
+        load_recipe("tiny", ["async_rl.max_pending=0"])
+    with pytest.raises(ConfigError, match="unknown config key 'async_rl.samplers'"):
+        load_recipe("tiny", ["async_rl.samplers=2"])
+    run, _ = make_run(tmp_path, base_dir)
+    with pytest.raises(RunSpecMismatch, match="different recipe"):
+        prepare_run(run, load_recipe("tiny", BASE + ["adpo.lr=0.5"]), base_dir)
+    with pytest.raises(FileNotFoundError, match="run.json does not exist"):
+        RunStore(str(tmp_path / "nowhere")).read_spec()
+
+
+def test_async_learner_resume_is_bit_identical(tmp_path: Path, base_dir: Path) -> None:
+    """Stopped after update 2 and resumed in a new object (fresh RNGs), the learner reaches the
+    same adapter as an uninterrupted one over the same committed batches."""
+    adapters = []
+    for name, stops in (("straight", [None]), ("resumed", [2, None])):
+        run, _ = make_run(tmp_path / name, base_dir, "async_rl.batches_per_sampler=4", "async_rl.max_pending=10",
+                          "adpo.max_staleness=10", "async_rl.checkpoint_every=3")
+        AsyncLearner(run, str(tmp_path / name / "lc0"))  # v0
+        SamplerWorker(run, "w0", 0, str(tmp_path / name / "sc")).run()
+        for i, stop in enumerate(stops):
+            out = AsyncLearner(run, str(tmp_path / name / f"lc{i}"), max_updates=stop).run()
+        assert out["done"] and out["consumed"] == 4
+        adapters.append(RunStore(run).adapters.fetch(4, tmp_path / name / "final"))
+    a, b = (Path(d, "adapter_model.safetensors").read_bytes() for d in adapters)
+    assert a == b
+
+
+# ----------------------------------------------------------------- real processes, SIGKILL
+
+HARNESS = textwrap.dedent("""
+    # test harness: pause at a chosen point so the parent can SIGKILL this process exactly there
+    import os, sys, time
+    flag, point = os.environ["MILES_TEST_FLAG"], os.environ["MILES_TEST_POINT"]
+    def pause():
+        open(flag, "w").close()
+        time.sleep(600)
+    if point == "marker":  # sampler: data object written, commit marker not yet
+        import miles_core.storage.trajectories as T
+        real = T.U.create_exclusive
+        def create_exclusive(fs, path, data):
+            if "/commits/" in path:
+                pause()
+            return real(fs, path, data)
+        T.U.create_exclusive = create_exclusive
+    if point == "checkpoint":  # learner: update applied in memory, checkpoint not yet written
+        import miles_core.asyncrl.learner as L
+        real_ckpt = L.AsyncLearner.checkpoint
+        def checkpoint(self):
+            if len(self.ledger["consumed"]) == 2:
+                pause()
+            return real_ckpt(self)
+        L.AsyncLearner.checkpoint = checkpoint
+    from miles_core.asyncrl.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def run_until_paused(cmd: list[str], tmp: Path, point: str) -> None:
+    flag = tmp / f"paused-{point}"
+    env = local_env({"MILES_TEST_FLAG": str(flag), "MILES_TEST_POINT": point})
+    log = open(tmp / f"{point}.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-c", HARNESS] + cmd[3:], env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 240
+    while not flag.exists():
+        assert proc.poll() is None, (tmp / f"{point}.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "process never reached the kill point"
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+
+
+def test_sigkill_during_batch_write_and_mid_update_loses_and_duplicates_nothing(tmp_path: Path, base_dir: Path) -> None:
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=4", "async_rl.max_pending=10",
+                      "adpo.max_staleness=10")
+    rs = RunStore(run)
+    AsyncLearner(run, str(tmp_path / "lc0"))  # v0, so the sampler can start
+    # 1. sampler killed between its data object and its commit marker: nothing visible
+    run_until_paused(command("sampler", run, "w0", 0), tmp_path, "marker")
+    first = batch_id(0, "w0")
+    assert Path(rs.trajectories.data_path(first)).exists() and rs.trajectories.list_batches() == []
+    # restarted, it rewrites that batch and finishes the budget, each sequence number once
+    subprocess.run(command("sampler", run, "w0", 0), env=local_env(), check=True, capture_output=True, timeout=300)
+    assert rs.trajectories.list_batches() == [batch_id(s, "w0") for s in range(4)]
+    # 2. learner killed after its second update, before that update's checkpoint
+    run_until_paused(command("learner", run), tmp_path, "checkpoint")
+    ckpt = rs.load_checkpoint()
+    assert [e["id"] for e in ckpt["ledger"]["consumed"]] == [first]  # the killed update left no trace
+    subprocess.run(command("learner", run), env=local_env(), check=True, capture_output=True, timeout=300)
+    hist = rs.read_json("learner", "history.json")
+    ids = [e["id"] for e in hist["ledger"]["consumed"]]
+    assert ids == rs.trajectories.list_batches()  # every committed batch exactly once, in order
+    status = rs.read_json("learner", "status.json")
+    assert status["done"] and status["resumes"] == 1 and status["version"] == 4
+    assert json.loads(json.dumps(status))["max_staleness_seen"] <= 10
