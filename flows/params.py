@@ -18,7 +18,7 @@ import typing
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -70,6 +70,36 @@ class TrainParams(FlowParams):
         return [*self.overrides, *([f"train.iterations={self.iterations}"] if self.iterations is not None else [])]
 
 
+class AsyncTrainParams(FlowParams):
+    store_uri: str | None = Field(None, description="the run's store shared by samplers and learner: folder or s3://bucket/prefix (default <run_dir>/store)")
+    base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
+    num_samplers: int | None = Field(None, ge=1, description="sampler workers (overrides async_rl.num_samplers)")
+    batches_per_sampler: int | None = Field(None, ge=1, description="sample budget per sampler (overrides async_rl.batches_per_sampler)")
+    launcher: Literal["processes", "deployments"] = Field(
+        "processes", description="processes: local subprocesses; deployments: flow runs of miles-async-sampler / miles-async-learner on their work pools")
+    register_as: str | None = Field("miles-arith", description="MLflow registered model for the final adapter (empty: do not register)")
+    timeout_s: float = Field(3600.0, gt=0, description="fail if the samplers and learner have not finished by then")
+
+    def recipe_overrides(self) -> list[str]:
+        extra = [f"async_rl.num_samplers={self.num_samplers}"] if self.num_samplers else []
+        extra += [f"async_rl.batches_per_sampler={self.batches_per_sampler}"] if self.batches_per_sampler else []
+        return [*self.overrides, *extra]
+
+
+class SamplerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_uri: str = Field(..., min_length=1, description="the run's store URI (prepared by miles-async-train)")
+    worker: str = Field("w0", pattern=r"^[A-Za-z0-9_.-]+$", description="sampler name, unique in the run")
+    index: int = Field(0, ge=0, description="sampler index in [0, num_samplers)")
+
+
+class LearnerParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run_uri: str = Field(..., min_length=1, description="the run's store URI (prepared by miles-async-train)")
+
+
 class EvalParams(FlowParams):
     recipe: str | None = Field(None, description="recipe for task and eval settings (default: the model's own, else arith)")  # type: ignore[assignment]
     model_uri: str | None = Field(None, description="models:/NAME@champion, models:/NAME/3 or runs:/ID/model")
@@ -110,13 +140,15 @@ def check_signature(fn: Callable[..., Any], model: type[BaseModel]) -> None:
     for name, f in fields.items():
         default = [] if f.default_factory is list else f.default
         got = params[name].default
+        if f.is_required() and got is inspect.Parameter.empty:
+            continue
         if not (got == default or (got is None and default == [])):
             raise TypeError(f"{fn.__name__}({name}=...) default {got!r} != {model.__name__}.{name} default {default!r}")
 
 
 def _arg_type(annotation: Any) -> Callable[[str], Any]:
     args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
-    return int if args[0] is int else str
+    return args[0] if args[0] in (int, float) else str
 
 
 def cli_main(flow: Callable[..., Any], model: type[BaseModel], argv: Sequence[str] | None = None) -> int:

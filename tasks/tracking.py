@@ -206,6 +206,27 @@ def log_curves(run_id: str, panels: Sequence[tuple[str, Sequence[str]]], artifac
     return True
 
 
+def log_histogram(run_id: str, counts: Mapping[str, int], artifact_file: str, xlabel: str, title: str) -> None:
+    """A bar chart of ``counts`` (e.g. batches per staleness value) as a PNG artifact, plus the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = sorted(counts, key=lambda k: float(k))
+    fig, ax = plt.subplots(figsize=(5, 3.4))
+    ax.bar([str(k) for k in keys], [counts[k] for k in keys])
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("count")
+    ax.set_title(title)
+    fig.tight_layout()
+    try:
+        MlflowClient().log_figure(run_id, fig, artifact_file)
+    finally:
+        plt.close(fig)
+    log_table(run_id, [{xlabel: k, "count": counts[k]} for k in keys], artifact_file.rsplit(".", 1)[0] + ".json")
+
+
 # ----------------------------------------------------------------------------- registry
 
 

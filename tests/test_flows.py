@@ -240,3 +240,36 @@ def test_only_transient_failures_are_retried(prefect_harness: None) -> None:
 
     assert storage_flow() == "ok"
     assert calls == {"io": 3, "bug": 1}
+
+
+def test_async_train_flow_runs_workers_logs_and_registers(trained: TrainedProject) -> None:
+    """miles-async-train with local processes on the moto S3 store: every committed batch consumed
+    once within the staleness bound, the run's figures and plots in MLflow, the adapter registered."""
+    from flows.async_train import async_train_flow, learner_flow, sampler_flow
+    from flows.params import AsyncTrainParams, LearnerParams, SamplerParams
+
+    check_signature(async_train_flow.fn, AsyncTrainParams)
+    check_signature(sampler_flow.fn, SamplerParams)
+    check_signature(learner_flow.fn, LearnerParams)
+    with pytest.raises(ValidationError, match="launcher"):
+        AsyncTrainParams(launcher="threads")
+    store = f"{trained.store_uri}-async"
+    out = async_train_flow(recipe="tiny", overrides=TINY_OVERRIDES + ["async_rl.poll_interval=0.02"],
+                           run_dir=str(trained.root / "async"), store_uri=store,
+                           base_checkpoint=trained.sft["base_checkpoint"], num_samplers=2, batches_per_sampler=2,
+                           experiment=EXPERIMENT, register_as=trained.model_name + "-async", timeout_s=600)
+    assert out["consumed_batches"] + out["dropped_batches"] == 4 and out["adapter_version"] == out["consumed_batches"]
+    assert out["max_staleness_seen"] <= load_recipe("tiny").adpo.max_staleness
+    committed = TrajectoryStore(f"{store}/trajectories").list_batches()
+    assert len(committed) == 4 and AdapterRegistry(store).latest_version() == out["adapter_version"]
+    client = MlflowClient()
+    run = client.get_run(out["mlflow_run_id"])
+    m = run.data.metrics
+    for key in ("async/learner_idle_fraction", "async/dropped_batches", "async/samples_per_s",
+                "async/adapter_sync_bytes_mean", "async/adapter_sync_seconds_mean", "eval/pass1"):
+        assert key in m, key
+    assert 0.0 <= m["async/learner_idle_fraction"] <= 1.0 and m["async/adapter_sync_bytes_mean"] > 0
+    assert len(client.get_metric_history(run.info.run_id, "async/staleness")) == out["consumed_batches"]
+    files = _artifact_files(client, run.info.run_id)
+    assert {"plots/staleness_histogram.png", "plots/learning_curve.png", "plots/staleness_histogram.json"} <= files
+    assert run.data.tags["miles.launcher"] == "processes" and out["model_uri"].startswith("models:/")
