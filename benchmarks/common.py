@@ -42,8 +42,12 @@ def start_loopback_s3(bucket: str, port: int = 0):
     """moto's S3 server on 127.0.0.1 and the environment child processes need to reach it.
 
     Returns ``(server, env)``; call ``server.stop()`` when done. Credentials are moto's fakes."""
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request otherwise
 
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

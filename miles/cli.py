@@ -127,6 +127,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_async_train(args: argparse.Namespace) -> int:
+    overrides = list(args.overrides)
+    check = overrides + [f"async_rl.{k}={v}" for k, v in (("num_samplers", args.samplers),
+                                                           ("batches_per_sampler", args.batches)) if v is not None]
+    validate_recipe(args.recipe, check)
+    result = call_flow("async_train", "async_train_flow", {
+        "recipe": args.recipe, "overrides": overrides, "run_dir": args.run_dir, "store_uri": args.store,
+        "base_checkpoint": args.base_checkpoint, "num_samplers": args.samplers, "batches_per_sampler": args.batches,
+        "launcher": args.launcher, "experiment": args.experiment, "tracking_uri": args.tracking_uri,
+        "register_as": args.register_as, "timeout_s": args.timeout, "progress": args.progress})
+    _print_result(result)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     if args.adapter and not args.base:
         raise UsageError("--adapter needs --base (the SFT checkpoint the adapter was trained on)")
@@ -264,6 +278,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     _common(p)
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("async-train", help="asynchronous ADPO: sampler workers + learner through the store",
+                       description="Decoupled samplers and one learner that share only the store URI; bounded "
+                                   "staleness (adpo.max_staleness), back-pressure (async_rl.max_pending). "
+                                   "Workers that crash are restarted and resume; see README 'Asynchronous training'.")
+    p.add_argument("recipe", help="built-in recipe name or a YAML file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help=ov_help)
+    p.add_argument("--run-dir", help="local folder for logs, the final adapter and evaluation")
+    p.add_argument("--store", help="the run's store URI shared by all workers (local folder or s3://bucket/prefix)")
+    p.add_argument("--base-checkpoint", help="SFT checkpoint folder (default: train one first)")
+    p.add_argument("--samplers", type=int, help="sampler workers (overrides async_rl.num_samplers)")
+    p.add_argument("--batches", type=int, help="batches per sampler (overrides async_rl.batches_per_sampler)")
+    p.add_argument("--launcher", choices=["processes", "deployments"],
+                   help="processes (default): local subprocesses; deployments: miles-async-* deployments on work pools")
+    p.add_argument("--timeout", type=float, help="seconds before the run is failed (default 3600)")
+    p.add_argument("--register-as", help="MLflow registered model for the final adapter (default: miles-arith; '' = none)")
+    _common(p)
+    p.set_defaults(func=cmd_async_train)
 
     p = sub.add_parser("sft", help="supervised (SFT) baseline (Prefect flow)",
                        description="Masked-diffusion SFT on the recipe's labelled demonstrations.")

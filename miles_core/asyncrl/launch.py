@@ -75,12 +75,13 @@ class LocalRun:
     def failed(self) -> dict[str, int]:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() not in (None, 0)}
 
-    def wait(self, timeout: float, restart_failed: bool = False) -> dict[str, int]:
-        """Wait until every process exited 0 (restarting crashed ones if asked); return exit codes."""
+    def wait(self, timeout: float, max_restarts: int = 0) -> dict[str, int]:
+        """Wait until every process exited 0, restarting a crashed one up to ``max_restarts`` times
+        (it resumes from the store); then fail with the tail of its log."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for name, code in self.failed().items():
-                if not restart_failed:
+                if self.starts[name] > max_restarts:
                     self.stop()
                     raise RuntimeError(f"{name} exited with {code}; see {self.log_dir / (name + '.log')}:\n"
                                        + self.tail(name))
@@ -113,12 +114,13 @@ def local_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def run_local(run_uri: str, num_samplers: int, log_dir: str | os.PathLike[str], timeout: float = 3600.0,
-              env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run the learner and ``num_samplers`` samplers as subprocesses until the sample budget is spent."""
+              env: dict[str, str] | None = None, max_restarts: int = 3) -> dict[str, Any]:
+    """Run the learner and ``num_samplers`` samplers as subprocesses until the sample budget is spent;
+    a process that crashes is started again (up to ``max_restarts`` times) and resumes."""
     run = LocalRun(run_uri, num_samplers, local_env(env), Path(log_dir))
     run.start_all()
     try:
-        run.wait(timeout)
+        run.wait(timeout, max_restarts)
     finally:
         run.stop()
     return summarize(run_uri)
