@@ -41,22 +41,19 @@ from miles_core.models.lora import load_adapter
 from miles_core.rewards import get_reward
 from miles_core.session import Learner, TaskData, build_task, run_eval, train_baseline
 from miles_core.storage import AdapterRegistry, BatchNotFoundError, TrajectoryStore
+from miles_core.storage.retry import is_transient as storage_is_transient
 from tasks import tracking
 
 CHECKPOINT, META = "learner.pt", "learner.json"
 RAW, SCORED = "rollouts", "trajectories"
-_PERMANENT = (FileExistsError, FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
 
 def is_transient(exc: BaseException | None) -> bool:
-    """I/O and network failures are worth a retry; a bug, a bad config or a missing file is not."""
-    if exc is None or isinstance(exc, _PERMANENT):
-        return False
-    if isinstance(exc, OSError):  # includes ConnectionError and TimeoutError
+    """Storage and network failures (see :func:`miles_core.storage.retry.is_transient`) and a busy
+    SQLite/SQL tracking store are worth a retry; a bug, a bad config or a missing file is not."""
+    if storage_is_transient(exc):
         return True
-    # network clients and a busy SQLite store raise their own types rather than OSError
-    return type(exc).__module__.split(".")[0] in ("botocore", "aiobotocore", "aiohttp", "urllib3", "requests",
-                                                  "sqlalchemy")
+    return exc is not None and type(exc).__module__.split(".")[0] == "sqlalchemy"
 
 
 def _retry_transient(task: Any, task_run: Any, state: Any) -> bool:

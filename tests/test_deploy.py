@@ -167,7 +167,8 @@ def services(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 def test_deploy_and_run_miles_train_through_a_worker(services: dict[str, Any]) -> None:
     env, base, logs, tmp = services["env"], services["base"], services["logs"], services["tmp"]
-    names = ["miles-train", "miles-sft", "miles-evaluate"]
+    names = ["miles-train", "miles-sft", "miles-evaluate", "miles-async-train", "miles-async-sampler",
+             "miles-async-learner"]
     deploy = subprocess.run(["prefect", "--no-prompt", "deploy", *(a for n in names for a in ("--name", n))],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
@@ -203,6 +204,24 @@ def test_deploy_and_run_miles_train_through_a_worker(services: dict[str, Any]) -
     assert runs[0].info.status == "FINISHED"
     assert runs[0].data.params["train.iterations"] == "1"
     assert runs[0].data.tags["miles.kind"] == "train"
+
+    # asynchronous training through deployments: the coordinator's flow run starts the learner and
+    # a sampler as flow runs of their own deployments, which the same worker picks up
+    dep = api(base, "GET", "/deployments/name/miles-async-train/miles-async-train")
+    assert dep["parameters"]["launcher"] == "deployments"
+    params = {"recipe": "tiny", "overrides": TINY_OVERRIDES + ["async_rl.poll_interval=0.05"],
+              "run_dir": str(tmp / "async"), "base_checkpoint": str(tmp / "run" / "sft" / "base"),
+              "num_samplers": 1, "batches_per_sampler": 2, "experiment": "deploy-test", "register_as": None,
+              "timeout_s": 420}
+    run_id = api(base, "POST", f"/deployments/{dep['id']}/create_flow_run", {"parameters": params})["id"]
+    fr = wait_for(f"flow run {run_id}", finished, 480, logs, every=3.0, procs=services["procs"])
+    assert fr["state"]["type"] == "COMPLETED", f"{fr['state']}\n" + tails(logs)
+    workers = api(base, "POST", "/flow_runs/filter", {"limit": 20})
+    by_flow = {api(base, "GET", f"/flows/{r['flow_id']}")["name"]: r["state"]["type"] for r in workers}
+    assert by_flow.get("miles-async-learner") == by_flow.get("miles-async-sampler") == "COMPLETED", by_flow
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`prefect.flow_run_id` = '{run_id}'")
+    assert len(runs) == 1 and runs[0].data.tags["miles.launcher"] == "deployments"
+    assert runs[0].data.metrics["async/updates"] + runs[0].data.metrics["async/dropped_batches"] == 2
 
 
 # ----------------------------------------------------------------------------- S3 endpoint script
