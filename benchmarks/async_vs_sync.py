@@ -134,7 +134,9 @@ def main() -> None:
     completions = cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler * cfg.train.prompts_per_iter * cfg.train.group_size
     payload = {
         "sync_seconds": sync_seconds, "async_seconds": async_seconds, "speedup": sync_seconds / async_seconds,
-        "learner_idle_fraction": summary["idle_fraction"], "sync_pass1": sync_pass1, "async_pass1": async_pass1,
+        "learner_idle_fraction": summary["idle_fraction"],
+        "learner_idle_fraction_steady": summary["idle_fraction_steady"], "pipeline_fill_s": summary["fill_s"],
+        "sync_pass1": sync_pass1, "async_pass1": async_pass1,
         "max_staleness_seen": summary["max_staleness_seen"], "staleness_bound": summary["staleness_bound"],
         "staleness_hist": summary["staleness_hist"], "dropped_batches": summary["dropped"],
         "adapter_sync_bytes": summary["adapter_sync_bytes_mean"], "adapter_sync_bytes_total": summary["adapter_sync_bytes"],
@@ -154,6 +156,8 @@ def main() -> None:
             ["async", f"{async_seconds:.1f}", f"{completions / async_seconds:.1f}",
              f"{summary['idle_fraction']:.3f}", async_pass1, summary["max_staleness_seen"]]]
     print(table(rows, ["arm", "seconds", "samples/s", "learner idle", "pass@1", "max staleness"]))
+    print(f"learner idle after the first batch arrived: {summary['idle_fraction_steady']:.3f} "
+          f"(pipeline fill {summary['fill_s']:.1f}s)")
     print(f"speedup {payload['speedup']:.2f}x; adapter sync {payload['adapter_sync_bytes']:.0f} B per version vs "
           f"full weights {full_bytes} B (1/{full_bytes / max(payload['adapter_sync_bytes'], 1):.0f}); "
           f"dropped {summary['dropped']}")

@@ -51,7 +51,7 @@ class AsyncLearner:
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
         self.ledger: dict[str, list[dict[str, Any]]] = {"consumed": [], "dropped": [], "quarantined": []}
         self.history: list[dict[str, Any]] = []
-        self.totals = {"idle_s": 0.0, "wall_s": 0.0, "resumes": 0, "version_skips": 0}
+        self.totals = {"idle_s": 0.0, "wall_s": 0.0, "fill_s": 0.0, "resumes": 0, "version_skips": 0}
         ckpt = self.rs.load_checkpoint()
         if ckpt is not None:
             self.learner.load_state(ckpt["learner"])
@@ -86,6 +86,10 @@ class AsyncLearner:
                 "max_staleness_seen": max(st, default=0), "staleness_bound": self.cfg.adpo.max_staleness,
                 "idle_s": self.totals["idle_s"], "wall_s": self.totals["wall_s"],
                 "idle_fraction": self.totals["idle_s"] / wall, "resumes": self.totals["resumes"],
+                # idle after the first batch arrived: the pipeline-fill wait at start-up excluded
+                "fill_s": self.totals.get("fill_s", 0.0),
+                "idle_fraction_steady": (self.totals["idle_s"] - self.totals.get("fill_s", 0.0))
+                / max(wall - self.totals.get("fill_s", 0.0), 1e-9),
                 "version_skips": self.totals["version_skips"],
                 "completions": sum(e["rows"] for e in self.ledger["consumed"])}
 
@@ -161,6 +165,8 @@ class AsyncLearner:
                 waited = time.perf_counter() - last
                 self.totals["idle_s"] += waited
                 self.totals["wall_s"] += waited
+                if not handled:  # nothing ever arrived yet: the pipeline is still filling
+                    self.totals["fill_s"] = self.totals.get("fill_s", 0.0) + waited
                 last = time.perf_counter()
                 continue
             outcome = self.step(pending[0])
