@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -23,6 +24,9 @@ from miles_core.models.lora import reference_policy, trainable_parameters
 from miles_core.samplers.step import denoise_step, left_pad, rebuild_state
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
+
+if TYPE_CHECKING:
+    from miles_core.distributed import World
 
 
 @dataclass
@@ -77,8 +81,14 @@ def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: C
 
 def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch, cfg: ADPOConfig,
                 tok: CharTokenizer, temperature: float, generator: torch.Generator,
-                scheduler=None) -> dict[str, float]:
-    """One policy update (``num_minibatches`` x ``epochs`` optimizer steps) on ``batch``."""
+                scheduler=None, world: "World | None" = None) -> dict[str, float]:
+    """One policy update (``num_minibatches`` x ``epochs`` optimizer steps) on ``batch``.
+
+    ``world`` (data parallel, miles_core/distributed.py): every rank holds the same batch and
+    generator state, so rows, permutation and the normaliser are identical everywhere; each rank
+    scores only ``world.shard`` of every minibatch, and gradients (and stats) are summed over
+    ranks before clipping and the optimizer step. ``None``: single process, unchanged.
+    """
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
@@ -100,6 +110,7 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch,
     normaliser = float(len(sub) * sub.completion_len)
     loss_fn = ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
     params = trainable_parameters(model)
+    own = world.shard if world is not None else (lambda idx: idx)
 
     def chunks(idx: Tensor):
         for s in range(0, idx.numel(), cfg.row_chunk):
@@ -109,9 +120,11 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch,
     if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
         prox = torch.zeros(n_rows, sub.completion_len)
         with torch.no_grad():
-            for c in chunks(torch.arange(n_rows)):
+            for c in chunks(own(torch.arange(n_rows))):
                 prox[c] = score_rows(model, sub, rows.traj[c], rows.step[c], tok, temperature,
                                      cfg.estimator, prompt_mask)[0]
+        if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
+            world.all_reduce_(prox)
     agg: dict[str, float] = {}
     total_tok = 0.0
     model.train()
@@ -119,7 +132,7 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch,
         perm = torch.randperm(n_rows, generator=generator)
         for mb in perm.chunk(cfg.num_minibatches):
             optimizer.zero_grad(set_to_none=True)
-            for c in chunks(mb):
+            for c in chunks(own(mb)):
                 t_idx, s_idx = rows.traj[c], rows.step[c]
                 logp, ent, commit = score_rows(model, sub, t_idx, s_idx, tok, temperature, cfg.estimator, prompt_mask)
                 prox_c = prox[c] if prox is not None else logp.detach()
@@ -139,11 +152,15 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch,
                     elif k != "tokens":
                         agg[k] = agg.get(k, 0.0) + v * n
                 agg["loss"] = agg.get("loss", 0.0) + float(out.loss.detach())
+            if world is not None:
+                world.sync_grads(params)  # sum over ranks: the loss is already / global normaliser
             gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             agg["grad_norm"] = float(gn)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
+    if world is not None:
+        agg, total_tok = world.reduce_stats(agg, total_tok)
     for k in list(agg):
         if k not in ("iw_max", "loss", "grad_norm"):
             agg[k] /= max(total_tok, 1.0)

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 
 from torch import Tensor, nn
 
 from miles_core.tokenizer import CharTokenizer
+
+if TYPE_CHECKING:
+    from miles_core.models.hf_tokenizer import HFTokenizer
+
+# Either tokenizer has the same interface (encode/decode/encode_completion, special ids, save).
+AnyTokenizer = Union[CharTokenizer, "HFTokenizer"]
 
 
 @runtime_checkable
@@ -23,8 +29,11 @@ class Denoiser(Protocol):
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
 
 
-def load_checkpoint(directory: str | Path) -> tuple[nn.Module, CharTokenizer]:
-    """Load a base denoiser and its tokenizer from a folder written by ``save_checkpoint``."""
+def load_checkpoint(directory: str | Path, mask_token: str | None = None) -> tuple[nn.Module, AnyTokenizer]:
+    """Load a base denoiser and its tokenizer from a folder written by ``save_checkpoint``, or
+    from a local Hugging Face Llama folder (``model_type: llama``; see models/llama.py).
+
+    ``mask_token`` only matters for a Llama whose tokenizer registers no mask token."""
     d = Path(directory)
     cfg_path = d / "config.json"
     if not cfg_path.exists():
@@ -34,10 +43,15 @@ def load_checkpoint(directory: str | Path) -> tuple[nn.Module, CharTokenizer]:
         from miles_core.models.tiny import TinyDenoiser
 
         return TinyDenoiser.from_pretrained(d), CharTokenizer.load(d)
-    raise ValueError(f"{cfg_path}: unknown model_type {model_type!r}; allowed: 'miles-tiny'")
+    if model_type == "llama":
+        from miles_core.models.llama import load_llama
+
+        return load_llama(d, mask_token=mask_token)
+    raise ValueError(f"{cfg_path}: unknown model_type {model_type!r}; allowed: 'miles-tiny', 'llama'")
 
 
-def save_checkpoint(model: nn.Module, tokenizer: CharTokenizer, directory: str | Path) -> None:
-    """Write model weights, config and tokenizer so ``load_checkpoint`` restores them exactly."""
+def save_checkpoint(model: nn.Module, tokenizer: AnyTokenizer, directory: str | Path) -> None:
+    """Write model weights, config and tokenizer so ``load_checkpoint`` restores them exactly
+    (a Llama-Diffusion model is written as a standard Hugging Face folder)."""
     model.save_pretrained(directory)  # type: ignore[operator]
     tokenizer.save(directory)

@@ -11,11 +11,26 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
+# Attention and MLP projections per backend, keyed by the base's ``config.model_type``.
+TARGETS_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {
+    "miles-tiny": DEFAULT_TARGETS,
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
+
+
+def lora_targets(model: nn.Module) -> tuple[str, ...]:
+    """The LoRA target module names for this base (``DEFAULT_TARGETS`` for unknown model types)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return TARGETS_BY_MODEL_TYPE.get(str(model_type), DEFAULT_TARGETS)
 
 
 def add_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.0,
-             targets: tuple[str, ...] = DEFAULT_TARGETS) -> PeftModel:
-    """Wrap a base denoiser with a fresh LoRA adapter (B initialised to zero: output unchanged)."""
+             targets: tuple[str, ...] | None = None) -> PeftModel:
+    """Wrap a base denoiser with a fresh LoRA adapter (B initialised to zero: output unchanged).
+
+    ``targets=None`` picks the backend's attention/MLP projections (:func:`lora_targets`).
+    """
+    targets = lora_targets(model) if targets is None else targets
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none")
     return get_peft_model(model, cfg)
 
