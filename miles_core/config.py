@@ -37,7 +37,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: Literal["arith"] = "arith"
+    name: Literal["arith", "code"] = "arith"
     min_ops: int = 2
     max_ops: int = 3
     max_digits: int = 2
@@ -45,6 +45,8 @@ class TaskConfig:
     num_train: int = 1000      # labelled demonstrations available to SFT (scarce on purpose)
     num_test: int = 500        # held-out problems for evaluation
     completion_len: int = 32
+    num_examples: int = 6      # code: visible outputs f(0..n-1) in the prompt
+    const_max: int = 49        # code: additive constants range over [-const_max, const_max]
 
 
 @dataclass(frozen=True)
@@ -256,6 +258,8 @@ def validate(obj: Any, path: str = "") -> None:
     if isinstance(obj, TaskConfig):
         need(1 <= obj.min_ops <= obj.max_ops, "min_ops", "need 1 <= min_ops <= max_ops")
         need(obj.completion_len >= 4, "completion_len", "must be >= 4")
+        need(obj.name != "code" or 3 <= obj.num_examples <= 10, "num_examples", "need 3 <= num_examples <= 10")
+        need(obj.name != "code" or 0 <= obj.const_max <= 99, "const_max", "need 0 <= const_max <= 99")
     if isinstance(obj, ModelConfig):
         need(obj.d_model % obj.n_heads == 0, "d_model", "must be divisible by n_heads")
         need(obj.backend == "llama" or not obj.path, "path", "only the 'llama' backend loads a checkpoint folder")

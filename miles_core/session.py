@@ -16,6 +16,7 @@ from miles_core.algo.sft import train_sft
 from miles_core.algo.update import adpo_update
 from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
+from miles_core.data.code import CodeTask
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
 from miles_core.models.base import load_checkpoint, save_checkpoint
@@ -28,13 +29,15 @@ from miles_core.types import TrajectoryBatch
 
 @dataclass
 class TaskData:
-    task: ArithTask
+    task: ArithTask | CodeTask
     train: list[Problem]      # scarce labelled demonstrations (SFT)
     test: list[Problem]       # held-out, provably disjoint (hash bucket)
 
 
 def build_task(cfg: RecipeConfig) -> TaskData:
     t = cfg.task
+    if t.name == "code":
+        return _build_code_task(cfg)
     acfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits, mul_max_digits=t.mul_max_digits)
     need = max_target_len(acfg)
     if t.completion_len < need:
@@ -44,9 +47,35 @@ def build_task(cfg: RecipeConfig) -> TaskData:
     return TaskData(task, task.split("train", t.num_train, seed=0), task.split("test", t.num_test, seed=0))
 
 
-def new_model(cfg: RecipeConfig, tok: CharTokenizer, seed: int) -> TinyDenoiser:
+def _build_code_task(cfg: RecipeConfig) -> TaskData:
+    """The code task (miles_core.data.code): completions are checked by the code_tests reward."""
+    from miles_core.data import code
+
+    t = cfg.task
+    try:
+        ccfg = code.CodeConfig(examples=t.num_examples, b_max=t.const_max)
+    except ValueError as e:
+        raise ConfigError(f"task: {e}") from None
+    need = code.max_target_len(ccfg)
+    if t.completion_len < need:
+        raise ConfigError(f"task.completion_len: {t.completion_len} is shorter than the longest target ({need} tokens) "
+                          f"for these task settings; set task.completion_len>={need}")
+    task = code.CodeTask(ccfg)
+    try:
+        return TaskData(task, task.split("train", t.num_train, seed=0), task.split("test", t.num_test, seed=0))
+    except ValueError as e:
+        raise ConfigError(f"task.num_train/num_test: {e}") from None
+
+
+def new_model(cfg: RecipeConfig, tok: CharTokenizer, seed: int) -> torch.nn.Module:
+    """A randomly initialised base of ``cfg.model``'s backend and sizes (vocab from ``tok``)."""
     torch.manual_seed(seed)
     m = cfg.model
+    if m.backend == "llama":
+        from miles_core.models.llama import random_llama
+
+        return random_llama(tok.vocab_size, m.d_model, m.n_layers, m.n_heads, None, m.d_ff, m.max_len, seed,
+                            pad_id=tok.pad_id, eos_id=tok.eos_id)
     return TinyDenoiser(TinyConfig(tok.vocab_size, m.d_model, m.n_layers, m.n_heads, m.d_ff, m.max_len))
 
 
@@ -71,12 +100,23 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
 
 def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed: int | None = None,
                    on_eval: Callable[[int, float, dict], None] | None = None, progress: bool = False,
-                   eval_problems: int = 200) -> tuple[TinyDenoiser, CharTokenizer]:
-    """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps."""
+                   eval_problems: int = 200) -> tuple[torch.nn.Module, CharTokenizer]:
+    """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps.
+
+    The tokenizer is a CharTokenizer, or for ``model.backend: llama`` an HFTokenizer with the
+    same interface (models/hf_tokenizer.py)."""
     s = cfg.sft
     seed = s.seed if seed is None else seed
-    tok = CharTokenizer()
-    model = new_model(cfg, tok, seed)
+    if cfg.model.backend == "llama" and cfg.model.path:  # a local Hugging Face checkpoint to start from
+        model, tok = load_checkpoint(cfg.model.path, mask_token=cfg.model.mask_token or None)
+    elif cfg.model.backend == "llama":  # toy Llama-Diffusion: character tokenizer, random weights
+        from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
+
+        tok = HFTokenizer(char_tokenizer())
+        model = new_model(cfg, tok, seed)
+    else:
+        tok = CharTokenizer()
+        model = new_model(cfg, tok, seed)
 
     def cb(step: int, stats: dict) -> None:
         if on_eval is not None:
@@ -97,7 +137,7 @@ class Learner:
 
     def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None):
         self.cfg = cfg
-        base, self.tok = load_checkpoint(base_dir)
+        base, self.tok = load_checkpoint(base_dir, mask_token=cfg.model.mask_token or None)
         for p in base.parameters():
             p.requires_grad_(False)
         if adapter_dir is not None:

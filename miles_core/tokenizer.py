@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-DEFAULT_CHARS = "0123456789+-*/=;()#.,:? abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_[]{}<>!'\"\\\n"
+# Append-only: ids are positions in this string and saved checkpoints depend on them.
+# "%|&^~" were appended for Python code (the code task's ``x%3``).
+DEFAULT_CHARS = "0123456789+-*/=;()#.,:? abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_[]{}<>!'\"\\\n" "%|&^~"
 SPECIALS = ("[PAD]", "[MASK]", "[EOS]", "[UNK]")
 
 

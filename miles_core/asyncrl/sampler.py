@@ -61,7 +61,7 @@ class SamplerWorker:
         self.worker, self.index = worker, worker_index
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
         base_dir = self.run_store.fetch_base(self.cache)
-        base, self.tok = load_checkpoint(base_dir)  # loaded once; only LoRA tensors change later
+        base, self.tok = load_checkpoint(base_dir, mask_token=self.cfg.model.mask_token or None)  # once; only LoRA tensors change later
         for p in base.parameters():
             p.requires_grad_(False)
         torch.manual_seed(0)

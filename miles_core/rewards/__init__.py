@@ -1,4 +1,8 @@
-"""Rule-based rewards with the TRL contract ``fn(prompts, completions, **meta) -> list[float | None]``."""
+"""Rule-based rewards with the TRL contract ``fn(prompts, completions, **meta) -> list[float | None]``.
+
+``code_tests`` executes code completions in the sandbox (rewards/code.py, rewards/sandbox.py)."""
+
+from miles_core.rewards.code import SandboxLimits, SandboxPool, Score, code_tests_reward, score_completions
 
 from miles_core.rewards.math import (
     REWARDS,
@@ -15,6 +19,11 @@ from miles_core.rewards.math import (
 
 __all__ = [
     "REWARDS",
+    "SandboxLimits",
+    "SandboxPool",
+    "Score",
+    "code_tests_reward",
+    "score_completions",
     "answers_match",
     "combined_reward",
     "extract_answer",

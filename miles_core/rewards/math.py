@@ -305,8 +305,16 @@ def arith_steps_reward(prompts: Sequence[str], completions: Sequence[Any], **_: 
     return out
 
 
+def _code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
+    """Execution reward for the code task (miles_core.rewards.code); imported on first use."""
+    from miles_core.rewards.code import code_tests_reward
+
+    return code_tests_reward(prompts, completions, **meta)
+
+
 REWARDS: dict[str, RewardFn] = {
     "math_exact": math_exact_reward,
+    "code_tests": _code_tests_reward,
     "arith_steps": arith_steps_reward,
     "format": format_reward,
     "reasoning_gym": _reasoning_gym_reward,

@@ -1,0 +1,148 @@
+"""Code generation with a sandboxed execution reward: does ADPO beat its SFT starting point?
+
+Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
+  1. SFT on the scarce labelled demonstrations of the ``code`` recipe (session.train_baseline);
+  2. ADPO from that checkpoint (session.Learner) on fresh generator prompts, rewarded by
+     ``code_tests``: each completion is executed in the sandbox against its hidden tests;
+  3. both evaluated on the same held-out functions (>= 200, disjoint from training) with one
+     pinned greedy eval config; pass@1 = the completion passes every test in the sandbox.
+``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
+(outside the 20-minute budget, so off by default).
+Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from benchmarks.common import sign_test_p, table, write_result
+
+DEFAULT_OVERRIDES: list[str] = []
+
+
+def code_eval(model, tok, cfg, data) -> dict:
+    """``session.run_eval`` with the execution reward instead of ``math_exact`` (run_eval hardcodes
+    math_exact; the code task needs ``code_tests``). Same eval config, same sampler, same problems."""
+    from miles_core.eval.evaluate import evaluate
+    from miles_core.rewards import get_reward
+    from miles_core.session import eval_config
+
+    ec = eval_config(cfg)
+    probs = data.test[:ec.num_problems]
+    r = evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, get_reward("code_tests"),
+                 batch_size=cfg.eval.batch_size)
+    fam_total = Counter(p.meta["family"] for p in probs)
+    fam_ok = Counter(p.meta["family"] for p, c in zip(probs, r.correct) if c[0])
+    return {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "config": r.config.to_dict(),
+            "per_family": {f: fam_ok[f] / n for f, n in sorted(fam_total.items())},
+            "samples": [{k: s[k] for k in ("prompt", "completion", "correct")} for s in r.samples[:8]]}
+
+
+def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from miles_core.config import load_recipe
+    from miles_core.models.base import load_checkpoint
+    from miles_core.rewards.code import code_tests_reward, shared_pool
+    from miles_core.session import Learner, build_task, train_baseline
+
+    cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
+    data = build_task(cfg)
+    ckpt = Path(out) / f"seed{seed}" / "sft"
+    t0 = time.perf_counter()
+    train_baseline(cfg, data, ckpt, seed=seed)
+    sft_seconds = time.perf_counter() - t0
+    base, tok = load_checkpoint(ckpt)
+    results = {"sft": code_eval(base, tok, cfg, data)}
+    print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f} ({sft_seconds:.0f}s)", flush=True)
+
+    learner = Learner(cfg, ckpt, seed=seed)
+    reward_seconds, statuses, curve = [0.0], Counter(), []
+
+    def timed_reward(prompts, completions, **meta):  # the Learner's own reward, timed and its reasons kept
+        t = time.perf_counter()
+        out = code_tests_reward(prompts, completions, **meta)
+        reward_seconds[0] += time.perf_counter() - t
+        statuses.update(code_tests_reward.last_stats["status_counts"])
+        return out
+    learner.reward_fn = timed_reward
+    t1, n = time.perf_counter(), 0
+    for it in range(cfg.train.iterations):
+        batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
+        n += len(batch)
+        st = learner.update(batch)
+        if (it + 1) % 10 == 0:
+            r = float(batch.reward.nan_to_num(0).mean())
+            full = float((batch.reward >= 1).float().mean())
+            curve.append({"iteration": it + 1, "reward": r, "solved": full})
+            print(f"[seed {seed}] adpo it {it + 1} reward {r:.3f} solved {full:.3f} clip {st.get('clip_frac', 0):.3f} "
+                  f"zero-reasons {code_tests_reward.last_stats['zero_reasons'][:2]}", flush=True)
+    adpo_seconds = time.perf_counter() - t1
+    results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
+    print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
+          flush=True)
+    if control:  # same labelled data, all weights, as long as ADPO ran
+        from miles_core.algo.sft import train_sft
+
+        model, tok = load_checkpoint(ckpt)
+        s = cfg.sft
+        train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
+                  completion_len=cfg.task.completion_len, steps=10**9, batch_size=s.batch_size, lr=s.lr,
+                  weight_decay=s.weight_decay, warmup=1, seed=seed + 1000, time_budget_s=adpo_seconds)
+        results["sft_continued"] = code_eval(model, tok, cfg, data)
+        print(f"[seed {seed}] SFT continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
+    return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds,
+            "reward_seconds": reward_seconds[0], "completions": n, "reward_status_counts": dict(statuses),
+            "adpo_curve": curve, "sandbox_layers": shared_pool().layers}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--sft-continued", action="store_true", help="also run the continued-SFT control arm")
+    args = ap.parse_args()
+    overrides = DEFAULT_OVERRIDES + args.set
+    t0 = time.perf_counter()
+    work = args.workdir or tempfile.mkdtemp(prefix="miles-code-")
+    with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
+        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_continued) for s in args.seeds])
+    arms = ("sft", "adpo", "sft_continued") if args.sft_continued else ("sft", "adpo")
+    mean = {a: sum(p["results"][a]["pass1"] for p in per_seed) / len(per_seed) for a in arms}
+    wins = sum(a and not b for p in per_seed for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]))
+    losses = sum(b and not a for p in per_seed for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]))
+    rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
+    rows.append(["mean"] + [mean[a] for a in arms])
+    print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
+    p_value = sign_test_p(wins, losses)
+    print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {len(per_seed[0]['results']['sft']['correct'])} "
+          f"held-out tasks; sign test wins {wins} losses {losses} p = {p_value:.3g}")
+    payload = {
+        "sft_pass1": mean["sft"], "adpo_pass1": mean["adpo"], "adpo_minus_sft": mean["adpo"] - mean["sft"],
+        **({"sft_continued_pass1": mean["sft_continued"]} if args.sft_continued else {}),
+        "target_gain": 0.10, "paired_sign_test_p": p_value, "sign_test_wins": wins, "sign_test_losses": losses,
+        "seconds": time.perf_counter() - t0, "seeds": args.seeds, "overrides": overrides,
+        "eval_config": per_seed[0]["results"]["sft"]["config"],
+        "num_heldout_tasks": len(per_seed[0]["results"]["sft"]["correct"]),
+        "sandbox_layers": per_seed[0]["sandbox_layers"],
+        "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
+                      "sft_per_family": p["results"]["sft"]["per_family"],
+                      "adpo_per_family": p["results"]["adpo"]["per_family"],
+                      "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"],
+                      "reward_seconds": p["reward_seconds"], "completions_scored": p["completions"],
+                      "reward_status_counts": p["reward_status_counts"], "adpo_curve": p["adpo_curve"],
+                      "sft_samples": p["results"]["sft"]["samples"], "adpo_samples": p["results"]["adpo"]["samples"]}
+                     for p in per_seed],
+    }
+    print(f"wrote {write_result('code', payload)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,251 @@
+"""Procedural code synthesis: write a Python expression for an integer function given by examples.
+
+Prompt: the outputs ``f(0), f(1), ..., f(n-1)`` of an unknown function, e.g. ``-9,-7,-5,-3,-1,1``
+(the inputs are always ``x = 0..n-1``, so only the outputs need to be shown). Completion: the
+body of ``def f(x): return ...`` as one Python expression, e.g. ``x*2-9``. The reward executes it
+in the sandbox (:mod:`miles_core.rewards.sandbox`) against the examples plus hidden inputs
+(negative and large x) that the prompt never shows, so the program must be the function itself.
+
+A function is a shape (``x``, ``2x``, ``3x``, ``-x``, ``x%m``, ``x//m``, ``x*x``, ``min(x,t)``)
+plus a constant b in [-b_max, b_max]: small enough for a tiny model trained on CPU in minutes,
+large enough (about 1100 functions) for a held-out set of over 200 unseen functions. Each has
+several equivalent spellings (``x*2-9``, ``2*x-9``, ``-9+x+x`` ...). SFT demonstrations use a
+randomly chosen spelling, as human-written code would; the execution reward accepts any of them.
+The space is enumerated once: functions whose examples cannot tell them apart but whose hidden
+tests differ are dropped (every task is solvable), and the held-out bucket is a hash of the
+prompt text, which here identifies the function, so test functions are disjoint from the train
+and RL functions for every seed and size.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Iterable, Sequence
+
+from miles_core.data.arith import Problem
+
+SPLITS = ("train", "test", "rl")
+TEST_BUCKETS = 2  # hash % 10 < TEST_BUCKETS -> test: about 20% of all functions
+FAMILIES = ("linear", "mod", "div", "square", "min")
+HIDDEN_INPUTS = (-7, -3, -1, 6, 7, 9, 12, 17, 24)
+ENTRY, PARAMS = "f", "x"
+_SAFE_BUILTINS = {"abs": abs, "max": max, "min": min}
+_CHECK_XS = tuple(range(-30, 31))
+
+
+@dataclass(frozen=True)
+class CodeConfig:
+    """``examples``: visible outputs f(0..examples-1); ``b_max``: additive constants in [-b_max, b_max]."""
+
+    examples: int = 6
+    families: tuple[str, ...] = FAMILIES
+    b_max: int = 49
+    hidden_inputs: tuple[int, ...] = HIDDEN_INPUTS
+
+    def __post_init__(self) -> None:
+        if not 3 <= self.examples <= 10:
+            raise ValueError(f"CodeConfig.examples: need 3 <= examples <= 10, got {self.examples}")
+        bad = sorted(set(self.families) - set(FAMILIES))
+        if bad or not self.families:
+            raise ValueError(f"CodeConfig.families: unknown {bad or 'empty'}; allowed: {', '.join(FAMILIES)}")
+        if not 0 <= self.b_max <= 99:
+            raise ValueError(f"CodeConfig.b_max: need 0 <= b_max <= 99, got {self.b_max}")
+        if not self.hidden_inputs or set(self.hidden_inputs) & set(range(self.examples)):
+            raise ValueError("CodeConfig.hidden_inputs: must be non-empty and disjoint from the visible x = 0..examples-1")
+
+
+@dataclass(frozen=True)
+class CodeFunction:
+    """One function: its family, equivalent spellings (``forms[0]`` canonical) and its values."""
+
+    family: str
+    forms: tuple[str, ...]
+    visible: tuple[int, ...]   # f(0..examples-1): the prompt
+    hidden: tuple[int, ...]    # f(hidden_inputs): never shown
+
+    @property
+    def prompt(self) -> str:
+        return ",".join(str(v) for v in self.visible)
+
+
+def run_trusted(expr: str, xs: Sequence[int]) -> tuple[int, ...]:
+    """Values of one of *this module's own* generated expressions. Never call it on model output:
+    completions run only in the sandbox (miles_core.rewards.sandbox)."""
+    fn = eval(f"lambda x: {expr}", {"__builtins__": _SAFE_BUILTINS})  # noqa: S307 - generated text only
+    return tuple(fn(x) for x in xs)
+
+
+def _with_const(terms: Sequence[str], b: int) -> list[str]:
+    """Spellings of ``term + b`` for each spelling of ``term``: ``t+b``, ``t-b``, ``b+t``, ``b-t``."""
+    if b == 0:
+        return list(terms)
+    out = [f"{t}{b:+d}" for t in terms]
+    out += [f"{b}{t}" if t.startswith("-") else f"{b}+{t}" for t in terms]
+    return out
+
+
+def _family_terms(family: str) -> Iterable[list[str]]:
+    """Every shape of a family (the function without its additive constant): its term spellings."""
+    if family == "linear":
+        yield ["x"]
+        yield ["x*2", "2*x", "x+x"]
+        yield ["x*3", "3*x"]
+        yield ["-x"]
+    elif family in ("mod", "div"):
+        op = "%" if family == "mod" else "//"
+        for m in (2, 3):
+            yield [f"x{op}{m}"]
+    elif family == "square":
+        yield ["x*x", "x**2"]
+    elif family == "min":
+        for t in (2, 3):
+            yield [f"min(x,{t})", f"min({t},x)"]
+
+
+@lru_cache(maxsize=8)
+def enumerate_functions(cfg: CodeConfig) -> tuple[CodeFunction, ...]:
+    """The whole (deduplicated, unambiguous) function space of ``cfg``, in a fixed order.
+
+    Spellings of one function are checked to agree on x in [-30, 30]; a generator bug that made
+    two "equivalent" forms differ raises here instead of mislabelling demonstrations.
+    """
+    xs_vis, xs_hid = tuple(range(cfg.examples)), tuple(cfg.hidden_inputs)
+    by_behaviour: dict[tuple, CodeFunction] = {}
+    for fam in cfg.families:
+        for terms in _family_terms(fam):
+            for b in range(-cfg.b_max, cfg.b_max + 1):
+                forms = _with_const(terms, b)
+                ref = run_trusted(forms[0], _CHECK_XS)
+                for f in forms[1:]:
+                    if run_trusted(f, _CHECK_XS) != ref:
+                        raise AssertionError(f"code task: {f!r} is not equivalent to {forms[0]!r}")
+                fn = CodeFunction(fam, tuple(forms), run_trusted(forms[0], xs_vis), run_trusted(forms[0], xs_hid))
+                key = (fn.visible, fn.hidden)
+                if key in by_behaviour:  # same function reached from two families: merge spellings
+                    old = by_behaviour[key]
+                    merged = old.forms + tuple(f for f in fn.forms if f not in old.forms)
+                    by_behaviour[key] = CodeFunction(old.family, merged, old.visible, old.hidden)
+                else:
+                    by_behaviour[key] = fn
+    hidden_by_prompt: dict[tuple, set] = {}
+    for fn in by_behaviour.values():
+        hidden_by_prompt.setdefault(fn.visible, set()).add(fn.hidden)
+    return tuple(fn for fn in by_behaviour.values() if len(hidden_by_prompt[fn.visible]) == 1)
+
+
+def _bucket(prompt: str) -> int:
+    h = hashlib.sha256("".join(prompt.split()).encode("utf-8")).digest()
+    return int.from_bytes(h[:8], "big") % 10
+
+
+def is_test_prompt(prompt: str) -> bool:
+    """True when the prompt (and so its function) is in the held-out test bucket."""
+    return _bucket(prompt) < TEST_BUCKETS
+
+
+def make_tests(fn: CodeFunction, cfg: CodeConfig) -> list[list[Any]]:
+    """``[[args, expected], ...]``: the visible examples and the hidden inputs."""
+    xs = list(range(cfg.examples)) + list(cfg.hidden_inputs)
+    return [[[x], y] for x, y in zip(xs, fn.visible + fn.hidden)]
+
+
+def encode_answer(tests: list[list[Any]], entry: str = ENTRY, params: str = PARAMS) -> str:
+    """The ``Problem.answer`` string: what the ``code_tests`` reward needs, as JSON."""
+    return json.dumps({"entry": entry, "params": params, "tests": tests}, separators=(",", ":"))
+
+
+def decode_answer(answer: str) -> dict[str, Any]:
+    """Inverse of :func:`encode_answer`; raises ValueError naming what is wrong."""
+    try:
+        spec = json.loads(answer)
+    except (TypeError, json.JSONDecodeError) as e:
+        raise ValueError(f"code answer: not JSON ({e})") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("tests"), list) or not spec["tests"]:
+        raise ValueError("code answer: need an object with a non-empty 'tests' list")
+    for i, t in enumerate(spec["tests"]):
+        if not (isinstance(t, list) and len(t) == 2 and isinstance(t[0], list)):
+            raise ValueError(f"code answer: tests[{i}] must be [args_list, expected]")
+    entry, params = spec.get("entry", ENTRY), spec.get("params", PARAMS)
+    if not (isinstance(entry, str) and entry.isidentifier() and isinstance(params, str)):
+        raise ValueError("code answer: 'entry' must be an identifier and 'params' a string")
+    return {"entry": entry, "params": params, "tests": spec["tests"]}
+
+
+class CodeTask:
+    """Sampler and splits for the code task (same interface as ``ArithTask``)."""
+
+    def __init__(self, cfg: CodeConfig | None = None) -> None:
+        self.cfg = cfg or CodeConfig()
+        fns = enumerate_functions(self.cfg)
+        self.pools: dict[bool, tuple[CodeFunction, ...]] = {
+            True: tuple(f for f in fns if is_test_prompt(f.prompt)),
+            False: tuple(f for f in fns if not is_test_prompt(f.prompt)),
+        }
+        self._by_prompt = {f.prompt: f for f in fns}
+
+    def make_problem(self, fn: CodeFunction, rng: random.Random, split: str | None = None) -> Problem:
+        """A problem for ``fn``; the SFT target is one of its spellings, drawn with ``rng``."""
+        meta: dict[str, Any] = {"task": "code", "family": fn.family, "canonical": fn.forms[0],
+                                "test_bucket": is_test_prompt(fn.prompt)}
+        if split is not None:
+            meta["split"] = split
+        return Problem(prompt=fn.prompt, target=rng.choice(fn.forms),
+                       answer=encode_answer(make_tests(fn, self.cfg)), meta=meta)
+
+    def function(self, prompt: str) -> CodeFunction:
+        try:
+            return self._by_prompt["".join(prompt.split())]
+        except KeyError:
+            raise ValueError(f"CodeTask: {prompt!r} is not a prompt of this task's function space") from None
+
+    def sample(self, rng: random.Random, split: str = "train") -> Problem:
+        """One problem from ``split``'s bucket (train/rl never yield a test-bucket function)."""
+        if split not in SPLITS:
+            raise ValueError(f"CodeTask: unknown split {split!r}; allowed: {SPLITS}")
+        return self.make_problem(rng.choice(self.pools[split == "test"]), rng, split)
+
+    def split(self, name: str, n: int, seed: int, exclude: Iterable[str] = ()) -> list[Problem]:
+        """``n`` problems with distinct functions from split ``name``, deterministic in (name, seed, cfg).
+
+        Raises ValueError when the bucket has fewer than ``n`` functions left after ``exclude``.
+        """
+        if name not in SPLITS:
+            raise ValueError(f"CodeTask.split: unknown split {name!r}; allowed: {SPLITS}")
+        if n < 0:
+            raise ValueError(f"CodeTask.split: n must be >= 0, got {n}")
+        skip = {"".join(p.split()) for p in exclude}
+        pool = [f for f in self.pools[name == "test"] if f.prompt not in skip]
+        if n > len(pool):
+            raise ValueError(f"CodeTask.split: asked for {n} {name!r} problems but the bucket holds only "
+                             f"{len(pool)} distinct functions for {self.cfg}; ask for fewer or widen b_max")
+        rng = random.Random(f"miles-code:{name}:{seed}")
+        return [self.make_problem(fn, rng, name) for fn in rng.sample(pool, n)]
+
+
+def max_target_len(cfg: CodeConfig) -> int:
+    """Longest spelling of any function (exact: the space is enumerated)."""
+    return max(len(f) for fn in enumerate_functions(cfg) for f in fn.forms)
+
+
+def max_prompt_len(cfg: CodeConfig) -> int:
+    return max(len(fn.prompt) for fn in enumerate_functions(cfg))
+
+
+@dataclass
+class SpaceStats:
+    functions: int
+    test_functions: int
+    per_family: dict[str, int] = field(default_factory=dict)
+
+
+def space_stats(cfg: CodeConfig) -> SpaceStats:
+    """Size of the function space and of its held-out bucket (to check a split request fits)."""
+    fns = enumerate_functions(cfg)
+    fam: dict[str, int] = {}
+    for f in fns:
+        fam[f.family] = fam.get(f.family, 0) + 1
+    return SpaceStats(len(fns), sum(is_test_prompt(f.prompt) for f in fns), fam)

@@ -1,0 +1,381 @@
+"""Execution reward for code: run each completion against its tests in the sandbox.
+
+The contract is TRL's ``fn(prompts, completions, **meta) -> list[float | None]``; the tests of
+each completion arrive in ``meta["answer"]`` as the JSON written by
+:func:`miles_core.data.code.encode_answer` (rollout passes ``Problem.answer`` through). Reward =
+fraction of tests passed; a crash, timeout, limit breach or policy refusal scores 0, and
+:func:`score_completions` returns the reason with every score (the reward function keeps the
+last batch's reasons in ``code_tests_reward.last_stats`` so trainers can log them).
+
+:class:`SandboxPool` here drives the persistent workers of :mod:`miles_core.rewards.sandbox`
+(which documents what each isolation layer does and does not guarantee). Expected outputs never
+leave this process: workers get the inputs only, and comparison happens here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections import Counter, OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from miles_core.data.code import decode_answer
+from miles_core.rewards import sandbox
+from miles_core.rewards.sandbox import recv_msg, send_msg
+
+log = logging.getLogger("miles.rewards.code")
+MAX_COMPLETION_CHARS = 20_000
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 2.0          # wall clock per run (sleeping or blocked code)
+    cpu_s: int = 1                  # RLIMIT_CPU seconds (busy loops)
+    memory_mb: int = 256            # RLIMIT_AS
+    output_bytes: int = 1 << 20     # RLIMIT_FSIZE: stdout/stderr and any file written
+    open_files: int = 32            # RLIMIT_NOFILE
+    result_bytes: int = 1 << 20     # cap on the result message read back
+    tmpfs_mb: int = 64              # private /tmp size when a mount namespace is available
+
+    def __post_init__(self) -> None:
+        for name, low in (("timeout_s", 0.05), ("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1024),
+                          ("open_files", 8), ("result_bytes", 1024), ("tmpfs_mb", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+                raise ValueError(f"SandboxLimits.{name}: need a number >= {low}, got {value!r}")
+        if not isinstance(self.cpu_s, int):
+            raise ValueError(f"SandboxLimits.cpu_s: need whole seconds (RLIMIT_CPU), got {self.cpu_s!r}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """``source``: an expression (body of ``def entry(params)``) or a module defining ``entry``."""
+
+    source: str
+    inputs: Sequence[Sequence[Any]]   # one argument list per test call
+    entry: str = "f"
+    params: str = "x"
+    kind: str = "auto"                # "expression" | "module" | "auto" (expression if it parses as one)
+
+
+@dataclass
+class ExecResult:
+    """How one run ended. ``status`` is "ok" or a failure kind; ``reason`` says why in words."""
+
+    status: str
+    reason: str
+    outputs: list[Any] = field(default_factory=list)        # per input; None where the call raised
+    errors: list[str | None] = field(default_factory=list)  # per input; "raised TypeError" where it raised
+    seconds: float = 0.0
+    pid: int = 0
+    output_tail: str = ""                                    # last bytes of stdout/stderr
+
+
+class SandboxPool:
+    """Persistent sandbox workers that run a batch of jobs in parallel, one fresh child per job.
+
+    ``submit`` returns a Future at once, so a caller can keep sampling while a batch is scored;
+    ``run`` waits. A worker that fails (it should not: runs happen in its children) is killed and
+    replaced, and its job reports ``worker_error``. :attr:`layers` says which layers are active.
+    """
+
+    def __init__(self, workers: int | None = None, limits: SandboxLimits | None = None, *, audit_hook: bool = True,
+                 namespaces: bool = True, tmp_parent: str | None = None, cache_size: int = 20_000) -> None:
+        import queue
+        import tempfile
+
+        self.limits = limits or SandboxLimits()
+        n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1))
+        if n < 1:
+            raise ValueError(f"SandboxPool: workers must be >= 1, got {n}")
+        self._opts = {"limits": dataclasses.asdict(self.limits), "audit_hook": audit_hook, "namespaces": namespaces,
+                      "tmp_parent": os.path.realpath(tmp_parent or tempfile.gettempdir())}
+        self._queue: Any = queue.SimpleQueue()
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, ExecResult] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._locks = [threading.Lock() for _ in range(n)]
+        self._procs = [self._spawn() for _ in range(n)]
+        self.layers: dict[str, bool] = self._procs[0][1]
+        self.closed = False
+        self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"miles-sandbox-{i}")
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _spawn(self) -> tuple[Any, dict[str, bool]]:
+        import subprocess
+
+        p = subprocess.Popen([sys.executable, "-I", "-S", "-B", os.path.abspath(sandbox.__file__)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, env={}, start_new_session=True, close_fds=True)
+        try:
+            send_msg(p.stdin.fileno(), self._opts)
+            hello = recv_msg(p.stdout.fileno(), time.monotonic() + 60)
+            if not isinstance(hello, dict):
+                raise EOFError("exited before the handshake")
+        except (OSError, TimeoutError, EOFError, ValueError) as e:
+            self._kill(p)
+            raise RuntimeError(f"sandbox worker failed to start: {type(e).__name__}: {e}") from e
+        return p, hello["layers"]
+
+    def _kill(self, p: Any) -> None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        p.wait()
+        shutil.rmtree(os.path.join(self._opts["tmp_parent"], f"miles-sandbox-{p.pid}"), ignore_errors=True)
+
+    def _call(self, i: int, msg: dict, timeout: float) -> dict:
+        with self._locks[i]:
+            p = self._procs[i][0]
+            try:
+                send_msg(p.stdin.fileno(), msg)
+                reply = recv_msg(p.stdout.fileno(), time.monotonic() + timeout)
+                if not isinstance(reply, dict):
+                    raise EOFError("worker exited")
+                return reply
+            except (OSError, EOFError, TimeoutError, ValueError) as e:
+                self._kill(p)
+                self._procs[i] = self._spawn()
+                raise RuntimeError(f"sandbox worker failed ({type(e).__name__}: {e}) and was replaced") from e
+
+    def _serve(self, i: int) -> None:
+        while (item := self._queue.get()) is not None:
+            job, done, key = item
+            try:
+                reply = self._call(i, job, self.limits.timeout_s + 15)
+                res = ExecResult(**{k: reply[k] for k in reply if k in _RESULT_FIELDS})
+            except Exception as e:  # noqa: BLE001 - reported per job, the pool keeps serving
+                res = ExecResult("worker_error", str(e)[:300])
+            done(key, res)
+
+    def submit(self, jobs: Sequence[Job]) -> "Future[list[ExecResult]]":
+        """Queue ``jobs``; the Future resolves to their results, in order.
+
+        Identical jobs (same source and inputs: common within an RL group) run once, and results
+        of recent jobs are reused from an LRU cache (``cache_size``), except timeouts and worker
+        errors, which may be transient. Programs are assumed deterministic for this purpose.
+        """
+        if self.closed:
+            raise RuntimeError("SandboxPool.submit: the pool is closed")
+        msgs = [_job_message(j, k) for k, j in enumerate(jobs)]
+        fut: Future = Future()
+        results: list[Any] = [None] * len(msgs)
+        groups: dict[str, list[int]] = {}
+        for k, m in enumerate(msgs):
+            key = json.dumps(m, sort_keys=True)
+            with self._cache_lock:
+                hit = self._cache.get(key)
+                if hit is not None:
+                    self._cache.move_to_end(key)
+            if hit is not None:
+                results[k] = hit
+            else:
+                groups.setdefault(key, []).append(k)
+        left, lock = [len(groups)], threading.Lock()
+
+        def done(key: str, res: ExecResult) -> None:
+            if self.cache_size and res.status not in ("timeout", "worker_error"):
+                with self._cache_lock:
+                    self._cache[key] = res
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+            with lock:
+                for k in groups[key]:
+                    results[k] = res
+                left[0] -= 1
+                if left[0] == 0:
+                    fut.set_result(results)
+        if not groups:
+            fut.set_result(results)
+        for key, idx in groups.items():
+            self._queue.put((msgs[idx[0]], done, key))
+        return fut
+
+    def run(self, jobs: Sequence[Job]) -> list[ExecResult]:
+        return self.submit(jobs).result()
+
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p, _ in self._procs]
+
+    def status(self) -> list[dict]:
+        """Per worker: files left in its run directory and whether any child is still alive."""
+        return [self._call(i, {"op": "status"}, 30) for i in range(len(self._procs))]
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=self.limits.timeout_s + 20)
+        for p, _ in self._procs:
+            p.stdin.close()  # EOF: the worker removes its directory and exits
+            try:
+                p.wait(timeout=5)
+            except Exception:  # noqa: BLE001
+                self._kill(p)
+            p.stdout.close()
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_RESULT_FIELDS = frozenset(f.name for f in dataclasses.fields(ExecResult))
+_SHARED: dict[int, SandboxPool] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def _job_message(job: Job, k: int) -> dict:
+    if not isinstance(job, Job) or not isinstance(job.source, str):
+        raise TypeError(f"SandboxPool: jobs[{k}] must be a Job with a str source, got {type(job).__name__}")
+    if job.kind not in ("expression", "module", "auto"):
+        raise ValueError(f"SandboxPool: jobs[{k}].kind must be 'expression', 'module' or 'auto', got {job.kind!r}")
+    if not job.entry.isidentifier():
+        raise ValueError(f"SandboxPool: jobs[{k}].entry must be an identifier, got {job.entry!r}")
+    msg = {"source": job.source, "inputs": [list(a) for a in job.inputs], "entry": job.entry, "params": job.params,
+           "kind": job.kind}
+    try:
+        json.dumps(msg["inputs"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"SandboxPool: jobs[{k}].inputs must be JSON values ({e})") from None
+    return msg
+
+
+def shared_pool() -> SandboxPool:
+    """One pool per process with default limits, closed at exit (what the code reward uses)."""
+    with _SHARED_LOCK:
+        pool = _SHARED.get(os.getpid())
+        if pool is None or pool.closed:
+            pool = _SHARED[os.getpid()] = SandboxPool()
+            atexit.register(pool.close)
+        return pool
+
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    score: float      # fraction of tests passed; 0 for a crash, timeout, limit breach or refusal
+    reason: str
+    passed: int
+    total: int
+    status: str       # the run's status ("ok" when it finished), see sandbox.ExecResult
+
+
+def _same(got: Any, want: Any) -> bool:
+    """Strict equality of JSON values: True != 1 and 1.0 != 1 (type confusions are wrong answers)."""
+    if type(got) is not type(want):
+        return False
+    if isinstance(want, list):
+        return len(got) == len(want) and all(_same(g, w) for g, w in zip(got, want))
+    if isinstance(want, dict):
+        return got.keys() == want.keys() and all(_same(got[k], want[k]) for k in want)
+    return bool(got == want)
+
+
+def score_result(res: ExecResult, expected: Sequence[Any], inputs: Sequence[Sequence[Any]] = ()) -> Score:
+    """Fraction of tests whose output equals ``expected``; 0 with the run's reason if it did not finish."""
+    total = len(expected)
+    if res.status != "ok" or len(res.outputs) != total:
+        why = res.reason if res.status != "ok" else f"reported {len(res.outputs)} outputs for {total} tests"
+        return Score(0.0, why, 0, total, res.status if res.status != "ok" else "bad_result")
+    ok = [res.errors[i] is None and _same(res.outputs[i], expected[i]) for i in range(total)]
+    passed = sum(ok)
+    if passed == total:
+        return Score(1.0, f"passed {total}/{total} tests", passed, total, "ok")
+    i = ok.index(False)
+    call = f"f{tuple(inputs[i])}" if i < len(inputs) else f"test {i}"
+    got = res.errors[i] or f"returned {json.dumps(res.outputs[i])[:60]}"
+    return Score(passed / total, f"passed {passed}/{total} tests; first failure {call} {got}, "
+                 f"expected {json.dumps(expected[i])[:60]}", passed, total, "ok")
+
+
+def _prepare(completions: Sequence[Any], answers: Sequence[Any]) -> tuple[list[Job | Score | None], list[list]]:
+    """Per completion: a Job to run, a Score decided without running it, or None (unscorable reference)."""
+    from miles_core.rewards.math import completion_text
+
+    if len(completions) != len(answers):
+        raise ValueError(f"code reward: answer has {len(answers)} items but there are {len(completions)} completions")
+    plan: list[Job | Score | None] = []
+    expected: list[list] = []
+    for comp, ans in zip(completions, answers):
+        try:
+            spec = decode_answer(ans)
+        except ValueError:
+            plan.append(None)
+            expected.append([])
+            continue
+        tests = spec["tests"]
+        expected.append([t[1] for t in tests])
+        text = completion_text(comp).strip()
+        if not text:
+            plan.append(Score(0.0, "empty completion", 0, len(tests), "empty"))
+        elif len(text) > MAX_COMPLETION_CHARS:
+            plan.append(Score(0.0, f"completion longer than {MAX_COMPLETION_CHARS} characters", 0, len(tests), "too_long"))
+        else:
+            plan.append(Job(text, [t[0] for t in tests], spec["entry"], spec["params"], "auto"))
+    return plan, expected
+
+
+def submit_scores(completions: Sequence[Any], answers: Sequence[Any],
+                  pool: SandboxPool | None = None) -> "Future[list[Score | None]]":
+    """Start scoring in the sandbox workers and return at once (the caller can keep sampling)."""
+    plan, expected = _prepare(completions, answers)
+    jobs = [p for p in plan if isinstance(p, Job)]
+    inner = (pool or shared_pool()).submit(jobs)
+    out: Future = Future()
+
+    def finish(f: Future) -> None:
+        try:
+            results = iter(f.result())
+            scores: list[Score | None] = []
+            for p, exp in zip(plan, expected):
+                scores.append(score_result(next(results), exp, p.inputs) if isinstance(p, Job) else p)
+            out.set_result(scores)
+        except BaseException as e:  # noqa: BLE001 - surfaced to whoever waits on the future
+            out.set_exception(e)
+    inner.add_done_callback(finish)
+    return out
+
+
+def score_completions(completions: Sequence[Any], answers: Sequence[Any],
+                      pool: SandboxPool | None = None) -> list[Score | None]:
+    """(score, reason) for every completion; None where the reference tests are missing or malformed."""
+    return submit_scores(completions, answers, pool).result()
+
+
+def summarize(scores: Sequence[Score | None]) -> dict[str, Any]:
+    """Counts per run status and the most common reasons for a zero score (for logs and stats)."""
+    zero = Counter(s.reason for s in scores if s is not None and s.score == 0.0)
+    return {"status_counts": dict(Counter(s.status if s else "unscorable" for s in scores)),
+            "zero_reasons": zero.most_common(5), "mean": sum(s.score for s in scores if s) / max(len(scores), 1)}
+
+
+def code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], answer: Sequence[Any] | None = None,
+                      **_: Any) -> list[float | None]:
+    """Fraction of hidden tests passed (executed in the sandbox); 0 with a logged reason on any failure."""
+    if answer is None:
+        raise ValueError("code_tests reward: needs meta 'answer' (the JSON tests of each completion)")
+    scores = score_completions(completions, answer)
+    code_tests_reward.last_stats = summarize(scores)  # type: ignore[attr-defined]
+    log.debug("code_tests: %s", code_tests_reward.last_stats)  # type: ignore[attr-defined]
+    return [None if s is None else s.score for s in scores]
+
+
+code_tests_reward.last_stats = {}  # type: ignore[attr-defined]
