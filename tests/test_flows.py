@@ -158,7 +158,7 @@ def test_evaluate_flow_reproduces_the_champion_and_the_stored_adapter(trained: T
 
 def test_worse_run_does_not_move_the_champion(trained: TrainedProject) -> None:
     """An (almost) untrained base with no RL must not take the alias from the trained champion."""
-    weak = sft_flow(recipe="tiny", overrides=["sft.steps=1"], run_dir=str(trained.root / "weak-sft"),
+    weak = sft_flow(recipe="tiny", overrides=["sft.steps=1", "sft.seed=1"], run_dir=str(trained.root / "weak-sft"),
                     experiment=EXPERIMENT)
     res = train_flow(recipe="tiny", overrides=TINY_OVERRIDES, run_dir=str(trained.root / "weak"),
                      base_checkpoint=weak["base_checkpoint"], iterations=0, experiment=EXPERIMENT,
