@@ -25,13 +25,18 @@ from benchmarks.common import sign_test_p, table, write_result
 DEFAULT_OVERRIDES: list[str] = []
 
 
-def code_eval(model, tok, cfg, data) -> dict:
+def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
     """``session.run_eval`` with the execution reward instead of ``math_exact`` (run_eval hardcodes
-    math_exact; the code task needs ``code_tests``). Same eval config, same sampler, same problems."""
+    math_exact; the code task needs ``code_tests``). Same eval config, same sampler, same problems;
+    ``steps`` overrides the number of denoising passes (a side measurement, never the headline)."""
+    import dataclasses
+
     from miles_core.eval.evaluate import evaluate
     from miles_core.rewards import get_reward
     from miles_core.session import eval_config
 
+    if steps is not None:
+        cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, steps=steps))
     ec = eval_config(cfg)
     probs = data.test[:ec.num_problems]
     r = evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, get_reward("code_tests"),
@@ -59,7 +64,8 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     train_baseline(cfg, data, ckpt, seed=seed)
     sft_seconds = time.perf_counter() - t0
     base, tok = load_checkpoint(ckpt)
-    results = {"sft": code_eval(base, tok, cfg, data)}
+    seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding
+    results = {"sft": code_eval(base, tok, cfg, data), "sft_sequential": code_eval(base, tok, cfg, data, steps=seq)}
     print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f} ({sft_seconds:.0f}s)", flush=True)
 
     learner = Learner(cfg, ckpt, seed=seed)
@@ -85,6 +91,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
                   f"zero-reasons {code_tests_reward.last_stats['zero_reasons'][:2]}", flush=True)
     adpo_seconds = time.perf_counter() - t1
     results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
+    results["adpo_sequential"] = code_eval(learner.model, learner.tok, cfg, data, steps=seq)
     print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
           flush=True)
     if control:  # same labelled data, all weights, as long as ADPO ran
@@ -132,7 +139,11 @@ def main() -> None:
         "eval_config": per_seed[0]["results"]["sft"]["config"],
         "num_heldout_tasks": len(per_seed[0]["results"]["sft"]["correct"]),
         "sandbox_layers": per_seed[0]["sandbox_layers"],
+        "sequential_decoding_pass1": {a: sum(p["results"][f"{a}_sequential"]["pass1"] for p in per_seed) / len(per_seed)
+                                      for a in ("sft", "adpo")},
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
+                      "sft_sequential_pass1": p["results"]["sft_sequential"]["pass1"],
+                      "adpo_sequential_pass1": p["results"]["adpo_sequential"]["pass1"],
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],
                       "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"],

@@ -94,7 +94,8 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
              sampler: SamplerConfig | None = None, progress: bool = False) -> EvalResult:
     ec = eval_config(cfg, num_problems, sampler)
     probs = data.test[:ec.num_problems]
-    return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, get_reward("math_exact"),
+    reward = get_reward("code_tests" if cfg.task.name == "code" else "math_exact")  # pass@1 = the task's own check
+    return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, reward,
                     batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler)
 
 

@@ -47,10 +47,11 @@ import os
 import select
 import shutil
 import signal
+import stat
 import struct
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 NOBODY = 65534
 VIOLATION_EXIT = 86
@@ -210,7 +211,7 @@ def _harness(job: dict, out_fd: int) -> None:
     report({"status": "ok", "reason": "finished", "outputs": outputs, "errors": errors})
 
 
-def _audit_hook(job_dir: str, read_roots: tuple[str, ...], out_fd: int):
+def _audit_hook(job_dir: str, read_roots: tuple[str, ...], out_fd: int) -> Callable[[str, tuple], None]:
     """The in-process policy (see module docstring); a refusal reports and exits immediately."""
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     inside = lambda p, root: p == root or p.startswith(root + os.sep)  # noqa: E731
@@ -351,16 +352,14 @@ def _collect(pid: int, r: int, deadline: float, cap: int) -> tuple[bytearray, in
 
 
 def _tail(path: str, n: int = 400) -> str:
+    """Last bytes of the run's stdout/stderr; regular files only (the child could swap in a FIFO)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return ""
     try:
-        if not (os.fstat(fd).st_mode & 0o170000 == 0o100000):  # regular files only
-            return ""
-        size = os.fstat(fd).st_size
-        os.lseek(fd, max(0, size - n), 0)
-        return os.read(fd, n).decode("utf-8", "replace")
+        st = os.fstat(fd)
+        return os.pread(fd, n, max(0, st.st_size - n)).decode("utf-8", "replace") if stat.S_ISREG(st.st_mode) else ""
     finally:
         os.close(fd)
 
@@ -381,7 +380,7 @@ def _interpret(data: bytes, status: int, timed_out: bool, lim: dict) -> dict:
     code = os.WEXITSTATUS(status)
     try:
         msg = _decode_frame(data)
-    except (ValueError, struct.error, UnicodeDecodeError):
+    except ValueError:  # includes JSON and UTF-8 decoding errors
         msg = None
     if code == VIOLATION_EXIT and isinstance(msg, dict):
         return {"status": "blocked", "reason": str(msg.get("reason", "blocked by sandbox policy"))[:300]}
@@ -399,12 +398,8 @@ def _interpret(data: bytes, status: int, timed_out: bool, lim: dict) -> dict:
 
 
 def _decode_frame(data: bytes) -> Any:
-    if len(data) < _HDR.size:
-        return None
-    n = _HDR.unpack(data[:_HDR.size])[0]
-    if n != len(data) - _HDR.size:
-        raise ValueError("frame length mismatch")
-    return json.loads(data[_HDR.size:])
+    n = _HDR.unpack(data[:_HDR.size])[0] if len(data) >= _HDR.size else -1
+    return json.loads(data[_HDR.size:]) if n == len(data) - _HDR.size else None
 
 
 def _worker_main() -> None:
