@@ -8,14 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from prefect import task
-from prefect.cache_policies import NO_CACHE
 
 from miles_core.asyncrl.launch import prepare_run, run_local, summarize
 from miles_core.asyncrl.layout import RunStore
 from miles_core.config import load_recipe
-from tasks.training import STORAGE
-
-LIGHT = {"persist_result": False, "cache_policy": NO_CACHE}
+from tasks.training import LIGHT, STORAGE
 
 
 @task(name="prepare-async-run", **STORAGE, **LIGHT)

@@ -148,14 +148,13 @@ class AsyncLearner:
         start, updates_here = time.perf_counter(), 0
         last = start
         stopped = False
-        while len(self.handled()) < self.expected:
+        while len(handled := self.handled()) < self.expected:
             if rs.stop_requested():
                 stopped = True
                 break
             if self.max_updates is not None and updates_here >= self.max_updates:
                 stopped = True
                 break
-            handled = self.handled()
             pending = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories") if b not in handled]
             now = time.perf_counter()
             self.totals["wall_s"] += now - last

@@ -34,6 +34,7 @@ from miles_core.models.lora import add_lora
 from miles_core.rewards.math import get_reward
 from miles_core.session import build_task
 from miles_core.storage import BatchExistsError
+from miles_core.storage import uri as U
 
 log = logging.getLogger(__name__)
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -150,7 +151,8 @@ class SamplerWorker:
         seq = int(self.stats["next_seq"])
         while seq < a.batches_per_sampler:
             bid = batch_id(seq, self.worker)
-            if bid in quarantined or rs.retry(lambda: rs.exists("trajectories", "commits", f"{bid}.json"), "checking"):
+            marker = rs.trajectories.marker_path(bid)
+            if bid in quarantined or rs.retry(lambda: U.exists(rs.trajectories.fs, marker), f"checking {bid}"):
                 seq += 1  # committed before a restart: never sampled twice
                 continue
             if not self._wait(lambda: self.pending() < a.max_pending, a.poll_interval):
