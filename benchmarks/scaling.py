@@ -13,7 +13,9 @@ local Hugging Face folder, LoRA on every projection) and one torch thread per pr
   batch with twice the trajectories, so each rank has the same rows as in phase 1. Rewards are
   synthetic (one winner per group) so no trajectory has a zero advantage and every rank trains
   exactly prompts x group x steps rows; an update's cost does not depend on reward values.
-  Update time = max over ranks. throughput = rows / update time.
+  Update time = max over ranks. throughput = rows / update time. Phase 0 runs the 1-rank update on
+  both ranks at once with no collectives: what this machine gives two independent copies of the same
+  work, i.e. the ceiling any data-parallel learner could reach here.
 
 Why interleaved rounds in long-lived processes: this runs on a 2-core machine shared with other
 jobs, whose load comes and goes. Alternating 1- and 2-process phases (``--rounds`` times, medians
@@ -148,14 +150,14 @@ def learner_rank(args: argparse.Namespace) -> None:
     distributed_update(learner, batches[2], world)  # warm-up, both ranks
     recs = []
     for r in range(args.rounds):
-        for n in (1, 2):
+        for n in (1, 2, 0):  # 0: both ranks run 1-rank updates side by side, no collectives (machine ceiling)
             learner.gen.manual_seed(1000 * r + n)  # same rows on every rank
             world.broadcast_(learner.params)       # replicas equal again after rank 0's solo phase
             world.barrier()
             for _ in range(args.updates):
-                if n == 2 or world.rank == 0:
+                if n != 1 or world.rank == 0:
                     t0, c0 = time.perf_counter(), time.process_time()
-                    stats = distributed_update(learner, batches[n], world if n == 2 else World())
+                    stats = distributed_update(learner, batches[max(n, 1)], world if n == 2 else World())
                     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 else:
                     dt, cpu, stats = 0.0, 0.0, {"rows": 0.0}
@@ -206,11 +208,11 @@ def measure_learner(base: str, store: str, work: Path, a: argparse.Namespace) ->
         raise RuntimeError(f"learner benchmark under torchrun failed:\n{proc.stderr[-3000:]}")
     recs = json.loads(out.read_text())
     res: dict = {}
-    for n in (1, 2):
+    for n in (1, 2, 0):
         rs = [x for x in recs if x["procs"] == n]
-        rows = rs[-1]["rows"]
+        rows = rs[-1]["rows"] * (2 if n == 0 else 1)  # phase 0: two independent 1-rank updates
         t = statistics.median(x["update_s"] for x in rs)
-        res[n] = {"ranks": n, "rows_per_update": rows, "rows_per_rank": rows / n, "update_s_median": t,
+        res[n] = {"ranks": n, "rows_per_update": rows, "rows_per_rank": rows / max(n, 1) if n else rows / 2, "update_s_median": t,
                   "update_s_all": [x["update_s"] for x in rs], "rows_per_s": rows / t,
                   "rows_per_cpu_s": rows / statistics.median(x["cpu_s"] for x in rs),
                   "cores_obtained": statistics.median(x["cpu_s"] / x["update_s"] for x in rs)}
@@ -222,13 +224,17 @@ def report(samplers: dict, learner: dict, a: argparse.Namespace) -> None:
     l_eff = learner[2]["rows_per_s"] / (2 * learner[1]["rows_per_s"])
     s_cpu = samplers[2]["completions_per_cpu_s"] / samplers[1]["completions_per_cpu_s"]
     l_cpu = learner[2]["rows_per_cpu_s"] / learner[1]["rows_per_cpu_s"]
+    ceiling = learner[0]["rows_per_s"] / (2 * learner[1]["rows_per_s"])
     share = {k: d[2]["cores_obtained"] / (2 * d[1]["cores_obtained"]) for k, d in (("sampler", samplers), ("learner", learner))}
     print(table([
         ["sampler", 1, samplers[1]["completions_per_s"], "completions/s", ""],
         ["sampler", 2, samplers[2]["completions_per_s"], "completions/s", s_eff],
         ["learner", 1, learner[1]["rows_per_s"], f"rows/s ({learner[1]['update_s_median']:.3f}s/update)", ""],
         ["learner", 2, learner[2]["rows_per_s"], f"rows/s ({learner[2]['update_s_median']:.3f}s/update)", l_eff],
+        ["2 independent 1-rank learners", 2, learner[0]["rows_per_s"], "rows/s (no collectives)", ceiling],
     ], ["part", "procs", "throughput", "unit", "efficiency_2"]))
+    print(f"machine ceiling (two independent copies of the 1-rank update at once): {ceiling:.3f}; "
+          f"learner efficiency / ceiling = {l_eff / ceiling:.3f} (the part data parallelism itself costs)")
     print(f"work per CPU-second, 2 procs / 1 proc: sampler {s_cpu:.3f}, learner {l_cpu:.3f}")
     print(f"cores obtained, 2 procs / (2 x 1 proc): sampler {share['sampler']:.3f}, learner {share['learner']:.3f} "
           f"(below 1: other processes held the cores)")
@@ -240,6 +246,7 @@ def report(samplers: dict, learner: dict, a: argparse.Namespace) -> None:
         "sampler_efficiency_2": s_eff, "learner_efficiency_2": l_eff, "target": target,
         "sampler_cpu_efficiency_2": s_cpu, "learner_cpu_efficiency_2": l_cpu,
         "sampler_core_share_2": share["sampler"], "learner_core_share_2": share["learner"],
+        "machine_ceiling_2": ceiling, "learner_efficiency_vs_ceiling": l_eff / ceiling,
         "samplers": samplers, "learner": learner, "cpus": os.cpu_count(), "recipe": RECIPE,
         "settings": {k: v for k, v in vars(a).items() if k not in ("learner_rank", "overrides")},
         "overrides": _overrides(a),
