@@ -24,10 +24,17 @@ from pathlib import Path
 
 from benchmarks.common import table, write_result
 
-# 3 single-thread samplers + 1 single-thread learner on 2 cores: sampling costs ~2.5x an update
-# here, and samplers that back-pressure blocks sleep and hand their core to the learner.
-DEFAULT_OVERRIDES = ["async_rl.num_samplers=3", "async_rl.batches_per_sampler=30", "async_rl.max_pending=2",
-                     "adpo.max_staleness=4", "sft.steps=2500"]
+# 150 batches (the arith recipe's train.iterations) of 16 x 8 completions. Measured on the quiet
+# 2-core machine (single thread: a rollout 0.46 s, an update 0.18 s):
+#   3 samplers, nice 0:  1.06x, learner idle 7.5%  (4 processes time-share 2 cores; samplers slow down)
+#   3 samplers, nice 10: 1.14x, idle 41%
+#   2 samplers, nice 0:  1.17x, idle 18%
+#   2 samplers, nice 10: 1.23x, idle 36%   <- default: the learner takes a core whenever it has work
+# Sampling costs 2.5x an update here, so on shared cores a learner that never waits is a learner
+# that is starved of CPU: idle and throughput trade against each other (see the closing note).
+DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=75", "async_rl.max_pending=3",
+                     "async_rl.sampler_nice=10", "async_rl.checkpoint_every=10", "adpo.max_staleness=5",
+                     "sft.steps=2500"]
 
 
 def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
@@ -72,6 +79,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="SFT checkpoint to start from (trained if omitted)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
+    ap.add_argument("--cold", action="store_true", help="start each async worker as a fresh interpreter "
+                    "(default: fork them from one preloaded server, as long-lived workers would be)")
     args = ap.parse_args()
     import torch
 
@@ -114,7 +123,8 @@ def main() -> None:
     try:
         prepare_run(run_uri, cfg, base)
         t1 = time.perf_counter()
-        summary = run_local(run_uri, cfg.async_rl.num_samplers, work / "logs", timeout=3600, env=env)
+        summary = run_local(run_uri, cfg.async_rl.num_samplers, work / "logs", timeout=3600, env=env,
+                            warm=not args.cold)
         async_seconds = time.perf_counter() - t1
         from miles_core.asyncrl.layout import RunStore
 
@@ -150,6 +160,7 @@ def main() -> None:
                     "async_learner": cfg.async_rl.learner_threads, "async_processes": cfg.async_rl.num_samplers + 1,
                     "cores": cores},
         "store": "s3 (loopback moto)" if args.s3 else "local folder", "overrides": overrides,
+        "async_workers": "fresh interpreters" if args.cold else "forked from one preloaded server",
         "pass1_agreement": sum(a == b for a, b in zip(sync_correct, async_correct)) / max(len(sync_correct), 1),
     }
     rows = [["sync", f"{sync_seconds:.1f}", f"{completions / sync_seconds:.1f}", "-", sync_pass1, "-"],

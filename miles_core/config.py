@@ -44,6 +44,7 @@ class TaskConfig:
     mul_max_digits: int = 1
     num_train: int = 1000      # labelled demonstrations available to SFT (scarce on purpose)
     num_test: int = 500        # held-out problems for evaluation
+    num_val: int = 200         # held-out validation problems (SFT plateau / model selection), disjoint from test
     completion_len: int = 32
     num_examples: int = 6      # code: visible outputs f(0..n-1) in the prompt
     const_max: int = 49        # code: additive constants range over [-const_max, const_max]
@@ -82,6 +83,7 @@ class LoraSettings:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
+    targets: str = ""          # comma-separated module names, e.g. "q_proj,v_proj"; "" = the backend's attention+MLP projections
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,7 @@ class AsyncSettings:
     checkpoint_every: int = 1           # learner checkpoint to the store every N updates (and on stop)
     poll_interval: float = 0.05         # seconds between store polls while waiting
     sampler_threads: int = 1            # torch threads per sampler process
+    sampler_nice: int = 0               # OS niceness of sampler processes (>0: the learner gets the CPU first on a shared host)
     learner_threads: int = 1            # torch threads of the learner process
     retry_budget_s: float = 60.0        # storage errors are retried with backoff for this long
 
@@ -250,6 +253,7 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.checkpoint_every >= 1, "checkpoint_every", "must be >= 1")
         need(obj.poll_interval > 0, "poll_interval", "must be > 0")
         need(obj.sampler_threads >= 1 and obj.learner_threads >= 1, "sampler_threads", "threads must be >= 1")
+        need(0 <= obj.sampler_nice <= 19, "sampler_nice", "must be in [0, 19] (an OS niceness; raising priority needs root)")
         need(obj.retry_budget_s >= 0, "retry_budget_s", "must be >= 0")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")

@@ -20,7 +20,7 @@ from miles_core.data.code import CodeTask
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
 from miles_core.models.base import load_checkpoint, save_checkpoint
-from miles_core.models.lora import add_lora, load_adapter
+from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.rewards.math import get_reward
 from miles_core.tokenizer import CharTokenizer
@@ -31,7 +31,8 @@ from miles_core.types import TrajectoryBatch
 class TaskData:
     task: ArithTask | CodeTask
     train: list[Problem]      # scarce labelled demonstrations (SFT)
-    test: list[Problem]       # held-out, provably disjoint (hash bucket)
+    test: list[Problem]       # held-out, provably disjoint (hash bucket): what results are reported on
+    val: list[Problem]        # also from the held-out bucket, disjoint from test: for plateau / selection
 
 
 def build_task(cfg: RecipeConfig) -> TaskData:
@@ -44,7 +45,23 @@ def build_task(cfg: RecipeConfig) -> TaskData:
         raise ConfigError(f"task.completion_len: {t.completion_len} is shorter than the longest target ({need} tokens) "
                           f"for these task settings; set task.completion_len>={need}")
     task = ArithTask(acfg)
-    return TaskData(task, task.split("train", t.num_train, seed=0), task.split("test", t.num_test, seed=0))
+    return _task_data(task, cfg)
+
+
+def _task_data(task: ArithTask | CodeTask, cfg: RecipeConfig) -> TaskData:
+    """train / test / val splits. val comes from the held-out bucket with the test prompts excluded
+    (or, where the test split uses the whole bucket, from non-test prompts outside the SFT
+    demonstrations), so choosing a checkpoint on val never looks at a problem results are reported on."""
+    t = cfg.task
+    test = task.split("test", t.num_test, seed=0)
+    train = task.split("train", t.num_train, seed=0)
+    val: list[Problem] = []
+    if t.num_val:
+        try:
+            val = task.split("test", t.num_val, seed=1, exclude=[p.prompt for p in test])
+        except ValueError:  # the held-out bucket is all test (code recipe): unlabelled non-test prompts
+            val = task.split("rl", t.num_val, seed=1, exclude=[p.prompt for p in train])
+    return TaskData(task, train, test, val)
 
 
 def _build_code_task(cfg: RecipeConfig) -> TaskData:
@@ -62,9 +79,9 @@ def _build_code_task(cfg: RecipeConfig) -> TaskData:
                           f"for these task settings; set task.completion_len>={need}")
     task = code.CodeTask(ccfg)
     try:
-        return TaskData(task, task.split("train", t.num_train, seed=0), task.split("test", t.num_test, seed=0))
+        return _task_data(task, cfg)
     except ValueError as e:
-        raise ConfigError(f"task.num_train/num_test: {e}") from None
+        raise ConfigError(f"task.num_train/num_test/num_val: {e}") from None
 
 
 def new_model(cfg: RecipeConfig, tok: CharTokenizer, seed: int) -> torch.nn.Module:
@@ -79,7 +96,8 @@ def new_model(cfg: RecipeConfig, tok: CharTokenizer, seed: int) -> torch.nn.Modu
     return TinyDenoiser(TinyConfig(tok.vocab_size, m.d_model, m.n_layers, m.n_heads, m.d_ff, m.max_len))
 
 
-def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: SamplerConfig | None = None) -> EvalConfig:
+def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: SamplerConfig | None = None,
+                split: str = "test") -> EvalConfig:
     e = cfg.eval
     s = sampler
     return EvalConfig(num_problems=num_problems or e.num_problems, completion_len=cfg.task.completion_len,
@@ -87,13 +105,19 @@ def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: Sam
                       temperature=s.temperature if s else e.temperature,
                       remasking=s.remasking if s else e.remasking, sampler=s.kind if s else "static",
                       threshold=s.threshold if s and s.kind == "nsd" else None, n_samples=e.n_samples,
-                      ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed, split="test")
+                      ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed, split=split)
 
 
 def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_problems: int | None = None,
-             sampler: SamplerConfig | None = None, progress: bool = False) -> EvalResult:
-    ec = eval_config(cfg, num_problems, sampler)
-    probs = data.test[:ec.num_problems]
+             sampler: SamplerConfig | None = None, progress: bool = False, split: str = "test") -> EvalResult:
+    """pass@k on the first ``num_problems`` of ``split`` ("test": reported results; "val": selection)."""
+    if split not in ("test", "val"):
+        raise ValueError(f"run_eval: split must be 'test' or 'val', got {split!r}")
+    pool = data.test if split == "test" else data.val
+    if not pool:
+        raise ConfigError(f"run_eval: the {split!r} split is empty; set task.num_{split} > 0")
+    ec = eval_config(cfg, min(num_problems or cfg.eval.num_problems, len(pool)), sampler, split)
+    probs = pool[:ec.num_problems]
     reward = get_reward("code_tests" if cfg.task.name == "code" else "math_exact")  # pass@1 = the task's own check
     return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, reward,
                     batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler)
@@ -102,7 +126,8 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
 def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed: int | None = None,
                    on_eval: Callable[[int, float, dict], None] | None = None, progress: bool = False,
                    eval_problems: int = 200) -> tuple[torch.nn.Module, CharTokenizer]:
-    """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps.
+    """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps, with
+    pass@1 measured on the validation split (never on the test problems results are reported on).
 
     The tokenizer is a CharTokenizer, or for ``model.backend: llama`` an HFTokenizer with the
     same interface (models/hf_tokenizer.py)."""
@@ -121,7 +146,7 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
 
     def cb(step: int, stats: dict) -> None:
         if on_eval is not None:
-            r = run_eval(model, tok, cfg, data, num_problems=eval_problems)
+            r = run_eval(model, tok, cfg, data, num_problems=eval_problems, split="val")
             on_eval(step, r.pass_at["pass@1"], stats)
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
               completion_len=cfg.task.completion_len, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
@@ -145,7 +170,7 @@ class Learner:
             self.model = load_adapter(base, adapter_dir, trainable=True)
         else:
             torch.manual_seed(seed)
-            self.model = add_lora(base, cfg.lora.r, cfg.lora.alpha, cfg.lora.dropout)
+            self.model = add_lora_from(base, cfg.lora)
         a = cfg.adpo
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
@@ -178,8 +203,7 @@ class Learner:
         return stats
 
     def save_adapter(self, directory: str | Path) -> Path:
-        self.model.save_pretrained(str(directory))
-        return Path(directory)
+        return save_adapter(self.model, directory)
 
     def state(self) -> dict:
         return {"adapter": {k: v.clone() for k, v in self.model.state_dict().items() if "lora_" in k},

@@ -222,3 +222,31 @@ def test_sigkill_during_batch_write_and_mid_update_loses_and_duplicates_nothing(
     status = rs.read_json("learner", "status.json")
     assert status["done"] and status["resumes"] == 1 and status["version"] == 4
     assert json.loads(json.dumps(status))["max_staleness_seen"] <= 10
+
+
+def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_sigkill(tmp_path: Path, base_dir: Path) -> None:
+    # the benchmarks' launcher: workers forked from a preloaded server are still separate processes
+    # with their own pid and log; one SIGKILLed mid-run is restarted and the run completes exactly once
+    from miles_core.asyncrl.launch import LocalRun, summarize
+
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.max_pending=1",
+                        "adpo.max_staleness=8", "async_rl.sampler_nice=5")
+    lr = LocalRun(run, 1, local_env(), tmp_path / "logs", warm=True)
+    lr.start_all()
+    try:
+        assert len({p.pid for p in lr.procs.values()} | {os.getpid()}) == 3
+        deadline = time.monotonic() + 120
+        while not RunStore(run).trajectories.list_batches():
+            assert time.monotonic() < deadline, "no batch was committed"
+            time.sleep(0.05)
+        os.kill(lr.procs["w0"].pid, signal.SIGKILL)
+        lr.procs["w0"].wait()
+        assert lr.failed() == {"w0": -signal.SIGKILL}
+        lr.wait(timeout=180, max_restarts=1)
+    finally:
+        lr.stop()
+    assert lr.starts == {"learner": 1, "w0": 2}
+    out = summarize(run)
+    assert out["consumed"] + out["dropped"] == 3 and out["done"]
+    assert (tmp_path / "logs" / "w0.log").read_text().count('"worker": "w0"') == 1  # the restarted one finished
+    assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == 0  # niceness applied in the worker only

@@ -9,7 +9,7 @@ from miles_core.algo.advantages import group_advantages
 from miles_core.algo.sft import make_batch, sft_loss
 from miles_core.algo.update import adpo_update
 from miles_core.config import ADPOConfig, ConfigError, SamplerConfig, load_recipe
-from miles_core.models.lora import add_lora, load_adapter, reference_policy
+from miles_core.models.lora import add_lora, add_lora_from, load_adapter, reference_policy, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import CharTokenizer
@@ -137,6 +137,34 @@ def test_adapter_roundtrip_peft_format(tmp_path):
     x = torch.randint(4, 20, (2, 6))
     loaded = load_adapter(base_model(), tmp_path / "ad")
     assert torch.allclose(loaded(x), model(x), atol=1e-6)
+
+
+def test_fast_save_adapter_writes_what_save_pretrained_writes(tmp_path):
+    # the async learner's publish path skips peft's model card; tensors and config must be the same
+    from safetensors.torch import load_file
+
+    model = add_lora(base_model(), r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.normal_(0, 0.3)
+    save_adapter(model, tmp_path / "fast")
+    model.save_pretrained(str(tmp_path / "ref"))
+    a, b = load_file(tmp_path / "fast" / "adapter_model.safetensors"), load_file(tmp_path / "ref" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    x = torch.randint(4, 20, (2, 6))
+    assert torch.allclose(load_adapter(base_model(), tmp_path / "fast")(x), model(x), atol=1e-6)
+
+
+def test_lora_targets_from_the_recipe_adapt_only_those_modules():
+    cfg = load_recipe("tiny", ["lora.r=2", "lora.alpha=4", "lora.targets=q_proj, v_proj"])
+    model = add_lora_from(base_model(), cfg.lora)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in model.named_parameters() if p.requires_grad}
+    assert adapted == {"q_proj", "v_proj"} and model.peft_config["default"].target_modules == {"q_proj", "v_proj"}
+    n_lora = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert n_lora == 2 * 2 * 2 * (32 + 32)  # layers x {q,v} x r x (d_in + d_out)
+    with pytest.raises(ValueError, match="lora.targets.*qq_proj"):
+        add_lora_from(base_model(), load_recipe("tiny", ["lora.targets=qq_proj"]).lora)
 
 
 def test_config_errors_name_the_field():

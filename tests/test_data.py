@@ -88,6 +88,22 @@ def test_splits_disjoint_deterministic_distinct() -> None:
     assert is_test_prompt(" ".join(test[0].prompt)) and not is_test_prompt(" ".join(train[0].prompt))
 
 
+def test_validation_split_is_held_out_and_disjoint_from_test() -> None:
+    # model selection (SFT plateau) looks at val; results are reported on test: never the same problem
+    from miles_core.config import load_recipe
+    from miles_core.session import build_task
+
+    cfg = load_recipe("arith")
+    data = build_task(cfg)
+    test, val, train = ({p.prompt for p in s} for s in (data.test, data.val, data.train))
+    assert len(val) == cfg.task.num_val == 200 and len(test) == 500
+    assert not val & test and not val & train and all(is_test_prompt(p) for p in val)
+    assert [p.prompt for p in build_task(load_recipe("arith", ["task.num_val=0"])).test] == [p.prompt for p in data.test]
+    code = build_task(load_recipe("code"))  # its test split is the whole held-out bucket: val from unlabelled non-test
+    cval, ctest, ctrain = ({p.prompt for p in s} for s in (code.val, code.test, code.train))
+    assert len(cval) == 200 and not cval & ctest and not cval & ctrain
+
+
 def test_split_errors() -> None:
     task = ArithTask(ArithConfig(min_ops=1, max_ops=1, max_digits=1, ops="+"))
     with pytest.raises(ValueError, match="distinct"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import random
 import tempfile
 import time
@@ -30,7 +31,7 @@ from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_
 from miles_core.asyncrl.layout import RunStore
 from miles_core.config import load_recipe
 from miles_core.models.base import load_checkpoint
-from miles_core.models.lora import add_lora
+from miles_core.models.lora import add_lora_from
 from miles_core.rewards.math import get_reward
 from miles_core.session import build_task
 from miles_core.storage import BatchExistsError
@@ -59,6 +60,8 @@ class SamplerWorker:
         self.cfg = load_recipe(spec["cfg"])
         self.run_store.retry_budget_s = self.cfg.async_rl.retry_budget_s
         torch.set_num_threads(self.cfg.async_rl.sampler_threads)
+        if self.cfg.async_rl.sampler_nice > 0:  # samplers and learner share cores: let the learner go first
+            os.nice(self.cfg.async_rl.sampler_nice)
         self.worker, self.index = worker, worker_index
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
         base_dir = self.run_store.fetch_base(self.cache)
@@ -66,7 +69,7 @@ class SamplerWorker:
         for p in base.parameters():
             p.requires_grad_(False)
         torch.manual_seed(0)
-        self.model = add_lora(base, self.cfg.lora.r, self.cfg.lora.alpha, 0.0)
+        self.model = add_lora_from(base, self.cfg.lora, dropout=0.0)
         self.base_ptr = next(iter(base.parameters())).data_ptr()
         self.data = build_task(self.cfg)
         self.reward_fn = get_reward(self.cfg.train.reward)

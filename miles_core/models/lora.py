@@ -5,10 +5,16 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
-from peft import LoraConfig, PeftModel, get_peft_model
+import copy
+
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
+from safetensors.torch import save_file
 from torch import nn
+
+if TYPE_CHECKING:
+    from miles_core.config import LoraSettings
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
 # Attention and MLP projections per backend, keyed by the base's ``config.model_type``.
@@ -31,8 +37,19 @@ def add_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.
     ``targets=None`` picks the backend's attention/MLP projections (:func:`lora_targets`).
     """
     targets = lora_targets(model) if targets is None else targets
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        raise ValueError(f"lora.targets: {missing} are not modules of this model; it has e.g. "
+                         f"{sorted(lora_targets(model))}")
     cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none")
     return get_peft_model(model, cfg)
+
+
+def add_lora_from(model: nn.Module, settings: "LoraSettings", dropout: float | None = None) -> PeftModel:
+    """``add_lora`` with a recipe's ``lora`` section (``targets`` "" = the backend's default set)."""
+    targets = tuple(t.strip() for t in settings.targets.split(",") if t.strip()) or None
+    return add_lora(model, settings.r, settings.alpha, settings.dropout if dropout is None else dropout, targets)
 
 
 def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
@@ -40,6 +57,23 @@ def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = Fal
     if not (Path(adapter_dir) / "adapter_config.json").exists():
         raise FileNotFoundError(f"{adapter_dir} is not a peft adapter folder (no adapter_config.json)")
     return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+
+
+def save_adapter(model: PeftModel, directory: str | Path) -> Path:
+    """Write the adapter as a standard peft folder (adapter_config.json + adapter_model.safetensors).
+
+    The same two files ``PeftModel.save_pretrained`` writes, without the README model card it also
+    renders (a Jinja template: ~60% of its time). The async learner publishes a version every update,
+    so that card was a tenth of its wall clock. ``load_adapter``/``PeftModel.from_pretrained`` read it.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    save_file(state, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    cfg = copy.deepcopy(model.peft_config["default"])
+    cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
+    cfg.save_pretrained(str(d))
+    return d
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
