@@ -1,7 +1,8 @@
 """Does ADPO teach a masked-diffusion LM something SFT cannot? (issue: discrete RL core)
 
 Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
-  1. SFT on the scarce labelled set until pass@1 plateaus (curve recorded);
+  1. SFT on the scarce labelled set until validation pass@1 plateaus (curve recorded; the
+     validation problems are held out and disjoint from the reported test problems);
   2. from that checkpoint, with the same number of sampled completions:
      (a) ADPO (per-step trajectory likelihood), (b) the d1 mean-field estimator,
      and (c) SFT continued on the labelled data for the wall-clock time (a) took;
@@ -20,8 +21,10 @@ from pathlib import Path
 
 from benchmarks.common import sign_test_p, table, write_result
 
-# SFT gets up to 8000 steps and stops at its plateau (no gain for 3 evals); ADPO runs 400 iterations.
-DEFAULT_OVERRIDES: list[str] = ["sft.steps=8000", "train.iterations=400"]
+# SFT gets up to 6000 steps and stops earlier at its plateau (no validation gain for 3 evals); ADPO
+# runs 300 iterations. Sized so that two seeds (one per core) finish within 30 minutes on 2 cores.
+DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
+VAL_EVERY = 50  # ADPO / mean-field iterations between validation checks (their time is not counted)
 
 
 def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -> dict:
@@ -42,7 +45,7 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
 
     def on_eval(step: int, pass1: float, stats: dict) -> bool:
         curve.append({"step": step, "pass1": pass1, "loss": stats["loss"]})
-        print(f"[seed {seed}] sft step {step} pass@1(200) {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
+        print(f"[seed {seed}] sft step {step} val pass@1(200) {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
         if pass1 > best["pass1"]:
             best.update(pass1=pass1, step=step)
         return step - best["step"] >= plateau_patience * cfg.sft.eval_every  # plateau: no gain for a while
@@ -61,11 +64,12 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
     print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f}", flush=True)
     arms_time: dict[str, float] = {}
     samples: dict[str, int] = {}
+    rl_curves: dict[str, list[dict]] = {}
     for arm in ("adpo", "meanfield"):
         arm_cfg = load_recipe("arith", overrides + [f"adpo.estimator={arm}", f"train.seed={seed}"])
         learner = Learner(arm_cfg, ckpt, seed=seed)
         t1 = time.perf_counter()
-        n = 0
+        n, eval_s, curve_rl = 0, 0.0, []
         for it in range(arm_cfg.train.iterations):
             batch = learner.rollout(learner.draw_prompts(data, arm_cfg.train.prompts_per_iter))
             n += len(batch)
@@ -74,7 +78,13 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
                 r = float(batch.reward.nan_to_num(0).mean())
                 print(f"[seed {seed}] {arm} it {it + 1} reward {r:.3f} clip {st.get('clip_frac', 0):.3f} "
                       f"ent {st.get('entropy', 0):.3f}", flush=True)
-        arms_time[arm] = time.perf_counter() - t1
+            if (it + 1) % VAL_EVERY == 0:
+                te = time.perf_counter()
+                v = run_eval(learner.model, learner.tok, arm_cfg, data, num_problems=200, split="val").pass_at["pass@1"]
+                curve_rl.append({"iteration": it + 1, "val_pass1": v})
+                eval_s += time.perf_counter() - te
+        arms_time[arm] = time.perf_counter() - t1 - eval_s
+        rl_curves[arm] = curve_rl
         samples[arm] = n
         results[arm] = final_eval(learner.model, learner.tok)
         print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({arms_time[arm]:.0f}s)", flush=True)
@@ -89,7 +99,37 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
     results["sft_continued"] = final_eval(model, tok)
     print(f"[seed {seed}] sft_continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
     return {"seed": seed, "results": results, "sft_curve": curve, "sft_seconds": sft_seconds,
-            "arm_seconds": arms_time, "samples": samples}
+            "arm_seconds": arms_time, "samples": samples, "rl_curves": rl_curves}
+
+
+def plot_curves(per_seed: list[dict]) -> None:
+    """benchmarks/results/learning.png: SFT validation curve to its plateau, then the RL arms'."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no learning-curve plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for p in per_seed:
+        c = p["sft_curve"]
+        axes[0].plot([x["step"] for x in c], [x["pass1"] for x in c], marker="o", label=f"seed {p['seed']}")
+        for arm, style in (("adpo", "-"), ("meanfield", "--")):
+            rc = p["rl_curves"].get(arm, [])
+            axes[1].plot([0] + [x["iteration"] for x in rc], [c[-1]["pass1"]] + [x["val_pass1"] for x in rc],
+                         style, marker="o", label=f"{arm} seed {p['seed']}")
+    axes[0].set(title="SFT on the labelled set", xlabel="step", ylabel="validation pass@1 (200)")
+    axes[1].set(title="RL from the SFT checkpoint", xlabel="iteration", ylabel="validation pass@1 (200)")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(__file__).resolve().parent / "results" / "learning.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 def main() -> None:
@@ -125,9 +165,10 @@ def main() -> None:
         "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["sft"]["config"],
         "overrides": overrides,
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
-                      "sft_curve": p["sft_curve"], "sft_seconds": p["sft_seconds"],
+                      "sft_curve": p["sft_curve"], "sft_seconds": p["sft_seconds"], "rl_curves": p["rl_curves"],
                       "arm_seconds": p["arm_seconds"]} for p in per_seed],
     }
+    plot_curves(per_seed)
     print(f"wrote {write_result('learning', payload)}")
 
 

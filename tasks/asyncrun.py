@@ -41,8 +41,9 @@ def run_learner(run_uri: str) -> dict[str, Any]:
 
 @task(name="async-local-processes", **LIGHT)
 def run_processes(run_uri: str, num_samplers: int, log_dir: str, timeout_s: float) -> dict[str, Any]:
-    """Learner + samplers as subprocesses of this machine (no work pool needed)."""
-    return run_local(run_uri, num_samplers, log_dir, timeout=timeout_s)
+    """Learner + samplers as processes of this machine (no work pool needed), forked from one
+    preloaded server so that each does not spend ~10 CPU-seconds importing torch and peft."""
+    return run_local(run_uri, num_samplers, log_dir, timeout=timeout_s, warm=True)
 
 
 @task(name="async-summary", **STORAGE, **LIGHT)

@@ -152,3 +152,21 @@ def test_arith_steps_process_reward_counts_correct_prefix():
     comps = ["8*6=48;47+48=95;95-13=82", "8*6=48;47+48=95;95-13=81", "8*6=48;1+1=2;95-13=82", "", "1+1=2;8*6=48"]
     comps.append("1")
     assert arith_steps_reward(prompts, comps) == [1.0, 2 / 3, 1 / 3, 0.0, 0.0, None]
+
+
+def test_arith_digits_reward_gives_place_value_credit_on_the_last_result_only():
+    from miles_core.rewards.math import arith_digits_reward, get_reward
+
+    p = ["7+5+6"] * 6 + ["6-3*4"] * 2 + ["not an expression"]
+    comps = ["7+5=12;12+6=18",   # right: 1
+             "7+5=12;12+6=16",   # tens digit right: 1/2
+             "7+5=12;12+6=8",    # right-aligned " 8" vs "18": the units digit is right: 1/2
+             "7+5=13;13+6=19",   # an earlier step wrong: 0
+             "7+5=12;12-6=18",   # last step's left side is not the reference one: 0
+             "7+5=12;12+6=",     # no result: 0
+             "3*4=12;6-12=-6",   # right, with a sign: 1
+             "3*4=12;6-12=6",    # sign missing: 1/2
+             "1"]
+    assert arith_digits_reward(p, comps) == [1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 1.0, 0.5, None]
+    combo = get_reward("math_exact:1.0,arith_digits:0.5")
+    assert combo(p[:2], comps[:2], answer=["18", "18"]) == [1.5, 0.25]

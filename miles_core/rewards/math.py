@@ -305,6 +305,39 @@ def arith_steps_reward(prompts: Sequence[str], completions: Sequence[Any], **_: 
     return out
 
 
+def arith_digits_reward(prompts: Sequence[str], completions: Sequence[Any], **_: Any) -> list[float | None]:
+    """Place-value credit on the last step's result, given every earlier step right: the fraction of
+    the reference result's characters (sign included) that the completion's result matches,
+    right-aligned (``...;12+6=16`` scores 1/2 against ``12+6=18``: the tens digit is right).
+
+    Why: the SFT model gets the first step right and the last result wrong, and a policy that is
+    confidently wrong on it gives G identical exact-match rewards (no signal). Digit credit tells
+    apart the samples that are nearly right. It is 1 exactly when the last step is correct.
+    """
+    from miles_core.data.arith import solve
+
+    out: list[float | None] = []
+    for p, c in zip(prompts, completions):
+        try:
+            ref = solve(p)[0].split(";")
+        except ValueError:
+            out.append(None)
+            continue
+        got = completion_text(c).strip().split(";")
+        if len(got) != len(ref) or [g.strip() for g in got[:-1]] != ref[:-1]:
+            out.append(0.0)
+            continue
+        lhs, _, want = ref[-1].rpartition("=")
+        glhs, _, have = got[-1].strip().rpartition("=")
+        if glhs != lhs or not have:
+            out.append(0.0)
+            continue
+        n = max(len(want), len(have))
+        a, b = want.rjust(n), have.rjust(n)
+        out.append(sum(x == y for x, y in zip(a, b)) / n)
+    return out
+
+
 def _code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
     """Execution reward for the code task (miles_core.rewards.code); imported on first use."""
     from miles_core.rewards.code import code_tests_reward
@@ -316,6 +349,7 @@ REWARDS: dict[str, RewardFn] = {
     "math_exact": math_exact_reward,
     "code_tests": _code_tests_reward,
     "arith_steps": arith_steps_reward,
+    "arith_digits": arith_digits_reward,
     "format": format_reward,
     "reasoning_gym": _reasoning_gym_reward,
 }
