@@ -92,7 +92,7 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="SFT checkpoint folder (trained here when absent)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9, 0.95])
-    ap.add_argument("--train-threshold", type=float, default=0.8)
+    ap.add_argument("--train-threshold", type=float, default=0.9)
     ap.add_argument("--problems", type=int, default=500)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
