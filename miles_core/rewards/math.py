@@ -281,13 +281,10 @@ def _reasoning_gym_reward(prompts: Sequence[str], completions: Sequence[Any], **
     return reasoning_gym_reward(prompts, completions, **meta)
 
 
-def arith_steps_reward(prompts: Sequence[str], completions: Sequence[Any], **_: Any) -> list[float | None]:
-    """Process reward for the arithmetic task: the fraction of the reference worked steps that the
-    completion reproduces as a correct prefix (``8*6=48;47+48=95`` scores 1/2 for ``8*6=48;47+48=94``).
-
-    It is dense where the exact-answer reward is sparse, and it cannot be gamed by writing true
-    but irrelevant equations: each step must be the one the verifier derives from the prompt.
-    """
+def _per_reference_steps(prompts: Sequence[str], completions: Sequence[Any],
+                         score: Callable[[list[str], list[str]], float]) -> list[float | None]:
+    """``score(reference_steps, completion_steps)`` per item; None where the prompt is not an
+    arithmetic expression the verifier can solve."""
     from miles_core.data.arith import solve
 
     out: list[float | None] = []
@@ -297,12 +294,36 @@ def arith_steps_reward(prompts: Sequence[str], completions: Sequence[Any], **_: 
         except ValueError:
             out.append(None)
             continue
-        got = completion_text(c).strip().split(";")
-        k = 0
-        while k < len(ref) and k < len(got) and got[k].strip() == ref[k]:
-            k += 1
-        out.append(k / len(ref))
+        out.append(score(ref, [g.strip() for g in completion_text(c).strip().split(";")]))
     return out
+
+
+def _correct_prefix(ref: list[str], got: list[str]) -> float:
+    k = 0
+    while k < len(ref) and k < len(got) and got[k] == ref[k]:
+        k += 1
+    return k / len(ref)
+
+
+def _last_result_digits(ref: list[str], got: list[str]) -> float:
+    if len(got) != len(ref) or got[:-1] != ref[:-1]:
+        return 0.0
+    lhs, _, want = ref[-1].rpartition("=")
+    glhs, _, have = got[-1].rpartition("=")
+    if glhs != lhs or not have:
+        return 0.0
+    n = max(len(want), len(have))
+    return sum(x == y for x, y in zip(want.rjust(n), have.rjust(n))) / n
+
+
+def arith_steps_reward(prompts: Sequence[str], completions: Sequence[Any], **_: Any) -> list[float | None]:
+    """Process reward for the arithmetic task: the fraction of the reference worked steps that the
+    completion reproduces as a correct prefix (``8*6=48;47+48=95`` scores 1/2 for ``8*6=48;47+48=94``).
+
+    It is dense where the exact-answer reward is sparse, and it cannot be gamed by writing true
+    but irrelevant equations: each step must be the one the verifier derives from the prompt.
+    """
+    return _per_reference_steps(prompts, completions, _correct_prefix)
 
 
 def arith_digits_reward(prompts: Sequence[str], completions: Sequence[Any], **_: Any) -> list[float | None]:
@@ -314,28 +335,7 @@ def arith_digits_reward(prompts: Sequence[str], completions: Sequence[Any], **_:
     confidently wrong on it gives G identical exact-match rewards (no signal). Digit credit tells
     apart the samples that are nearly right. It is 1 exactly when the last step is correct.
     """
-    from miles_core.data.arith import solve
-
-    out: list[float | None] = []
-    for p, c in zip(prompts, completions):
-        try:
-            ref = solve(p)[0].split(";")
-        except ValueError:
-            out.append(None)
-            continue
-        got = completion_text(c).strip().split(";")
-        if len(got) != len(ref) or [g.strip() for g in got[:-1]] != ref[:-1]:
-            out.append(0.0)
-            continue
-        lhs, _, want = ref[-1].rpartition("=")
-        glhs, _, have = got[-1].strip().rpartition("=")
-        if glhs != lhs or not have:
-            out.append(0.0)
-            continue
-        n = max(len(want), len(have))
-        a, b = want.rjust(n), have.rjust(n)
-        out.append(sum(x == y for x, y in zip(a, b)) / n)
-    return out
+    return _per_reference_steps(prompts, completions, _last_result_digits)
 
 
 def _code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
