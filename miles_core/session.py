@@ -124,7 +124,7 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
 
 
 def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed: int | None = None,
-                   on_eval: Callable[[int, float, dict], None] | None = None, progress: bool = False,
+                   on_eval: Callable[[int, float, dict], bool | None] | None = None, progress: bool = False,
                    eval_problems: int = 200) -> tuple[torch.nn.Module, CharTokenizer]:
     """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps, with
     pass@1 measured on the validation split (never on the test problems results are reported on).
@@ -144,10 +144,11 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
         tok = CharTokenizer()
         model = new_model(cfg, tok, seed)
 
-    def cb(step: int, stats: dict) -> None:
-        if on_eval is not None:
-            r = run_eval(model, tok, cfg, data, num_problems=eval_problems, split="val")
-            on_eval(step, r.pass_at["pass@1"], stats)
+    def cb(step: int, stats: dict) -> bool | None:
+        if on_eval is None:
+            return None
+        r = run_eval(model, tok, cfg, data, num_problems=eval_problems, split="val")
+        return on_eval(step, r.pass_at["pass@1"], stats)  # True: plateau reached, stop here
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
               completion_len=cfg.task.completion_len, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
               weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, callback=cb,

@@ -230,7 +230,7 @@ def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_si
     from miles_core.asyncrl.launch import LocalRun, summarize
 
     run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.max_pending=1",
-                        "adpo.max_staleness=8", "async_rl.sampler_nice=5")
+                        "adpo.max_staleness=8", "async_rl.sampler_nice=5", "async_rl.pin_samplers=true")
     lr = LocalRun(run, 1, local_env(), tmp_path / "logs", warm=True)
     lr.start_all()
     try:
@@ -239,6 +239,8 @@ def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_si
         while not RunStore(run).trajectories.list_batches():
             assert time.monotonic() < deadline, "no batch was committed"
             time.sleep(0.05)
+        assert os.sched_getaffinity(lr.procs["w0"].pid) == {sorted(os.sched_getaffinity(0))[0]}  # pinned
+        assert os.getpriority(os.PRIO_PROCESS, lr.procs["w0"].pid) == 5
         os.kill(lr.procs["w0"].pid, signal.SIGKILL)
         lr.procs["w0"].wait()
         assert lr.failed() == {"w0": -signal.SIGKILL}

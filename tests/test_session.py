@@ -42,3 +42,18 @@ def test_sft_checkpoint_roundtrip_and_bit_exact_resume(tmp_path):
     assert resumed.version == straight.version == 3
     # the base never moved
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sft_stops_when_the_validation_callback_reports_a_plateau(tmp_path):
+    # the learning benchmark's "SFT to plateau": on_eval returning True ends SFT at that step
+    cfg = load_recipe("tiny", ["sft.steps=200", "sft.eval_every=10", "eval.num_problems=4", "task.num_val=8"])
+    seen: list[int] = []
+
+    def on_eval(step: int, pass1: float, stats: dict) -> bool:
+        seen.append(step)
+        assert 0.0 <= pass1 <= 1.0 and "loss" in stats
+        return step >= 20
+
+    train_baseline(cfg, build_task(cfg), tmp_path / "sft", on_eval=on_eval)
+    assert seen == [10, 20]
+    assert (tmp_path / "sft" / "config.json").exists()

@@ -62,6 +62,11 @@ class SamplerWorker:
         torch.set_num_threads(self.cfg.async_rl.sampler_threads)
         if self.cfg.async_rl.sampler_nice > 0:  # samplers and learner share cores: let the learner go first
             os.nice(self.cfg.async_rl.sampler_nice)
+        if self.cfg.async_rl.pin_samplers and hasattr(os, "sched_setaffinity"):
+            # Without pinning, the scheduler balances *weighted* load: two niced samplers weigh less than
+            # one learner, so both land on one core and the learner's core idles whenever it waits.
+            cpus = sorted(os.sched_getaffinity(0))
+            os.sched_setaffinity(0, {cpus[worker_index % len(cpus)]})
         self.worker, self.index = worker, worker_index
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
         base_dir = self.run_store.fetch_base(self.cache)
