@@ -29,12 +29,14 @@ from benchmarks.common import table, write_result
 #   3 samplers, nice 0:  1.06x, learner idle 7.5%  (4 processes time-share 2 cores; samplers slow down)
 #   3 samplers, nice 10: 1.14x, idle 41%
 #   2 samplers, nice 0:  1.17x, idle 18%
-#   2 samplers, nice 10: 1.23x, idle 36%   <- default: the learner takes a core whenever it has work
+#   2 samplers, nice 10: 0.95x-1.23x over runs, idle 36-50%: each sampler had a fixed share of the
+#                        budget, and when the scheduler slowed one of them it set the end of the run
+#   + shared budget:     1.14x, 1.25x (work split 79/71, 78/72): samplers claim slots of one budget  <- default
 # Sampling costs 2.5x an update here, so on shared cores a learner that never waits is a learner
 # that is starved of CPU: idle and throughput trade against each other (see the closing note).
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=75", "async_rl.max_pending=3",
-                     "async_rl.sampler_nice=10", "async_rl.checkpoint_every=10", "adpo.max_staleness=5",
-                     "sft.steps=2500"]
+                     "async_rl.sampler_nice=10", "async_rl.shared_budget=true", "async_rl.checkpoint_every=10",
+                     "adpo.max_staleness=5", "sft.steps=2500"]
 
 
 def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:

@@ -129,6 +129,7 @@ class AsyncSettings:
     sampler_threads: int = 1            # torch threads per sampler process
     sampler_nice: int = 0               # OS niceness of sampler processes (>0: the learner gets the CPU first on a shared host)
     pin_samplers: bool = False          # pin sampler i to CPU i mod (CPUs this process may use); the learner floats
+    shared_budget: bool = False         # samplers claim slots of one num_samplers x batches_per_sampler budget (a fast one takes more)
     learner_threads: int = 1            # torch threads of the learner process
     retry_budget_s: float = 60.0        # storage errors are retried with backoff for this long
 

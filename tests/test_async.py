@@ -252,3 +252,24 @@ def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_si
     assert out["consumed"] + out["dropped"] == 3 and out["done"]
     assert (tmp_path / "logs" / "w0.log").read_text().count('"worker": "w0"') == 1  # the restarted one finished
     assert os.getpriority(os.PRIO_PROCESS, os.getpid()) == 0  # niceness applied in the worker only
+
+
+def test_shared_budget_lets_a_fast_sampler_take_a_slow_ones_share_exactly_once(tmp_path: Path, base_dir: Path) -> None:
+    # budget 2 samplers x 2 batches = 4 slots. w1 claimed slot 0 for its seq 0 and died before
+    # committing; w0 then runs alone and takes every free slot (3); w1 restarts, redoes its claimed
+    # batch and finds no slot left. The learner gets exactly the 4 batches it expects.
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2",
+                        "async_rl.shared_budget=true", "async_rl.max_pending=10", "adpo.max_staleness=8")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    rs = RunStore(run)
+    from miles_core.storage import uri as U
+
+    U.create_exclusive(rs.fs, rs.path("samplers", "claims", "slot-000000"), U.dumps({"batch": batch_id(0, "w1")}))
+    fast = SamplerWorker(run, "w0", 0, str(tmp_path / "s0")).run()
+    slow = SamplerWorker(run, "w1", 1, str(tmp_path / "s1")).run()
+    assert (fast["committed"], slow["committed"]) == (3, 1)
+    assert sorted(rs.trajectories.list_batches()) == sorted([batch_id(s, "w0") for s in range(3)] + [batch_id(0, "w1")])
+    out = learner.run()
+    assert out["consumed"] + out["dropped"] == 4 and out["done"]
+    assert SamplerWorker(run, "w1", 1, str(tmp_path / "s1b")).run()["committed"] == 1  # a rerun adds nothing
+    assert len(rs.trajectories.list_batches()) == 4

@@ -157,12 +157,17 @@ class SamplerWorker:
         if not self._wait(lambda: rs.retry(rs.adapters.latest_version, "polling adapters") is not None, a.poll_interval):
             return self._finish(stopped=True)
         seq = int(self.stats["next_seq"])
-        while seq < a.batches_per_sampler:
+        mine = self._own_claims() if a.shared_budget else set()
+        while a.shared_budget or seq < a.batches_per_sampler:
             bid = batch_id(seq, self.worker)
             marker = rs.trajectories.marker_path(bid)
             if bid in quarantined or rs.retry(lambda: U.exists(rs.trajectories.fs, marker), f"checking {bid}"):
                 seq += 1  # committed before a restart: never sampled twice
                 continue
+            if a.shared_budget and bid not in mine:
+                if not self._claim(bid):
+                    break  # every slot of the run's budget is taken
+                mine.add(bid)
             if not self._wait(lambda: self.pending() < a.max_pending, a.poll_interval):
                 return self._finish(stopped=True, next_seq=seq)
             t0 = time.perf_counter()
@@ -178,6 +183,43 @@ class SamplerWorker:
             self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch))
             rs.write_json(self.stats, "samplers", f"{self.worker}.json")
         return self._finish(stopped=False, next_seq=seq)
+
+    # ------------------------------------------------------------------ shared budget
+    def _claims_dir(self) -> str:
+        return self.run_store.path("samplers", "claims")
+
+    def _own_claims(self) -> set[str]:
+        """Batch ids this worker claimed before a restart (a claim without a commit is redone first)."""
+        rs, folder = self.run_store, self._claims_dir()
+        out = set()
+        for name in rs.retry(lambda: U.list_names(rs.fs, folder), "listing claims"):
+            if name.startswith("slot-"):
+                bid = rs.retry(lambda: U.read_json(rs.fs, U.join(folder, name)), f"reading claim {name}")["batch"]
+                if bid.endswith(f"-{self.worker}"):
+                    out.add(bid)
+        return out
+
+    def _claim(self, bid: str) -> bool:
+        """Take the lowest free slot of the run's num_samplers x batches_per_sampler budget for ``bid``.
+
+        Each slot is an exclusive create, so two samplers never take the same one and the run's
+        total stays exactly the budget the learner expects, however the work splits between them.
+        """
+        a, rs, folder = self.cfg.async_rl, self.run_store, self._claims_dir()
+        taken = set(rs.retry(lambda: U.list_names(rs.fs, folder), "listing claims"))
+        for k in range(a.num_samplers * a.batches_per_sampler):
+            name = f"slot-{k:06d}"
+            if name in taken:
+                continue
+            try:
+                rs.retry(lambda: U.create_exclusive(rs.fs, U.join(folder, name), U.dumps({"batch": bid})),
+                         f"claiming {name}")
+                return True
+            except U.AlreadyExistsError:  # another sampler won it, or our own write whose reply was lost
+                got = rs.retry(lambda: U.read_json(rs.fs, U.join(folder, name)), f"reading claim {name}")
+                if got.get("batch") == bid:
+                    return True
+        return False
 
     def _finish(self, stopped: bool, next_seq: int | None = None) -> dict[str, Any]:
         if next_seq is not None:
