@@ -26,21 +26,16 @@ DEFAULT_OVERRIDES: list[str] = []
 
 
 def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
-    """``session.run_eval`` with the execution reward instead of ``math_exact`` (run_eval hardcodes
-    math_exact; the code task needs ``code_tests``). Same eval config, same sampler, same problems;
+    """``session.run_eval`` (pass@1 = the code_tests reward in the sandbox) plus per-family rates;
     ``steps`` overrides the number of denoising passes (a side measurement, never the headline)."""
     import dataclasses
 
-    from miles_core.eval.evaluate import evaluate
-    from miles_core.rewards import get_reward
-    from miles_core.session import eval_config
+    from miles_core.session import run_eval
 
     if steps is not None:
         cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, steps=steps))
-    ec = eval_config(cfg)
-    probs = data.test[:ec.num_problems]
-    r = evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, get_reward("code_tests"),
-                 batch_size=cfg.eval.batch_size)
+    r = run_eval(model, tok, cfg, data)
+    probs = data.test[:r.config.num_problems]
     fam_total = Counter(p.meta["family"] for p in probs)
     fam_ok = Counter(p.meta["family"] for p, c in zip(probs, r.correct) if c[0])
     return {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "config": r.config.to_dict(),
@@ -55,7 +50,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.rewards.code import code_tests_reward, shared_pool
-    from miles_core.session import Learner, build_task, train_baseline
+    from miles_core.session import Learner, build_task, continue_sft, train_baseline
 
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
@@ -95,13 +90,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
           flush=True)
     if control:  # same labelled data, all weights, as long as ADPO ran
-        from miles_core.algo.sft import train_sft
-
-        model, tok = load_checkpoint(ckpt)
-        s = cfg.sft
-        train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
-                  completion_len=cfg.task.completion_len, steps=10**9, batch_size=s.batch_size, lr=s.lr,
-                  weight_decay=s.weight_decay, warmup=1, seed=seed + 1000, time_budget_s=adpo_seconds)
+        model, tok = continue_sft(cfg, data, ckpt, adpo_seconds, seed)
         results["sft_continued"] = code_eval(model, tok, cfg, data)
         print(f"[seed {seed}] SFT continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
     return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds,

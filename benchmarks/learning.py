@@ -31,10 +31,9 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
     import torch
 
     torch.set_num_threads(1)
-    from miles_core.algo.sft import train_sft
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
-    from miles_core.session import Learner, build_task, run_eval, train_baseline
+    from miles_core.session import Learner, build_task, continue_sft, run_eval, train_baseline
 
     cfg = load_recipe("arith", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
@@ -89,12 +88,8 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
         results[arm] = final_eval(learner.model, learner.tok)
         print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({arms_time[arm]:.0f}s)", flush=True)
     # (c) SFT continued for the same wall-clock as ADPO, on the same labelled data, all weights
-    model, tok = load_checkpoint(ckpt)
     t2 = time.perf_counter()
-    s = cfg.sft
-    train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
-              completion_len=cfg.task.completion_len, steps=10**9, batch_size=s.batch_size, lr=s.lr,
-              weight_decay=s.weight_decay, warmup=1, seed=seed + 1000, time_budget_s=arms_time["adpo"])
+    model, tok = continue_sft(cfg, data, ckpt, arms_time["adpo"], seed)
     arms_time["sft_continued"] = time.perf_counter() - t2
     results["sft_continued"] = final_eval(model, tok)
     print(f"[seed {seed}] sft_continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)

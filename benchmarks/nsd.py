@@ -12,6 +12,7 @@ Run: python -m benchmarks.nsd [--checkpoint DIR] [--set key=value ...]
 from __future__ import annotations
 
 import argparse
+import multiprocessing as mp
 import tempfile
 import time
 from dataclasses import replace
@@ -120,8 +121,6 @@ def main() -> None:
     iters = args.iterations or cfg.train.iterations
     static_s = replace(cfg.sampler, kind="static")
     nsd_s = replace(cfg.sampler, kind="nsd", threshold=args.train_threshold)
-    import multiprocessing as mp
-
     thr0 = min(0.99, args.train_threshold + 0.05)
     jobs = [(args.set, str(ckpt), sm, iters, sd, ts) for sm, ts in ((static_s, None), (nsd_s, thr0))
             for sd in args.train_seeds]

@@ -212,7 +212,7 @@ def measure_learner(base: str, store: str, work: Path, a: argparse.Namespace) ->
         rs = [x for x in recs if x["procs"] == n]
         rows = rs[-1]["rows"] * (2 if n == 0 else 1)  # phase 0: two independent 1-rank updates
         t = statistics.median(x["update_s"] for x in rs)
-        res[n] = {"ranks": n, "rows_per_update": rows, "rows_per_rank": rows / max(n, 1) if n else rows / 2, "update_s_median": t,
+        res[n] = {"ranks": n, "rows_per_update": rows, "rows_per_rank": rows / (n or 2), "update_s_median": t,
                   "update_s_all": [x["update_s"] for x in rs], "rows_per_s": rows / t,
                   "rows_per_cpu_s": rows / statistics.median(x["cpu_s"] for x in rs),
                   "cores_obtained": statistics.median(x["cpu_s"] / x["update_s"] for x in rs)}

@@ -15,8 +15,8 @@ from miles_core.algo.rl import assign_advantages, rollout, score_rewards
 from miles_core.algo.sft import train_sft
 from miles_core.algo.update import adpo_update
 from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
+from miles_core.data import code
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
-from miles_core.data.code import CodeTask
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
 from miles_core.models.base import load_checkpoint, save_checkpoint
@@ -29,7 +29,7 @@ from miles_core.types import TrajectoryBatch
 
 @dataclass
 class TaskData:
-    task: ArithTask | CodeTask
+    task: ArithTask | code.CodeTask
     train: list[Problem]      # scarce labelled demonstrations (SFT)
     test: list[Problem]       # held-out, provably disjoint (hash bucket): what results are reported on
     val: list[Problem]        # also from the held-out bucket, disjoint from test: for plateau / selection
@@ -40,15 +40,17 @@ def build_task(cfg: RecipeConfig) -> TaskData:
     if t.name == "code":
         return _build_code_task(cfg)
     acfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits, mul_max_digits=t.mul_max_digits)
-    need = max_target_len(acfg)
-    if t.completion_len < need:
-        raise ConfigError(f"task.completion_len: {t.completion_len} is shorter than the longest target ({need} tokens) "
-                          f"for these task settings; set task.completion_len>={need}")
-    task = ArithTask(acfg)
-    return _task_data(task, cfg)
+    _check_completion_len(cfg, max_target_len(acfg))
+    return _task_data(ArithTask(acfg), cfg)
 
 
-def _task_data(task: ArithTask | CodeTask, cfg: RecipeConfig) -> TaskData:
+def _check_completion_len(cfg: RecipeConfig, need: int) -> None:
+    if cfg.task.completion_len < need:
+        raise ConfigError(f"task.completion_len: {cfg.task.completion_len} is shorter than the longest target "
+                          f"({need} tokens) for these task settings; set task.completion_len>={need}")
+
+
+def _task_data(task: ArithTask | code.CodeTask, cfg: RecipeConfig) -> TaskData:
     """train / test / val splits. val comes from the held-out bucket with the test prompts excluded
     (or, where the test split uses the whole bucket, from non-test prompts outside the SFT
     demonstrations), so choosing a checkpoint on val never looks at a problem results are reported on."""
@@ -66,20 +68,14 @@ def _task_data(task: ArithTask | CodeTask, cfg: RecipeConfig) -> TaskData:
 
 def _build_code_task(cfg: RecipeConfig) -> TaskData:
     """The code task (miles_core.data.code): completions are checked by the code_tests reward."""
-    from miles_core.data import code
-
     t = cfg.task
     try:
         ccfg = code.CodeConfig(examples=t.num_examples, b_max=t.const_max)
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
-    need = code.max_target_len(ccfg)
-    if t.completion_len < need:
-        raise ConfigError(f"task.completion_len: {t.completion_len} is shorter than the longest target ({need} tokens) "
-                          f"for these task settings; set task.completion_len>={need}")
-    task = code.CodeTask(ccfg)
+    _check_completion_len(cfg, code.max_target_len(ccfg))
     try:
-        return _task_data(task, cfg)
+        return _task_data(code.CodeTask(ccfg), cfg)
     except ValueError as e:
         raise ConfigError(f"task.num_train/num_test/num_val: {e}") from None
 
@@ -154,6 +150,18 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
               weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, callback=cb,
               callback_every=s.eval_every if on_eval else 0, progress=progress)
     save_checkpoint(model, tok, out_dir)
+    return model, tok
+
+
+def continue_sft(cfg: RecipeConfig, data: TaskData, checkpoint: str | Path, seconds: float,
+                 seed: int) -> tuple[torch.nn.Module, CharTokenizer]:
+    """The control arm of the RL benchmarks: SFT resumed from ``checkpoint`` on the same labelled
+    data, all weights, for ``seconds`` of wall clock (what the RL arm took), with a fresh data order."""
+    model, tok = load_checkpoint(checkpoint, mask_token=cfg.model.mask_token or None)
+    s = cfg.sft
+    train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
+              completion_len=cfg.task.completion_len, steps=10**9, batch_size=s.batch_size, lr=s.lr,
+              weight_decay=s.weight_decay, warmup=1, seed=seed + 1000, time_budget_s=seconds)
     return model, tok
 
 

@@ -93,10 +93,6 @@ class WarmProcess:
         self._p.start()
         self.pid = int(self._p.pid)
 
-    @property
-    def returncode(self) -> int | None:
-        return self._p.exitcode
-
     def poll(self) -> int | None:
         return self._p.exitcode
 

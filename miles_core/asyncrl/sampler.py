@@ -31,14 +31,13 @@ from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_
 from miles_core.asyncrl.layout import RunStore
 from miles_core.config import load_recipe
 from miles_core.models.base import load_checkpoint
-from miles_core.models.lora import add_lora_from
+from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
 from miles_core.rewards.math import get_reward
 from miles_core.session import build_task
 from miles_core.storage import BatchExistsError
 from miles_core.storage import uri as U
 
 log = logging.getLogger(__name__)
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 def batch_id(seq: int, worker: str) -> str:

@@ -4,10 +4,9 @@ policy for KL is the same model with the adapter disabled (no second copy of the
 from __future__ import annotations
 
 import contextlib
+import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
-
-import copy
 
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save_file
@@ -16,6 +15,7 @@ from torch import nn
 if TYPE_CHECKING:
     from miles_core.config import LoraSettings
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the tensors of a peft adapter folder
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
 # Attention and MLP projections per backend, keyed by the base's ``config.model_type``.
 TARGETS_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {
@@ -69,7 +69,7 @@ def save_adapter(model: PeftModel, directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    save_file(state, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     cfg = copy.deepcopy(model.peft_config["default"])
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
     cfg.save_pretrained(str(d))
