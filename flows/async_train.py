@@ -85,7 +85,9 @@ def _log_run(run_id: str, summ: dict[str, Any]) -> None:
         "async/adapter_sync_bytes_mean": summ.get("adapter_sync_bytes_mean"),
         "async/adapter_sync_seconds_mean": summ.get("adapter_sync_seconds_mean"),
         "async/adapter_sync_lag_seconds_mean": summ.get("adapter_sync_lag_seconds_mean"),
-        "async/resumes": summ.get("resumes"), "async/sampler_restarts": summ.get("sampler_restarts")},
+        "async/resumes": summ.get("resumes"), "async/sampler_restarts": summ.get("sampler_restarts"),
+        "async/learner_self_sampled_batches": summ.get("self_sampled_batches"),
+        "async/learner_self_sample_fraction": summ.get("self_sample_fraction")},
         int(summ.get("updates") or 0))
     if summ.get("staleness_hist"):
         tracking.log_histogram(run_id, summ["staleness_hist"], "plots/staleness_histogram.png", "staleness",

@@ -130,6 +130,8 @@ class AsyncSettings:
     sampler_nice: int = 0               # OS niceness of sampler processes (>0: the learner gets the CPU first on a shared host)
     pin_samplers: bool = False          # pin sampler i to CPU i mod (CPUs this process may use); the learner floats
     shared_budget: bool = False         # samplers claim slots of one num_samplers x batches_per_sampler budget (a fast one takes more)
+    learner_samples: bool = False       # with shared_budget: the learner samples a batch itself instead of waiting idle
+    sync_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # adapter tensors as published to samplers
     learner_threads: int = 1            # torch threads of the learner process
     retry_budget_s: float = 60.0        # storage errors are retried with backoff for this long
 
@@ -257,6 +259,9 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.sampler_threads >= 1 and obj.learner_threads >= 1, "sampler_threads", "threads must be >= 1")
         need(0 <= obj.sampler_nice <= 19, "sampler_nice", "must be in [0, 19] (an OS niceness; raising priority needs root)")
         need(obj.retry_budget_s >= 0, "retry_budget_s", "must be >= 0")
+        need(obj.shared_budget or not obj.learner_samples, "learner_samples",
+             "needs shared_budget=true (the learner claims slots of the shared sample budget)")
+        need(obj.sync_dtype in ("float32", "bfloat16", "float16"), "sync_dtype", "must be float32, bfloat16 or float16")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
         need(obj.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")

@@ -211,8 +211,8 @@ class Learner:
         stats["policy_version"] = float(self.version)
         return stats
 
-    def save_adapter(self, directory: str | Path) -> Path:
-        return save_adapter(self.model, directory)
+    def save_adapter(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+        return save_adapter(self.model, directory, dtype)
 
     def state(self) -> dict:
         return {"adapter": {k: v.clone() for k, v in self.model.state_dict().items() if "lora_" in k},

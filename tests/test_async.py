@@ -273,3 +273,55 @@ def test_shared_budget_lets_a_fast_sampler_take_a_slow_ones_share_exactly_once(t
     assert out["consumed"] + out["dropped"] == 4 and out["done"]
     assert SamplerWorker(run, "w1", 1, str(tmp_path / "s1b")).run()["committed"] == 1  # a rerun adds nothing
     assert len(rs.trajectories.list_batches()) == 4
+
+
+def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: Path, base_dir: Path) -> None:
+    # budget 1 sampler x 3 batches = 3 slots. A learner killed earlier claimed slot 0 for its own seq 0
+    # and never committed it; the sampler then took the 2 free slots. The restarted learner redoes its
+    # claimed batch with the current policy, consumes all 3 exactly once and never sleeps.
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.shared_budget=true",
+                      "async_rl.learner_samples=true", "async_rl.max_pending=10", "adpo.max_staleness=8")
+    rs = RunStore(run)
+    from miles_core.storage import uri as U
+
+    U.create_exclusive(rs.fs, rs.path("samplers", "claims", "slot-000000"), U.dumps({"batch": batch_id(0, "learner")}))
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    assert SamplerWorker(run, "w0", 0, str(tmp_path / "s0")).run()["committed"] == 2
+    out = learner.run()
+    assert out["done"] and out["consumed"] == 3 and out["self_sampled_batches"] == 1
+    assert sorted(e["id"] for e in learner.ledger["consumed"]) == [batch_id(0, "learner"), batch_id(0, "w0"), batch_id(1, "w0")]
+    assert out["idle_s"] == 0.0 and out["self_sample_s"] > 0
+
+
+def test_learner_alone_samples_the_whole_budget_on_policy(tmp_path: Path, base_dir: Path) -> None:
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.shared_budget=true",
+                      "async_rl.learner_samples=true")
+    out = AsyncLearner(run, str(tmp_path / "lc")).run()
+    assert out["done"] and out["consumed"] == 3 and out["self_sampled_batches"] == 3
+    assert out["staleness_hist"] == {"0": 3} and out["idle_s"] == 0.0
+    with pytest.raises(ConfigError, match="async_rl.learner_samples: needs shared_budget=true"):
+        load_recipe("tiny", ["async_rl.learner_samples=true"])
+
+
+def test_bfloat16_adapter_sync_halves_the_bytes_and_samplers_run_the_rounded_policy(tmp_path: Path, base_dir: Path) -> None:
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=2", "async_rl.sync_dtype=bfloat16")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
+    sampler.run()
+    learner.run()
+    sampler.sync_adapter()
+    v = learner.learner.version
+    m = learner.rs.adapters.manifest(v)
+    from safetensors.torch import load_file
+
+    from miles_core.models.lora import ADAPTER_WEIGHTS
+
+    published = load_file(str(learner.rs.adapters.fetch(v, tmp_path / "pub") / ADAPTER_WEIGHTS))
+    assert {t.dtype for t in published.values()} == {torch.bfloat16}
+    ours = {k: v for k, v in lora_state(learner.learner.model).items()}
+    theirs = lora_state(sampler.model)
+    assert ours.keys() == theirs.keys()
+    for k in ours:  # the sampler holds exactly the learner's weights rounded to bfloat16, in float32
+        assert theirs[k].dtype == torch.float32 and torch.equal(theirs[k], ours[k].to(torch.bfloat16).float())
+    n_params = sum(t.numel() for t in published.values())
+    assert int(m["files"][ADAPTER_WEIGHTS]["bytes"]) < 2 * n_params + 4096  # 2 bytes a parameter, plus the header

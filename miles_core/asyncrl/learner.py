@@ -7,6 +7,10 @@ The loop, per batch (oldest first):
     ADPO update with the truncated importance weight against the stored behaviour log-probs
     version += 1; checkpoint every N updates; publish the adapter; write status.json
 
+and when no batch is waiting: with ``async_rl.learner_samples`` it claims a slot of the shared
+sample budget and samples that batch itself with the current policy (committed like any sampler's,
+so the ledger and restarts treat it the same), else it sleeps and the wait counts as idle.
+
 Exactly-once: the *ledger* (which batch ids were consumed, dropped or quarantined) lives inside
 the learner checkpoint, next to the adapter and optimizer it produced, and both are written in
 one atomic object. A learner killed after an update but before its checkpoint resumes from the
@@ -28,11 +32,13 @@ from typing import Any
 import torch
 
 from miles_core.asyncrl.layout import RunStore
+from miles_core.asyncrl.sampler import SlotClaims, batch_id, sample_batch
 from miles_core.config import load_recipe
-from miles_core.session import Learner
-from miles_core.storage import CorruptBatchError
+from miles_core.session import Learner, build_task
+from miles_core.storage import BatchExistsError, CorruptBatchError
 
 log = logging.getLogger(__name__)
+SELF = "learner"  # the worker name of batches the learner samples itself
 
 
 class AsyncLearner:
@@ -65,8 +71,47 @@ class AsyncLearner:
             self.learner.version = latest
             self.totals["version_skips"] += 1
         self._since_ckpt = 0
+        self._init_self_sampling()
         if not self.rs.retry(lambda: self.rs.adapters.is_committed(self.learner.version), "checking adapter"):
             self.publish()
+
+    # ------------------------------------------------------------------ sampling instead of waiting
+    def _init_self_sampling(self) -> None:
+        a = self.cfg.async_rl
+        self.claims = SlotClaims(self.rs, self.expected) if a.learner_samples else None
+        self._redo: list[str] = []
+        self._next_seq = 0
+        if self.claims is None:
+            return
+        self.data = build_task(self.cfg)
+        mine = self.claims.own(SELF)
+        committed = set(self.rs.retry(self.rs.trajectories.list_batches, "listing trajectories"))
+        self._redo = sorted(mine - committed)  # claimed, then killed before the commit: redo those first
+        self._next_seq = 1 + max((int(b.split("-")[0]) for b in mine), default=-1)
+
+    def sample_self(self) -> bool:
+        """Sample one batch of the shared budget with the current policy; False once the budget is claimed."""
+        if self.claims is None:
+            return False
+        if self._redo:
+            bid = self._redo.pop(0)
+        else:
+            bid = batch_id(self._next_seq, SELF)
+            if not self.claims.claim(bid):
+                self.claims = None  # every slot is taken: from now on only wait for the samplers' batches
+                return False
+            self._next_seq += 1
+        t0 = time.perf_counter()
+        lrn = self.learner
+        batch = sample_batch(self.cfg, lrn.model, lrn.tok, self.data, lrn.reward_fn, SELF,
+                             self.cfg.async_rl.num_samplers, int(bid.split("-")[0]), lrn.version)
+        try:
+            self.rs.retry(lambda: self.rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
+        except BatchExistsError:
+            log.info("batch %s was already committed; skipping", bid)
+        self.totals["sample_s"] = self.totals.get("sample_s", 0.0) + time.perf_counter() - t0
+        self.totals["self_batches"] = self.totals.get("self_batches", 0) + 1
+        return True
 
     # ------------------------------------------------------------------ bookkeeping
     def handled(self) -> set[str]:
@@ -91,6 +136,10 @@ class AsyncLearner:
                 "idle_fraction_steady": (self.totals["idle_s"] - self.totals.get("fill_s", 0.0))
                 / max(wall - self.totals.get("fill_s", 0.0), 1e-9),
                 "version_skips": self.totals["version_skips"],
+                # batches the learner sampled itself instead of waiting (async_rl.learner_samples)
+                "self_sampled_batches": self.totals.get("self_batches", 0),
+                "self_sample_s": self.totals.get("sample_s", 0.0),
+                "self_sample_fraction": self.totals.get("sample_s", 0.0) / wall,
                 "completions": sum(e["rows"] for e in self.ledger["consumed"])}
 
     def checkpoint(self) -> None:
@@ -103,7 +152,7 @@ class AsyncLearner:
         """Upload the current adapter as version ``learner.version`` (idempotent on resume)."""
         v = self.learner.version
         with tempfile.TemporaryDirectory(dir=self.cache) as tmp:
-            self.learner.save_adapter(tmp)
+            self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype))
             self.rs.retry(lambda: self.rs.adapters.is_committed(v) or
                           self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
                           f"publishing adapter v{v}")
@@ -159,6 +208,11 @@ class AsyncLearner:
             now = time.perf_counter()
             self.totals["wall_s"] += now - last
             last = now
+            if not pending and self.sample_self():
+                now = time.perf_counter()
+                self.totals["wall_s"] += now - last
+                last = now
+                continue
             if not pending:
                 time.sleep(a.poll_interval)
                 waited = time.perf_counter() - last

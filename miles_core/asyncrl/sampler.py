@@ -29,13 +29,14 @@ from safetensors.torch import load_file
 
 from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
 from miles_core.asyncrl.layout import RunStore
-from miles_core.config import load_recipe
+from miles_core.config import RecipeConfig, load_recipe
 from miles_core.models.base import load_checkpoint
 from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
 from miles_core.rewards.math import get_reward
-from miles_core.session import build_task
+from miles_core.session import TaskData, build_task
 from miles_core.storage import BatchExistsError
 from miles_core.storage import uri as U
+from miles_core.types import TrajectoryBatch
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,64 @@ def batch_id(seq: int, worker: str) -> str:
 
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn, worker: str, index: int, seq: int,
+                 version: int) -> TrajectoryBatch:
+    """Batch ``seq`` of ``worker``: prompts and noise seeded from (run seed, worker, seq), so a
+    restarted worker redoes exactly the batch it lost. Used by samplers and by a learner that
+    samples while it would otherwise wait (``async_rl.learner_samples``)."""
+    rng = random.Random(_seed(cfg.train.seed, worker, seq, "prompts"))
+    gen = torch.Generator().manual_seed(_seed(cfg.train.seed, worker, seq, "noise"))
+    problems = [data.task.sample(rng, split="rl") for _ in range(cfg.train.prompts_per_iter)]
+    # group ids unique over the run: the learner, when it samples, is worker number num_samplers
+    stride = cfg.async_rl.num_samplers + int(cfg.async_rl.learner_samples)
+    offset = (seq * stride + index) * cfg.train.prompts_per_iter
+    batch = rollout(model, tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
+                    cfg.task.completion_len, cfg.train.group_size, gen, version, group_offset=offset)
+    score_rewards(batch, reward_fn)
+    return assign_advantages(batch, cfg.adpo.std_normalize)
+
+
+class SlotClaims:
+    """The run's shared sample budget: ``total`` slots, each taken by one exclusive create of
+    ``samplers/claims/slot-NNNNNN`` naming the batch id it is for.
+
+    Two workers never take the same slot, so the run's total stays exactly the budget the learner
+    expects however the work splits between them (a fast sampler takes a slow one's share).
+    """
+
+    def __init__(self, rs: RunStore, total: int) -> None:
+        self.rs, self.total = rs, total
+        self.folder = rs.path("samplers", "claims")
+
+    def own(self, worker: str) -> set[str]:
+        """Batch ids ``worker`` claimed before a restart (a claim without a commit is redone first)."""
+        rs, out = self.rs, set()
+        for name in rs.retry(lambda: U.list_names(rs.fs, self.folder), "listing claims"):
+            if name.startswith("slot-"):
+                bid = rs.retry(lambda: U.read_json(rs.fs, U.join(self.folder, name)), f"reading claim {name}")["batch"]
+                if bid.endswith(f"-{worker}"):
+                    out.add(bid)
+        return out
+
+    def claim(self, bid: str) -> bool:
+        """Take the lowest free slot for ``bid``; False when every slot is taken."""
+        rs = self.rs
+        taken = set(rs.retry(lambda: U.list_names(rs.fs, self.folder), "listing claims"))
+        for k in range(self.total):
+            name = f"slot-{k:06d}"
+            if name in taken:
+                continue
+            try:
+                rs.retry(lambda: U.create_exclusive(rs.fs, U.join(self.folder, name), U.dumps({"batch": bid})),
+                         f"claiming {name}")
+                return True
+            except U.AlreadyExistsError:  # another worker won it, or our own write whose reply was lost
+                got = rs.retry(lambda: U.read_json(rs.fs, U.join(self.folder, name)), f"reading claim {name}")
+                if got.get("batch") == bid:
+                    return True
+        return False
 
 
 class SamplerWorker:
@@ -139,15 +198,8 @@ class SamplerWorker:
     # ------------------------------------------------------------------ one batch
     def make_batch(self, seq: int):
         """Sample and score batch ``seq`` with the resident adapter (deterministic in run seed, worker, seq)."""
-        cfg = self.cfg
-        rng = random.Random(_seed(cfg.train.seed, self.worker, seq, "prompts"))
-        gen = torch.Generator().manual_seed(_seed(cfg.train.seed, self.worker, seq, "noise"))
-        problems = [self.data.task.sample(rng, split="rl") for _ in range(cfg.train.prompts_per_iter)]
-        offset = (seq * cfg.async_rl.num_samplers + self.index) * cfg.train.prompts_per_iter
-        batch = rollout(self.model, self.tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
-                        cfg.task.completion_len, cfg.train.group_size, gen, int(self.version or 0), group_offset=offset)
-        score_rewards(batch, self.reward_fn)
-        return assign_advantages(batch, cfg.adpo.std_normalize)
+        return sample_batch(self.cfg, self.model, self.tok, self.data, self.reward_fn, self.worker, self.index, seq,
+                            int(self.version or 0))
 
     def run(self) -> dict[str, Any]:
         a = self.cfg.async_rl
@@ -156,7 +208,8 @@ class SamplerWorker:
         if not self._wait(lambda: rs.retry(rs.adapters.latest_version, "polling adapters") is not None, a.poll_interval):
             return self._finish(stopped=True)
         seq = int(self.stats["next_seq"])
-        mine = self._own_claims() if a.shared_budget else set()
+        claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
+        mine = claims.own(self.worker) if a.shared_budget else set()
         while a.shared_budget or seq < a.batches_per_sampler:
             bid = batch_id(seq, self.worker)
             marker = rs.trajectories.marker_path(bid)
@@ -164,7 +217,7 @@ class SamplerWorker:
                 seq += 1  # committed before a restart: never sampled twice
                 continue
             if a.shared_budget and bid not in mine:
-                if not self._claim(bid):
+                if not claims.claim(bid):
                     break  # every slot of the run's budget is taken
                 mine.add(bid)
             if not self._wait(lambda: self.pending() < a.max_pending, a.poll_interval):
@@ -182,43 +235,6 @@ class SamplerWorker:
             self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch))
             rs.write_json(self.stats, "samplers", f"{self.worker}.json")
         return self._finish(stopped=False, next_seq=seq)
-
-    # ------------------------------------------------------------------ shared budget
-    def _claims_dir(self) -> str:
-        return self.run_store.path("samplers", "claims")
-
-    def _own_claims(self) -> set[str]:
-        """Batch ids this worker claimed before a restart (a claim without a commit is redone first)."""
-        rs, folder = self.run_store, self._claims_dir()
-        out = set()
-        for name in rs.retry(lambda: U.list_names(rs.fs, folder), "listing claims"):
-            if name.startswith("slot-"):
-                bid = rs.retry(lambda: U.read_json(rs.fs, U.join(folder, name)), f"reading claim {name}")["batch"]
-                if bid.endswith(f"-{self.worker}"):
-                    out.add(bid)
-        return out
-
-    def _claim(self, bid: str) -> bool:
-        """Take the lowest free slot of the run's num_samplers x batches_per_sampler budget for ``bid``.
-
-        Each slot is an exclusive create, so two samplers never take the same one and the run's
-        total stays exactly the budget the learner expects, however the work splits between them.
-        """
-        a, rs, folder = self.cfg.async_rl, self.run_store, self._claims_dir()
-        taken = set(rs.retry(lambda: U.list_names(rs.fs, folder), "listing claims"))
-        for k in range(a.num_samplers * a.batches_per_sampler):
-            name = f"slot-{k:06d}"
-            if name in taken:
-                continue
-            try:
-                rs.retry(lambda: U.create_exclusive(rs.fs, U.join(folder, name), U.dumps({"batch": bid})),
-                         f"claiming {name}")
-                return True
-            except U.AlreadyExistsError:  # another sampler won it, or our own write whose reply was lost
-                got = rs.retry(lambda: U.read_json(rs.fs, U.join(folder, name)), f"reading claim {name}")
-                if got.get("batch") == bid:
-                    return True
-        return False
 
     def _finish(self, stopped: bool, next_seq: int | None = None) -> dict[str, Any]:
         if next_seq is not None:

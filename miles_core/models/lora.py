@@ -8,6 +8,7 @@ import copy
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from safetensors.torch import save_file
 from torch import nn
@@ -59,16 +60,19 @@ def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = Fal
     return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
 
 
-def save_adapter(model: PeftModel, directory: str | Path) -> Path:
+def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
     """Write the adapter as a standard peft folder (adapter_config.json + adapter_model.safetensors).
 
     The same two files ``PeftModel.save_pretrained`` writes, without the README model card it also
     renders (a Jinja template: ~60% of its time). The async learner publishes a version every update,
     so that card was a tenth of its wall clock. ``load_adapter``/``PeftModel.from_pretrained`` read it.
+    ``dtype`` (e.g. ``torch.bfloat16``) casts the tensors as written: half the bytes to ship to
+    samplers, which load them into their float32 LoRA layers; the behaviour log-probs they record
+    are those of the rounded policy, and the learner's importance weight corrects for the difference.
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in get_peft_model_state_dict(model).items()}
     save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     cfg = copy.deepcopy(model.peft_config["default"])
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
