@@ -37,7 +37,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: Literal["arith", "code"] = "arith"
+    name: Literal["arith", "countdown", "code"] = "arith"
     min_ops: int = 2
     max_ops: int = 3
     max_digits: int = 2
@@ -48,6 +48,8 @@ class TaskConfig:
     completion_len: int = 32
     num_examples: int = 6      # code: visible outputs f(0..n-1) in the prompt
     const_max: int = 49        # code: additive constants range over [-const_max, const_max]
+    numbers: int = 3           # countdown: given numbers per problem
+    max_value: int = 12        # countdown: numbers range over 1..max_value
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from miles_core.algo.rl import assign_advantages, rollout, score_rewards
 from miles_core.algo.sft import train_sft
 from miles_core.algo.update import adpo_update
 from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
-from miles_core.data import code
+from miles_core.data import code, countdown
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
@@ -27,9 +27,14 @@ from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
 
+# pass@1 counts what the task's own verifier accepts: the exact answer, any valid countdown
+# solution, or a program that passes every hidden test.
+TASK_CHECK = {"arith": "math_exact", "countdown": "countdown", "code": "code_tests"}
+
+
 @dataclass
 class TaskData:
-    task: ArithTask | code.CodeTask
+    task: ArithTask | countdown.CountdownTask | code.CodeTask
     train: list[Problem]      # scarce labelled demonstrations (SFT)
     test: list[Problem]       # held-out, provably disjoint (hash bucket): what results are reported on
     val: list[Problem]        # also from the held-out bucket, disjoint from test: for plateau / selection
@@ -39,6 +44,13 @@ def build_task(cfg: RecipeConfig) -> TaskData:
     t = cfg.task
     if t.name == "code":
         return _build_code_task(cfg)
+    if t.name == "countdown":
+        try:
+            ccfg = countdown.CountdownConfig(numbers=t.numbers, max_value=t.max_value)
+        except ValueError as e:
+            raise ConfigError(f"task: {e}") from None
+        _check_completion_len(cfg, countdown.max_target_len(ccfg))
+        return _task_data(countdown.CountdownTask(ccfg), cfg)
     acfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits, mul_max_digits=t.mul_max_digits)
     _check_completion_len(cfg, max_target_len(acfg))
     return _task_data(ArithTask(acfg), cfg)
@@ -50,7 +62,7 @@ def _check_completion_len(cfg: RecipeConfig, need: int) -> None:
                           f"({need} tokens) for these task settings; set task.completion_len>={need}")
 
 
-def _task_data(task: ArithTask | code.CodeTask, cfg: RecipeConfig) -> TaskData:
+def _task_data(task: ArithTask | countdown.CountdownTask | code.CodeTask, cfg: RecipeConfig) -> TaskData:
     """train / test / val splits. val comes from the held-out bucket with the test prompts excluded
     (or, where the test split uses the whole bucket, from non-test prompts outside the SFT
     demonstrations), so choosing a checkpoint on val never looks at a problem results are reported on."""
@@ -114,7 +126,7 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
         raise ConfigError(f"run_eval: the {split!r} split is empty; set task.num_{split} > 0")
     ec = eval_config(cfg, min(num_problems or cfg.eval.num_problems, len(pool)), sampler, split)
     probs = pool[:ec.num_problems]
-    reward = get_reward("code_tests" if cfg.task.name == "code" else "math_exact")  # pass@1 = the task's own check
+    reward = get_reward(TASK_CHECK[cfg.task.name])
     return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, reward,
                     batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler)
 

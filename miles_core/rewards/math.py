@@ -14,6 +14,8 @@ import re
 from fractions import Fraction
 from typing import Any, Callable, Sequence
 
+from miles_core.data.countdown import countdown_reward
+
 RewardFn = Callable[..., list]
 
 # A number: optional sign (only when not glued to a preceding digit/letter/paren, so that "5-3"
@@ -347,6 +349,7 @@ def _code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], **met
 
 REWARDS: dict[str, RewardFn] = {
     "math_exact": math_exact_reward,
+    "countdown": countdown_reward,  # any correct worked solution scores 1 (data/countdown.check)
     "code_tests": _code_tests_reward,
     "arith_steps": arith_steps_reward,
     "arith_digits": arith_digits_reward,
