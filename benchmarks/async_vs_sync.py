@@ -5,7 +5,8 @@ prompts_per_iter x G completions.
   sync:  one process, torch threads = all cores: rollout -> reward -> update, in turn;
   async: the learner and num_samplers samplers as separate processes, one torch thread each,
          talking only through the run's store (local folder by default, --s3 for the loopback
-         S3 endpoint), bounded staleness S = adpo.max_staleness, back-pressure max_pending.
+         S3 endpoint), bounded staleness S = adpo.max_staleness, back-pressure max_pending;
+         whenever no batch waits, the learner samples one of the budget itself (learner_samples).
 Each arm's seconds are end to end, process start-up included. Both final adapters are evaluated
 on the same held-out problems with the recipe's pinned eval config.
 Writes benchmarks/results/async_vs_sync.json. Run: python -m benchmarks.async_vs_sync
@@ -25,17 +26,19 @@ from pathlib import Path
 from benchmarks.common import table, write_result
 
 # 150 batches (the arith recipe's train.iterations) of 16 x 8 completions. Measured on the quiet
-# 2-core machine (single thread: a rollout 0.46 s, an update 0.18 s):
+# 2-core machine (single thread: a rollout 0.49 s, an update 0.16 s; sync with 2 threads: 0.31 s
+# and 0.13 s, since two threads speed a rollout up 1.6x):
 #   3 samplers, nice 0:  1.06x, learner idle 7.5%  (4 processes time-share 2 cores; samplers slow down)
-#   3 samplers, nice 10: 1.14x, idle 41%
-#   2 samplers, nice 0:  1.17x, idle 18%
-#   2 samplers, nice 10: 0.95x-1.23x over runs, idle 36-50%: each sampler had a fixed share of the
-#                        budget, and when the scheduler slowed one of them it set the end of the run
-#   + shared budget:     1.14x, 1.25x (work split 79/71, 78/72): samplers claim slots of one budget  <- default
-# Sampling costs 2.5x an update here, so on shared cores a learner that never waits is a learner
-# that is starved of CPU: idle and throughput trade against each other (see the closing note).
-DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=75", "async_rl.max_pending=3",
-                     "async_rl.sampler_nice=10", "async_rl.shared_budget=true", "async_rl.checkpoint_every=10",
+#   2 samplers, nice 10, shared budget: 1.14x, 1.25x, idle 38-43%: a learner with a core to itself waits
+#   1 sampler + the learner sampling whenever no batch waits (learner_samples): 1.16x, 1.13x, idle
+#     0.6%, 0.0%  <- default. Both cores stay busy; what is left is the work itself: 150 x (0.49 +
+#     0.16) s on 2 cores is 49 s against 66 s of 2-thread sync compute, a 1.34x ceiling before
+#     start-up (~10 s of importing torch + peft in each arm) and the two processes' shared caches.
+# LoRA r=4 on q_proj/v_proj (the LoRA paper's choice) and bfloat16 adapter sync: 1/77 of the base's
+# bytes per version (r=16 on every projection in float32: 1/3).
+DEFAULT_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150", "async_rl.max_pending=3",
+                     "async_rl.shared_budget=true", "async_rl.learner_samples=true", "async_rl.sync_dtype=bfloat16",
+                     "lora.r=4", "lora.targets=q_proj,v_proj", "async_rl.checkpoint_every=10",
                      "adpo.max_staleness=5", "sft.steps=2500"]
 
 
@@ -161,6 +164,9 @@ def main() -> None:
         "threads": {"sync": cores, "async_sampler": cfg.async_rl.sampler_threads,
                     "async_learner": cfg.async_rl.learner_threads, "async_processes": cfg.async_rl.num_samplers + 1,
                     "cores": cores},
+        "learner_self_sampled_batches": summary.get("self_sampled_batches", 0),
+        "learner_self_sample_fraction": summary.get("self_sample_fraction", 0.0),
+        "lora": {"r": cfg.lora.r, "targets": cfg.lora.targets or "backend default"}, "sync_dtype": cfg.async_rl.sync_dtype,
         "store": "s3 (loopback moto)" if args.s3 else "local folder", "overrides": overrides,
         "async_workers": "fresh interpreters" if args.cold else "forked from one preloaded server",
         "pass1_agreement": sum(a == b for a, b in zip(sync_correct, async_correct)) / max(len(sync_correct), 1),
@@ -170,7 +176,8 @@ def main() -> None:
              f"{summary['idle_fraction']:.3f}", async_pass1, summary["max_staleness_seen"]]]
     print(table(rows, ["arm", "seconds", "samples/s", "learner idle", "pass@1", "max staleness"]))
     print(f"learner idle after the first batch arrived: {summary['idle_fraction_steady']:.3f} "
-          f"(pipeline fill {summary['fill_s']:.1f}s)")
+          f"(pipeline fill {summary['fill_s']:.1f}s); the learner sampled {payload['learner_self_sampled_batches']} "
+          f"of the batches itself ({payload['learner_self_sample_fraction']:.0%} of its time)")
     print(f"speedup {payload['speedup']:.2f}x; adapter sync {payload['adapter_sync_bytes']:.0f} B per version vs "
           f"full weights {full_bytes} B (1/{full_bytes / max(payload['adapter_sync_bytes'], 1):.0f}); "
           f"dropped {summary['dropped']}")

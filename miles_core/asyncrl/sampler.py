@@ -224,14 +224,19 @@ class SamplerWorker:
                 return self._finish(stopped=True, next_seq=seq)
             t0 = time.perf_counter()
             self.sync_adapter()
+            t1 = time.perf_counter()
             batch = self.make_batch(seq)
+            t2 = time.perf_counter()
             try:
                 rs.retry(lambda: rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
                 self.stats["committed"] += 1
             except BatchExistsError:
                 log.info("batch %s was already committed; skipping", bid)
             seq += 1
-            self.stats["busy_s"] += time.perf_counter() - t0
+            t3 = time.perf_counter()
+            self.stats["busy_s"] += t3 - t0
+            self.stats["sample_s"] = self.stats.get("sample_s", 0.0) + t2 - t1  # rollout + reward alone
+            self.stats["commit_s"] = self.stats.get("commit_s", 0.0) + t3 - t2
             self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch))
             rs.write_json(self.stats, "samplers", f"{self.worker}.json")
         return self._finish(stopped=False, next_seq=seq)
