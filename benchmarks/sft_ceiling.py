@@ -1,0 +1,96 @@
+"""What would more labels buy? SFT on the scarce demonstrations vs on every non-test problem.
+
+The learning benchmark asks whether RL on fresh verifier-checked prompts teaches the model more
+than its scarce labelled set did. Before reading its gain, this measures the most any method could
+get from *more data* at this model size and step budget: the same recipe's SFT trained once on the
+recipe's ``task.num_train`` demonstrations and once on (nearly) every labelled problem outside the
+held-out bucket, same steps, same seed, both evaluated on the same held-out problems.
+If the two land together, the model and its training budget (not the data) limit the task, and no
+amount of fresh prompts, RL's or anyone's, can add much at this size.
+
+Each arm runs in its own process with one torch thread (the two use the two cores).
+Writes benchmarks/results/sft_ceiling.json. Run: python -m benchmarks.sft_ceiling [--set KEY=VALUE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import table, write_result
+
+DEFAULT_OVERRIDES = ["sft.steps=4000"]
+
+
+def largest_train_split(task, start: int) -> list:
+    """The most distinct train-bucket problems the task's space can supply (doubling, then bisecting)."""
+    lo = start
+    while True:
+        try:
+            task.split("train", lo * 2, seed=0)
+            lo *= 2
+        except ValueError:
+            break
+    hi = lo * 2
+    while hi - lo > 50:
+        mid = (lo + hi) // 2
+        try:
+            task.split("train", mid, seed=0)
+            lo = mid
+        except ValueError:
+            hi = mid
+    return task.split("train", lo, seed=0)
+
+
+def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from miles_core.config import load_recipe
+    from miles_core.models.base import load_checkpoint
+    from miles_core.session import build_task, run_eval, train_baseline
+
+    cfg = load_recipe(recipe, overrides)
+    data = build_task(cfg)
+    if all_labels:  # the recipe's demonstrations are the first num_train of this list (same seed)
+        data.train = largest_train_split(data.task, cfg.task.num_train)
+    curve: list[dict] = []
+
+    def on_eval(step: int, pass1: float, stats: dict) -> bool:
+        curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
+        print(f"[{len(data.train)} demos] step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
+        return False  # no early stop: both arms get the same steps
+
+    t0 = time.perf_counter()
+    train_baseline(cfg, data, Path(out) / f"sft-{len(data.train)}", on_eval=on_eval)
+    seconds = time.perf_counter() - t0
+    model, tok = load_checkpoint(Path(out) / f"sft-{len(data.train)}")
+    test = run_eval(model, tok, cfg, data).pass_at["pass@1"]
+    return {"num_train": len(data.train), "test_pass1": test, "best_val_pass1": max(c["val_pass1"] for c in curve),
+            "curve": curve, "seconds": seconds}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--recipe", default="arith")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    args = ap.parse_args()
+    overrides = DEFAULT_OVERRIDES + args.set
+    work = tempfile.mkdtemp(prefix="miles-ceiling-")
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(2) as pool:
+        scarce, full = pool.starmap(run_arm, [(args.recipe, overrides, all_labels, work) for all_labels in (False, True)])
+    rows = [[a["num_train"], a["best_val_pass1"], a["test_pass1"], f"{a['seconds']:.0f}"] for a in (scarce, full)]
+    print(table(rows, ["labelled problems", "best val pass@1", "test pass@1", "seconds"]))
+    payload = {"recipe": args.recipe, "overrides": overrides, "scarce": scarce, "all_labels": full,
+               "test_gain_from_all_labels": full["test_pass1"] - scarce["test_pass1"],
+               "seconds": time.perf_counter() - t0}
+    print(f"all labels - scarce labels = {payload['test_gain_from_all_labels']:+.3f} test pass@1")
+    print(f"wrote {write_result('sft_ceiling', payload)}")
+
+
+if __name__ == "__main__":
+    main()
