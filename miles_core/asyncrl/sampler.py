@@ -142,6 +142,7 @@ class SamplerWorker:
                                       "next_seq": prev.get("next_seq", 0), "sync_bytes": prev.get("sync_bytes", 0),
                                       "syncs": prev.get("syncs", 0), "sync_seconds": prev.get("sync_seconds", 0.0),
                                       "sync_lag_seconds": prev.get("sync_lag_seconds", []), "busy_s": 0.0,
+                                      "sample_s": 0.0, "commit_s": 0.0,
                                       "wait_s": 0.0, "restarts": prev.get("restarts", -1) + 1, "done": False}
 
     # ------------------------------------------------------------------ adapter hot-swap
@@ -235,8 +236,8 @@ class SamplerWorker:
             seq += 1
             t3 = time.perf_counter()
             self.stats["busy_s"] += t3 - t0
-            self.stats["sample_s"] = self.stats.get("sample_s", 0.0) + t2 - t1  # rollout + reward alone
-            self.stats["commit_s"] = self.stats.get("commit_s", 0.0) + t3 - t2
+            self.stats["sample_s"] += t2 - t1  # rollout + reward alone
+            self.stats["commit_s"] += t3 - t2
             self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch))
             rs.write_json(self.stats, "samplers", f"{self.worker}.json")
         return self._finish(stopped=False, next_seq=seq)
