@@ -136,6 +136,8 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
                    eval_problems: int = 200) -> tuple[torch.nn.Module, CharTokenizer]:
     """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps, with
     pass@1 measured on the validation split (never on the test problems results are reported on).
+    With ``on_eval`` the saved checkpoint is the weights of the best validation pass@1 (early
+    stopping restores them): on a scarce labelled set, the steps after the best one only memorise.
 
     The tokenizer is a CharTokenizer, or for ``model.backend: llama`` an HFTokenizer with the
     same interface (models/hf_tokenizer.py)."""
@@ -152,15 +154,21 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
         tok = CharTokenizer()
         model = new_model(cfg, tok, seed)
 
+    best: dict = {"pass1": -1.0, "state": None}
+
     def cb(step: int, stats: dict) -> bool | None:
         if on_eval is None:
             return None
-        r = run_eval(model, tok, cfg, data, num_problems=eval_problems, split="val")
-        return on_eval(step, r.pass_at["pass@1"], stats)  # True: plateau reached, stop here
+        pass1 = run_eval(model, tok, cfg, data, num_problems=eval_problems, split="val").pass_at["pass@1"]
+        if pass1 > best["pass1"]:
+            best.update(pass1=pass1, state={k: v.detach().clone() for k, v in model.state_dict().items()})
+        return on_eval(step, pass1, stats)  # True: plateau reached, stop here
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
               completion_len=cfg.task.completion_len, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
               weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, callback=cb,
               callback_every=s.eval_every if on_eval else 0, progress=progress)
+    if best["state"] is not None:
+        model.load_state_dict(best["state"])
     save_checkpoint(model, tok, out_dir)
     return model, tok
 

@@ -57,3 +57,26 @@ def test_sft_stops_when_the_validation_callback_reports_a_plateau(tmp_path):
     train_baseline(cfg, build_task(cfg), tmp_path / "sft", on_eval=on_eval)
     assert seen == [10, 20]
     assert (tmp_path / "sft" / "config.json").exists()
+
+
+
+def test_sft_saves_the_weights_of_its_best_validation_score(tmp_path, monkeypatch):
+    # early stopping restores the best checkpoint. Validation scores are scripted (0.1, 0.5, 0.2)
+    # and the weights seen at each evaluation recorded: the saved model must be the second's.
+    import types
+
+    import miles_core.session as session
+
+    cfg = load_recipe("tiny", ["sft.steps=30", "sft.eval_every=10"])
+    scores, snapshots = iter([0.1, 0.5, 0.2]), []
+
+    def scripted_eval(model, *args, **kwargs):
+        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return types.SimpleNamespace(pass_at={"pass@1": next(scores)})
+
+    monkeypatch.setattr(session, "run_eval", scripted_eval)
+    train_baseline(cfg, build_task(cfg), tmp_path / "sft", on_eval=lambda step, pass1, stats: False)
+    saved = load_checkpoint(tmp_path / "sft")[0].state_dict()
+    assert len(snapshots) == 3
+    assert all(torch.equal(saved[k], snapshots[1][k]) for k in snapshots[1])
+    assert not all(torch.equal(saved[k], snapshots[2][k]) for k in snapshots[2])  # not the last weights
