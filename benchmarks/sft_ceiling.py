@@ -25,24 +25,24 @@ from benchmarks.common import table, write_result
 DEFAULT_OVERRIDES = ["sft.steps=4000"]
 
 
-def largest_train_split(task, start: int) -> list:
-    """The most distinct train-bucket problems the task's space can supply (doubling, then bisecting)."""
-    lo = start
-    while True:
+def largest_train_split(task, start: int, exclude: list[str], cap: int = 100_000) -> list:
+    """The most distinct train-bucket problems the task's space can supply (doubling, then
+    bisecting; at most ``cap``), none of them in ``exclude`` (the validation prompts)."""
+    def fits(n: int) -> bool:
         try:
-            task.split("train", lo * 2, seed=0)
-            lo *= 2
+            task.split("train", n, seed=0, exclude=exclude)
+            return True
         except ValueError:
-            break
-    hi = lo * 2
+            return False
+
+    lo = start
+    while lo * 2 <= cap and fits(lo * 2):
+        lo *= 2
+    hi = min(lo * 2, cap + 1)
     while hi - lo > 50:
         mid = (lo + hi) // 2
-        try:
-            task.split("train", mid, seed=0)
-            lo = mid
-        except ValueError:
-            hi = mid
-    return task.split("train", lo, seed=0)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return task.split("train", lo, seed=0, exclude=exclude)
 
 
 def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> dict:
@@ -55,8 +55,8 @@ def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> di
 
     cfg = load_recipe(recipe, overrides)
     data = build_task(cfg)
-    if all_labels:  # the recipe's demonstrations are the first num_train of this list (same seed)
-        data.train = largest_train_split(data.task, cfg.task.num_train)
+    if all_labels:  # where validation is not its own bucket (code), its prompts are kept out
+        data.train = largest_train_split(data.task, cfg.task.num_train, [p.prompt for p in data.val])
     curve: list[dict] = []
 
     def on_eval(step: int, pass1: float, stats: dict) -> bool:
@@ -65,9 +65,10 @@ def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> di
         return False  # no early stop: both arms get the same steps
 
     t0 = time.perf_counter()
-    train_baseline(cfg, data, Path(out) / f"sft-{len(data.train)}", on_eval=on_eval)
+    ckpt = Path(out) / ("sft-all" if all_labels else "sft-scarce")
+    train_baseline(cfg, data, ckpt, on_eval=on_eval)
     seconds = time.perf_counter() - t0
-    model, tok = load_checkpoint(Path(out) / f"sft-{len(data.train)}")
+    model, tok = load_checkpoint(ckpt)
     test = run_eval(model, tok, cfg, data).pass_at["pass@1"]
     return {"num_train": len(data.train), "test_pass1": test, "best_val_pass1": max(c["val_pass1"] for c in curve),
             "curve": curve, "seconds": seconds}

@@ -263,7 +263,6 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.retry_budget_s >= 0, "retry_budget_s", "must be >= 0")
         need(obj.shared_budget or not obj.learner_samples, "learner_samples",
              "needs shared_budget=true (the learner claims slots of the shared sample budget)")
-        need(obj.sync_dtype in ("float32", "bfloat16", "float16"), "sync_dtype", "must be float32, bfloat16 or float16")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
         need(obj.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")

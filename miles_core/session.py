@@ -50,7 +50,10 @@ def build_task(cfg: RecipeConfig) -> TaskData:
         except ValueError as e:
             raise ConfigError(f"task: {e}") from None
         _check_completion_len(cfg, countdown.max_target_len(ccfg))
-        return _task_data(countdown.CountdownTask(ccfg), cfg)
+        try:
+            return _task_data(countdown.CountdownTask(ccfg), cfg)
+        except ValueError as e:
+            raise ConfigError(f"task.num_train/num_test/num_val: {e}") from None
     acfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits, mul_max_digits=t.mul_max_digits)
     _check_completion_len(cfg, max_target_len(acfg))
     return _task_data(ArithTask(acfg), cfg)
@@ -137,7 +140,9 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
     """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps, with
     pass@1 measured on the validation split (never on the test problems results are reported on).
     With ``on_eval`` the saved checkpoint is the weights of the best validation pass@1 (early
-    stopping restores them): on a scarce labelled set, the steps after the best one only memorise.
+    stopping restores them; ties go to the later evaluation): on a scarce labelled set, the steps
+    after the best one only memorise. Steps after the last evaluation are kept only if
+    ``sft.steps`` is a multiple of ``sft.eval_every`` (the last evaluation is then the final step).
 
     The tokenizer is a CharTokenizer, or for ``model.backend: llama`` an HFTokenizer with the
     same interface (models/hf_tokenizer.py)."""
@@ -160,8 +165,8 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
         if on_eval is None:
             return None
         pass1 = run_eval(model, tok, cfg, data, num_problems=eval_problems, split="val").pass_at["pass@1"]
-        if pass1 > best["pass1"]:
-            best.update(pass1=pass1, state={k: v.detach().clone() for k, v in model.state_dict().items()})
+        if pass1 >= best["pass1"]:  # a tie goes to the later, longer-trained weights
+            best.update(pass1=pass1, state={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
         return on_eval(step, pass1, stats)  # True: plateau reached, stop here
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
               completion_len=cfg.task.completion_len, steps=s.steps, batch_size=s.batch_size, lr=s.lr,

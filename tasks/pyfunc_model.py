@@ -83,7 +83,12 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         self.max_len = int(base.config.max_len)
 
     def _canonical(self, prompt: str) -> str:
-        # the arithmetic task is trained on whitespace-free expressions (data.arith.canonical_prompt)
+        # arith and countdown are trained on whitespace-free prompts (data.arith.canonical_prompt),
+        # countdown with its numbers sorted (data.countdown.canonical_prompt)
+        if self.cfg.task.name == "countdown":
+            from miles_core.data.countdown import canonical_prompt
+
+            return canonical_prompt(prompt)
         return "".join(prompt.split()) if self.cfg.task.name == "arith" else prompt
 
     # model_input stays unannotated on purpose: MLflow would take a type hint as the schema in place

@@ -325,3 +325,19 @@ def test_bfloat16_adapter_sync_halves_the_bytes_and_samplers_run_the_rounded_pol
         assert theirs[k].dtype == torch.float32 and torch.equal(theirs[k], ours[k].to(torch.bfloat16).float())
     n_params = sum(t.numel() for t in published.values())
     assert int(m["files"][ADAPTER_WEIGHTS]["bytes"]) < 2 * n_params + 4096  # 2 bytes a parameter, plus the header
+
+
+def test_restarted_learner_numbers_its_own_batches_after_the_ones_it_claimed(tmp_path: Path, base_dir: Path) -> None:
+    # a learner stopped after one update (its own batch 0) resumes from its checkpoint; its next own
+    # batches are 1 and 2, never a reuse of 0, and the budget of 3 is consumed exactly once
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.shared_budget=true",
+                      "async_rl.learner_samples=true")
+    first = AsyncLearner(run, str(tmp_path / "l1"), max_updates=1).run()
+    assert not first["done"] and first["consumed"] == 1
+    second = AsyncLearner(run, str(tmp_path / "l2"))
+    assert second._next_seq == 1 and second._redo == []
+    out = second.run()
+    ids = [e["id"] for e in second.ledger["consumed"]]
+    assert out["done"] and ids == [batch_id(s, "learner") for s in range(3)]
+    with pytest.raises(ValueError, match="reserved for the learner"):
+        SamplerWorker(run, "learner", 0, str(tmp_path / "s"))

@@ -59,7 +59,6 @@ def test_sft_stops_when_the_validation_callback_reports_a_plateau(tmp_path):
     assert (tmp_path / "sft" / "config.json").exists()
 
 
-
 def test_sft_saves_the_weights_of_its_best_validation_score(tmp_path, monkeypatch):
     # early stopping restores the best checkpoint. Validation scores are scripted (0.1, 0.5, 0.2)
     # and the weights seen at each evaluation recorded: the saved model must be the second's.

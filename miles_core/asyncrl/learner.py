@@ -86,7 +86,9 @@ class AsyncLearner:
         self.data = build_task(self.cfg)
         mine = self.claims.own(SELF)
         committed = set(self.rs.retry(self.rs.trajectories.list_batches, "listing trajectories"))
-        self._redo = sorted(mine - committed)  # claimed, then killed before the commit: redo those first
+        quarantined = set(self.rs.retry(self.rs.trajectories.list_quarantined, "listing quarantine"))
+        # claimed, then killed before the commit: redo those first (never one already handled or quarantined)
+        self._redo = sorted(mine - committed - quarantined - self.handled())
         self._next_seq = 1 + max((int(b.split("-")[0]) for b in mine), default=-1)
 
     def sample_self(self) -> bool:
@@ -109,7 +111,7 @@ class AsyncLearner:
             self.rs.retry(lambda: self.rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
         except BatchExistsError:
             log.info("batch %s was already committed; skipping", bid)
-        self.totals["sample_s"] = self.totals.get("sample_s", 0.0) + time.perf_counter() - t0
+        self.totals["sample_s"] = self.totals.get("sample_s", 0.0) + time.perf_counter() - t0  # rollout + commit
         self.totals["self_batches"] = self.totals.get("self_batches", 0) + 1
         return True
 

@@ -53,12 +53,14 @@ def _seed(*parts: object) -> int:
 def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn, worker: str, index: int, seq: int,
                  version: int) -> TrajectoryBatch:
     """Batch ``seq`` of ``worker``: prompts and noise seeded from (run seed, worker, seq), so a
-    restarted worker redoes exactly the batch it lost. Used by samplers and by a learner that
-    samples while it would otherwise wait (``async_rl.learner_samples``)."""
+    restarted sampler redoes the batch it lost with the same prompts and noise (with the adapter
+    version it holds then). Used by samplers and by a learner that samples while it would
+    otherwise wait (``async_rl.learner_samples``)."""
     rng = random.Random(_seed(cfg.train.seed, worker, seq, "prompts"))
     gen = torch.Generator().manual_seed(_seed(cfg.train.seed, worker, seq, "noise"))
     problems = [data.task.sample(rng, split="rl") for _ in range(cfg.train.prompts_per_iter)]
-    # group ids unique over the run: the learner, when it samples, is worker number num_samplers
+    # distinct group ids per worker (advantages are group-relative within a batch; ids only need to be
+    # unique there, distinct across workers keeps logs readable): the learner is worker num_samplers
     stride = cfg.async_rl.num_samplers + int(cfg.async_rl.learner_samples)
     offset = (seq * stride + index) * cfg.train.prompts_per_iter
     batch = rollout(model, tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
@@ -113,6 +115,8 @@ class SamplerWorker:
 
     def __init__(self, run_uri: str, worker: str, worker_index: int = 0, cache_dir: str | None = None,
                  storage_options: dict[str, Any] | None = None) -> None:
+        if worker == "learner" or worker.endswith("-learner"):
+            raise ValueError(f"sampler worker name {worker!r} is reserved for the learner's own batches")
         self.run_store = RunStore(run_uri, storage_options)
         spec = self.run_store.read_spec()
         self.cfg = load_recipe(spec["cfg"])

@@ -4,7 +4,8 @@ Prompt ``3,5,7:22`` (the numbers, sorted, then the target); a completion is a ch
 steps, each using two values still available (a given number or an earlier result) and adding its
 result, e.g. ``3*5=15;15+7=22`` or ``5*3=15;7+15=22``. It is correct when every step's arithmetic
 is right, every given number is used exactly once and the last result is the target (see
-:func:`check`). The demonstrations show one generating solution; the verifier accepts any.
+:func:`check`; the ``countdown`` reward in miles_core.rewards.math wraps it). The demonstrations
+show one generating solution; the verifier accepts any.
 
 Why this family (on top of ``arith``): the answer tokens depend on each other as in ``arith``
 (the second step reuses the first's result), but a problem has several correct answers and the
@@ -35,7 +36,7 @@ class CountdownConfig:
     """``numbers`` values drawn from 1..``max_value``; intermediate and final results stay >= 0."""
 
     numbers: int = 3
-    max_value: int = 9
+    max_value: int = 12
     ops: str = "+-*"
 
     def __post_init__(self) -> None:
@@ -53,6 +54,12 @@ def parse_prompt(prompt: str) -> tuple[list[int], int]:
     if not m:
         raise ValueError(f"countdown: prompt {prompt!r} is not 'n1,n2,...:target'")
     return [int(x) for x in m.group(1).split(",")], int(m.group(2))
+
+
+def canonical_prompt(prompt: str) -> str:
+    """``"7, 3,5 : 22"`` -> ``"3,5,7:22"``: the form the task trains on and hashes into splits."""
+    nums, target = parse_prompt(prompt)
+    return ",".join(str(n) for n in sorted(nums)) + f":{target}"
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -88,17 +95,6 @@ def check(prompt: str, completion: str) -> tuple[bool, str]:
     if next(iter(left)) != target:
         return False, f"reaches {next(iter(left))}, not {target}"
     return True, "ok"
-
-
-def countdown_reward(prompts: Iterable[str], completions: Iterable[object], **_: object) -> list[float | None]:
-    """1.0 for a correct worked solution (:func:`check`), else 0.0; None for an unreadable prompt."""
-    out: list[float | None] = []
-    for p, c in zip(prompts, completions):
-        try:
-            out.append(1.0 if check(p, c if isinstance(c, str) else "")[0] else 0.0)
-        except ValueError:
-            out.append(None)
-    return out
 
 
 class CountdownTask:
