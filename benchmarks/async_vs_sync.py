@@ -65,6 +65,56 @@ def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
     Path(out, "timing.json").write_text(json.dumps({"rollout_s": roll, "update_s": upd, "batches": n}))
 
 
+def probe_worker(cfg_json: str, base: str, k: int, start_at: float) -> tuple[float, float]:
+    """Seconds per rollout and per update, one torch thread, over ``k`` batches starting at
+    ``start_at`` (a shared wall-clock instant, so that two probes overlap)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from miles_core.config import load_recipe
+    from miles_core.session import Learner, build_task
+
+    cfg = load_recipe(json.loads(cfg_json))
+    data = build_task(cfg)
+    learner = Learner(cfg, base, seed=cfg.train.seed)
+    time.sleep(max(0.0, start_at - time.time()))
+    roll = upd = 0.0
+    for _ in range(k):
+        t0 = time.perf_counter()
+        batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
+        t1 = time.perf_counter()
+        learner.update(batch)
+        roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1
+    return roll / k, upd / k
+
+
+def machine_ceiling(cfg, base: str, sync_timing: dict, k: int = 8) -> dict:
+    """The best asynchronous time this machine allows, measured, not assumed.
+
+    Async runs single-threaded processes side by side, so its floor is the single-thread work
+    of every batch, measured with two such processes running at once (they share caches and
+    memory bandwidth), spread over two cores. Sync's compute is what the sync arm measured with
+    all threads. Their ratio bounds the speedup before start-up costs (equal in both arms).
+    """
+    import multiprocessing as mp
+
+    cfg_json = json.dumps(cfg.to_dict())
+    with mp.get_context("spawn").Pool(2) as pool:
+        alone = pool.apply(probe_worker, (cfg_json, base, k, 0.0))
+        start = time.time() + 20  # both load and build before the shared start
+        pair = pool.starmap(probe_worker, [(cfg_json, base, k, start)] * 2)
+    r_pair = sum(r for r, _ in pair) / 2
+    u_pair = sum(u for _, u in pair) / 2
+    n = sync_timing["batches"]
+    async_floor = n * (r_pair + u_pair) / 2
+    sync_compute = sync_timing["rollout_s"] + sync_timing["update_s"]
+    return {"rollout_s_alone": alone[0], "update_s_alone": alone[1], "rollout_s_two_at_once": r_pair,
+            "update_s_two_at_once": u_pair, "two_at_once_slowdown": (r_pair + u_pair) / sum(alone),
+            "sync_rollout_s_per_batch": sync_timing["rollout_s"] / n, "sync_update_s_per_batch": sync_timing["update_s"] / n,
+            "async_compute_floor_s": async_floor, "sync_compute_s": sync_compute,
+            "speedup_ceiling_before_startup": sync_compute / async_floor}
+
+
 def evaluate(cfg, base: str, adapter: str) -> tuple[float, list[bool]]:
     import torch
 
@@ -84,6 +134,8 @@ def main() -> None:
     ap.add_argument("--checkpoint", default=None, help="SFT checkpoint to start from (trained if omitted)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
+    ap.add_argument("--no-ceiling", action="store_true", help="skip measuring this machine's speedup ceiling "
+                    "(single-thread rollouts and updates alone and two at once, ~1 minute)")
     ap.add_argument("--cold", action="store_true", help="start each async worker as a fresh interpreter "
                     "(default: fork them from one preloaded server, as long-lived workers would be)")
     args = ap.parse_args()
@@ -181,6 +233,17 @@ def main() -> None:
     print(f"speedup {payload['speedup']:.2f}x; adapter sync {payload['adapter_sync_bytes']:.0f} B per version vs "
           f"full weights {full_bytes} B (1/{full_bytes / max(payload['adapter_sync_bytes'], 1):.0f}); "
           f"dropped {summary['dropped']}")
+    if not args.no_ceiling:
+        c = machine_ceiling(cfg, base, timing)
+        payload["machine_ceiling"] = c
+        payload["async_compute_s"] = summary["wall_s"]  # the learner's loop: start-up and teardown excluded
+        print(table([["1 process alone", f"{c['rollout_s_alone']:.3f}", f"{c['update_s_alone']:.3f}"],
+                     ["2 processes at once (each)", f"{c['rollout_s_two_at_once']:.3f}", f"{c['update_s_two_at_once']:.3f}"],
+                     [f"sync, {cores} threads", f"{c['sync_rollout_s_per_batch']:.3f}", f"{c['sync_update_s_per_batch']:.3f}"]],
+                    ["per batch", "rollout s", "update s"]))
+        print(f"machine ceiling: sync compute {c['sync_compute_s']:.1f}s / async floor {c['async_compute_floor_s']:.1f}s "
+              f"= {c['speedup_ceiling_before_startup']:.2f}x before start-up; the async learner's loop took "
+              f"{summary['wall_s']:.1f}s")
     print(f"wrote {write_result('async_vs_sync', payload)}")
 
 
