@@ -42,8 +42,9 @@ DEFAULT_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=15
                      "adpo.max_staleness=5", "sft.steps=2500"]
 
 
-def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
-    """The synchronous loop, in its own process (so start-up costs match the async arm)."""
+def timed_loop(cfg_json: str, base: str, threads: int, batches: int, start_at: float = 0.0):
+    """rollout -> reward -> update ``batches`` times with ``threads`` torch threads, from wall-clock
+    ``start_at`` (0: at once) -> (learner, rollout seconds, update seconds)."""
     import torch
 
     torch.set_num_threads(threads)
@@ -53,14 +54,22 @@ def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
     cfg = load_recipe(json.loads(cfg_json))
     data = build_task(cfg)
     learner = Learner(cfg, base, seed=cfg.train.seed)
-    n = cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
+    time.sleep(max(0.0, start_at - time.time()))
     roll = upd = 0.0
-    for _ in range(n):
+    for _ in range(batches):
         t0 = time.perf_counter()
         batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
         t1 = time.perf_counter()
         learner.update(batch)
         roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1
+    return learner, roll, upd
+
+
+def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
+    """The synchronous loop, in its own process (so start-up costs match the async arm)."""
+    a = json.loads(cfg_json)["async_rl"]
+    n = a["num_samplers"] * a["batches_per_sampler"]
+    learner, roll, upd = timed_loop(cfg_json, base, threads, n)
     learner.save_adapter(out)
     Path(out, "timing.json").write_text(json.dumps({"rollout_s": roll, "update_s": upd, "batches": n}))
 
@@ -68,23 +77,7 @@ def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
 def probe_worker(cfg_json: str, base: str, k: int, start_at: float) -> tuple[float, float]:
     """Seconds per rollout and per update, one torch thread, over ``k`` batches starting at
     ``start_at`` (a shared wall-clock instant, so that two probes overlap)."""
-    import torch
-
-    torch.set_num_threads(1)
-    from miles_core.config import load_recipe
-    from miles_core.session import Learner, build_task
-
-    cfg = load_recipe(json.loads(cfg_json))
-    data = build_task(cfg)
-    learner = Learner(cfg, base, seed=cfg.train.seed)
-    time.sleep(max(0.0, start_at - time.time()))
-    roll = upd = 0.0
-    for _ in range(k):
-        t0 = time.perf_counter()
-        batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
-        t1 = time.perf_counter()
-        learner.update(batch)
-        roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1
+    _, roll, upd = timed_loop(cfg_json, base, 1, k, start_at)
     return roll / k, upd / k
 
 

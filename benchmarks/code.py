@@ -1,7 +1,8 @@
 """Code generation with a sandboxed execution reward: does ADPO beat its SFT starting point?
 
 Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
-  1. SFT on the scarce labelled demonstrations of the ``code`` recipe (session.train_baseline);
+  1. SFT on the scarce labelled demonstrations of the ``code`` recipe (session.train_baseline),
+     stopped at its validation plateau with the best-validation weights kept;
   2. ADPO from that checkpoint (session.Learner) on fresh generator prompts, rewarded by
      ``code_tests``: each completion is executed in the sandbox against its hidden tests;
   3. both evaluated on the same held-out functions (>= 200, disjoint from training) with one
@@ -23,6 +24,7 @@ from pathlib import Path
 from benchmarks.common import sign_test_p, table, write_result
 
 DEFAULT_OVERRIDES: list[str] = []
+PATIENCE = 3  # SFT evaluations without a validation gain = plateau (as in benchmarks/learning.py)
 
 
 def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
@@ -55,8 +57,17 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
     ckpt = Path(out) / f"seed{seed}" / "sft"
+    best, sft_curve = {"pass1": -1.0, "step": 0}, []
+
+    def on_eval(step: int, pass1: float, stats: dict) -> bool:  # validation = unlabelled non-test functions
+        sft_curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
+        print(f"[seed {seed}] sft step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
+        if pass1 >= best["pass1"]:
+            best.update(pass1=pass1, step=step)
+        return step - best["step"] >= PATIENCE * cfg.sft.eval_every
+
     t0 = time.perf_counter()
-    train_baseline(cfg, data, ckpt, seed=seed)
+    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval)  # saves the best-validation weights
     sft_seconds = time.perf_counter() - t0
     base, tok = load_checkpoint(ckpt)
     seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding
@@ -93,7 +104,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
         model, tok = continue_sft(cfg, data, ckpt, adpo_seconds, seed)
         results["sft_continued"] = code_eval(model, tok, cfg, data)
         print(f"[seed {seed}] SFT continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
-    return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds,
+    return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_curve": sft_curve,
             "reward_seconds": reward_seconds[0], "completions": n, "reward_status_counts": dict(statuses),
             "adpo_curve": curve, "sandbox_layers": shared_pool().layers}
 
@@ -135,7 +146,7 @@ def main() -> None:
                       "adpo_sequential_pass1": p["results"]["adpo_sequential"]["pass1"],
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],
-                      "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"],
+                      "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"], "sft_curve": p["sft_curve"],
                       "reward_seconds": p["reward_seconds"], "completions_scored": p["completions"],
                       "reward_status_counts": p["reward_status_counts"], "adpo_curve": p["adpo_curve"],
                       "sft_samples": p["results"]["sft"]["samples"], "adpo_samples": p["results"]["adpo"]["samples"]}

@@ -41,22 +41,27 @@ class TaskData:
 
 
 def build_task(cfg: RecipeConfig) -> TaskData:
+    """The recipe's task and its train / test / val splits; bad task settings raise ConfigError."""
     t = cfg.task
-    if t.name == "code":
-        return _build_code_task(cfg)
-    if t.name == "countdown":
-        try:
-            ccfg = countdown.CountdownConfig(numbers=t.numbers, max_value=t.max_value)
-        except ValueError as e:
-            raise ConfigError(f"task: {e}") from None
-        _check_completion_len(cfg, countdown.max_target_len(ccfg))
-        try:
-            return _task_data(countdown.CountdownTask(ccfg), cfg)
-        except ValueError as e:
-            raise ConfigError(f"task.num_train/num_test/num_val: {e}") from None
-    acfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits, mul_max_digits=t.mul_max_digits)
-    _check_completion_len(cfg, max_target_len(acfg))
-    return _task_data(ArithTask(acfg), cfg)
+    task: ArithTask | countdown.CountdownTask | code.CodeTask
+    try:
+        if t.name == "code":  # completions are checked by the code_tests reward
+            ccfg = code.CodeConfig(examples=t.num_examples, b_max=t.const_max)
+            task, need = code.CodeTask(ccfg), code.max_target_len(ccfg)
+        elif t.name == "countdown":
+            dcfg = countdown.CountdownConfig(numbers=t.numbers, max_value=t.max_value)
+            task, need = countdown.CountdownTask(dcfg), countdown.max_target_len(dcfg)
+        else:
+            acfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits,
+                               mul_max_digits=t.mul_max_digits)
+            task, need = ArithTask(acfg), max_target_len(acfg)
+    except ValueError as e:
+        raise ConfigError(f"task: {e}") from None
+    _check_completion_len(cfg, need)
+    try:
+        return _task_data(task, cfg)
+    except ValueError as e:
+        raise ConfigError(f"task.num_train/num_test/num_val: {e}") from None
 
 
 def _check_completion_len(cfg: RecipeConfig, need: int) -> None:
@@ -79,20 +84,6 @@ def _task_data(task: ArithTask | countdown.CountdownTask | code.CodeTask, cfg: R
         except ValueError:  # the held-out bucket is all test (code recipe): unlabelled non-test prompts
             val = task.split("rl", t.num_val, seed=1, exclude=[p.prompt for p in train])
     return TaskData(task, train, test, val)
-
-
-def _build_code_task(cfg: RecipeConfig) -> TaskData:
-    """The code task (miles_core.data.code): completions are checked by the code_tests reward."""
-    t = cfg.task
-    try:
-        ccfg = code.CodeConfig(examples=t.num_examples, b_max=t.const_max)
-    except ValueError as e:
-        raise ConfigError(f"task: {e}") from None
-    _check_completion_len(cfg, code.max_target_len(ccfg))
-    try:
-        return _task_data(code.CodeTask(ccfg), cfg)
-    except ValueError as e:
-        raise ConfigError(f"task.num_train/num_test/num_val: {e}") from None
 
 
 def new_model(cfg: RecipeConfig, tok: CharTokenizer, seed: int) -> torch.nn.Module:

@@ -16,7 +16,7 @@ import itertools
 import random
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 SPLITS = ("train", "test", "rl")
 TEST_BUCKETS = 2  # hash % 10 < TEST_BUCKETS -> test: 20% of all prompts
@@ -185,22 +185,25 @@ class ArithTask:
         if n < 0:
             raise ValueError(f"ArithTask.split: n must be >= 0, got {n}")
         rng = random.Random(f"miles-arith:{name}:{seed}")
-        seen = {canonical_prompt(p) for p in exclude}
-        out: list[Problem] = []
-        misses, max_misses = 0, 2000 + 20 * n
-        while len(out) < n:
-            prob = self.sample(rng, name)
-            if prob.prompt in seen:
-                misses += 1
-                if misses > max_misses:
-                    raise ValueError(
-                        f"ArithTask.split: only found {len(out)} distinct {name!r} prompts of {n} requested "
-                        f"for {self.cfg}; enlarge the config (more ops/digits) or ask for fewer"
-                    )
-                continue
-            seen.add(prob.prompt)
-            out.append(prob)
-        return out
+        return draw_distinct(lambda: self.sample(rng, name), n, {canonical_prompt(p) for p in exclude},
+                             f"ArithTask.split: {name!r} for {self.cfg}", "enlarge the config (more ops/digits)")
+
+
+def draw_distinct(draw: Callable[[], Problem], n: int, exclude: set[str], what: str, hint: str) -> list[Problem]:
+    """``n`` problems with distinct prompts (none in ``exclude``) from repeated ``draw()``; raises
+    ValueError, naming ``what`` and how to fix it, when the space runs out of new prompts."""
+    seen, out = set(exclude), []
+    misses, max_misses = 0, 2000 + 20 * n
+    while len(out) < n:
+        prob = draw()
+        if prob.prompt in seen:
+            misses += 1
+            if misses > max_misses:
+                raise ValueError(f"{what}: only found {len(out)} distinct prompts of {n} requested; {hint} or ask for fewer")
+            continue
+        seen.add(prob.prompt)
+        out.append(prob)
+    return out
 
 
 def _op_sequences(cfg: ArithConfig) -> Iterable[tuple[str, ...]]:

@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
-from miles_core.data.arith import SPLITS, Problem, is_test_prompt
+from miles_core.data.arith import SPLITS, Problem, draw_distinct, is_test_prompt
 
 _STEP_RE = re.compile(r"^(-?\d+)([+\-*])(-?\d+)=(-?\d+)$")
 _PROMPT_RE = re.compile(r"^(\d+(?:,\d+)+):(\d+)$")
@@ -143,20 +143,8 @@ class CountdownTask:
         if name not in SPLITS:
             raise ValueError(f"CountdownTask.split: unknown split {name!r}; allowed: {SPLITS}")
         rng = random.Random(f"miles-countdown:{name}:{seed}")
-        seen = set(exclude)
-        out: list[Problem] = []
-        misses, max_misses = 0, 2000 + 20 * n
-        while len(out) < n:
-            prob = self.sample(rng, name)
-            if prob.prompt in seen:
-                misses += 1
-                if misses > max_misses:
-                    raise ValueError(f"CountdownTask.split: only found {len(out)} distinct {name!r} prompts of {n} "
-                                     f"requested for {self.cfg}; raise numbers/max_value or ask for fewer")
-                continue
-            seen.add(prob.prompt)
-            out.append(prob)
-        return out
+        return draw_distinct(lambda: self.sample(rng, name), n, set(exclude), f"CountdownTask.split: {name!r} for {self.cfg}",
+                             "raise numbers/max_value")
 
 
 def max_target_len(cfg: CountdownConfig) -> int:
