@@ -107,16 +107,22 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def api(base: str, method: str, path: str, body: Any = None, ok404: bool = False) -> Any:
+    """One REST call. A 502/503 (the server's SQLite busy under a loaded CI machine) is retried with
+    backoff, as Prefect's own client does; the server rolls the failed request back."""
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(f"{base}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read() or b"null")
-    except urllib.error.HTTPError as e:
-        if ok404 and e.code == 404:
-            return None
-        raise AssertionError(f"{method} {path} -> {e.code}: {e.read()[:500]!r}") from None
+    for attempt in range(6):
+        req = urllib.request.Request(f"{base}{path}", data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read() or b"null")
+        except urllib.error.HTTPError as e:
+            if ok404 and e.code == 404:
+                return None
+            if e.code in (502, 503) and attempt < 5:
+                time.sleep(2 ** attempt)
+                continue
+            raise AssertionError(f"{method} {path} -> {e.code}: {e.read()[:500]!r}") from None
 
 
 def wait_for(what: str, check: Any, timeout: float, logs: list[Path], every: float = 2.0,
