@@ -57,17 +57,14 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
     ckpt = Path(out) / f"seed{seed}" / "sft"
-    best, sft_curve = {"pass1": -1.0, "step": 0}, []
+    sft_curve: list[dict] = []
 
-    def on_eval(step: int, pass1: float, stats: dict) -> bool:  # validation = unlabelled non-test functions
+    def on_eval(step: int, pass1: float, stats: dict) -> None:  # validation = unlabelled non-test functions
         sft_curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
         print(f"[seed {seed}] sft step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
-        if pass1 >= best["pass1"]:
-            best.update(pass1=pass1, step=step)
-        return step - best["step"] >= PATIENCE * cfg.sft.eval_every
 
     t0 = time.perf_counter()
-    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval)  # saves the best-validation weights
+    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, patience=PATIENCE)  # saves the best-validation weights
     sft_seconds = time.perf_counter() - t0
     base, tok = load_checkpoint(ckpt)
     seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding

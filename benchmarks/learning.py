@@ -40,17 +40,13 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
     work = Path(out) / f"seed{seed}"
     ckpt = work / "sft"
     curve: list[dict] = []
-    best = {"pass1": -1.0, "step": 0}
 
-    def on_eval(step: int, pass1: float, stats: dict) -> bool:
+    def on_eval(step: int, pass1: float, stats: dict) -> None:
         curve.append({"step": step, "pass1": pass1, "loss": stats["loss"]})
         print(f"[seed {seed}] sft step {step} val pass@1(200) {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
-        if pass1 > best["pass1"]:
-            best.update(pass1=pass1, step=step)
-        return step - best["step"] >= plateau_patience * cfg.sft.eval_every  # plateau: no gain for a while
 
-    t0 = time.perf_counter()
-    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, eval_problems=200)
+    t0 = time.perf_counter()  # to the plateau: no validation gain for plateau_patience evaluations
+    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, eval_problems=200, patience=plateau_patience)
     sft_seconds = time.perf_counter() - t0
 
     def final_eval(model, tok) -> dict:

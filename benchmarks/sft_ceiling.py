@@ -59,10 +59,9 @@ def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> di
         data.train = largest_train_split(data.task, cfg.task.num_train, [p.prompt for p in data.val])
     curve: list[dict] = []
 
-    def on_eval(step: int, pass1: float, stats: dict) -> bool:
+    def on_eval(step: int, pass1: float, stats: dict) -> None:  # no patience: both arms get the same steps
         curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
         print(f"[{len(data.train)} demos] step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
-        return False  # no early stop: both arms get the same steps
 
     t0 = time.perf_counter()
     ckpt = Path(out) / ("sft-all" if all_labels else "sft-scarce")

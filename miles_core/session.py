@@ -127,13 +127,15 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
 
 def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed: int | None = None,
                    on_eval: Callable[[int, float, dict], bool | None] | None = None, progress: bool = False,
-                   eval_problems: int = 200) -> tuple[torch.nn.Module, CharTokenizer]:
+                   eval_problems: int = 200, patience: int | None = None) -> tuple[torch.nn.Module, CharTokenizer]:
     """SFT on the labelled set; ``on_eval(step, pass1, stats)`` every ``sft.eval_every`` steps, with
     pass@1 measured on the validation split (never on the test problems results are reported on).
-    With ``on_eval`` the saved checkpoint is the weights of the best validation pass@1 (early
-    stopping restores them; ties go to the later evaluation): on a scarce labelled set, the steps
-    after the best one only memorise. Steps after the last evaluation are kept only if
-    ``sft.steps`` is a multiple of ``sft.eval_every`` (the last evaluation is then the final step).
+    ``patience``: stop at the plateau, once ``patience`` evaluations in a row bring no strict gain;
+    ``on_eval`` may also stop training by returning True. Whenever validation runs (``on_eval`` or
+    ``patience`` given) the saved checkpoint is the weights of the best validation pass@1 (ties go
+    to the later evaluation): on a scarce labelled set, the steps after the best one only memorise.
+    Steps after the last evaluation are kept only if ``sft.steps`` is a multiple of
+    ``sft.eval_every`` (the last evaluation is then the final step).
 
     The tokenizer is a CharTokenizer, or for ``model.backend: llama`` an HFTokenizer with the
     same interface (models/hf_tokenizer.py)."""
@@ -150,19 +152,21 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
         tok = CharTokenizer()
         model = new_model(cfg, tok, seed)
 
-    best: dict = {"pass1": -1.0, "state": None}
+    best: dict = {"pass1": -1.0, "state": None, "gain_step": 0}
+    validate = on_eval is not None or patience is not None
 
-    def cb(step: int, stats: dict) -> bool | None:
-        if on_eval is None:
-            return None
+    def cb(step: int, stats: dict) -> bool:
         pass1 = run_eval(model, tok, cfg, data, num_problems=eval_problems, split="val").pass_at["pass@1"]
+        if pass1 > best["pass1"]:
+            best["gain_step"] = step
         if pass1 >= best["pass1"]:  # a tie goes to the later, longer-trained weights
             best.update(pass1=pass1, state={k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()})
-        return on_eval(step, pass1, stats)  # True: plateau reached, stop here
+        stop = bool(on_eval(step, pass1, stats)) if on_eval is not None else False
+        return stop or (patience is not None and step - best["gain_step"] >= patience * s.eval_every)
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
               completion_len=cfg.task.completion_len, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
-              weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, callback=cb,
-              callback_every=s.eval_every if on_eval else 0, progress=progress)
+              weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, callback=cb if validate else None,
+              callback_every=s.eval_every if validate else 0, progress=progress)
     if best["state"] is not None:
         model.load_state_dict(best["state"])
     save_checkpoint(model, tok, out_dir)

@@ -79,3 +79,25 @@ def test_sft_saves_the_weights_of_its_best_validation_score(tmp_path, monkeypatc
     assert len(snapshots) == 3
     assert all(torch.equal(saved[k], snapshots[1][k]) for k in snapshots[1])
     assert not all(torch.equal(saved[k], snapshots[2][k]) for k in snapshots[2])  # not the last weights
+
+
+def test_sft_patience_stops_after_evaluations_without_a_strict_gain(tmp_path, monkeypatch):
+    # scores 0.1, 0.5, 0.5, 0.4 with patience 2: the last strict gain is at step 20, so the tie at 30
+    # does not reset it and SFT stops at step 40; the saved weights are the tie's (step 30)
+    import types
+
+    import miles_core.session as session
+
+    cfg = load_recipe("tiny", ["sft.steps=100", "sft.eval_every=10"])
+    scores, snapshots, seen = iter([0.1, 0.5, 0.5, 0.4, 0.9, 0.9]), [], []
+
+    def scripted_eval(model, *args, **kwargs):
+        snapshots.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+        return types.SimpleNamespace(pass_at={"pass@1": next(scores)})
+
+    monkeypatch.setattr(session, "run_eval", scripted_eval)
+    train_baseline(cfg, build_task(cfg), tmp_path / "sft", patience=2,
+                   on_eval=lambda step, pass1, stats: seen.append(step))
+    assert seen == [10, 20, 30, 40]
+    saved = load_checkpoint(tmp_path / "sft")[0].state_dict()
+    assert all(torch.equal(saved[k], snapshots[2][k]) for k in snapshots[2])
