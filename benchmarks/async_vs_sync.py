@@ -30,10 +30,10 @@ from benchmarks.common import table, write_result
 # and 0.13 s, since two threads speed a rollout up 1.6x):
 #   3 samplers, nice 0:  1.06x, learner idle 7.5%  (4 processes time-share 2 cores; samplers slow down)
 #   2 samplers, nice 10, shared budget: 1.14x, 1.25x, idle 38-43%: a learner with a core to itself waits
-#   1 sampler + the learner sampling whenever no batch waits (learner_samples): 1.16x, 1.13x, idle
-#     0.6%, 0.0%  <- default. Both cores stay busy; what is left is the work itself: 150 x (0.49 +
-#     0.16) s on 2 cores is 49 s against 66 s of 2-thread sync compute, a 1.34x ceiling before
-#     start-up (~10 s of importing torch + peft in each arm) and the two processes' shared caches.
+#   1 sampler + the learner sampling whenever no batch waits (learner_samples): 1.12-1.19x over four
+#     runs, idle 0-0.6%  <- default. Both cores stay busy; what is left is the work itself, which
+#     machine_ceiling() measures in the same run: 1.31x before start-up (~10 s of importing torch +
+#     peft in each arm), 1.27x with it.
 # LoRA r=4 on q_proj/v_proj (the LoRA paper's choice) and bfloat16 adapter sync: 1/77 of the base's
 # bytes per version (r=16 on every projection in float32: 1/3).
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150", "async_rl.max_pending=3",

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from miles_core.asyncrl.layout import RunStore
-from miles_core.asyncrl.sampler import SlotClaims, batch_id, sample_batch
+from miles_core.asyncrl.sampler import SlotClaims, batch_id, batch_seq, sample_batch
 from miles_core.config import load_recipe
 from miles_core.session import Learner, build_task
 from miles_core.storage import BatchExistsError, CorruptBatchError
@@ -89,7 +89,7 @@ class AsyncLearner:
         quarantined = set(self.rs.retry(self.rs.trajectories.list_quarantined, "listing quarantine"))
         # claimed, then killed before the commit: redo those first (never one already handled or quarantined)
         self._redo = sorted(mine - committed - quarantined - self.handled())
-        self._next_seq = 1 + max((int(b.split("-")[0]) for b in mine), default=-1)
+        self._next_seq = 1 + max((batch_seq(b) for b in mine), default=-1)
 
     def sample_self(self) -> bool:
         """Sample one batch of the shared budget with the current policy; False once the budget is claimed."""
@@ -106,7 +106,7 @@ class AsyncLearner:
         t0 = time.perf_counter()
         lrn = self.learner
         batch = sample_batch(self.cfg, lrn.model, lrn.tok, self.data, lrn.reward_fn, SELF,
-                             self.cfg.async_rl.num_samplers, int(bid.split("-")[0]), lrn.version)
+                             self.cfg.async_rl.num_samplers, batch_seq(bid), lrn.version)
         try:
             self.rs.retry(lambda: self.rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
         except BatchExistsError:
@@ -211,10 +211,7 @@ class AsyncLearner:
             self.totals["wall_s"] += now - last
             last = now
             if not pending and self.sample_self():
-                now = time.perf_counter()
-                self.totals["wall_s"] += now - last
-                last = now
-                continue
+                continue  # its time is counted as wall (not idle) at the top of the next pass
             if not pending:
                 time.sleep(a.poll_interval)
                 waited = time.perf_counter() - last

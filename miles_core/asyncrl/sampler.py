@@ -46,6 +46,11 @@ def batch_id(seq: int, worker: str) -> str:
     return f"{seq:06d}-{worker}"
 
 
+def batch_seq(bid: str) -> int:
+    """The sequence number of a :func:`batch_id`."""
+    return int(bid.split("-", 1)[0])
+
+
 def _seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
 

@@ -4,7 +4,7 @@ Prompt ``3,5,7:22`` (the numbers, sorted, then the target); a completion is a ch
 steps, each using two values still available (a given number or an earlier result) and adding its
 result, e.g. ``3*5=15;15+7=22`` or ``5*3=15;7+15=22``. It is correct when every step's arithmetic
 is right, every given number is used exactly once and the last result is the target (see
-:func:`check`; the ``countdown`` reward in miles_core.rewards.math wraps it). The demonstrations
+:func:`check`; the ``countdown`` reward in miles_core.rewards.verifiers wraps it). The demonstrations
 show one generating solution; the verifier accepts any.
 
 Why this family (on top of ``arith``): the answer tokens depend on each other as in ``arith``
@@ -56,10 +56,14 @@ def parse_prompt(prompt: str) -> tuple[list[int], int]:
     return [int(x) for x in m.group(1).split(",")], int(m.group(2))
 
 
-def canonical_prompt(prompt: str) -> str:
-    """``"7, 3,5 : 22"`` -> ``"3,5,7:22"``: the form the task trains on and hashes into splits."""
-    nums, target = parse_prompt(prompt)
+def format_prompt(nums: Iterable[int], target: int) -> str:
+    """The form the task trains on and hashes into splits: numbers sorted, then the target."""
     return ",".join(str(n) for n in sorted(nums)) + f":{target}"
+
+
+def canonical_prompt(prompt: str) -> str:
+    """``"7, 3,5 : 22"`` -> ``"3,5,7:22"``."""
+    return format_prompt(*parse_prompt(prompt))
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -118,8 +122,7 @@ class CountdownTask:
                 return None
             steps.append(f"{a}{op}{b}={c}")
             pool = [v for k, v in enumerate(pool) if k not in (i, j)] + [c]
-        prompt = ",".join(str(n) for n in sorted(nums)) + f":{pool[0]}"
-        return prompt, ";".join(steps)
+        return format_prompt(nums, pool[0]), ";".join(steps)
 
     def make_problem(self, prompt: str, target: str, split: str | None = None) -> Problem:
         meta = {"task": "countdown", "test_bucket": is_test_prompt(prompt)}
@@ -151,8 +154,8 @@ def max_target_len(cfg: CountdownConfig) -> int:
     """Longest worked solution in characters: each step is at most 'a*b=c' with every value
     bounded by max_value ** (values combined so far); numbers-1 steps joined by ';'."""
     total, hi = 0, cfg.max_value
-    for k in range(2, cfg.numbers + 1):
-        lo_len, res = len(str(hi)), hi * cfg.max_value if "*" in cfg.ops else hi + cfg.max_value
-        total += lo_len + 1 + len(str(cfg.max_value)) + 1 + len(str(res))
+    for _ in range(cfg.numbers - 1):
+        res = hi * cfg.max_value if "*" in cfg.ops else hi + cfg.max_value
+        total += len(str(hi)) + 1 + len(str(cfg.max_value)) + 1 + len(str(res))
         hi = res
     return total + cfg.numbers - 2
