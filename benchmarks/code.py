@@ -86,6 +86,8 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
         batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
         n += len(batch)
         st = learner.update(batch)
+        if learner.guard_event:  # the collapse guard skipped this batch (and maybe rolled the policy back)
+            print(f"[seed {seed}] adpo it {it + 1} collapse guard: {learner.guard_event}", flush=True)
         if (it + 1) % 10 == 0:
             r = float(batch.reward.nan_to_num(0).mean())
             full = float((batch.reward >= 1).float().mean())
@@ -103,7 +105,8 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
         print(f"[seed {seed}] SFT continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
     return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_curve": sft_curve,
             "reward_seconds": reward_seconds[0], "completions": n, "reward_status_counts": dict(statuses),
-            "adpo_curve": curve, "sandbox_layers": shared_pool().layers}
+            "adpo_curve": curve, "sandbox_layers": shared_pool().layers,
+            "guard_rollbacks": learner.guard.rollbacks if learner.guard else 0}
 
 
 def main() -> None:
@@ -146,6 +149,7 @@ def main() -> None:
                       "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"], "sft_curve": p["sft_curve"],
                       "reward_seconds": p["reward_seconds"], "completions_scored": p["completions"],
                       "reward_status_counts": p["reward_status_counts"], "adpo_curve": p["adpo_curve"],
+                      "guard_rollbacks": p["guard_rollbacks"],
                       "sft_samples": p["results"]["sft"]["samples"], "adpo_samples": p["results"]["adpo"]["samples"]}
                      for p in per_seed],
     }

@@ -57,6 +57,8 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
         if p.log_adapters:
             tracking.log_artifacts(run_id, adapter["adapter_dir"], f"adapters/v{adapter['version']:06d}")
         log.info("iteration %d/%d: reward %.3f, adapter v%d", step, total, sc["stats"]["reward_mean"], adapter["version"])
+        if adapter.get("guard_event"):  # the collapse guard skipped this batch (and may have rolled back)
+            log.warning("iteration %d: collapse guard: %s", step, adapter["guard_event"])
         if step % every == 0 or step == total:
             ev = training.evaluate_policy(run, adapter["version"], p.progress)
             tracking.log_eval(run_id, ev, step)

@@ -139,6 +139,20 @@ class AsyncSettings:
 
 
 @dataclass(frozen=True)
+class GuardSettings:
+    """Collapse guard (miles_core/algo/guard.py): roll the policy back when a batch shows it collapsed."""
+
+    enabled: bool = True
+    max_empty_frac: float = 0.5         # collapse: this share of empty completions, after a running share below half of it
+    reward_drop: float = 0.1            # collapse: batch mean reward below this x the running mean of healthy batches ...
+    min_reward: float = 0.2             # ... when that running mean is at least this (below, a drop is noise)
+    min_rows: int = 64                  # smaller batches are too noisy to call a collapse: always accepted
+    ema: float = 0.1                    # weight of a new healthy batch in the running means
+    snapshot_every: int = 10            # candidate rollback target every N policy versions
+    max_rollbacks: int = 3              # rollbacks in a row without a healthy batch between them -> CollapseError
+
+
+@dataclass(frozen=True)
 class EvalSettings:
     num_problems: int = 500
     steps: int = 16
@@ -161,6 +175,7 @@ class RecipeConfig:
     adpo: ADPOConfig = field(default_factory=ADPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     async_rl: AsyncSettings = field(default_factory=AsyncSettings)
+    guard: GuardSettings = field(default_factory=GuardSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     torch_threads: int = 0               # 0: leave torch's default
 
@@ -263,6 +278,12 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.retry_budget_s >= 0, "retry_budget_s", "must be >= 0")
         need(obj.shared_budget or not obj.learner_samples, "learner_samples",
              "needs shared_budget=true (the learner claims slots of the shared sample budget)")
+    if isinstance(obj, GuardSettings):
+        need(0 < obj.max_empty_frac <= 1.0, "max_empty_frac", "must be in (0, 1]")
+        need(0 <= obj.reward_drop < 1.0, "reward_drop", "must be in [0, 1)")
+        need(0 < obj.ema <= 1.0, "ema", "must be in (0, 1]")
+        need(obj.snapshot_every >= 1 and obj.max_rollbacks >= 0 and obj.min_rows >= 1, "snapshot_every",
+             "snapshot_every and min_rows must be >= 1, max_rollbacks >= 0")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
         need(obj.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")

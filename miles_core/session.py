@@ -4,6 +4,8 @@ use these, so what a benchmark measures is what a user runs."""
 
 from __future__ import annotations
 
+import copy
+import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from miles_core.algo.guard import CollapseGuard, batch_health
 from miles_core.algo.rl import assign_advantages, rollout, score_rewards
 from miles_core.algo.sft import train_sft
 from miles_core.algo.update import adpo_update
@@ -209,6 +212,13 @@ class Learner:
         self.version = 0
         self.reward_fn = get_reward(cfg.train.reward)
         self.groups_seen = 0
+        self.guard = CollapseGuard(cfg.guard, self._policy_state()) if cfg.guard.enabled else None
+        self.guard_event = ""  # why the last update was skipped or rolled back ("" when it ran)
+
+    def _policy_state(self) -> dict:
+        """What a rollback restores: adapter, optimizer and schedule (not the RNGs)."""
+        return {"adapter": {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k},
+                "opt": copy.deepcopy(self.opt.state_dict()), "sched": self.sched.state_dict()}
 
     def draw_prompts(self, data: TaskData, n: int) -> list[Problem]:
         """Fresh RL prompts from the verifier's unlimited supply (never the test bucket)."""
@@ -225,11 +235,39 @@ class Learner:
         return assign_advantages(batch, self.cfg.adpo.std_normalize)
 
     def update(self, batch: TrajectoryBatch, temperature: float | None = None) -> dict[str, float]:
+        """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
+        then the batch is skipped and (first sign of it) the last healthy policy is restored and
+        published as a new version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and
+        ``self.guard_event`` says why. Raises CollapseError when rolling back no longer helps."""
+        self.guard_event = ""
+        if self.guard is not None:
+            h = batch_health(batch)
+            reason = self.guard.collapse_reason(h)
+            if reason is not None:
+                self.guard_event = reason
+                if not self.guard.should_roll_back(h):  # sampled by the collapsed line, already rolled back
+                    return {"rows": 0.0, "guard_skipped": 1.0, "policy_version": float(self.version),
+                            "guard_rollbacks": float(self.guard.rollbacks)}
+                self.version += 1
+                self._restore(self.guard.rolled_back(self.version, reason))
+                logging.getLogger("miles").warning("collapse guard: %s; restored policy version %d as version %d",
+                                                   reason, self.guard.good[0], self.version)
+                return {"rows": 0.0, "rolled_back": 1.0, "policy_version": float(self.version),
+                        "guard_rollbacks": float(self.guard.rollbacks)}
+            self.guard.accept(h)
         t = self.cfg.sampler.temperature if temperature is None else temperature
         stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched)
         self.version += 1
+        if self.guard is not None:
+            self.guard.offer(self.version, self._policy_state)
+            stats["guard_rollbacks"] = float(self.guard.rollbacks)
         stats["policy_version"] = float(self.version)
         return stats
+
+    def _restore(self, st: dict) -> None:
+        self.model.load_state_dict(st["adapter"], strict=False)
+        self.opt.load_state_dict(copy.deepcopy(st["opt"]))
+        self.sched.load_state_dict(st["sched"])
 
     def save_adapter(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
         return save_adapter(self.model, directory, dtype)
@@ -238,7 +276,7 @@ class Learner:
         return {"adapter": {k: v.clone() for k, v in self.model.state_dict().items() if "lora_" in k},
                 "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "gen": self.gen.get_state(),
                 "rng": self.rng.getstate(), "version": self.version, "groups_seen": self.groups_seen,
-                "torch_rng": torch.get_rng_state()}
+                "torch_rng": torch.get_rng_state(), "guard": self.guard.state() if self.guard else None}
 
     def load_state(self, st: dict) -> None:
         missing = self.model.load_state_dict(st["adapter"], strict=False)
@@ -251,4 +289,6 @@ class Learner:
         self.version = int(st["version"])
         self.groups_seen = int(st["groups_seen"])
         torch.set_rng_state(st["torch_rng"])
+        if self.guard is not None and st.get("guard") is not None:  # older checkpoints: a fresh guard
+            self.guard.load_state(st["guard"])
 

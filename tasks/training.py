@@ -303,12 +303,13 @@ def adpo_update(run_dir: str, store_uri: str, batch_id: str) -> dict[str, Any]:
             stats["seconds"] = time.perf_counter() - t0
             stats["tokens_per_s"] = stats.get("tokens", 0.0) / max(stats["seconds"], 1e-9)
             e.meta.update(iteration=e.meta["iteration"] + 1, consumed=[*e.meta["consumed"], batch_id],
-                          last_update=stats)
+                          last_update=stats, guard_event=e.learner.guard_event)
             _save(run_dir, e)
         local = _save_adapter(run_dir, e)
         uri = _publish(store_uri, e, local)
         return {"version": e.learner.version, "iteration": e.meta["iteration"], "adapter_dir": str(local),
-                "adapter_uri": uri, "stats": dict(e.meta.get("last_update") or {})}
+                "adapter_uri": uri, "stats": dict(e.meta.get("last_update") or {}),
+                "guard_event": e.meta.get("guard_event", "")}
     return _guarded(run_dir, go)
 
 

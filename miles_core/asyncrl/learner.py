@@ -185,7 +185,8 @@ class AsyncLearner:
                              "staleness": staleness, "reward_mean": float(reward.mean()),
                              "read_s": t0 - t_read, "update_s": t1 - t0,
                              **{k: float(v) for k, v in stats.items() if k in
-                                ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows")}})
+                                ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows",
+                                 "rolled_back", "guard_skipped", "guard_rollbacks")}})
         self._since_ckpt += 1
         if self._since_ckpt >= self.cfg.async_rl.checkpoint_every:
             self.checkpoint()
