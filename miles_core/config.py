@@ -117,6 +117,7 @@ class TrainConfig:
     eval_every: int = 10
     seed: int = 0
     reward: str = "math_exact"
+    rl_exclude_demos: bool = False      # RL never draws a prompt that is one of the SFT demonstrations
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,21 @@ class TaskData:
     train: list[Problem]      # scarce labelled demonstrations (SFT)
     test: list[Problem]       # held-out, provably disjoint (hash bucket): what results are reported on
     val: list[Problem]        # also from the held-out bucket, disjoint from test: for plateau / selection
+    rl_exclude: frozenset[str] = frozenset()  # prompts RL never draws (train.rl_exclude_demos: the SFT demos)
+
+    def draw_rl(self, rng: random.Random, n: int) -> list[Problem]:
+        """``n`` RL prompts from the verifier's supply: never the test bucket, never ``rl_exclude``."""
+        out: list[Problem] = []
+        for _ in range(n):
+            for _ in range(10_000):
+                p = self.task.sample(rng, split="rl")
+                if "".join(p.prompt.split()) not in self.rl_exclude:
+                    break
+            else:
+                raise ConfigError("train.rl_exclude_demos: every RL prompt tried was an SFT demonstration; "
+                                  "lower task.num_train or turn rl_exclude_demos off")
+            out.append(p)
+        return out
 
 
 def build_task(cfg: RecipeConfig) -> TaskData:
@@ -86,7 +101,8 @@ def _task_data(task: ArithTask | countdown.CountdownTask | code.CodeTask, cfg: R
             val = task.split("test", t.num_val, seed=1, exclude=[p.prompt for p in test])
         except ValueError:  # the held-out bucket is all test (code recipe): unlabelled non-test prompts
             val = task.split("rl", t.num_val, seed=1, exclude=[p.prompt for p in train])
-    return TaskData(task, train, test, val)
+    skip = frozenset("".join(p.prompt.split()) for p in train) if cfg.train.rl_exclude_demos else frozenset()
+    return TaskData(task, train, test, val, skip)
 
 
 def new_model(cfg: RecipeConfig, tok: CharTokenizer, seed: int) -> torch.nn.Module:
@@ -221,8 +237,8 @@ class Learner:
                 "opt": copy.deepcopy(self.opt.state_dict()), "sched": self.sched.state_dict()}
 
     def draw_prompts(self, data: TaskData, n: int) -> list[Problem]:
-        """Fresh RL prompts from the verifier's unlimited supply (never the test bucket)."""
-        return [data.task.sample(self.rng, split="rl") for _ in range(n)]
+        """Fresh RL prompts from the verifier's supply (never the test bucket; see TaskData.draw_rl)."""
+        return data.draw_rl(self.rng, n)
 
     def rollout(self, problems: list[Problem], sampler: SamplerConfig | None = None,
                 threshold: float | None = None) -> TrajectoryBatch:

@@ -116,3 +116,19 @@ def test_recipe_builds_the_code_task() -> None:
         load_recipe("code", ["task.num_examples=2"])
     with pytest.raises(ConfigError, match="num_test"):
         build_task(load_recipe("code", ["task.num_test=5000"]))
+
+
+def test_rl_prompts_can_exclude_the_sft_demonstrations() -> None:
+    small = ["task.const_max=6", "task.num_train=60", "task.num_test=20", "task.num_val=10"]
+    demos = {p.prompt for p in build_task(load_recipe("code", small)).train}
+    plain = build_task(load_recipe("code", small))
+    drawn = {p.prompt for p in plain.draw_rl(random.Random(0), 400)}
+    assert drawn & demos                       # the small space makes collisions certain without the flag
+    strict = build_task(load_recipe("code", small + ["train.rl_exclude_demos=true"]))
+    drawn = {p.prompt for p in strict.draw_rl(random.Random(0), 400)}
+    assert drawn and not drawn & demos and not any(plain.task.function(p).prompt in demos for p in drawn)
+    every = build_task(load_recipe("code", ["task.const_max=0", "task.num_train=10", "task.num_test=1",
+                                            "task.num_val=0", "train.rl_exclude_demos=true"]))
+    assert len(every.task.pools[False]) == 10  # all non-test functions are demonstrations: nothing left for RL
+    with pytest.raises(ConfigError, match="train.rl_exclude_demos"):
+        every.draw_rl(random.Random(0), 1)

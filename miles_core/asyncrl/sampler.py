@@ -63,7 +63,7 @@ def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn, worke
     otherwise wait (``async_rl.learner_samples``)."""
     rng = random.Random(_seed(cfg.train.seed, worker, seq, "prompts"))
     gen = torch.Generator().manual_seed(_seed(cfg.train.seed, worker, seq, "noise"))
-    problems = [data.task.sample(rng, split="rl") for _ in range(cfg.train.prompts_per_iter)]
+    problems = data.draw_rl(rng, cfg.train.prompts_per_iter)
     # distinct group ids per worker (advantages are group-relative within a batch; ids only need to be
     # unique there, distinct across workers keeps logs readable): the learner is worker num_samplers
     stride = cfg.async_rl.num_samplers + int(cfg.async_rl.learner_samples)
