@@ -33,6 +33,12 @@ from miles_core.types import TrajectoryBatch
 # pass@1 counts what the task's own verifier accepts: the exact answer, any valid countdown
 # solution, or a program that passes every hidden test.
 TASK_CHECK = {"arith": "math_exact", "countdown": "countdown", "code": "code_tests"}
+TASK_CLASSES = {"arith": ArithTask, "countdown": countdown.CountdownTask, "code": code.CodeTask}
+
+
+def canonical_prompt(task: str, prompt: str) -> str:
+    """A user's prompt in the form ``task``'s models were trained on (what a served model applies)."""
+    return TASK_CLASSES[task].canonical_prompt(prompt)
 
 
 @dataclass
@@ -49,7 +55,7 @@ class TaskData:
         for _ in range(n):
             for _ in range(10_000):
                 p = self.task.sample(rng, split="rl")
-                if "".join(p.prompt.split()) not in self.rl_exclude:
+                if self.task.canonical_prompt(p.prompt) not in self.rl_exclude:
                     break
             else:
                 raise ConfigError("train.rl_exclude_demos: every RL prompt tried was an SFT demonstration; "
@@ -101,7 +107,7 @@ def _task_data(task: ArithTask | countdown.CountdownTask | code.CodeTask, cfg: R
             val = task.split("test", t.num_val, seed=1, exclude=[p.prompt for p in test])
         except ValueError:  # the held-out bucket is all test (code recipe): unlabelled non-test prompts
             val = task.split("rl", t.num_val, seed=1, exclude=[p.prompt for p in train])
-    skip = frozenset("".join(p.prompt.split()) for p in train) if cfg.train.rl_exclude_demos else frozenset()
+    skip = frozenset(task.canonical_prompt(p.prompt) for p in train) if cfg.train.rl_exclude_demos else frozenset()
     return TaskData(task, train, test, val, skip)
 
 

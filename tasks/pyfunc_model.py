@@ -83,13 +83,10 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         self.max_len = int(base.config.max_len)
 
     def _canonical(self, prompt: str) -> str:
-        # arith and countdown are trained on whitespace-free prompts (data.arith.canonical_prompt),
-        # countdown with its numbers sorted (data.countdown.canonical_prompt)
-        if self.cfg.task.name == "countdown":
-            from miles_core.data.countdown import canonical_prompt
+        # each task class says how its prompts are normalised (whitespace, countdown's sorted numbers)
+        from miles_core.session import canonical_prompt
 
-            return canonical_prompt(prompt)
-        return "".join(prompt.split()) if self.cfg.task.name == "arith" else prompt
+        return canonical_prompt(self.cfg.task.name, prompt)
 
     # model_input stays unannotated on purpose: MLflow would take a type hint as the schema in place
     # of the explicit signature, and lose its sampling params (MLflow prints advice to add one)

@@ -139,6 +139,8 @@ def _operand_digits(cfg: ArithConfig, ops: list[str], i: int) -> int:
 class ArithTask:
     """Sampler and splits for the arithmetic task."""
 
+    canonical_prompt = staticmethod(canonical_prompt)  # how a served model normalises user prompts
+
     def __init__(self, cfg: ArithConfig | None = None) -> None:
         self.cfg = cfg or ArithConfig()
 

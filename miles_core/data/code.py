@@ -137,8 +137,13 @@ def enumerate_functions(cfg: CodeConfig) -> tuple[CodeFunction, ...]:
     return tuple(fn for fn in by_behaviour.values() if len(hidden_by_prompt[fn.visible]) == 1)
 
 
+def canonical_prompt(prompt: str) -> str:
+    """``"1, 3, 5"`` -> ``"1,3,5"``: the form prompts are generated, bucketed and looked up in."""
+    return "".join(prompt.split())
+
+
 def _bucket(prompt: str) -> int:
-    h = hashlib.sha256("".join(prompt.split()).encode("utf-8")).digest()
+    h = hashlib.sha256(canonical_prompt(prompt).encode("utf-8")).digest()
     return int.from_bytes(h[:8], "big") % 10
 
 
@@ -178,6 +183,8 @@ def decode_answer(answer: str) -> dict[str, Any]:
 class CodeTask:
     """Sampler and splits for the code task (same interface as ``ArithTask``)."""
 
+    canonical_prompt = staticmethod(canonical_prompt)
+
     def __init__(self, cfg: CodeConfig | None = None) -> None:
         self.cfg = cfg or CodeConfig()
         fns = enumerate_functions(self.cfg)
@@ -198,7 +205,7 @@ class CodeTask:
 
     def function(self, prompt: str) -> CodeFunction:
         try:
-            return self._by_prompt["".join(prompt.split())]
+            return self._by_prompt[canonical_prompt(prompt)]
         except KeyError:
             raise ValueError(f"CodeTask: {prompt!r} is not a prompt of this task's function space") from None
 
@@ -217,7 +224,7 @@ class CodeTask:
             raise ValueError(f"CodeTask.split: unknown split {name!r}; allowed: {SPLITS}")
         if n < 0:
             raise ValueError(f"CodeTask.split: n must be >= 0, got {n}")
-        skip = {"".join(p.split()) for p in exclude}
+        skip = {canonical_prompt(p) for p in exclude}
         pool = [f for f in self.pools[name == "test"] if f.prompt not in skip]
         if n > len(pool):
             raise ValueError(f"CodeTask.split: asked for {n} {name!r} problems but the bucket holds only "

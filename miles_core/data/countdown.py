@@ -104,6 +104,8 @@ def check(prompt: str, completion: str) -> tuple[bool, str]:
 class CountdownTask:
     """Sampler and splits, with the same interface as :class:`~miles_core.data.arith.ArithTask`."""
 
+    canonical_prompt = staticmethod(canonical_prompt)
+
     def __init__(self, cfg: CountdownConfig | None = None) -> None:
         self.cfg = cfg or CountdownConfig()
 
