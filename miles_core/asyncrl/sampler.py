@@ -163,13 +163,13 @@ class SamplerWorker:
             return False
         t0 = time.perf_counter()
         dest = self.cache / f"adapter-v{latest:06d}"
-        rs.retry(lambda: rs.adapters.fetch(latest, dest), f"fetching adapter v{latest}")
+        manifest = rs.retry(lambda: rs.adapters.manifest(latest), f"reading adapter v{latest} manifest")
+        rs.retry(lambda: rs.adapters.fetch(latest, dest, manifest), f"fetching adapter v{latest}")
         state = load_file(str(dest / ADAPTER_WEIGHTS))
         result = set_peft_model_state_dict(self.model, state)
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"adapter v{latest} does not fit this model: unexpected keys {result.unexpected_keys[:3]}")
         assert next(iter(self.model.get_base_model().parameters())).data_ptr() == self.base_ptr
-        manifest = rs.retry(lambda: rs.adapters.manifest(latest), f"reading adapter v{latest} manifest")
         nbytes = sum(int(f["bytes"]) for f in manifest["files"].values())
         published = manifest.get("metadata", {}).get("published_unix")
         self.stats["sync_bytes"] += nbytes

@@ -153,13 +153,14 @@ class AdapterRegistry:
         """The user metadata passed to :meth:`publish` for this version."""
         return dict(self.manifest(version).get("metadata") or {})
 
-    def fetch(self, version: int, local_dir: str | os.PathLike[str]) -> Path:
+    def fetch(self, version: int, local_dir: str | os.PathLike[str], manifest: dict[str, Any] | None = None) -> Path:
         """Download a committed version to ``local_dir`` (ready for ``PeftModel.from_pretrained``).
 
         Files land in a temporary sibling folder and are checksum-verified before being moved into
-        place, so ``local_dir`` never holds a half-downloaded adapter.
+        place, so ``local_dir`` never holds a half-downloaded adapter. ``manifest``: this version's
+        :meth:`manifest`, when the caller has read it already (saves a round trip per sync).
         """
-        files: dict[str, Any] = self.manifest(version)["files"]
+        files: dict[str, Any] = (manifest or self.manifest(version))["files"]
         vdir = self.version_path(version)
         dest = Path(local_dir)
         dest.parent.mkdir(parents=True, exist_ok=True)
