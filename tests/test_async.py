@@ -296,9 +296,14 @@ def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: P
 def test_learner_alone_samples_the_whole_budget_on_policy(tmp_path: Path, base_dir: Path) -> None:
     run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.shared_budget=true",
                       "async_rl.learner_samples=true")
-    out = AsyncLearner(run, str(tmp_path / "lc")).run()
+    learner = AsyncLearner(run)  # no cache folder given: it makes a temp one and removes it at the end
+    assert learner.owns_cache and learner.cache.is_dir()
+    out = learner.run()
     assert out["done"] and out["consumed"] == 3 and out["self_sampled_batches"] == 3
     assert out["staleness_hist"] == {"0": 3} and out["idle_s"] == 0.0
+    assert not learner.cache.exists()
+    sampler = SamplerWorker(run, "w9", 0)
+    assert sampler.run()["committed"] == 0 and not sampler.cache.exists()  # budget spent: nothing to do
     with pytest.raises(ConfigError, match="async_rl.learner_samples: needs shared_budget=true"):
         load_recipe("tiny", ["async_rl.learner_samples=true"])
 

@@ -23,6 +23,7 @@ number is never reused for different weights.
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 import time
 from collections import Counter
@@ -52,6 +53,7 @@ class AsyncLearner:
         self.rs.retry_budget_s = self.cfg.async_rl.retry_budget_s
         torch.set_num_threads(self.cfg.async_rl.learner_threads)
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix="miles-learner-"))
+        self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         base_dir = self.rs.fetch_base(self.cache)
         self.learner = Learner(self.cfg, base_dir, seed=self.cfg.train.seed)
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
@@ -231,4 +233,6 @@ class AsyncLearner:
         status = self.status(done=not stopped)
         rs.write_json(status, "learner", "status.json")
         rs.write_json({"history": self.history, "ledger": self.ledger}, "learner", "history.json")
+        if self.owns_cache:
+            shutil.rmtree(self.cache, ignore_errors=True)
         return status

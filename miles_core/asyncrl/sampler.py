@@ -18,6 +18,7 @@ import hashlib
 import logging
 import os
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -136,6 +137,7 @@ class SamplerWorker:
             os.sched_setaffinity(0, {cpus[worker_index % len(cpus)]})
         self.worker, self.index = worker, worker_index
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
+        self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         base_dir = self.run_store.fetch_base(self.cache)
         base, self.tok = load_checkpoint(base_dir, mask_token=self.cfg.model.mask_token or None)  # once; only LoRA tensors change later
         for p in base.parameters():
@@ -179,8 +181,6 @@ class SamplerWorker:
             self.stats["sync_lag_seconds"] = (self.stats["sync_lag_seconds"] + [time.time() - float(published)])[-200:]
         for old in self.cache.glob("adapter-v*"):
             if old != dest:
-                import shutil
-
                 shutil.rmtree(old, ignore_errors=True)
         self.version = latest
         return True
@@ -256,4 +256,6 @@ class SamplerWorker:
             self.stats["next_seq"] = next_seq
         self.stats.update(done=not stopped, stopped=stopped)
         self.run_store.write_json(self.stats, "samplers", f"{self.worker}.json")
+        if self.owns_cache:
+            shutil.rmtree(self.cache, ignore_errors=True)
         return self.stats
