@@ -132,3 +132,16 @@ def test_rl_prompts_can_exclude_the_sft_demonstrations() -> None:
     assert len(every.task.pools[False]) == 10  # all non-test functions are demonstrations: nothing left for RL
     with pytest.raises(ConfigError, match="train.rl_exclude_demos"):
         every.draw_rl(random.Random(0), 1)
+
+
+def test_code_pass_gives_no_partial_credit() -> None:
+    from miles_core.rewards.math import get_reward
+
+    task = CodeTask(CodeConfig(b_max=5))
+    fn = next(f for f in task.pools[False] if f.forms[0] == "min(x,3)+2")
+    ans = [task.make_problem(fn, random.Random(0)).answer] * 4
+    comps = ["2+min(3,x)", "x+2", "x+(", ""]  # right; right on x <= 3 only; syntax error; empty
+    frac = get_reward("code_tests")([fn.prompt] * 4, comps, answer=ans)
+    # x+2 agrees with min(x,3)+2 on x = 0..3 and on the hidden -7, -3, -1: 7 of the 15 tests
+    assert frac == [1.0, 7 / 15, 0.0, 0.0]
+    assert get_reward("code_pass")([fn.prompt] * 4, comps, answer=ans) == [1.0, 0.0, 0.0, 0.0]

@@ -379,3 +379,12 @@ def code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], answer
 
 
 code_tests_reward.last_stats = {}  # type: ignore[attr-defined]
+
+
+def code_pass_reward(prompts: Sequence[str], completions: Sequence[Any], answer: Sequence[Any] | None = None,
+                     **_: Any) -> list[float | None]:
+    """1.0 when the completion passes *every* hidden test, else 0: pass@1's own criterion. Unlike
+    ``code_tests`` it gives no credit to a program that is right on some inputs only (e.g. the right
+    constant with the wrong shape), which an RL policy can otherwise settle for. Reasons and stats
+    as ``code_tests`` (``code_tests_reward.last_stats``)."""
+    return [None if v is None else float(v >= 1.0) for v in code_tests_reward(prompts, completions, answer=answer)]

@@ -281,10 +281,17 @@ def _code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], **met
     return code_tests_reward(prompts, completions, **meta)
 
 
+def _code_pass_reward(prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
+    from miles_core.rewards.code import code_pass_reward
+
+    return code_pass_reward(prompts, completions, **meta)
+
+
 REWARDS: dict[str, RewardFn] = {
     "math_exact": math_exact_reward,
     "countdown": countdown_reward,
     "code_tests": _code_tests_reward,
+    "code_pass": _code_pass_reward,
     "arith_steps": arith_steps_reward,
     "arith_digits": arith_digits_reward,
     "format": format_reward,
