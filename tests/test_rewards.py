@@ -170,3 +170,10 @@ def test_arith_digits_reward_gives_place_value_credit_on_the_last_result_only():
     assert arith_digits_reward(p, comps) == [1.0, 0.5, 0.5, 0.0, 0.0, 0.0, 1.0, 0.5, None]
     combo = get_reward("math_exact:1.0,arith_digits:0.5")
     assert combo(p[:2], comps[:2], answer=["18", "18"]) == [1.5, 0.25]
+
+
+def test_nonempty_reward_makes_an_empty_completion_worse_than_a_wrong_one() -> None:
+    nonempty = get_reward("nonempty")
+    assert nonempty(["p"] * 4, ["", "  \n", "7", [{"role": "assistant", "content": " 1"}]]) == [0.0, 0.0, 1.0, 1.0]
+    shaped = get_reward("math_exact:1.0,nonempty:0.5")
+    assert shaped(["p"] * 3, ["48", "49", ""], answer=["48"] * 3) == [1.5, 0.5, 0.0]

@@ -248,6 +248,14 @@ def is_worked_solution(text: str) -> bool:
     return isinstance(text, str) and len(text) < 100_000 and _WORKED_RE.fullmatch(text) is not None
 
 
+def nonempty_reward(prompts: Sequence[str], completions: Sequence[Any], **_: Any) -> list[float | None]:
+    """1.0 for a completion with any non-whitespace text, else 0. Added with a small weight it makes an
+    empty completion worse than a wrong one: when most of a group fails, mean-centred advantages
+    push probability off the failures' tokens, and end-of-sequence (the likeliest token at most
+    positions) absorbs it until the policy says nothing (measured on the code recipe)."""
+    return [1.0 if completion_text(c).strip() else 0.0 for c in completions]
+
+
 def format_reward(prompts: Sequence[str], completions: Sequence[Any], **_: Any) -> list[float | None]:
     """1.0 for a well-formed worked solution or an explicit ``#### X`` / non-empty ``\\boxed{}`` answer."""
     out: list[float | None] = []
@@ -295,6 +303,7 @@ REWARDS: dict[str, RewardFn] = {
     "arith_steps": arith_steps_reward,
     "arith_digits": arith_digits_reward,
     "format": format_reward,
+    "nonempty": nonempty_reward,
     "reasoning_gym": _reasoning_gym_reward,
 }
 
