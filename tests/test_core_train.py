@@ -180,3 +180,22 @@ def test_config_errors_name_the_field():
         load_recipe("no-such-recipe")
     cfg = load_recipe("tiny", ["adpo.lr=0.5", "sampler.kind=nsd"])
     assert cfg.adpo.lr == 0.5 and cfg.sampler.kind == "nsd"
+
+
+def test_a_rows_logits_and_greedy_completion_do_not_depend_on_its_batch():
+    """Positions count real tokens only: left padding (set by the longest prompt in the batch) must
+    not move a short prompt's completion to other positions, with or without the prefix cache."""
+    model = base_model(1).eval()
+    ids = torch.tensor([TOK.encode("1+2") + [TOK.mask_id] * 4])
+    padded = torch.cat([torch.full((1, 5), TOK.pad_id), ids], 1)
+    attn = torch.cat([torch.zeros(1, 5, dtype=torch.bool), torch.ones_like(ids, dtype=torch.bool)], 1)
+    with torch.no_grad():
+        alone = model(ids)[0]
+        assert torch.allclose(alone, model(padded, attn)[0, 5:], atol=1e-5)
+        _, cache = model.forward_cached(padded, attn, build_upto=8)           # pads + prompt cached
+        tail, _ = model.forward_cached(padded[:, 8:], attn, cache=cache)
+        assert torch.allclose(alone[3:], tail[0], atol=1e-5)
+    greedy = SamplerConfig(steps=4, temperature=0.0)
+    one = sample(model, TOK, [TOK.encode("1+2")], greedy, 6, torch.Generator().manual_seed(0))
+    two = sample(model, TOK, [TOK.encode("1+2"), TOK.encode("123+456*7")], greedy, 6, torch.Generator().manual_seed(0))
+    assert torch.equal(one.completion_ids[0], two.completion_ids[0])

@@ -121,8 +121,13 @@ class TinyDenoiser(nn.Module):
         start = cache.length if cache is not None else 0
         if start + t > self.config.max_len:
             raise ValueError(f"sequence length {start + t} exceeds max_len={self.config.max_len}")
-        pos = torch.arange(start, start + t, device=input_ids.device)
-        h = self.tok_emb(input_ids) + self.pos_emb(pos)[None]
+        if attention_mask is not None:  # count real tokens only: a left-padded row's positions do not
+            # depend on the pad width of its batch (else one long prompt shifts every row's completion
+            # to positions SFT rarely saw; measured on the code task: a whole batch decoded empty)
+            pos = (attention_mask.long().cumsum(1) - 1).clamp_min(0)[:, start:start + t]     # [B, T]
+        else:
+            pos = torch.arange(start, start + t, device=input_ids.device)[None].expand(b, t)  # [B, T]
+        h = self.tok_emb(input_ids) + self.pos_emb(pos)
         bias = self._bias(attention_mask, b, h.dtype)
         kvs = []
         for i, blk in enumerate(self.blocks):
