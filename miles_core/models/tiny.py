@@ -1,6 +1,8 @@
 """A small bidirectional transformer denoiser for absorbing-state ([MASK]) diffusion.
 
 No causal mask: every position sees every other (prompt and completion), as in LLaDA/MDLM.
+Learned absolute positions count real tokens only (``cumsum(attention_mask) - 1``), so a
+left-padded row is scored exactly as it would be alone (tests/test_core_train.py).
 Linear layers are named q_proj/k_proj/v_proj/o_proj/fc1/fc2 so peft LoRA targets them the same
 way it targets a Llama backbone.
 """
