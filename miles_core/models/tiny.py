@@ -1,8 +1,9 @@
 """A small bidirectional transformer denoiser for absorbing-state ([MASK]) diffusion.
 
 No causal mask: every position sees every other (prompt and completion), as in LLaDA/MDLM.
-Learned absolute positions count real tokens only (``cumsum(attention_mask) - 1``), so a
-left-padded row is scored exactly as it would be alone (tests/test_core_train.py).
+Learned absolute positions are right-aligned (the sequence ends at ``max_len - 1``): the
+fixed-length completion always sits at the same positions, and a left-padded row is scored exactly
+as it would be alone (tests/test_core_train.py).
 Linear layers are named q_proj/k_proj/v_proj/o_proj/fc1/fc2 so peft LoRA targets them the same
 way it targets a Llama backbone.
 """
@@ -123,13 +124,14 @@ class TinyDenoiser(nn.Module):
         start = cache.length if cache is not None else 0
         if start + t > self.config.max_len:
             raise ValueError(f"sequence length {start + t} exceeds max_len={self.config.max_len}")
-        if attention_mask is not None:  # count real tokens only: a left-padded row's positions do not
-            # depend on the pad width of its batch (else one long prompt shifts every row's completion
-            # to positions SFT rarely saw; measured on the code task: a whole batch decoded empty)
-            pos = (attention_mask.long().cumsum(1) - 1).clamp_min(0)[:, start:start + t]     # [B, T]
-        else:
-            pos = torch.arange(start, start + t, device=input_ids.device)[None].expand(b, t)  # [B, T]
-        h = self.tok_emb(input_ids) + self.pos_emb(pos)
+        # positions are right-aligned: the last position of the sequence is always max_len - 1, so the
+        # completion (a fixed completion_len at the end) sits at the same positions whatever the
+        # prompt's length, and a left-padded row gets exactly the positions it would get alone (the pad
+        # width its batch's longest prompt sets does not move it; measured on the code task, where one
+        # 28-character prompt made a whole RL batch decode empty).
+        total = attention_mask.shape[1] if attention_mask is not None else start + t
+        pos = torch.arange(start, start + t, device=input_ids.device) + (self.config.max_len - total)   # [T]
+        h = self.tok_emb(input_ids) + self.pos_emb(pos)[None]
         bias = self._bias(attention_mask, b, h.dtype)
         kvs = []
         for i, blk in enumerate(self.blocks):
