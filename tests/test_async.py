@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from miles_core.algo.rl import assign_advantages
 from miles_core.asyncrl.launch import command, local_env, prepare_run
 from miles_core.asyncrl.layout import RunSpecMismatch, RunStore
 from miles_core.asyncrl.learner import AsyncLearner
@@ -77,7 +78,9 @@ def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path:
         for s in samplers:
             seq = s.stats["next_seq"]
             s.sync_adapter()
-            s.run_store.trajectories.write_batch(s.make_batch(seq), batch_id(seq, s.worker))
+            b = s.make_batch(seq)
+            b.reward = torch.arange(len(b), dtype=torch.float32) % 2  # signal in every group, whatever the toy model says
+            s.run_store.trajectories.write_batch(assign_advantages(b), batch_id(seq, s.worker))
             s.stats["next_seq"] = seq + 1
         learner.max_updates = len(learner.ledger["consumed"]) + 2
         learner.run()
