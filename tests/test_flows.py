@@ -156,8 +156,10 @@ def test_evaluate_flow_reproduces_the_champion_and_the_stored_adapter(trained: T
     assert run.data.params["eval_config.temperature"] == "0.0" and run.data.metrics["eval/pass1"] == by_alias["pass1"]
 
 
-def test_worse_run_does_not_move_the_champion(trained: TrainedProject) -> None:
-    """An (almost) untrained base with no RL must not take the alias from the trained champion."""
+def test_a_run_no_better_does_not_move_the_champion(trained: TrainedProject) -> None:
+    """An (almost) untrained base with no RL must not take the alias from the trained champion. On
+    16 toy problems the champion itself may score 0, so this is "not better" (a tie must not move
+    the alias either); strictly worse scores are covered by the next test."""
     weak = sft_flow(recipe="tiny", overrides=["sft.steps=1", "sft.seed=1"], run_dir=str(trained.root / "weak-sft"),
                     experiment=EXPERIMENT)
     res = train_flow(recipe="tiny", overrides=TINY_OVERRIDES, run_dir=str(trained.root / "weak"),
@@ -165,7 +167,7 @@ def test_worse_run_does_not_move_the_champion(trained: TrainedProject) -> None:
                      register_as=trained.model_name)
     champ = MlflowClient().get_model_version_by_alias(trained.model_name, "champion")
     assert res["model_version"] == 2 and res["final_pass1"] == weak["sft_pass1"]
-    assert res["final_pass1"] < float(champ.tags[tracking.PASS1_TAG]), "precondition: the weak run is worse"
+    assert res["final_pass1"] <= float(champ.tags[tracking.PASS1_TAG]), "precondition: the weak run is no better"
     assert res["promoted"] is False and "<=" in res["promotion_reason"]
     assert int(champ.version) == 1 and res["champion_version"] == 1
 
