@@ -150,7 +150,7 @@ class GuardSettings:
     min_rows: int = 64                  # smaller batches are too noisy to call a collapse: always accepted
     ema: float = 0.1                    # weight of a new healthy batch in the running means
     snapshot_every: int = 10            # candidate rollback target every N policy versions
-    max_rollbacks: int = 3              # rollbacks in a row without a healthy batch between them -> CollapseError
+    max_rollbacks: int = 3              # a collapse after this many rollbacks in a row (no healthy batch between) -> CollapseError
 
 
 @dataclass(frozen=True)

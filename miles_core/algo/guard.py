@@ -18,7 +18,7 @@ keeps a *candidate* snapshot of its weights every ``snapshot_every`` versions, a
 becomes the rollback target only once a healthy batch *sampled by that version or a later one*
 arrives. A rollback restores adapter, optimizer and schedule (not the RNGs: resampling the same
 trajectories would collapse the same way), publishes them as a new version, and skips the batch.
-``max_rollbacks`` rollbacks in a row without a healthy batch between them raise CollapseError: the
+A collapse after ``max_rollbacks`` rollbacks in a row (no healthy batch between) raises CollapseError: the
 run stops with a reason instead of looping.
 """
 
