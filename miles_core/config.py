@@ -283,8 +283,9 @@ def validate(obj: Any, path: str = "") -> None:
         need(0 < obj.max_empty_frac <= 1.0, "max_empty_frac", "must be in (0, 1]")
         need(0 <= obj.reward_drop < 1.0, "reward_drop", "must be in [0, 1)")
         need(0 < obj.ema <= 1.0, "ema", "must be in (0, 1]")
-        need(obj.snapshot_every >= 1 and obj.max_rollbacks >= 0 and obj.min_rows >= 1, "snapshot_every",
-             "snapshot_every and min_rows must be >= 1, max_rollbacks >= 0")
+        need(obj.snapshot_every >= 1, "snapshot_every", "must be >= 1")
+        need(obj.min_rows >= 1, "min_rows", "must be >= 1")
+        need(obj.max_rollbacks >= 0, "max_rollbacks", "must be >= 0")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
         need(obj.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")

@@ -238,7 +238,8 @@ class Learner:
         self.guard_event = ""  # why the last update was skipped or rolled back ("" when it ran)
 
     def _policy_state(self) -> dict:
-        """What a rollback restores: adapter, optimizer and schedule (not the RNGs)."""
+        """What a rollback restores: adapter, optimizer and schedule (not the RNGs), as copies that
+        later steps cannot change; ``state()`` adds the RNGs, version and guard to it."""
         return {"adapter": {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k},
                 "opt": copy.deepcopy(self.opt.state_dict()), "sched": self.sched.state_dict()}
 
@@ -287,7 +288,11 @@ class Learner:
         return stats
 
     def _restore(self, st: dict) -> None:
-        self.model.load_state_dict(st["adapter"], strict=False)
+        """Inverse of ``_policy_state`` (also the first half of ``load_state``). The optimizer state
+        is copied in, so later in-place steps never write into a snapshot the guard still holds."""
+        missing = self.model.load_state_dict(st["adapter"], strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"checkpoint has unexpected adapter keys: {missing.unexpected_keys[:3]}")
         self.opt.load_state_dict(copy.deepcopy(st["opt"]))
         self.sched.load_state_dict(st["sched"])
 
@@ -295,17 +300,12 @@ class Learner:
         return save_adapter(self.model, directory, dtype)
 
     def state(self) -> dict:
-        return {"adapter": {k: v.clone() for k, v in self.model.state_dict().items() if "lora_" in k},
-                "opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "gen": self.gen.get_state(),
-                "rng": self.rng.getstate(), "version": self.version, "groups_seen": self.groups_seen,
-                "torch_rng": torch.get_rng_state(), "guard": self.guard.state() if self.guard else None}
+        return {**self._policy_state(), "gen": self.gen.get_state(), "rng": self.rng.getstate(),
+                "version": self.version, "groups_seen": self.groups_seen, "torch_rng": torch.get_rng_state(),
+                "guard": self.guard.state() if self.guard else None}
 
     def load_state(self, st: dict) -> None:
-        missing = self.model.load_state_dict(st["adapter"], strict=False)
-        if missing.unexpected_keys:
-            raise ValueError(f"checkpoint has unexpected adapter keys: {missing.unexpected_keys[:3]}")
-        self.opt.load_state_dict(st["opt"])
-        self.sched.load_state_dict(st["sched"])
+        self._restore(st)
         self.gen.set_state(st["gen"])
         self.rng.setstate(st["rng"])
         self.version = int(st["version"])

@@ -114,3 +114,5 @@ def test_guard_off_and_bad_settings(tmp_path):
         load_recipe("tiny", ["guard.max_empty_frac=0"])
     with pytest.raises(ConfigError, match="guard.reward_drop"):
         load_recipe("tiny", ["guard.reward_drop=1.5"])
+    with pytest.raises(ConfigError, match="guard.min_rows"):
+        load_recipe("tiny", ["guard.min_rows=0"])

@@ -24,7 +24,6 @@ run stops with a reason instead of looping.
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -57,12 +56,14 @@ def batch_health(batch: TrajectoryBatch) -> Health:
 class CollapseGuard:
     """Running health of accepted batches, candidate and last-good snapshots, rollback counter.
 
-    The snapshot payload is opaque (the Learner's adapter + optimizer + schedule); the guard only
-    decides *when* one becomes the rollback target and when to roll back."""
+    The snapshot payloads are opaque (the Learner's adapter + optimizer + schedule) and owned by the
+    guard once handed over: ``initial`` and what ``offer``'s ``payload_fn`` returns must be copies
+    that the caller will not change. The guard only decides *when* one becomes the rollback target
+    and when to roll back."""
 
     def __init__(self, cfg: Any, initial: dict, version: int = 0) -> None:
         self.cfg = cfg
-        self.good: tuple[int, dict] = (version, copy.deepcopy(initial))   # the start is trusted
+        self.good: tuple[int, dict] = (version, initial)   # the start is trusted
         self.candidates: dict[int, dict] = {}
         self.ema_empty: float | None = None
         self.ema_reward: float | None = None
