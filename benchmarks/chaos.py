@@ -82,6 +82,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     kills: list[dict] = []
     t0 = time.perf_counter()
+    run = None
     try:
         prepare_run(run_uri, cfg, base)
         rs = RunStore(run_uri)
@@ -112,6 +113,8 @@ def main() -> None:
         expected = cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
         result = audit(run_uri, expected)
     finally:
+        if run is not None:
+            run.close()  # the killed workers' download caches
         server.stop()
     seconds = time.perf_counter() - t0
     payload = {"kills": len(kills), "kill_log": kills, **result, "staleness_bound": cfg.adpo.max_staleness,

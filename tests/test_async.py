@@ -247,10 +247,12 @@ def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_si
         os.kill(lr.procs["w0"].pid, signal.SIGKILL)
         lr.procs["w0"].wait()
         assert lr.failed() == {"w0": -signal.SIGKILL}
+        assert (lr.cache_root / "w0").is_dir()  # the killed worker's downloads, reused by its restart
         lr.wait(timeout=180, max_restarts=1)
     finally:
-        lr.stop()
+        lr.close()
     assert lr.starts == {"learner": 1, "w0": 2}
+    assert not lr.cache_root.exists()  # a SIGKILLed worker cannot clean up; its launcher did
     out = summarize(run)
     assert out["consumed"] + out["dropped"] == 3 and out["done"]
     assert (tmp_path / "logs" / "w0.log").read_text().count('"worker": "w0"') == 1  # the restarted one finished

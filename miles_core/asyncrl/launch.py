@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,10 +40,13 @@ def worker_names(n: int) -> list[str]:
     return [f"w{i}" for i in range(n)]
 
 
-def command(role: str, run_uri: str, worker: str | None = None, index: int = 0) -> list[str]:
+def command(role: str, run_uri: str, worker: str | None = None, index: int = 0,
+            cache_dir: str | os.PathLike[str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "miles_core.asyncrl", role, run_uri]
     if role == "sampler":
         cmd += ["--worker", str(worker), "--index", str(index)]
+    if cache_dir is not None:
+        cmd += ["--cache-dir", str(cache_dir)]
     return cmd
 
 
@@ -110,6 +115,10 @@ class LocalRun:
 
     ``warm=True`` forks them from a preloaded server (:class:`WarmProcess`) instead of starting a
     fresh interpreter each time; same command line, same logs, same crash/restart behaviour.
+
+    Each worker downloads the base and adapters into ``cache_root/<name>``, a folder this object
+    owns: a restarted worker finds its base already there, and a SIGKILLed one (which cannot
+    clean up after itself) leaves nothing behind once :meth:`close` removes the folder.
     """
 
     run_uri: str
@@ -119,12 +128,14 @@ class LocalRun:
     warm: bool = False
     procs: dict[str, Proc] = field(default_factory=dict)
     starts: dict[str, int] = field(default_factory=dict)
+    cache_root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="miles-local-")))
 
     def start(self, name: str) -> Proc:
+        cache = self.cache_root / name
         if name == "learner":
-            cmd = command("learner", self.run_uri)
+            cmd = command("learner", self.run_uri, cache_dir=cache)
         else:
-            cmd = command("sampler", self.run_uri, name, int(name[1:]))
+            cmd = command("sampler", self.run_uri, name, int(name[1:]), cache_dir=cache)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
         if self.warm:
@@ -171,6 +182,11 @@ class LocalRun:
                 p.kill()
                 p.wait()
 
+    def close(self) -> None:
+        """Stop every worker and remove the workers' download cache."""
+        self.stop()
+        shutil.rmtree(self.cache_root, ignore_errors=True)
+
 
 def local_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """Child environment: the repo importable, one OpenMP thread unless told otherwise."""
@@ -192,7 +208,7 @@ def run_local(run_uri: str, num_samplers: int, log_dir: str | os.PathLike[str], 
     try:
         run.wait(timeout, max_restarts)
     finally:
-        run.stop()
+        run.close()
     return summarize(run_uri)
 
 
