@@ -28,6 +28,7 @@ DEFAULT_OVERRIDES: list[str] = []
 # functions the curve is noisy enough that 3 evaluations without a gain stopped one seed at step
 # 2000 (of 6000), val 0.05, while the other kept rising; a baseline stopped by noise is no baseline.
 PATIENCE: int | None = None
+PASS_K = 8  # side measurement: pass@1 / pass@8 of samples at temperature 1
 
 
 def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
@@ -46,6 +47,18 @@ def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
     return {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "config": r.config.to_dict(),
             "per_family": {f: fam_ok[f] / n for f, n in sorted(fam_total.items())},
             "samples": [{k: s[k] for k in ("prompt", "completion", "correct")} for s in r.samples[:8]]}
+
+
+def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, float]:
+    """pass@1 and pass@k of ``k`` samples at temperature 1 (a side measurement): a policy that only
+    sharpens what SFT could already write raises pass@1 toward SFT's pass@k; one that learned to
+    write programs SFT could not also raises pass@k."""
+    import dataclasses
+
+    from miles_core.session import run_eval
+
+    cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=1.0, n_samples=k))
+    return run_eval(model, tok, cfg, data).pass_at
 
 
 def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -> dict:
@@ -71,7 +84,8 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     sft_seconds = time.perf_counter() - t0
     base, tok = load_checkpoint(ckpt)
     seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding
-    results = {"sft": code_eval(base, tok, cfg, data), "sft_sequential": code_eval(base, tok, cfg, data, steps=seq)}
+    results = {"sft": code_eval(base, tok, cfg, data), "sft_sequential": code_eval(base, tok, cfg, data, steps=seq),
+               "sft_sampled": sampled_pass_at(base, tok, cfg, data)}
     print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f} ({sft_seconds:.0f}s)", flush=True)
 
     learner = Learner(cfg, ckpt, seed=seed)
@@ -100,6 +114,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     adpo_seconds = time.perf_counter() - t1
     results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
     results["adpo_sequential"] = code_eval(learner.model, learner.tok, cfg, data, steps=seq)
+    results["adpo_sampled"] = sampled_pass_at(learner.model, learner.tok, cfg, data)
     print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
           flush=True)
     if control:  # same labelled data, all weights, as long as ADPO ran
@@ -132,6 +147,9 @@ def main() -> None:
     rows.append(["mean"] + [mean[a] for a in arms])
     print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
     p_value = sign_test_p(wins, losses)
+    k = f"pass@{PASS_K}"
+    print(table([[a] + [sum(p["results"][f"{a}_sampled"][m] for p in per_seed) / len(per_seed) for m in ("pass@1", k)]
+                 for a in ("sft", "adpo")], ["arm", "T=1 pass@1", f"T=1 {k}"]))
     print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {len(per_seed[0]['results']['sft']['correct'])} "
           f"held-out tasks; sign test wins {wins} losses {losses} p = {p_value:.3g}")
     payload = {
@@ -144,9 +162,12 @@ def main() -> None:
         "sandbox_layers": per_seed[0]["sandbox_layers"],
         "sequential_decoding_pass1": {a: sum(p["results"][f"{a}_sequential"]["pass1"] for p in per_seed) / len(per_seed)
                                       for a in ("sft", "adpo")},
+        f"sampled_t1_pass_at_{PASS_K}": {a: {m: sum(p["results"][f"{a}_sampled"][m] for p in per_seed) / len(per_seed)
+                                             for m in ("pass@1", f"pass@{PASS_K}")} for a in ("sft", "adpo")},
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
                       "sft_sequential_pass1": p["results"]["sft_sequential"]["pass1"],
                       "adpo_sequential_pass1": p["results"]["adpo_sequential"]["pass1"],
+                      "sft_sampled": p["results"]["sft_sampled"], "adpo_sampled": p["results"]["adpo_sampled"],
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],
                       "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"], "sft_curve": p["sft_curve"],

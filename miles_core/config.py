@@ -93,6 +93,7 @@ class ADPOConfig:
     estimator: Literal["adpo", "meanfield"] = "adpo"
     lr: float = 1e-3
     warmup: int = 5
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 over the run's updates
     clip_eps: float = 0.2
     is_cap: float = 2.0                 # C in w = min(pi_prox / mu, C)
     step_fraction: float = 1.0          # rho: fraction of each trajectory's steps per update

@@ -16,7 +16,7 @@ import torch
 from miles_core.algo.guard import CollapseGuard, batch_health
 from miles_core.algo.rl import assign_advantages, rollout, score_rewards
 from miles_core.algo.sft import train_sft
-from miles_core.algo.update import adpo_update
+from miles_core.algo.update import adpo_update, lr_factor
 from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
 from miles_core.data import code, countdown
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
@@ -215,7 +215,8 @@ class Learner:
 
     ``state()``/``load_state()`` capture everything needed to resume bit-exactly."""
 
-    def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None):
+    def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None,
+                 total_updates: int | None = None):
         self.cfg = cfg
         base, self.tok = load_checkpoint(base_dir, mask_token=cfg.model.mask_token or None)
         for p in base.parameters():
@@ -228,7 +229,10 @@ class Learner:
         a = cfg.adpo
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / max(a.warmup, 1)))
+        # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
+        # each num_minibatches * epochs optimizer steps
+        updates = cfg.train.iterations if total_updates is None else total_updates
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a, updates * a.num_minibatches * a.epochs))
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.version = 0
