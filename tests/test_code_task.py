@@ -121,7 +121,7 @@ def test_recipe_builds_the_code_task() -> None:
 def test_rl_prompts_can_exclude_the_sft_demonstrations() -> None:
     small = ["task.const_max=6", "task.num_train=60", "task.num_test=20", "task.num_val=10"]
     demos = {p.prompt for p in build_task(load_recipe("code", small)).train}
-    plain = build_task(load_recipe("code", small))
+    plain = build_task(load_recipe("code", small + ["train.rl_exclude_demos=false"]))  # the recipe turns it on
     drawn = {p.prompt for p in plain.draw_rl(random.Random(0), 400)}
     assert drawn & demos                       # the small space makes collisions certain without the flag
     strict = build_task(load_recipe("code", small + ["train.rl_exclude_demos=true"]))

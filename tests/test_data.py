@@ -99,9 +99,15 @@ def test_validation_split_is_held_out_and_disjoint_from_test() -> None:
     assert len(val) == cfg.task.num_val == 200 and len(test) == 500
     assert not val & test and not val & train and all(is_test_prompt(p) for p in val)
     assert [p.prompt for p in build_task(load_recipe("arith", ["task.num_val=0"])).test] == [p.prompt for p in data.test]
-    code = build_task(load_recipe("code"))  # its test split is the whole held-out bucket: val from unlabelled non-test
+    code = build_task(load_recipe("code"))  # val: more held-out-bucket functions (unlabelled non-test if the bucket runs out)
     cval, ctest, ctrain = ({p.prompt for p in s} for s in (code.val, code.test, code.train))
     assert len(cval) == 200 and not cval & ctest and not cval & ctrain
+    from miles_core.data.code import is_test_prompt as code_is_test
+
+    assert all(code_is_test(p) for p in cval)
+    whole = build_task(load_recipe("code", ["task.const_max=49"]))  # 233 tests = the whole held-out bucket
+    wval, wtest, wtrain = ({p.prompt for p in s} for s in (whole.val, whole.test, whole.train))
+    assert len(wval) == 200 and not wval & wtest and not wval & wtrain and not any(code_is_test(p) for p in wval)
 
 
 def test_split_errors() -> None:
