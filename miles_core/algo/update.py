@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import Tensor
@@ -29,11 +29,12 @@ if TYPE_CHECKING:
     from miles_core.distributed import World
 
 
-def lr_factor(cfg: ADPOConfig, total_steps: int):
+def lr_factor(cfg: ADPOConfig, total_steps: int) -> Callable[[int], float]:
     """The LR multiplier per optimizer step (for ``LambdaLR``): linear warm-up over ``cfg.warmup``
     steps, then ``cfg.lr_schedule``: constant, or a linear / cosine decay that reaches 0 just after
-    the run's last step (index ``total_steps - 1``), so every step of the run still moves the policy. A decay lets late updates, whose batches are as noisy as
-    the early ones, move the policy less: the last policy is the one a run reports and publishes."""
+    the run's last step (index ``total_steps - 1``), so every step still moves the policy. A decay
+    lets late updates, whose batches are as noisy as the early ones, move the policy less: the
+    last policy is the one a run reports and publishes."""
     warm, total = max(cfg.warmup, 1), max(total_steps, 1)
 
     def factor(step: int) -> float:
