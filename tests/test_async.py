@@ -207,18 +207,21 @@ def test_sigkill_during_batch_write_and_mid_update_loses_and_duplicates_nothing(
                       "adpo.max_staleness=10")
     rs = RunStore(run)
     AsyncLearner(run, str(tmp_path / "lc0"))  # v0, so the sampler can start
+    # (caches under tmp_path: a SIGKILLed worker cannot remove a temp cache of its own)
     # 1. sampler killed between its data object and its commit marker: nothing visible
-    run_until_paused(command("sampler", run, "w0", 0), tmp_path, "marker")
+    run_until_paused(command("sampler", run, "w0", 0, cache_dir=tmp_path / "sc"), tmp_path, "marker")
     first = batch_id(0, "w0")
     assert Path(rs.trajectories.data_path(first)).exists() and rs.trajectories.list_batches() == []
     # restarted, it rewrites that batch and finishes the budget, each sequence number once
-    subprocess.run(command("sampler", run, "w0", 0), env=local_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(command("sampler", run, "w0", 0, cache_dir=tmp_path / "sc"), env=local_env(), check=True,
+                   capture_output=True, timeout=300)
     assert rs.trajectories.list_batches() == [batch_id(s, "w0") for s in range(4)]
     # 2. learner killed after its second update, before that update's checkpoint
-    run_until_paused(command("learner", run), tmp_path, "checkpoint")
+    run_until_paused(command("learner", run, cache_dir=tmp_path / "lc"), tmp_path, "checkpoint")
     ckpt = rs.load_checkpoint()
     assert [e["id"] for e in ckpt["ledger"]["consumed"]] == [first]  # the killed update left no trace
-    subprocess.run(command("learner", run), env=local_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(command("learner", run, cache_dir=tmp_path / "lc"), env=local_env(), check=True,
+                   capture_output=True, timeout=300)
     hist = rs.read_json("learner", "history.json")
     ids = [e["id"] for e in hist["ledger"]["consumed"]]
     assert ids == rs.trajectories.list_batches()  # every committed batch exactly once, in order
