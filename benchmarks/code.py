@@ -140,16 +140,20 @@ def main() -> None:
     with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
         per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_continued) for s in args.seeds])
     arms = ("sft", "adpo", "sft_continued") if args.sft_continued else ("sft", "adpo")
-    mean = {a: sum(p["results"][a]["pass1"] for p in per_seed) / len(per_seed) for a in arms}
+
+    def seed_mean(result: str, metric: str) -> float:
+        return sum(p["results"][result][metric] for p in per_seed) / len(per_seed)
+
+    mean = {a: seed_mean(a, "pass1") for a in arms}
+    k = f"pass@{PASS_K}"
+    sampled = {a: {m: seed_mean(f"{a}_sampled", m) for m in ("pass@1", k)} for a in ("sft", "adpo")}
     wins = sum(a and not b for p in per_seed for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]))
     losses = sum(b and not a for p in per_seed for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]))
     rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
     rows.append(["mean"] + [mean[a] for a in arms])
     print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
     p_value = sign_test_p(wins, losses)
-    k = f"pass@{PASS_K}"
-    print(table([[a] + [sum(p["results"][f"{a}_sampled"][m] for p in per_seed) / len(per_seed) for m in ("pass@1", k)]
-                 for a in ("sft", "adpo")], ["arm", "T=1 pass@1", f"T=1 {k}"]))
+    print(table([[a, v["pass@1"], v[k]] for a, v in sampled.items()], ["arm", "T=1 pass@1", f"T=1 {k}"]))
     print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {len(per_seed[0]['results']['sft']['correct'])} "
           f"held-out tasks; sign test wins {wins} losses {losses} p = {p_value:.3g}")
     payload = {
@@ -160,10 +164,8 @@ def main() -> None:
         "eval_config": per_seed[0]["results"]["sft"]["config"],
         "num_heldout_tasks": len(per_seed[0]["results"]["sft"]["correct"]),
         "sandbox_layers": per_seed[0]["sandbox_layers"],
-        "sequential_decoding_pass1": {a: sum(p["results"][f"{a}_sequential"]["pass1"] for p in per_seed) / len(per_seed)
-                                      for a in ("sft", "adpo")},
-        f"sampled_t1_pass_at_{PASS_K}": {a: {m: sum(p["results"][f"{a}_sampled"][m] for p in per_seed) / len(per_seed)
-                                             for m in ("pass@1", f"pass@{PASS_K}")} for a in ("sft", "adpo")},
+        "sequential_decoding_pass1": {a: seed_mean(f"{a}_sequential", "pass1") for a in ("sft", "adpo")},
+        f"sampled_t1_pass_at_{PASS_K}": sampled,
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
                       "sft_sequential_pass1": p["results"]["sft_sequential"]["pass1"],
                       "adpo_sequential_pass1": p["results"]["adpo_sequential"]["pass1"],

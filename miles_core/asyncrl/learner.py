@@ -55,9 +55,8 @@ class AsyncLearner:
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix="miles-learner-"))
         self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         base_dir = self.rs.fetch_base(self.cache)
-        a = self.cfg.async_rl  # one update per batch: the LR schedule spans the run's batch budget
-        self.learner = Learner(self.cfg, base_dir, seed=self.cfg.train.seed,
-                               total_updates=a.num_samplers * a.batches_per_sampler)
+        # one update per batch: the LR schedule spans the run's batch budget
+        self.learner = Learner(self.cfg, base_dir, seed=self.cfg.train.seed, total_updates=self.expected)
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
         self.ledger: dict[str, list[dict[str, Any]]] = {"consumed": [], "dropped": [], "quarantined": []}
         self.history: list[dict[str, Any]] = []
