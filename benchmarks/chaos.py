@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import start_loopback_s3, table, write_result
+from benchmarks.common import start_loopback_s3, table, usable_cpus, write_result
 
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=15", "async_rl.max_pending=2",
                      "async_rl.checkpoint_every=2", "adpo.max_staleness=3", "sft.steps=300",
@@ -73,7 +73,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="miles-chaos-"))
     base = args.checkpoint
     if base is None:
-        torch.set_num_threads(os.cpu_count() or 1)
+        torch.set_num_threads(usable_cpus())
         base = str(work / "sft")
         train_baseline(cfg, build_task(cfg), base)
     server, env = start_loopback_s3("miles-chaos")

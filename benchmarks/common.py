@@ -4,12 +4,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (taskset, a cgroup's cpuset), not every CPU
+    the machine has, so a benchmark confined to 4 of 16 cores sizes its threads for 4."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:

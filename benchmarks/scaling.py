@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.common import table, usable_cpus, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "llama_tiny"
@@ -240,14 +240,14 @@ def report(samplers: dict, learner: dict, a: argparse.Namespace) -> None:
           f"(below 1: other processes held the cores)")
     target = 0.90
     print(f"target efficiency >= {target}: sampler {'meets' if s_eff >= target else 'below'} ({s_eff:.3f}), "
-          f"learner {'meets' if l_eff >= target else 'below'} ({l_eff:.3f}); cpus={os.cpu_count()}, "
+          f"learner {'meets' if l_eff >= target else 'below'} ({l_eff:.3f}); cpus={usable_cpus()}, "
           f"load average now {os.getloadavg()[0]:.2f}")
     path = write_result("scaling", {
         "sampler_efficiency_2": s_eff, "learner_efficiency_2": l_eff, "target": target,
         "sampler_cpu_efficiency_2": s_cpu, "learner_cpu_efficiency_2": l_cpu,
         "sampler_core_share_2": share["sampler"], "learner_core_share_2": share["learner"],
         "machine_ceiling_2": ceiling, "learner_efficiency_vs_ceiling": l_eff / ceiling,
-        "samplers": samplers, "learner": learner, "cpus": os.cpu_count(), "recipe": RECIPE,
+        "samplers": samplers, "learner": learner, "cpus": usable_cpus(), "recipe": RECIPE,
         "settings": {k: v for k, v in vars(a).items() if k not in ("learner_rank", "overrides")},
         "overrides": _overrides(a),
         "method": "weak scaling, one torch thread per process, 1- and 2-process phases interleaved in "

@@ -95,7 +95,8 @@ class SandboxPool:
         import tempfile
 
         self.limits = limits or SandboxLimits()
-        n = workers if workers is not None else max(1, min(4, os.cpu_count() or 1))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # taskset-aware
+        n = workers if workers is not None else max(1, min(4, cpus))
         if n < 1:
             raise ValueError(f"SandboxPool: workers must be >= 1, got {n}")
         self._opts = {"limits": dataclasses.asdict(self.limits), "audit_hook": audit_hook, "namespaces": namespaces,

@@ -3,7 +3,9 @@
 This file is the worker: :class:`miles_core.rewards.code.SandboxPool` starts a few persistent
 ``python -I -S sandbox.py`` processes with an empty environment and sends them jobs. Each job
 runs in its own child forked from a worker, so a hostile completion can never take down the
-worker, the caller, or another completion. What each layer does:
+worker, the caller, or another completion. It is one file (over the usual 400 lines) on purpose:
+``-I -S`` puts neither this folder nor site-packages on ``sys.path``, so the worker can import only
+the standard library and must carry all of its code here. What each layer does:
 
 * **Process per run, killed as a group.** The child calls ``setsid``; on a wall-clock timeout the
   worker ``killpg``s the group with SIGKILL. The child also gets ``PR_SET_PDEATHSIG`` so it dies
