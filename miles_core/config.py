@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,10 @@ class ModelConfig:
     # llama only: token to use as [MASK] when the tokenizer registers none (e.g. '<|mdm_mask|>');
     # empty: the tokenizer's mask token, else '[MASK]' is added.
     mask_token: str = ""
+    # where the denoiser's weights live and its forward passes run: cpu, cuda, cuda:N, or auto (cuda
+    # when torch sees one, else cpu). Samplers and losses keep their tensors on the CPU (seeded
+    # generators, step maps); the model moves its inputs over and hands logits back.
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -300,6 +305,8 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.d_model % obj.n_heads == 0, "d_model", "must be divisible by n_heads")
         need(obj.backend == "llama" or not obj.path, "path", "only the 'llama' backend loads a checkpoint folder")
         need(obj.backend == "llama" or not obj.mask_token, "mask_token", "only used by the 'llama' backend")
+        need(re.fullmatch(r"cpu|auto|cuda(:\d+)?", obj.device) is not None, "device",
+             f"{obj.device!r} is not one of cpu, cuda, cuda:N, auto")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -22,7 +22,7 @@ from miles_core.data import code, countdown
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
-from miles_core.models.base import load_checkpoint, save_checkpoint
+from miles_core.models.base import load_checkpoint, resolve_device, save_checkpoint
 from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.rewards.math import get_reward
@@ -176,6 +176,7 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
     else:
         tok = CharTokenizer()
         model = new_model(cfg, tok, seed)
+    model.to(resolve_device(cfg.model.device))
 
     best: dict = {"pass1": -1.0, "state": None, "gain_step": 0}
     validate = on_eval is not None or patience is not None
@@ -203,6 +204,7 @@ def continue_sft(cfg: RecipeConfig, data: TaskData, checkpoint: str | Path, seco
     """The control arm of the RL benchmarks: SFT resumed from ``checkpoint`` on the same labelled
     data, all weights, for ``seconds`` of wall clock (what the RL arm took), with a fresh data order."""
     model, tok = load_checkpoint(checkpoint, mask_token=cfg.model.mask_token or None)
+    model.to(resolve_device(cfg.model.device))
     s = cfg.sft
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
               completion_len=cfg.task.completion_len, steps=10**9, batch_size=s.batch_size, lr=s.lr,
@@ -226,6 +228,7 @@ class Learner:
         else:
             torch.manual_seed(seed)
             self.model = add_lora_from(base, cfg.lora)
+        self.model.to(resolve_device(cfg.model.device))  # before the optimizer, which keeps its state beside the params
         a = cfg.adpo
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
 from miles_core.asyncrl.layout import RunStore
 from miles_core.config import RecipeConfig, load_recipe
-from miles_core.models.base import load_checkpoint
+from miles_core.models.base import load_checkpoint, resolve_device
 from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
 from miles_core.rewards.math import get_reward
 from miles_core.session import TaskData, build_task
@@ -142,6 +142,7 @@ class SamplerWorker:
         base, self.tok = load_checkpoint(base_dir, mask_token=self.cfg.model.mask_token or None)  # once; only LoRA tensors change later
         for p in base.parameters():
             p.requires_grad_(False)
+        base.to(resolve_device(self.cfg.model.device))  # adapter hot-swaps copy the host tensors in place
         torch.manual_seed(0)
         self.model = add_lora_from(base, self.cfg.lora, dropout=0.0)
         self.base_ptr = next(iter(base.parameters())).data_ptr()

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 from miles_core.tokenizer import CharTokenizer
@@ -27,6 +28,25 @@ class Denoiser(Protocol):
     """logits = denoiser(input_ids [B, T] long, attention_mask [B, T] bool) -> [B, T, V] float."""
 
     def __call__(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
+
+
+def resolve_device(name: str) -> torch.device:
+    """``model.device`` as a torch.device (``auto``: cuda when torch sees one, else cpu).
+
+    A GPU asked for by name on a machine without one is an error naming the field, not a silent
+    fall-back to a CPU run a hundred times slower. ``cpu`` never touches CUDA, so a process that
+    forks workers later (the warm launcher) stays fork-safe."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"model.device={name!r}, but torch {torch.__version__} sees no CUDA device; "
+                           "use model.device=cpu (or auto)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise RuntimeError(f"model.device={name!r}, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
 
 
 def load_checkpoint(directory: str | Path, mask_token: str | None = None) -> tuple[nn.Module, AnyTokenizer]:

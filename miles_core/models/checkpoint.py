@@ -17,7 +17,7 @@ def save_module(module: nn.Module, config: dict[str, Any], directory: str | Path
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(config, indent=1))
-    save_file({k: v.contiguous() for k, v in module.state_dict().items()}, str(d / "model.safetensors"))
+    save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, str(d / "model.safetensors"))
 
 
 def load_module(directory: str | Path, model_type: str, build: Callable[[dict[str, Any]], M]) -> M:

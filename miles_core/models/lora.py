@@ -72,7 +72,7 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(dtype or v.dtype).contiguous() for k, v in get_peft_model_state_dict(model).items()}
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in get_peft_model_state_dict(model).items()}
     save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     cfg = copy.deepcopy(model.peft_config["default"])
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides

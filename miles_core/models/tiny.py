@@ -79,6 +79,7 @@ class PrefixCache:
     kv: list[tuple[Tensor, Tensor]]
 
     def select(self, idx: Tensor) -> "PrefixCache":
+        idx = idx.to(self.kv[0][0].device) if self.kv else idx  # the sampler's row mask lives on the CPU
         return PrefixCache(self.length, [(k[idx], v[idx]) for k, v in self.kv])
 
 
@@ -120,6 +121,10 @@ class TinyDenoiser(nn.Module):
         also returns a cache of positions [0, s) for later calls (semi-AR blocks: the prompt and
         finished blocks are then not recomputed).
         """
+        out_dev = input_ids.device  # samplers build CPU tensors; the weights may live on a GPU (model.device)
+        dev = self.lm_head.weight.device
+        input_ids = input_ids.to(dev)
+        attention_mask = attention_mask.to(dev) if attention_mask is not None else None
         b, t = input_ids.shape
         start = cache.length if cache is not None else 0
         if start + t > self.config.max_len:
@@ -140,7 +145,7 @@ class TinyDenoiser(nn.Module):
         new_cache = None
         if build_upto > 0:
             new_cache = PrefixCache(build_upto, [(k[:, :, :build_upto], v[:, :, :build_upto]) for k, v in kvs])
-        return self.lm_head(self.ln_f(h)), new_cache
+        return self.lm_head(self.ln_f(h)).to(out_dev), new_cache              # [B, T, V] on the inputs' device
 
     def save_pretrained(self, directory: str | Path) -> None:
         save_module(self, self.config.to_dict(), directory)
