@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.common import table, usable_cpus, write_result
 
 # 150 batches (the arith recipe's train.iterations) of 16 x 8 completions. Measured on the quiet
 # 2-core machine (single thread: a rollout 0.49 s, an update 0.16 s; sync with 2 threads: 0.31 s
@@ -108,10 +108,23 @@ def machine_ceiling(cfg, base: str, sync_timing: dict, k: int = 8) -> dict:
             "speedup_ceiling_before_startup": sync_compute / async_floor}
 
 
+def learner_breakdown(history: list[dict], summary: dict) -> dict[str, float]:
+    """Where the async learner's loop time went, in seconds per consumed batch: reading the batch,
+    the ADPO update, checkpointing, publishing the adapter, sampling batches itself, idling, and
+    the rest (listing the store, the ledger and status writes). When the learner is the bottleneck,
+    everything but ``update_s`` is what asynchrony costs over the synchronous loop."""
+    n = max(len(history), 1)
+    per = {k: sum(h.get(k, 0.0) for h in history) / n for k in ("read_s", "update_s", "checkpoint_s", "publish_s")}
+    per["self_sample_s"] = summary.get("self_sample_s", 0.0) / n
+    per["idle_s"] = summary["idle_s"] / n
+    per["other_s"] = summary["wall_s"] / n - sum(per.values())
+    return per
+
+
 def evaluate(cfg, base: str, adapter: str) -> tuple[float, list[bool]]:
     import torch
 
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(usable_cpus())
     from miles_core.models.base import load_checkpoint
     from miles_core.models.lora import load_adapter
     from miles_core.session import build_task, run_eval
@@ -138,7 +151,7 @@ def main() -> None:
     from miles_core.config import load_recipe
     from miles_core.session import build_task, train_baseline
 
-    cores = os.cpu_count() or 1
+    cores = usable_cpus()
     overrides = DEFAULT_OVERRIDES + args.set
     cfg = load_recipe("arith", overrides)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-async-"))
@@ -180,6 +193,7 @@ def main() -> None:
 
         rs = RunStore(run_uri)
         rs.adapters.fetch(summary["version"], work / "async_adapter")
+        learner_time = learner_breakdown(rs.read_json("learner", "history.json")["history"], summary)
     finally:
         if server is not None:
             server.stop()
@@ -214,6 +228,7 @@ def main() -> None:
         "lora": {"r": cfg.lora.r, "targets": cfg.lora.targets or "backend default"}, "sync_dtype": cfg.async_rl.sync_dtype,
         "store": "s3 (loopback moto)" if args.s3 else "local folder", "overrides": overrides,
         "async_workers": "fresh interpreters" if args.cold else "forked from one preloaded server",
+        "learner_seconds_per_update": learner_time,
         "pass1_agreement": sum(a == b for a, b in zip(sync_correct, async_correct)) / max(len(sync_correct), 1),
     }
     rows = [["sync", f"{sync_seconds:.1f}", f"{completions / sync_seconds:.1f}", "-", sync_pass1, "-"],
@@ -223,6 +238,8 @@ def main() -> None:
     print(f"learner idle after the first batch arrived: {summary['idle_fraction_steady']:.3f} "
           f"(pipeline fill {summary['fill_s']:.1f}s); the learner sampled {payload['learner_self_sampled_batches']} "
           f"of the batches itself ({payload['learner_self_sample_fraction']:.0%} of its time)")
+    print("async learner, seconds per consumed batch: " + ", ".join(f"{k[:-2]} {v:.4f}" for k, v in learner_time.items())
+          + f"; sync: {(timing['rollout_s'] + timing['update_s']) / timing['batches']:.4f} per batch (rollout + update)")
     print(f"speedup {payload['speedup']:.2f}x; adapter sync {payload['adapter_sync_bytes']:.0f} B per version vs "
           f"full weights {full_bytes} B (1/{full_bytes / max(payload['adapter_sync_bytes'], 1):.0f}); "
           f"dropped {summary['dropped']}")
