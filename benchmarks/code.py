@@ -9,12 +9,15 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      pinned greedy eval config; pass@1 = the completion passes every test in the sandbox.
 ``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
 (outside the 20-minute budget, so off by default).
+``--reuse-sft --workdir DIR`` starts from the SFT checkpoints an earlier run with the same model,
+task and sft settings left in DIR (RL settings may differ), so RL variants need not retrain SFT.
 Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import tempfile
 import time
@@ -61,7 +64,15 @@ def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, float]:
     return run_eval(model, tok, cfg, data).pass_at
 
 
-def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -> dict:
+def val_pass1(model, tok, cfg, data) -> float:
+    """Greedy pass@1 on the validation functions (disjoint from test): the figure to choose RL
+    settings by, so that choosing never looks at the reported test functions."""
+    from miles_core.session import run_eval
+
+    return run_eval(model, tok, cfg, data, split="val").pass_at["pass@1"]
+
+
+def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, reuse_sft: bool = False) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -79,13 +90,25 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
         sft_curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
         print(f"[seed {seed}] sft step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
 
-    t0 = time.perf_counter()
-    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, patience=PATIENCE)  # saves the best-validation weights
-    sft_seconds = time.perf_counter() - t0
+    # what the SFT checkpoint depends on: a reused one must have been trained with exactly these
+    sft_key = {k: cfg.to_dict()[k] for k in ("model", "task", "sft")}
+    meta = ckpt.parent / "sft_run.json"
+    if reuse_sft and meta.exists():
+        prev = json.loads(meta.read_text())
+        if prev["key"] != sft_key:
+            raise ValueError(f"--reuse-sft: {meta} was trained with other model/task/sft settings; "
+                             f"remove {ckpt.parent} or drop --reuse-sft")
+        sft_curve, sft_seconds = prev["curve"], prev["seconds"]
+        print(f"[seed {seed}] reusing the SFT checkpoint {ckpt} ({sft_seconds:.0f}s when trained)", flush=True)
+    else:
+        t0 = time.perf_counter()
+        train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, patience=PATIENCE)  # saves the best-validation weights
+        sft_seconds = time.perf_counter() - t0
+        meta.write_text(json.dumps({"key": sft_key, "curve": sft_curve, "seconds": sft_seconds}))
     base, tok = load_checkpoint(ckpt)
     seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding
     results = {"sft": code_eval(base, tok, cfg, data), "sft_sequential": code_eval(base, tok, cfg, data, steps=seq),
-               "sft_sampled": sampled_pass_at(base, tok, cfg, data)}
+               "sft_sampled": sampled_pass_at(base, tok, cfg, data), "sft_val": val_pass1(base, tok, cfg, data)}
     print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f} ({sft_seconds:.0f}s)", flush=True)
 
     learner = Learner(cfg, ckpt, seed=seed)
@@ -115,6 +138,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False) -
     results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
     results["adpo_sequential"] = code_eval(learner.model, learner.tok, cfg, data, steps=seq)
     results["adpo_sampled"] = sampled_pass_at(learner.model, learner.tok, cfg, data)
+    results["adpo_val"] = val_pass1(learner.model, learner.tok, cfg, data)
     print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
           flush=True)
     if control:  # same labelled data, all weights, as long as ADPO ran
@@ -133,12 +157,16 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--sft-continued", action="store_true", help="also run the continued-SFT control arm")
+    ap.add_argument("--reuse-sft", action="store_true", help="with --workdir: start from the SFT checkpoints an "
+                    "earlier run left there (same model/task/sft settings, checked) instead of training them again")
     args = ap.parse_args()
+    if args.reuse_sft and not args.workdir:
+        ap.error("--reuse-sft needs --workdir (the folder holding seed*/sft from an earlier run)")
     overrides = DEFAULT_OVERRIDES + args.set
     t0 = time.perf_counter()
     work = args.workdir or tempfile.mkdtemp(prefix="miles-code-")
     with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
-        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_continued) for s in args.seeds])
+        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_continued, args.reuse_sft) for s in args.seeds])
     arms = ("sft", "adpo", "sft_continued") if args.sft_continued else ("sft", "adpo")
 
     def seed_mean(result: str, metric: str) -> float:
@@ -153,22 +181,26 @@ def main() -> None:
     rows.append(["mean"] + [mean[a] for a in arms])
     print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
     p_value = sign_test_p(wins, losses)
-    print(table([[a, v["pass@1"], v[k]] for a, v in sampled.items()], ["arm", "T=1 pass@1", f"T=1 {k}"]))
+    val = {a: sum(p["results"][f"{a}_val"] for p in per_seed) / len(per_seed) for a in ("sft", "adpo")}
+    print(table([[a, v["pass@1"], v[k], val[a]] for a, v in sampled.items()],
+                ["arm", "T=1 pass@1", f"T=1 {k}", "val greedy pass@1"]))
     print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {len(per_seed[0]['results']['sft']['correct'])} "
           f"held-out tasks; sign test wins {wins} losses {losses} p = {p_value:.3g}")
     payload = {
         "sft_pass1": mean["sft"], "adpo_pass1": mean["adpo"], "adpo_minus_sft": mean["adpo"] - mean["sft"],
         **({"sft_continued_pass1": mean["sft_continued"]} if args.sft_continued else {}),
         "target_gain": 0.10, "paired_sign_test_p": p_value, "sign_test_wins": wins, "sign_test_losses": losses,
-        "seconds": time.perf_counter() - t0, "seeds": args.seeds, "overrides": overrides,
+        "seconds": time.perf_counter() - t0, "seeds": args.seeds, "overrides": overrides, "sft_reused": args.reuse_sft,
         "eval_config": per_seed[0]["results"]["sft"]["config"],
         "num_heldout_tasks": len(per_seed[0]["results"]["sft"]["correct"]),
         "sandbox_layers": per_seed[0]["sandbox_layers"],
         "sequential_decoding_pass1": {a: seed_mean(f"{a}_sequential", "pass1") for a in ("sft", "adpo")},
+        "val_pass1": val,
         f"sampled_t1_pass_at_{PASS_K}": sampled,
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
                       "sft_sequential_pass1": p["results"]["sft_sequential"]["pass1"],
                       "adpo_sequential_pass1": p["results"]["adpo_sequential"]["pass1"],
+                      "sft_val_pass1": p["results"]["sft_val"], "adpo_val_pass1": p["results"]["adpo_val"],
                       "sft_sampled": p["results"]["sft_sampled"], "adpo_sampled": p["results"]["adpo_sampled"],
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],
