@@ -72,6 +72,39 @@ def val_pass1(model, tok, cfg, data) -> float:
     return run_eval(model, tok, cfg, data, split="val").pass_at["pass@1"]
 
 
+def sft_checkpoint(cfg, data, ckpt: Path, seed: int, on_eval=None, reuse: bool = False) -> tuple[list[dict], float]:
+    """Train the SFT baseline into ``ckpt`` (best-validation weights) and return its validation
+    curve and seconds; with ``reuse``, take the checkpoint an earlier run left there instead. The
+    model, task and sft settings it was trained with are stored beside it (sft_run.json) and must
+    equal this run's, so RL variants compared on one baseline really share it."""
+    from miles_core.session import train_baseline
+
+    key = json.loads(json.dumps({k: cfg.to_dict()[k] for k in ("model", "task", "sft")}))  # as stored: lists, not tuples
+    meta = ckpt.parent / "sft_run.json"
+    if reuse and meta.exists():
+        prev = json.loads(meta.read_text())
+        old = prev.get("key", {})
+        diff = [f"{sec}.{f}" for sec in key for f in sorted(set(key[sec]) | set(old.get(sec, {})))
+                if key[sec].get(f) != old.get(sec, {}).get(f)]
+        if diff:
+            raise ValueError(f"--reuse-sft: {meta} was trained with other settings ({', '.join(diff)}); "
+                             f"remove {ckpt.parent} or drop --reuse-sft")
+        print(f"[seed {seed}] reusing the SFT checkpoint {ckpt} ({prev['seconds']:.0f}s when trained)", flush=True)
+        return prev["curve"], prev["seconds"]
+    curve: list[dict] = []
+
+    def record(step: int, pass1: float, stats: dict) -> None:
+        curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
+        if on_eval is not None:
+            on_eval(step, pass1, stats)
+
+    t0 = time.perf_counter()
+    train_baseline(cfg, data, ckpt, seed=seed, on_eval=record, patience=PATIENCE)  # saves the best-validation weights
+    seconds = time.perf_counter() - t0
+    meta.write_text(json.dumps({"key": key, "curve": curve, "seconds": seconds}))
+    return curve, seconds
+
+
 def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, reuse_sft: bool = False) -> dict:
     import torch
 
@@ -79,32 +112,16 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.rewards.code import code_tests_reward, shared_pool
-    from miles_core.session import Learner, build_task, continue_sft, train_baseline
+    from miles_core.session import Learner, build_task, continue_sft
 
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
     ckpt = Path(out) / f"seed{seed}" / "sft"
-    sft_curve: list[dict] = []
 
     def on_eval(step: int, pass1: float, stats: dict) -> None:  # validation = unlabelled non-test functions
-        sft_curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
         print(f"[seed {seed}] sft step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
 
-    # what the SFT checkpoint depends on: a reused one must have been trained with exactly these
-    sft_key = {k: cfg.to_dict()[k] for k in ("model", "task", "sft")}
-    meta = ckpt.parent / "sft_run.json"
-    if reuse_sft and meta.exists():
-        prev = json.loads(meta.read_text())
-        if prev["key"] != sft_key:
-            raise ValueError(f"--reuse-sft: {meta} was trained with other model/task/sft settings; "
-                             f"remove {ckpt.parent} or drop --reuse-sft")
-        sft_curve, sft_seconds = prev["curve"], prev["seconds"]
-        print(f"[seed {seed}] reusing the SFT checkpoint {ckpt} ({sft_seconds:.0f}s when trained)", flush=True)
-    else:
-        t0 = time.perf_counter()
-        train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, patience=PATIENCE)  # saves the best-validation weights
-        sft_seconds = time.perf_counter() - t0
-        meta.write_text(json.dumps({"key": sft_key, "curve": sft_curve, "seconds": sft_seconds}))
+    sft_curve, sft_seconds = sft_checkpoint(cfg, data, ckpt, seed, on_eval, reuse_sft)
     base, tok = load_checkpoint(ckpt)
     seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding
     results = {"sft": code_eval(base, tok, cfg, data), "sft_sequential": code_eval(base, tok, cfg, data, steps=seq),

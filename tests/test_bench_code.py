@@ -1,0 +1,39 @@
+"""benchmarks.code --reuse-sft: RL variants start from one stored SFT baseline only when it was
+trained with this run's model, task and sft settings; a mismatch names the differing fields and
+the file, and leaves the stored checkpoint alone."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.code import sft_checkpoint
+from miles_core.config import load_recipe
+from miles_core.session import build_task
+
+SMALL = ["sft.steps=4", "sft.eval_every=2", "sft.batch_size=8", "task.num_train=16", "task.num_test=8",
+         "task.num_val=8", "model.d_model=16", "model.n_layers=1", "model.d_ff=32"]
+
+
+def test_sft_checkpoint_is_trained_once_then_reused_and_mismatch_is_refused(tmp_path: Path) -> None:
+    cfg = load_recipe("code", SMALL)
+    data = build_task(cfg)
+    ckpt = tmp_path / "seed0" / "sft"
+    seen: list[int] = []
+    curve, seconds = sft_checkpoint(cfg, data, ckpt, 0, on_eval=lambda step, p, st: seen.append(step), reuse=True)
+    assert [c["step"] for c in curve] == seen == [2, 4] and seconds > 0  # nothing stored yet: trained
+    weights = ckpt / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    stored = json.loads((ckpt.parent / "sft_run.json").read_text())
+    assert stored["key"]["sft"]["steps"] == 4 and stored["curve"] == curve
+
+    again, again_s = sft_checkpoint(cfg, data, ckpt, 0, reuse=True)  # same settings: reused, not retrained
+    assert again == curve and again_s == seconds and weights.stat().st_mtime_ns == stamp
+
+    other = load_recipe("code", SMALL + ["sft.lr=0.01", "task.num_train=12"])
+    with pytest.raises(ValueError, match=r"sft_run\.json was trained with other settings") as e:
+        sft_checkpoint(other, build_task(other), ckpt, 0, reuse=True)
+    assert "sft.lr" in str(e.value) and "task.num_train" in str(e.value)
+    assert weights.stat().st_mtime_ns == stamp  # the stored baseline is untouched
