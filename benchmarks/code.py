@@ -131,9 +131,11 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     learner = Learner(cfg, ckpt, seed=seed)
     reward_seconds, statuses, curve = [0.0], Counter(), []
 
+    recipe_reward = learner.reward_fn  # train.reward (code_tests or code_pass: both run code_tests)
+
     def timed_reward(prompts, completions, **meta):  # the Learner's own reward, timed and its reasons kept
         t = time.perf_counter()
-        out = code_tests_reward(prompts, completions, **meta)
+        out = recipe_reward(prompts, completions, **meta)
         reward_seconds[0] += time.perf_counter() - t
         statuses.update(code_tests_reward.last_stats["status_counts"])
         return out
