@@ -125,7 +125,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     base, tok = load_checkpoint(ckpt)
     seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding
     results = {"sft": code_eval(base, tok, cfg, data), "sft_sequential": code_eval(base, tok, cfg, data, steps=seq),
-               "sft_sampled": sampled_pass_at(base, tok, cfg, data), "sft_val": val_pass1(base, tok, cfg, data)}
+               "sft_sampled": sampled_pass_at(base, tok, cfg, data), "sft_val": {"pass1": val_pass1(base, tok, cfg, data)}}
     print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f} ({sft_seconds:.0f}s)", flush=True)
 
     learner = Learner(cfg, ckpt, seed=seed)
@@ -157,7 +157,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
     results["adpo_sequential"] = code_eval(learner.model, learner.tok, cfg, data, steps=seq)
     results["adpo_sampled"] = sampled_pass_at(learner.model, learner.tok, cfg, data)
-    results["adpo_val"] = val_pass1(learner.model, learner.tok, cfg, data)
+    results["adpo_val"] = {"pass1": val_pass1(learner.model, learner.tok, cfg, data)}
     print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
           flush=True)
     if control:  # same labelled data, all weights, as long as ADPO ran
@@ -200,7 +200,7 @@ def main() -> None:
     rows.append(["mean"] + [mean[a] for a in arms])
     print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
     p_value = sign_test_p(wins, losses)
-    val = {a: sum(p["results"][f"{a}_val"] for p in per_seed) / len(per_seed) for a in ("sft", "adpo")}
+    val = {a: seed_mean(f"{a}_val", "pass1") for a in ("sft", "adpo")}
     print(table([[a, v["pass@1"], v[k], val[a]] for a, v in sampled.items()],
                 ["arm", "T=1 pass@1", f"T=1 {k}", "val greedy pass@1"]))
     print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {len(per_seed[0]['results']['sft']['correct'])} "
@@ -219,7 +219,7 @@ def main() -> None:
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
                       "sft_sequential_pass1": p["results"]["sft_sequential"]["pass1"],
                       "adpo_sequential_pass1": p["results"]["adpo_sequential"]["pass1"],
-                      "sft_val_pass1": p["results"]["sft_val"], "adpo_val_pass1": p["results"]["adpo_val"],
+                      "sft_val_pass1": p["results"]["sft_val"]["pass1"], "adpo_val_pass1": p["results"]["adpo_val"]["pass1"],
                       "sft_sampled": p["results"]["sft_sampled"], "adpo_sampled": p["results"]["adpo_sampled"],
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],
