@@ -8,7 +8,7 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
   3. both evaluated on the same held-out functions (>= 200, disjoint from training) with one
      pinned greedy eval config; pass@1 = the completion passes every test in the sandbox.
 ``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
-(outside the 20-minute budget, so off by default).
+(it adds RL's wall-clock again, so it is off by default).
 ``--reuse-sft --workdir DIR`` starts from the SFT checkpoints an earlier run with the same model,
 task and sft settings left in DIR (RL settings may differ), so RL variants need not retrain SFT.
 Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE]

@@ -10,21 +10,15 @@ from miles_core.storage.adapters import (
     AdapterRegistry,
     CorruptAdapterError,
 )
-from miles_core.storage.trajectories import (
-    KIND,
-    SCHEMA_VERSION,
-    TRAJECTORY_SCHEMA,
+from miles_core.storage.arrow import KIND, SCHEMA_VERSION, TRAJECTORY_SCHEMA, check_schema, from_arrow, to_arrow
+from miles_core.storage.errors import (
     BatchExistsError,
     BatchNotFoundError,
     CorruptBatchError,
     SchemaError,
     StorageError,
-    TrajectoryStore,
-    check_schema,
-    from_arrow,
-    new_batch_id,
-    to_arrow,
 )
+from miles_core.storage.trajectories import TrajectoryStore, new_batch_id
 from miles_core.storage.uri import resolve
 
 __all__ = [

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.storage import uri as U
-from miles_core.storage.trajectories import StorageError
+from miles_core.storage.errors import StorageError
 
 COMMITTED = "COMMITTED"
 METADATA_FILE = "miles_metadata.json"

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from miles_core.storage.trajectories import StorageError
+from miles_core.storage.errors import StorageError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
