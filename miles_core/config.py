@@ -64,6 +64,7 @@ class SFTConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01
     warmup: int = 100
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 at sft.steps
     eval_every: int = 500
     seed: int = 0
 

@@ -16,7 +16,8 @@ import torch
 from miles_core.algo.guard import CollapseGuard, batch_health
 from miles_core.algo.rl import assign_advantages, rollout, score_rewards
 from miles_core.algo.sft import train_sft
-from miles_core.algo.update import adpo_update, lr_factor
+from miles_core.algo.schedule import lr_factor
+from miles_core.algo.update import adpo_update
 from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
 from miles_core.data import code, countdown
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
@@ -191,7 +192,8 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
         return stop or (patience is not None and step - best["gain_step"] >= patience * s.eval_every)
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
               completion_len=cfg.task.completion_len, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
-              weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, callback=cb if validate else None,
+              weight_decay=s.weight_decay, warmup=s.warmup, seed=seed, lr_schedule=s.lr_schedule,
+              callback=cb if validate else None,
               callback_every=s.eval_every if validate else 0, progress=progress)
     if best["state"] is not None:
         model.load_state_dict(best["state"])
@@ -202,7 +204,8 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
 def continue_sft(cfg: RecipeConfig, data: TaskData, checkpoint: str | Path, seconds: float,
                  seed: int) -> tuple[torch.nn.Module, CharTokenizer]:
     """The control arm of the RL benchmarks: SFT resumed from ``checkpoint`` on the same labelled
-    data, all weights, for ``seconds`` of wall clock (what the RL arm took), with a fresh data order."""
+    data, all weights, for ``seconds`` of wall clock (what the RL arm took), with a fresh data order.
+    Its LR is ``sft.lr`` held constant: a time budget has no step count for a decay to end at."""
     model, tok = load_checkpoint(checkpoint, mask_token=cfg.model.mask_token or None)
     model.to(resolve_device(cfg.model.device))
     s = cfg.sft
@@ -235,7 +238,7 @@ class Learner:
         # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
         # each num_minibatches * epochs optimizer steps
         updates = cfg.train.iterations if total_updates is None else total_updates
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a, updates * a.num_minibatches * a.epochs))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a.warmup, a.lr_schedule, updates * a.num_minibatches * a.epochs))
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.version = 0

@@ -9,7 +9,8 @@ import torch
 
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
 from miles_core.algo.loss import ADPOLoss
-from miles_core.algo.update import build_rows, lr_factor, score_rows
+from miles_core.algo.schedule import lr_factor
+from miles_core.algo.update import build_rows, score_rows
 from miles_core.config import ADPOConfig, SamplerConfig
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.samplers.sampler import nsd_commit, sample, static_counts, topk_commit
@@ -174,11 +175,11 @@ def test_step_subsampling_is_unbiased_reweighting():
 
 def test_lr_factor_warms_up_then_decays_to_zero_at_the_horizon():
     # warm-up 5 steps: 1/5 .. 5/5; then steps 5..103 decay, reaching 0 at the horizon 104
-    const = lr_factor(ADPOConfig(warmup=5), 104)
+    const = lr_factor(5, "constant", 104)
     assert [const(s) for s in (0, 1, 4, 5, 103, 1000)] == pytest.approx([0.2, 0.4, 1.0, 1.0, 1.0, 1.0])
-    lin = lr_factor(ADPOConfig(warmup=5, lr_schedule="linear"), 104)
+    lin = lr_factor(5, "linear", 104)
     assert [lin(s) for s in (0, 4, 5, 54, 103, 104, 500)] == pytest.approx([0.2, 1.0, 0.99, 0.5, 0.01, 0.0, 0.0])
-    cos = lr_factor(ADPOConfig(warmup=5, lr_schedule="cosine"), 104)
+    cos = lr_factor(5, "cosine", 104)
     # frac = (s - 4) / 100: cos at frac 0.01, 0.5, 1 -> 0.5 * (1 + cos(pi * frac))
     assert [cos(s) for s in (0, 5, 54, 104, 500)] == pytest.approx(
         [0.2, 0.5 * (1 + math.cos(math.pi * 0.01)), 0.5, 0.0, 0.0])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from miles_core.algo.advantages import group_advantages
-from miles_core.algo.sft import make_batch, sft_loss
+from miles_core.algo.sft import make_batch, sft_loss, train_sft
 from miles_core.algo.update import adpo_update
 from miles_core.config import ADPOConfig, ConfigError, SamplerConfig, load_recipe
 from miles_core.models.lora import add_lora, add_lora_from, load_adapter, reference_policy, save_adapter
@@ -66,6 +66,23 @@ def test_sft_loss_weight_is_one_over_t():
     logits = model(x, batch.attn)[:, batch.width:]
     ce = torch.nn.functional.cross_entropy(logits[0], batch.x[0, batch.width:], reduction="none")
     assert loss.item() == pytest.approx(float((ce * masked[0]).sum() / t / 6), rel=1e-5)
+
+
+def test_sft_lr_schedule_warms_up_then_decays_to_zero_at_sft_steps():
+    """Each step's stats carry the LR it used: warm-up 2 steps, then the cosine of algo/schedule.py
+    over the remaining 8 of 10 steps; constant stays at lr; an unknown schedule is an error naming it."""
+    import math
+
+    data = (["1+1", "2+2"], ["1+1=2", "2+2=4"])
+    kw = dict(completion_len=6, steps=10, batch_size=2, lr=0.01, warmup=2)
+    cos = [h["lr"] for h in train_sft(base_model(), TOK, *data, lr_schedule="cosine", **kw)]
+    frac = [(s - 1) / 9 for s in range(2, 10)]
+    assert cos == pytest.approx([0.005, 0.01] + [0.005 * (1 + math.cos(math.pi * f)) for f in frac])
+    assert cos[-1] == pytest.approx(0.01 * 0.5 * (1 + math.cos(math.pi * 8 / 9))) and cos[-1] < 0.0004
+    const = [h["lr"] for h in train_sft(base_model(), TOK, *data, **kw)]
+    assert const == pytest.approx([0.005] + [0.01] * 9)
+    with pytest.raises(ValueError, match="lr_schedule"):
+        train_sft(base_model(), TOK, *data, lr_schedule="step", **kw)
 
 
 @pytest.mark.parametrize("estimator", ["adpo", "meanfield"])

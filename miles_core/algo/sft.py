@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from miles_core.algo.schedule import Schedule, lr_factor
 from miles_core.samplers.step import left_pad
 from miles_core.tokenizer import CharTokenizer
 
@@ -49,13 +50,15 @@ def sft_loss(model, batch: SFTBatch, mask_id: int, generator: torch.Generator,
 
 def train_sft(model, tok: CharTokenizer, prompts: Sequence[str], targets: Sequence[str], *, completion_len: int,
               steps: int, batch_size: int, lr: float, weight_decay: float = 0.01, warmup: int = 100, seed: int = 0,
-              callback: Callable[[int, dict[str, float]], bool | None] | None = None, callback_every: int = 0,
+              lr_schedule: Schedule = "constant", callback: Callable[[int, dict[str, float]], bool | None] | None = None, callback_every: int = 0,
               progress: bool = False, time_budget_s: float | None = None) -> list[dict[str, float]]:
     """Plain SFT loop over a fixed labelled set.
 
     ``callback(step, stats)`` runs every ``callback_every`` steps and may return True to stop
     early (plateau detection); ``time_budget_s`` stops after that much wall-clock time (used to
-    give continued SFT exactly the time an RL run took).
+    give continued SFT exactly the time an RL run took). ``lr_schedule`` after the warm-up:
+    constant, or a linear / cosine decay to 0 at ``steps`` (algo/schedule.py). Each step's stats
+    carry the ``lr`` it used.
     """
     import time
 
@@ -63,7 +66,7 @@ def train_sft(model, tok: CharTokenizer, prompts: Sequence[str], targets: Sequen
     gen = torch.Generator().manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(warmup, 1)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(warmup, lr_schedule, steps))
     n = len(prompts)
     history = []
     it = range(steps)
@@ -76,6 +79,7 @@ def train_sft(model, tok: CharTokenizer, prompts: Sequence[str], targets: Sequen
         idx = torch.randint(0, n, (batch_size,), generator=gen).tolist()
         batch = make_batch(tok, [prompts[i] for i in idx], [targets[i] for i in idx], completion_len)
         loss, stats = sft_loss(model, batch, tok.mask_id, gen)
+        stats["lr"] = opt.param_groups[0]["lr"]
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -27,22 +27,6 @@ from miles_core.types import TrajectoryBatch
 
 if TYPE_CHECKING:
     from miles_core.distributed import World
-
-
-def lr_factor(cfg: ADPOConfig, total_steps: int) -> Callable[[int], float]:
-    """The LR multiplier per optimizer step (for ``LambdaLR``): linear warm-up over ``cfg.warmup``
-    steps, then ``cfg.lr_schedule``: constant, or a linear / cosine decay that reaches 0 just after
-    the run's last step (index ``total_steps - 1``), so every step still moves the policy. A decay
-    lets late updates, whose batches are as noisy as the early ones, move the policy less: the
-    last policy is the one a run reports and publishes."""
-    warm, total = max(cfg.warmup, 1), max(total_steps, 1)
-
-    def factor(step: int) -> float:
-        if step < warm or cfg.lr_schedule == "constant":
-            return min(1.0, (step + 1) / warm)
-        frac = min(1.0, (step - warm + 1) / max(total - warm + 1, 1))  # (0, 1): after warm-up; 1 at total
-        return 1.0 - frac if cfg.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * frac))
-    return factor
 
 
 @dataclass
