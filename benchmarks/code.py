@@ -72,6 +72,18 @@ def val_pass1(model, tok, cfg, data) -> float:
     return run_eval(model, tok, cfg, data, split="val").pass_at["pass@1"]
 
 
+MISSING = object()
+
+
+def setting_defaults(cfg, section: str) -> dict:
+    """The defaults of one recipe section's settings: a setting that a stored checkpoint's record
+    lacks was added after it was trained, so it was trained with the default (e.g. sft.lr_schedule)."""
+    import dataclasses
+
+    return {f.name: f.default for f in dataclasses.fields(getattr(cfg, section))
+            if f.default is not dataclasses.MISSING}
+
+
 def sft_checkpoint(cfg, data, ckpt: Path, seed: int, on_eval=None, reuse: bool = False) -> tuple[list[dict], float]:
     """Train the SFT baseline into ``ckpt`` (best-validation weights) and return its validation
     curve and seconds; with ``reuse``, take the checkpoint an earlier run left there instead. The
@@ -85,7 +97,7 @@ def sft_checkpoint(cfg, data, ckpt: Path, seed: int, on_eval=None, reuse: bool =
         prev = json.loads(meta.read_text())
         old = prev.get("key", {})
         diff = [f"{sec}.{f}" for sec in key for f in sorted(set(key[sec]) | set(old.get(sec, {})))
-                if key[sec].get(f) != old.get(sec, {}).get(f)]
+                if key[sec].get(f) != old.get(sec, {}).get(f, setting_defaults(cfg, sec).get(f, MISSING))]
         if diff:
             raise ValueError(f"--reuse-sft: {meta} was trained with other settings ({', '.join(diff)}); "
                              f"remove {ckpt.parent} or drop --reuse-sft")

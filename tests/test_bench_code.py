@@ -37,3 +37,20 @@ def test_sft_checkpoint_is_trained_once_then_reused_and_mismatch_is_refused(tmp_
         sft_checkpoint(other, build_task(other), ckpt, 0, reuse=True)
     assert "sft.lr" in str(e.value) and "task.num_train" in str(e.value)
     assert weights.stat().st_mtime_ns == stamp  # the stored baseline is untouched
+
+
+def test_a_setting_added_after_the_checkpoint_counts_as_its_default(tmp_path: Path) -> None:
+    """A record written before sft.lr_schedule existed matches a run at the default (constant),
+    not one that asks for a cosine decay."""
+    cfg = load_recipe("code", SMALL)
+    data = build_task(cfg)
+    ckpt = tmp_path / "seed0" / "sft"
+    curve, _ = sft_checkpoint(cfg, data, ckpt, 0, reuse=True)
+    meta = ckpt.parent / "sft_run.json"
+    stored = json.loads(meta.read_text())
+    del stored["key"]["sft"]["lr_schedule"]
+    meta.write_text(json.dumps(stored))
+    assert sft_checkpoint(cfg, data, ckpt, 0, reuse=True)[0] == curve
+    cosine = load_recipe("code", SMALL + ["sft.lr_schedule=cosine"])
+    with pytest.raises(ValueError, match=r"\(sft\.lr_schedule\)"):
+        sft_checkpoint(cosine, build_task(cosine), ckpt, 0, reuse=True)
