@@ -108,6 +108,7 @@ class ADPOConfig:
     entropy_coef: float = 0.0
     std_normalize: bool = False         # group advantages: mean-centred, optionally /std
     skip_zero_variance: bool = True
+    loss_norm: Literal["informative", "batch"] = "informative"  # loss / tokens of: rows with A != 0 | the whole batch
     num_minibatches: int = 1
     epochs: int = 1
     row_chunk: int = 256                # rows per forward/backward (bounds peak memory)

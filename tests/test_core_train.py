@@ -104,6 +104,31 @@ def test_update_changes_only_lora_parameters(estimator):
     assert stats["rows"] > 0 and "clip_frac" in stats and "iw_max" in stats
 
 
+def test_batch_loss_norm_scales_the_gradient_by_the_informative_share():
+    """Group 0 has one reward for all its samples (A = 0, skipped). loss_norm="batch" divides by
+    the whole batch's tokens, "informative" by the kept rows' only, so with plain SGD (lr 1, no
+    clipping) the two weight changes differ by exactly kept / total = 8 / 12."""
+    deltas = {}
+    for norm in ("informative", "batch"):
+        model = add_lora(base_model(), r=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        batch = scored_batch(model)
+        batch.reward = (torch.arange(len(batch)) % 2).float()  # groups 1, 2: A = +-0.5, none zero
+        batch.reward[:4] = 1.0
+        batch.advantage = group_advantages(batch.reward, batch.group_id)
+        params = [p for p in model.parameters() if p.requires_grad]
+        before = [p.detach().clone() for p in params]
+        cfg = ADPOConfig(loss_norm=norm, max_grad_norm=1e9, row_chunk=5)
+        stats = adpo_update(model, torch.optim.SGD(params, lr=1.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
+        assert stats["skipped_trajectories"] == 4
+        deltas[norm] = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)])
+    assert deltas["informative"].abs().sum() > 0
+    torch.testing.assert_close(deltas["batch"], deltas["informative"] * 8 / 12, rtol=1e-4, atol=1e-7)
+
+
 def test_update_graph_covers_one_step_per_row():
     """Chunked per-row backward == full-batch gradient, and every backward sees one forward."""
     model = add_lora(base_model(), r=4, alpha=8)

@@ -107,7 +107,10 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch,
     prompt_width = max(len(p) for p in sub.prompt_ids)
     prompt_mask = torch.rand(len(sub), prompt_width, generator=generator) < cfg.prompt_mask_prob
     n_rows = rows.traj.numel()
-    normaliser = float(len(sub) * sub.completion_len)
+    # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
+    # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
+    # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
+    normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
     loss_fn = ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
     params = trainable_parameters(model)
     own = world.shard if world is not None else (lambda idx: idx)
