@@ -159,6 +159,7 @@ class GuardSettings:
     ema: float = 0.1                    # weight of a new healthy batch in the running means
     snapshot_every: int = 10            # candidate rollback target every N policy versions
     max_rollbacks: int = 3              # a collapse after this many rollbacks in a row (no healthy batch between) -> CollapseError
+    confirm: int = 2                    # a reward drop rolls back on the confirm-th unhealthy batch in a row (earlier ones skipped)
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,7 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.snapshot_every >= 1, "snapshot_every", "must be >= 1")
         need(obj.min_rows >= 1, "min_rows", "must be >= 1")
         need(obj.max_rollbacks >= 0, "max_rollbacks", "must be >= 0")
+        need(obj.confirm >= 1, "confirm", "must be >= 1")
     if isinstance(obj, TrainConfig):
         need(obj.group_size >= 2, "group_size", "must be >= 2 (group-relative advantages)")
         need(obj.prompts_per_iter >= 1, "prompts_per_iter", "must be >= 1")

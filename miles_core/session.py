@@ -269,8 +269,8 @@ class Learner:
 
     def update(self, batch: TrajectoryBatch, temperature: float | None = None) -> dict[str, float]:
         """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
-        then the batch is skipped and (first sign of it) the last healthy policy is restored and
-        published as a new version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and
+        then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th
+        unhealthy batch in a row) the last healthy policy is restored and published as a new version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and
         ``self.guard_event`` says why. Raises CollapseError when rolling back no longer helps."""
         self.guard_event = ""
         if self.guard is not None:
@@ -278,7 +278,8 @@ class Learner:
             reason = self.guard.collapse_reason(h)
             if reason is not None:
                 self.guard_event = reason
-                if not self.guard.should_roll_back(h):  # sampled by the collapsed line, already rolled back
+                # sampled by the collapsed line (already rolled back), or a reward drop not yet confirmed
+                if not self.guard.should_roll_back(h) or not self.guard.confirmed(h):
                     return {"rows": 0.0, "guard_skipped": 1.0, "policy_version": float(self.version),
                             "guard_rollbacks": float(self.guard.rollbacks)}
                 self.version += 1

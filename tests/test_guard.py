@@ -54,6 +54,22 @@ def test_candidate_becomes_the_target_only_when_a_batch_sampled_at_or_after_it_i
     assert g.good == (2, {"w": 2}) and list(g.candidates) == [4]
 
 
+def test_a_reward_drop_rolls_back_only_when_confirmed_an_empty_collapse_at_once():
+    g = CollapseGuard(GuardSettings(min_rows=1, ema=0.5, confirm=2), {"w": 0})
+    g.accept(Health(0.0, 0.4, 0, 8))
+    low = Health(0.0, 0.0, 1, 8)                 # 0 < 0.1 x 0.4: flagged
+    assert g.collapse_reason(low) and not g.confirmed(low) and g.suspect == 1
+    g.accept(Health(0.0, 0.4, 1, 8))             # a healthy batch: the dip was chance
+    assert g.suspect == 0 and not g.confirmed(low)
+    assert g.confirmed(low) and g.suspect == 2   # second unhealthy batch in a row
+    g.rolled_back(2, "x")
+    assert g.suspect == 0 and g.state()["suspect"] == 0
+    assert g.confirmed(Health(0.9, 0.4, 3, 8))   # empty completions: no confirmation needed
+    one = CollapseGuard(GuardSettings(min_rows=1, confirm=1), {"w": 0})
+    one.accept(Health(0.0, 0.4, 0, 8))
+    assert one.confirmed(low)
+
+
 def _learner(tmp_path, extra: list[str]) -> tuple[Learner, object]:
     cfg = load_recipe("tiny", ["train.prompts_per_iter=3", "guard.min_rows=1", "guard.snapshot_every=1",
                                "guard.max_rollbacks=2", *extra])
@@ -104,6 +120,23 @@ def test_learner_rolls_back_to_the_last_vouched_policy_then_skips_the_collapsed_
     assert resumed.update(_scored(resumed, data, good, version=3)).get("rolled_back") is None
 
 
+def test_learner_skips_one_low_reward_batch_and_rolls_back_on_the_second(tmp_path):
+    torch.set_num_threads(1)
+    learner, data = _learner(tmp_path, [])
+    good = (torch.arange(64) % 2).float()
+    learner.update(_scored(learner, data, good))                  # v1
+    learner.update(_scored(learner, data, good, version=1))       # v2; v1 vouched for
+    v2 = _lora(learner)
+    st = learner.update(_scored(learner, data, torch.zeros(64), version=2))
+    assert st["guard_skipped"] == 1.0 and "rolled_back" not in st and learner.version == 2
+    assert "mean reward" in learner.guard_event and all(torch.equal(v2[k], v) for k, v in _lora(learner).items())
+    st = learner.update(_scored(learner, data, torch.zeros(64), version=2))
+    assert st["rolled_back"] == 1.0 and learner.version == 3 and learner.guard.rollbacks == 1
+    learner.update(_scored(learner, data, good, version=3))      # healthy again: the count starts over
+    st = learner.update(_scored(learner, data, torch.zeros(64), version=4))
+    assert st["guard_skipped"] == 1.0 and learner.guard.rollbacks == 1
+
+
 def test_guard_off_and_bad_settings(tmp_path):
     learner, data = _learner(tmp_path, ["guard.enabled=false"])
     assert learner.guard is None
@@ -116,3 +149,5 @@ def test_guard_off_and_bad_settings(tmp_path):
         load_recipe("tiny", ["guard.reward_drop=1.5"])
     with pytest.raises(ConfigError, match="guard.min_rows"):
         load_recipe("tiny", ["guard.min_rows=0"])
+    with pytest.raises(ConfigError, match="guard.confirm"):
+        load_recipe("tiny", ["guard.confirm=0"])
