@@ -12,6 +12,7 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
 ``--reuse-sft --workdir DIR`` starts from the SFT checkpoints an earlier run with the same model,
 task and sft settings left in DIR (RL settings may differ), so RL variants need not retrain SFT.
 Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE]
+Every measured setting, and why the SFT baseline's length and machine matter: benchmarks/CODE.md.
 """
 
 from __future__ import annotations
