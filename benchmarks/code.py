@@ -4,7 +4,8 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
   1. SFT on the scarce labelled demonstrations of the ``code`` recipe (session.train_baseline),
      all ``sft.steps``, keeping the weights of the best validation pass@1;
   2. ADPO from that checkpoint (session.Learner) on fresh generator prompts, rewarded by
-     ``code_tests``: each completion is executed in the sandbox against its hidden tests;
+     the recipe's ``train.reward`` (``code_pass``: 1 when the completion, executed in the sandbox,
+     passes every hidden test; ``code_tests``: the fraction it passes);
   3. both evaluated on the same held-out functions (>= 200, disjoint from training) with one
      pinned greedy eval config; pass@1 = the completion passes every test in the sandbox.
 ``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
