@@ -19,6 +19,7 @@ Every measured setting, and why the SFT baseline's length and machine matter: be
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import tempfile
@@ -39,8 +40,6 @@ PASS_K = 8  # side measurement: pass@1 / pass@8 of samples at temperature 1
 def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
     """``session.run_eval`` (pass@1 = the code_tests reward in the sandbox) plus per-family rates;
     ``steps`` overrides the number of denoising passes (a side measurement, never the headline)."""
-    import dataclasses
-
     from miles_core.session import run_eval
 
     if steps is not None:
@@ -58,8 +57,6 @@ def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, float]:
     """pass@1 and pass@k of ``k`` samples at temperature 1 (a side measurement): a policy that only
     sharpens what SFT could already write raises pass@1 toward SFT's pass@k; one that learned to
     write programs SFT could not also raises pass@k."""
-    import dataclasses
-
     from miles_core.session import run_eval
 
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=1.0, n_samples=k))
@@ -74,18 +71,6 @@ def val_pass1(model, tok, cfg, data) -> float:
     return run_eval(model, tok, cfg, data, split="val").pass_at["pass@1"]
 
 
-MISSING = object()
-
-
-def setting_defaults(cfg, section: str) -> dict:
-    """The defaults of one recipe section's settings: a setting that a stored checkpoint's record
-    lacks was added after it was trained, so it was trained with the default (e.g. sft.lr_schedule)."""
-    import dataclasses
-
-    return {f.name: f.default for f in dataclasses.fields(getattr(cfg, section))
-            if f.default is not dataclasses.MISSING}
-
-
 def sft_checkpoint(cfg, data, ckpt: Path, seed: int, on_eval=None, reuse: bool = False) -> tuple[list[dict], float]:
     """Train the SFT baseline into ``ckpt`` (best-validation weights) and return its validation
     curve and seconds; with ``reuse``, take the checkpoint an earlier run left there instead. The
@@ -93,13 +78,19 @@ def sft_checkpoint(cfg, data, ckpt: Path, seed: int, on_eval=None, reuse: bool =
     equal this run's, so RL variants compared on one baseline really share it."""
     from miles_core.session import train_baseline
 
-    key = json.loads(json.dumps({k: cfg.to_dict()[k] for k in ("model", "task", "sft")}))  # as stored: lists, not tuples
+    def as_stored(d: dict) -> dict:  # JSON's view: lists, not tuples
+        return json.loads(json.dumps(d))
+
+    key = as_stored({k: cfg.to_dict()[k] for k in ("model", "task", "sft")})
     meta = ckpt.parent / "sft_run.json"
     if reuse and meta.exists():
         prev = json.loads(meta.read_text())
-        old = prev.get("key", {})
-        diff = [f"{sec}.{f}" for sec in key for f in sorted(set(key[sec]) | set(old.get(sec, {})))
-                if key[sec].get(f) != old.get(sec, {}).get(f, setting_defaults(cfg, sec).get(f, MISSING))]
+        # a setting the record lacks was added after that checkpoint was trained, so it was trained
+        # with the setting's default (e.g. sft.lr_schedule): fill the record's sections with defaults
+        old = {sec: {**as_stored(dataclasses.asdict(type(getattr(cfg, sec))())), **prev.get("key", {}).get(sec, {})}
+               for sec in key}
+        diff = [f"{sec}.{f}" for sec in key for f in sorted(set(key[sec]) | set(old[sec]))
+                if key[sec].get(f) != old[sec].get(f)]
         if diff:
             raise ValueError(f"--reuse-sft: {meta} was trained with other settings ({', '.join(diff)}); "
                              f"remove {ckpt.parent} or drop --reuse-sft")

@@ -238,7 +238,8 @@ class Learner:
         # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
         # each num_minibatches * epochs optimizer steps
         updates = cfg.train.iterations if total_updates is None else total_updates
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a.warmup, a.lr_schedule, updates * a.num_minibatches * a.epochs))
+        steps = updates * a.num_minibatches * a.epochs
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a.warmup, a.lr_schedule, steps))
         self.gen = torch.Generator().manual_seed(seed)
         self.rng = random.Random(seed)
         self.version = 0
@@ -270,8 +271,8 @@ class Learner:
     def update(self, batch: TrajectoryBatch, temperature: float | None = None) -> dict[str, float]:
         """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
         then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th
-        unhealthy batch in a row) the last healthy policy is restored and published as a new version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and
-        ``self.guard_event`` says why. Raises CollapseError when rolling back no longer helps."""
+        unhealthy batch in a row) the last healthy policy is restored and published as a new
+        version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and ``self.guard_event`` says why. Raises CollapseError when rolling back no longer helps."""
         self.guard_event = ""
         if self.guard is not None:
             h = batch_health(batch)

@@ -50,7 +50,8 @@ def sft_loss(model, batch: SFTBatch, mask_id: int, generator: torch.Generator,
 
 def train_sft(model, tok: CharTokenizer, prompts: Sequence[str], targets: Sequence[str], *, completion_len: int,
               steps: int, batch_size: int, lr: float, weight_decay: float = 0.01, warmup: int = 100, seed: int = 0,
-              lr_schedule: Schedule = "constant", callback: Callable[[int, dict[str, float]], bool | None] | None = None, callback_every: int = 0,
+              lr_schedule: Schedule = "constant",
+              callback: Callable[[int, dict[str, float]], bool | None] | None = None, callback_every: int = 0,
               progress: bool = False, time_budget_s: float | None = None) -> list[dict[str, float]]:
     """Plain SFT loop over a fixed labelled set.
 
