@@ -175,6 +175,19 @@ class EvalSettings:
 
 
 @dataclass(frozen=True)
+class SandboxSettings:
+    """How code completions are executed (miles_core/rewards/isolation.py says what each holds).
+
+    bwrap: a new bubblewrap sandbox (own user/mount/PID/network namespaces, seccomp) per run;
+    bwrap_shared: one such sandbox per pool worker, each run forked inside it (same boundary, the
+    worker's namespaces shared by its runs one at a time; several times the throughput);
+    none: no kernel boundary (rlimits and an audit hook only), an explicit opt-out, tagged in MLflow.
+    """
+
+    isolation: Literal["bwrap", "bwrap_shared", "none"] = "bwrap"
+
+
+@dataclass(frozen=True)
 class RecipeConfig:
     name: str = "arith"
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -187,6 +200,7 @@ class RecipeConfig:
     async_rl: AsyncSettings = field(default_factory=AsyncSettings)
     guard: GuardSettings = field(default_factory=GuardSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
+    sandbox: SandboxSettings = field(default_factory=SandboxSettings)
     torch_threads: int = 0               # 0: leave torch's default
 
     def to_dict(self) -> dict[str, Any]:

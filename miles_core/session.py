@@ -26,6 +26,7 @@ from miles_core.eval.passk import EvalConfig, EvalResult
 from miles_core.models.base import load_checkpoint, resolve_device, save_checkpoint
 from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
+from miles_core.rewards.code import set_isolation
 from miles_core.rewards.math import get_reward
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -70,7 +71,8 @@ def build_task(cfg: RecipeConfig) -> TaskData:
     t = cfg.task
     task: ArithTask | countdown.CountdownTask | code.CodeTask
     try:
-        if t.name == "code":  # completions are checked by the code_tests reward
+        if t.name == "code":  # completions are checked by the code_tests reward, in the sandbox
+            set_isolation(cfg.sandbox.isolation)
             ccfg = code.CodeConfig(examples=t.num_examples, b_max=t.const_max)
             task, need = code.CodeTask(ccfg), code.max_target_len(ccfg)
         elif t.name == "countdown":

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import re
@@ -29,6 +30,8 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
+
+log = logging.getLogger("miles.tracking")
 
 CHAMPION = "champion"
 PASS1_TAG = "miles.pass1"
@@ -97,13 +100,26 @@ def _prefect_tags() -> dict[str, str]:
 
 def start_run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
               tags: Mapping[str, Any] | None = None) -> str:
-    """Create a run in ``experiment`` (created if missing), tagged with the Prefect flow run id."""
+    """Create a run in ``experiment`` (created if missing), tagged with the Prefect flow run id and,
+    for a task that executes completions, with the sandbox isolation it ran under."""
     client = MlflowClient()
-    all_tags = {**_prefect_tags(), **{k: str(v) for k, v in (tags or {}).items()}}
+    all_tags = {**_prefect_tags(), **_sandbox_tags(params or {}), **{k: str(v) for k, v in (tags or {}).items()}}
     run = client.create_run(_experiment_id(client, experiment), tags=all_tags, run_name=run_name)
     if params:
         log_params(run.info.run_id, params)
     return run.info.run_id
+
+
+def _sandbox_tags(params: Mapping[str, Any]) -> dict[str, str]:
+    """``miles.sandbox.isolation`` for the code task; ``sandbox.isolation=none`` is also tagged
+    ``miles.sandbox.unisolated=true`` and logged as a warning, so an unisolated run is never silent."""
+    if params.get("task.name") != "code":
+        return {}
+    mode = str(params.get("sandbox.isolation", "bwrap"))
+    if mode != "none":
+        return {"miles.sandbox.isolation": mode}
+    log.warning("this run executes model-written code WITHOUT a kernel sandbox (sandbox.isolation=none)")
+    return {"miles.sandbox.isolation": mode, "miles.sandbox.unisolated": "true"}
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:

@@ -1,11 +1,17 @@
-"""The execution sandbox: hostile completions are contained, score 0 with a reason, leave nothing
-behind, and the workers keep scoring. Kernel layers are also checked with the audit hook off,
-so each guarantee is shown by the layer that is supposed to provide it."""
+"""The execution sandbox: hostile completions score 0, reach nothing outside their run, leave
+nothing behind, and the pool keeps scoring. The attacks run with the audit hook OFF, so each
+guarantee is shown by the kernel (namespaces, seccomp, rlimits), the layer that must provide it;
+a hooked pool then checks the readable reasons. CI runs this file as root and as an ordinary user
+(.ci/run), with the standard library, fsspec and pytest only."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
 import socket
+import subprocess
+import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,66 +20,266 @@ import pytest
 
 from miles_core.data.code import encode_answer
 from miles_core.rewards import get_reward
+from miles_core.rewards import isolation as iso_mod
 from miles_core.rewards.code import ExecResult, Job, SandboxLimits, SandboxPool, code_tests_reward, score_completions
+from miles_core.rewards.isolation import IsolationUnavailable
 
-SECRET = "4242"
-LIMITS = SandboxLimits(timeout_s=1.5, cpu_s=1, memory_mb=256)
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[SandboxPool]:
-    os.environ["MILES_SANDBOX_TEST_SECRET"] = SECRET  # must never reach a completion
-    try:
-        with SandboxPool(2, LIMITS, cache_size=0) as p:
-            yield p
-    finally:
-        os.environ.pop("MILES_SANDBOX_TEST_SECRET", None)
+SECRET = 73914263  # the hidden expected output: only a leak (or a lucky guess) could score
+ENV_SECRET = "4242"
+LIMITS = SandboxLimits(timeout_s=2.0, cpu_s=1, memory_mb=256, tmpfs_mb=16)
+KERNEL_MODES = ("bwrap", "bwrap_shared")
+AS_NOBODY = {"user": 65534, "group": 65534, "extra_groups": []} if os.geteuid() == 0 else {}
 
 
 @pytest.fixture(scope="module")
-def bare_pool() -> Iterator[SandboxPool]:
-    """Audit hook off: only the kernel layers (rlimits, uid drop, namespaces, empty env) remain."""
-    os.environ["MILES_SANDBOX_TEST_SECRET"] = SECRET
-    try:
-        with SandboxPool(1, LIMITS, audit_hook=False, cache_size=0) as p:
-            yield p
-    finally:
-        os.environ.pop("MILES_SANDBOX_TEST_SECRET", None)
+def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """What hostile code goes after: a world-writable folder with a world-readable secret, a
+    victim process of the sandbox user's own uid, TCP / unix / abstract listeners, a site folder."""
+    root = tmp_path_factory.mktemp("world")
+    os.chmod(root, 0o755)
+    victim = root / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious")
+    (victim / "secret.txt").write_text(str(SECRET))
+    os.chmod(victim, 0o777)
+    for f in ("keep.txt", "secret.txt"):
+        os.chmod(victim / f, 0o666)
+    proc = subprocess.Popen(["sleep", "600"], start_new_session=True, **AS_NOBODY)
+    tcp = socket.socket()
+    tcp.bind(("127.0.0.1", 0))
+    tcp.listen(8)
+    unix = socket.socket(socket.AF_UNIX)
+    unix_path = str(victim / "sock")
+    unix.bind(unix_path)
+    os.chmod(unix_path, 0o777)
+    unix.listen(8)
+    abstract = socket.socket(socket.AF_UNIX)
+    abstract_name = f"miles-test-{os.getpid()}"
+    abstract.bind("\0" + abstract_name)
+    abstract.listen(8)
+    for s in (tcp, unix, abstract):
+        s.setblocking(False)
+    os.environ["MILES_SANDBOX_TEST_SECRET"] = ENV_SECRET  # must never reach a completion
+    yield {"victim": victim, "pid": proc.pid, "port": tcp.getsockname()[1], "unix": unix_path,
+           "abstract": abstract_name, "listeners": (tcp, unix, abstract), "proc": proc,
+           "site": sysconfig.get_paths()["purelib"], "root": root}
+    os.environ.pop("MILES_SANDBOX_TEST_SECRET", None)
+    proc.kill()
+    for s in (tcp, unix, abstract):
+        s.close()
 
 
-@pytest.fixture
-def listener() -> Iterator[socket.socket]:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen(4)
-    s.settimeout(0.3)
-    yield s
-    s.close()
+# name -> module source defining f(x); each returns SECRET only if its attack succeeded.
+HOSTILE = {
+    "open a world-readable file": "def f(x):\n    return int(open({secret!r}).read())\n",
+    "os.open with dir_fd up to /": (
+        "import os\ndef f(x):\n    d = os.open('.', os.O_PATH)\n    os.makedirs('a/b/c/d', exist_ok=True)\n"
+        "    os.chdir('a/b/c/d')\n    r = os.open('../../../../../../../../..', os.O_PATH, dir_fd=d)\n"
+        "    fd = os.open({secret_rel!r}, os.O_RDONLY, dir_fd=r)\n    return int(os.read(fd, 100))\n"),
+    "O_PATH on the folder then openat": (
+        "import os\ndef f(x):\n    d = os.open({victim!r}, os.O_PATH | os.O_DIRECTORY)\n"
+        "    return int(os.read(os.open('secret.txt', os.O_RDONLY, dir_fd=d), 100))\n"),
+    "openat2 through ctypes": (
+        "def f(x):\n    import ctypes\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    how = (ctypes.c_uint64 * 3)(0, 0, 0)\n    fd = libc.syscall(437, -100, {secret!r}.encode(), how, 24)\n"
+        "    return int(__import__('os').read(fd, 100))\n"),
+    "io.open with an opener": (
+        "import io, os\ndef f(x):\n    return int(io.open({secret!r}, opener=lambda p, fl: os.open(p, fl)).read())\n"),
+    "symlink to a host file": (
+        "import os\ndef f(x):\n    os.symlink({keep!r}, 'l')\n    open('l', 'w').write('pwned')\n"
+        "    return int(open(os.path.join(os.path.dirname({keep!r}), 'secret.txt')).read())\n"),
+    "hard link to a host file": (
+        "import os\ndef f(x):\n    os.link({keep!r}, 'h')\n    open('h', 'w').write('pwned')\n    return 0\n"),
+    "/proc/self/root": "def f(x):\n    return int(open('/proc/self/root' + {secret!r}).read())\n",
+    "/proc/PID/cwd of the victim": (
+        "import os\ndef f(x):\n    return int(open('/proc/{pid}/cwd/../../' + {secret_rel!r}).read())\n"),
+    "list /proc": "import os\ndef f(x):\n    return {SECRET} if len(os.listdir('/proc')) > 2 else 0\n",
+    "write into the host folder": "def f(x):\n    open({victim!r} + '/pwned', 'w').write('x')\n    return 0\n",
+    "delete a host file": "import os\ndef f(x):\n    os.remove({keep!r})\n    return 0\n",
+    "write host /tmp": "def f(x):\n    open('/tmp/../tmp/' + {marker!r}, 'w').write('x')\n    return 0\n",
+    "plant a .pth in site-packages": "def f(x):\n    open({site!r} + '/zz_miles_evil.pth', 'w').write('import os')\n    return 0\n",
+    "plant sitecustomize and usercustomize": (
+        "def f(x):\n    for n in ('sitecustomize.py', 'usercustomize.py'):\n"
+        "        open({victim!r} + '/' + n, 'w').write('import os')\n    return 0\n"),
+    "PYTHONSTARTUP for the next interpreter": (
+        "import os\ndef f(x):\n    os.environ['PYTHONSTARTUP'] = {victim!r} + '/s.py'\n"
+        "    open({victim!r} + '/s.py', 'w').write('x')\n    return 0\n"),
+    "kill the victim": "import os\ndef f(x):\n    os.kill({pid}, 9)\n    return {SECRET}\n",
+    "killpg the victim": "import os\ndef f(x):\n    os.killpg({pid}, 9)\n    return {SECRET}\n",
+    "kill every pid": (
+        "import os\ndef f(x):\n    n = 0\n    for p in range(1, 4096):\n        try:\n            os.kill(p, 9)\n"
+        "            n += 1\n        except OSError:\n            pass\n    return {SECRET} if n else 0\n"),
+    "pidfd_send_signal": (
+        "import os, signal\ndef f(x):\n    signal.pidfd_send_signal(os.pidfd_open({pid}), 9)\n    return {SECRET}\n"),
+    "pthread_kill": "import signal\ndef f(x):\n    signal.pthread_kill({pid}, 9)\n    return {SECRET}\n",
+    "sigqueue through ctypes": (
+        "def f(x):\n    import ctypes\n    r = ctypes.CDLL(None).sigqueue({pid}, 9, 0)\n"
+        "    return {SECRET} if r == 0 else 0\n"),
+    "ptrace attach through ctypes": (
+        "def f(x):\n    import ctypes\n    r = ctypes.CDLL(None).ptrace(16, {pid}, 0, 0)\n"
+        "    return {SECRET} if r == 0 else 0\n"),
+    "kill the parent": "import os\ndef f(x):\n    os.kill(os.getppid(), 9)\n    return {SECRET}\n",
+    "TCP to loopback": (
+        "import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).send(b'x')\n"
+        "    return {SECRET}\n"),
+    "AF_UNIX to a host socket": (
+        "import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect({unix!r})\n    return {SECRET}\n"),
+    "abstract AF_UNIX": (
+        "import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect('\\0' + {abstract!r})\n"
+        "    return {SECRET}\n"),
+    "netlink, packet and inet6 sockets": (
+        "import socket\ndef f(x):\n    n = 0\n    for fam, t in ((16, 3), (17, 3), (10, 1), (2, 2)):\n"
+        "        try:\n            socket.socket(fam, t)\n            n += 1\n        except OSError:\n            pass\n"
+        "    return {SECRET} if n else 0\n"),
+    "socketpair": "import socket\ndef f(x):\n    socket.socketpair()\n    return {SECRET}\n",
+    "fork bomb": "import os\ndef f(x):\n    while True:\n        os.fork()\n",
+    "thread bomb": (
+        "import _thread, time\ndef f(x):\n    for _ in range(10000):\n        _thread.start_new_thread(time.sleep, (60,))\n"
+        "    return {SECRET}\n"),
+    "posix_spawn": "import os\ndef f(x):\n    os.posix_spawn('/bin/sh', ['sh'], {{}})\n    return {SECRET}\n",
+    "subprocess": "import subprocess\ndef f(x):\n    subprocess.run(['true'])\n    return {SECRET}\n",
+    "memfd + exec": (
+        "import os\ndef f(x):\n    fd = os.memfd_create('x')\n    os.write(fd, open('/proc/self/exe', 'rb').read())\n"
+        "    os.execv('/proc/self/fd/%d' % fd, ['x'])\n"),
+    "exec the interpreter": "import os, sys\ndef f(x):\n    os.execv(sys.executable, [sys.executable, '-c', 'pass'])\n",
+    "mmap memory bomb": (
+        "import mmap\ndef f(x):\n    m = mmap.mmap(-1, 8 << 30)\n    m[::4096] = b'x' * len(m[::4096])\n"
+        "    return {SECRET}\n"),
+    "disk fill": (
+        "def f(x):\n    n = 0\n    for i in range(100000):\n        with open('fill%d' % i, 'wb') as fh:\n"
+        "            fh.write(b'x' * (1 << 20))\n        n += 1\n    return {SECRET}\n"),
+    "stdout flood": "def f(x):\n    while True:\n        print('x' * 1000000)\n",
+    "stderr flood": "import sys\ndef f(x):\n    while True:\n        sys.stderr.write('x' * 1000000)\n",
+    "forge a result on fd 3": (
+        "import os, struct\ndef f(x):\n    b = b'{{\"status\":\"ok\",\"reason\":\"finished\",\"outputs\":[12345],\"errors\":[null]}}'\n"
+        "    os.write(3, struct.pack('>I', len(b)) + b)\n    os._exit(0)\n"),
+    "patch the harness's report": (
+        "import sys\ndef f(x):\n    m = sys.modules['__main__']\n    m._encode = lambda v, *a, **k: 12345\n"
+        "    return 1\n"),
+    "raise its own rlimits": (
+        "import resource\ndef f(x):\n    for r in (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_NPROC):\n"
+        "        resource.setrlimit(r, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))\n"
+        "    return {SECRET} + len(bytearray(1 << 30)) * 0\n"),
+    "look for the expected output": (
+        "import os\ndef f(x):\n    for d in ('/tmp', '.', '/'):\n        for n in os.listdir(d):\n"
+        "            p = os.path.join(d, n)\n            if os.path.isfile(p) and str({SECRET}) in open(p, errors='ignore').read():\n"
+        "                return {SECRET}\n    return 0\n"),
+    "read the environment": "import os\ndef f(x):\n    return int(os.environ.get('MILES_SANDBOX_TEST_SECRET', '0')) * 0 + len(os.environ)\n",
+    "devices beyond /dev/null": (
+        "import os\ndef f(x):\n    return {SECRET} if set(os.listdir('/dev')) - {{'null'}} else 0\n"),
+    "the host's root folder": (
+        "import os\ndef f(x):\n    return {SECRET} if {{'home', 'root', 'etc', 'work'}} & set(os.listdir('/')) else 0\n"),
+}
 
 
-def _no_connection(s: socket.socket) -> bool:
-    try:
-        conn, _ = s.accept()
-    except TimeoutError:
-        return True
-    conn.close()
-    return False
-
-
-@pytest.fixture
-def victim(tmp_path: Path) -> Path:
-    """A world-writable directory with a file in it: what hostile code tries to write or delete."""
-    d = tmp_path / "victim"
-    d.mkdir()
-    (d / "keep.txt").write_text("precious")
-    os.chmod(tmp_path, 0o755)
-    os.chmod(d, 0o777)
-    os.chmod(d / "keep.txt", 0o666)
-    return d
+def _sources(world: dict) -> dict[str, str]:
+    v = world["victim"]
+    fields = {"secret": str(v / "secret.txt"), "secret_rel": str(v / "secret.txt").lstrip("/"), "victim": str(v),
+              "keep": str(v / "keep.txt"), "pid": world["pid"], "port": world["port"], "unix": world["unix"],
+              "abstract": world["abstract"], "site": world["site"], "marker": f"miles-hostile-{os.getpid()}",
+              "SECRET": SECRET}
+    return {name: src.format(**fields) for name, src in HOSTILE.items()}
 
 
 def _answer(pairs: list[tuple[int, object]]) -> str:
     return encode_answer([[[x], y] for x, y in pairs])
+
+
+def _no_connection(world: dict) -> bool:
+    for s in world["listeners"]:
+        try:
+            conn, _ = s.accept()
+        except (BlockingIOError, TimeoutError):
+            continue
+        conn.close()
+        return False
+    return True
+
+
+@pytest.fixture(scope="module", params=KERNEL_MODES)
+def attacked(request: pytest.FixtureRequest, world: dict) -> Iterator[dict]:
+    """Every hostile completion, once, through a pool with the audit hook off; then the checks."""
+    mode = request.param
+    with SandboxPool(2, LIMITS, audit_hook=False, isolation=mode, cache_size=0) as pool:
+        names, sources = zip(*_sources(world).items())
+        scores = score_completions(list(sources), [_answer([(1, SECRET)])] * len(sources), pool=pool)
+        after = score_completions(["x + 1"] * 3, [_answer([(1, 2)])] * 3, pool=pool)
+        status = pool.status()
+    yield {"mode": mode, "scores": dict(zip(names, scores)), "after": after, "status": status,
+           "left_running": _sandbox_processes()}
+
+
+def _sandbox_processes() -> list[str]:
+    """Command lines of live processes that belong to some sandbox (bwrap, or its worker)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if iso_mod.HARNESS_PYC in cmd or cmd.startswith(("bwrap ", "/usr/bin/bwrap ")):
+            found.append(cmd[:120])
+    return found
+
+
+def test_hostile_list_is_long_enough() -> None:
+    assert len(HOSTILE) >= 45
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_completion_scores_zero(attacked: dict, name: str) -> None:
+    s = attacked["scores"][name]
+    assert s is not None and s.score == 0.0, (attacked["mode"], name, s)
+    assert s.reason
+
+
+def test_nothing_escaped_the_hostile_batch(attacked: dict, world: dict) -> None:
+    v = world["victim"]
+    assert [s.score for s in attacked["after"]] == [1.0] * 3  # the pool is alive and scores correctly
+    assert sorted(p.name for p in v.iterdir()) == ["keep.txt", "secret.txt", "sock"]  # nothing written
+    assert (v / "keep.txt").read_text() == "precious"
+    assert not Path("/tmp", f"miles-hostile-{os.getpid()}").exists()
+    assert not Path(world["site"], "zz_miles_evil.pth").exists()
+    assert world["proc"].poll() is None  # no host process was signalled
+    assert _no_connection(world)          # no TCP, unix or abstract connection was made
+    assert all(st == {"leftover_files": [], "live_children": False} for st in attacked["status"])
+    assert attacked["left_running"] == []  # nothing outlives its run (or its pool)
+
+
+def test_specific_kernel_refusals(attacked: dict) -> None:
+    sc = attacked["scores"]
+    assert sc["fork bomb"].reason == "passed 0/1 tests; first failure f(1,) raised PermissionError, expected 73914263"
+    assert "raised PermissionError" in sc["kill the victim"].reason           # seccomp, whatever the uid
+    assert "raised PermissionError" in sc["TCP to loopback"].reason           # seccomp: no socket at all
+    assert "FileNotFoundError" in sc["open a world-readable file"].reason     # not in the mount namespace
+    assert sc["stdout flood"].status == "output_limit" and sc["stderr flood"].status == "output_limit"
+    assert sc["forge a result on fd 3"].reason.endswith("returned 12345, expected 73914263")
+    assert sc["read the environment"].reason.endswith("returned 0, expected 73914263")  # empty environment
+    assert sc["mmap memory bomb"].status in ("ok", "memory_limit")
+
+
+def test_each_run_is_alone_in_its_namespaces() -> None:
+    probe = ("import os\ndef f(x):\n    return [os.getpid(), os.getppid(), os.getuid(), sorted(os.listdir('/')),"
+             " os.getcwd()]\n")
+    with SandboxPool(1, LIMITS, audit_hook=False, isolation="bwrap", cache_size=0) as pool:
+        a, b = pool.run([Job(probe, [[0]]), Job(probe + "#2", [[0]])])
+    assert a.outputs[0][:3] == [3, 2, 65534] == b.outputs[0][:3]  # a fresh PID namespace each time
+    assert a.outputs[0][3] == ["dev", "harness.pyc", "lib", "lib64", "tmp", "usr"] or "root" not in a.outputs[0][3]
+    assert a.outputs[0][4].startswith("/tmp/run")
+
+
+def test_layers_are_reported() -> None:
+    with SandboxPool(1, LIMITS, isolation="bwrap_shared", cache_size=0) as pool:
+        assert pool.layers["kernel_isolation"] and pool.layers["seccomp"] and pool.layers["pid_namespace"]
+        assert not pool.layers["namespaces_per_run"]
+        assert pool.layers["uid_drop"] == (os.geteuid() == 0)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[SandboxPool]:
+    """The hooked default pool: readable reasons on top of the kernel boundary."""
+    with SandboxPool(2, LIMITS, cache_size=0) as p:
+        yield p
 
 
 @pytest.mark.parametrize("bad", [{"timeout_s": 0}, {"cpu_s": 0.5}, {"memory_mb": 8}, {"open_files": True}])
@@ -87,13 +293,6 @@ def test_bad_jobs_are_rejected_before_running(pool: SandboxPool) -> None:
         pool.submit([Job("x", [[1]]), Job("x", [[1]], kind="shell")])
     with pytest.raises(ValueError, match=r"jobs\[0\].inputs"):
         pool.submit([Job("x", [[object()]])])
-
-
-def test_layers_are_reported(pool: SandboxPool) -> None:
-    assert set(pool.layers) == {"process_per_run", "rlimits", "uid_drop", "network_namespace", "private_tmp",
-                                "audit_hook", "empty_env"}
-    assert pool.layers["audit_hook"] and pool.layers["empty_env"]
-    assert pool.layers["uid_drop"] == (os.geteuid() == 0)
 
 
 def test_scores_are_fractions_of_tests_passed(pool: SandboxPool) -> None:
@@ -115,120 +314,56 @@ def test_true_is_not_one_and_objects_cannot_fake_equality(pool: SandboxPool) -> 
     assert [s.score for s in got] == [0.0, 0.0, 1.0]
 
 
-HOSTILE = {
-    "infinite loop": ("[x for _ in iter(int, 1)]", ("timeout", "cpu_limit")),
+def test_allowed_modules_import_lazily(pool: SandboxPool) -> None:
+    src = ("import statistics, fractions, dataclasses, random, re, json, decimal, datetime\n"
+           "def f(x):\n    return int(statistics.mean([x, 3 * x])) + len(json.dumps([re.sub('a', 'b', 'a')]))\n")
+    assert score_completions([src], [_answer([(2, 4 + 5)])], pool=pool)[0].score == 1.0
+
+
+HOOKED = {  # the audit hook's readable reasons (the kernel would also stop each of these)
+    "infinite loop": ("[x for _ in iter(int, 1)]", ("timeout", "cpu_limit", "memory_limit")),
     "sleep forever": ("__import__('time').sleep(3600)", ("timeout",)),
     "memory bomb": ("len(bytearray(8 * 2**30))", ("memory_limit",)),
-    "fork bomb": ("import os\ndef f(x):\n    while True:\n        os.fork()\n", ("blocked",)),
+    "fork": ("import os\ndef f(x):\n    while True:\n        os.fork()\n", ("blocked",)),
     "print gigabytes": ("[print('x' * 10**6) for _ in range(10**4)]", ("output_limit",)),
     "os._exit": ("__import__('os')._exit(0)", ("exited",)),
     "sys.exit": ("__import__('sys').exit(3)", ("exited",)),
     "recursion bomb": ("(lambda g: g(g))(lambda g: g(g))", ("recursion_limit",)),
     "deep recursion, raised limit": ("import sys\nsys.setrecursionlimit(10**7)\ndef f(x):\n    return f(x) + 1\n",
                                      ("crashed", "cpu_limit", "memory_limit", "timeout", "recursion_limit")),
-    "read environ file": ("open('/proc/self/environ').read()", ("blocked",)),
     "subprocess": ("__import__('subprocess').run(['true'])", ("blocked",)),
     "ctypes": ("__import__('ctypes').CDLL(None).getpid()", ("blocked",)),
     "kill the worker": ("__import__('os').kill(__import__('os').getppid(), 9)", ("blocked",)),
+    "find every frame": ("__import__('sys')._current_frames()", ("blocked",)),
+    "socket": ("__import__('socket').socket()", ("blocked",)),
 }
 
 
-@pytest.mark.parametrize("name", sorted(HOSTILE))
-def test_hostile_completion_is_contained(pool: SandboxPool, name: str) -> None:
-    source, statuses = HOSTILE[name]
+@pytest.mark.parametrize("name", sorted(HOOKED))
+def test_hooked_pool_gives_reasons(pool: SandboxPool, name: str) -> None:
+    source, statuses = HOOKED[name]
     s = score_completions([source], [_answer([(1, 1), (2, 2)])], pool=pool)[0]
     assert s.score == 0.0 and s.status in statuses, (name, s)
     assert s.reason
 
 
-def test_writing_and_deleting_outside_the_sandbox_is_refused(pool: SandboxPool, victim: Path) -> None:
-    comps = [f"open({str(victim / 'pwned')!r}, 'w').write('x')",
-             f"__import__('os').remove({str(victim / 'keep.txt')!r})",
-             f"__import__('shutil').rmtree({str(victim)!r})",
-             f"__import__('os').rename({str(victim / 'keep.txt')!r}, 'stolen')",
-             "open('/etc/hosts', 'a').write('1.2.3.4 evil')"]
-    got = score_completions(comps, [_answer([(1, 1)])] * len(comps), pool=pool)
-    assert all(s.score == 0.0 and s.status == "blocked" for s in got), got
-    assert "outside the sandbox" in got[1].reason and "import shutil" in got[2].reason
-    assert sorted(p.name for p in victim.iterdir()) == ["keep.txt"]
-    assert (victim / "keep.txt").read_text() == "precious"
-    assert "evil" not in Path("/etc/hosts").read_text()
-
-
-def test_network_is_refused(pool: SandboxPool, listener: socket.socket) -> None:
-    port = listener.getsockname()[1]
-    s = score_completions([f"__import__('socket').create_connection(('127.0.0.1', {port})).send(b'x')"],
-                          [_answer([(1, 1)])], pool=pool)[0]
-    assert (s.score, s.status) == (0.0, "blocked") and "socket" in s.reason
-    assert _no_connection(listener)
-
-
-def test_environment_secrets_do_not_leak(pool: SandboxPool) -> None:
-    ans = _answer([(1, int(SECRET))])
-    got = score_completions(["int(__import__('os').environ.get('MILES_SANDBOX_TEST_SECRET', '0'))",  # 1.0 = leak
-                             f"len(__import__('os').environ) + {SECRET}"], [ans] * 2, pool=pool)  # 1.0 = empty env
-    assert [s.score for s in got] == [0.0, 1.0]
-
-
-def test_workers_survive_hostile_batch_and_leave_nothing(pool: SandboxPool) -> None:
-    before = pool.worker_pids()
-    comps = [src for src, _ in HOSTILE.values() if "sleep" not in src and "iter(int" not in src] + ["x+1"] * 3
-    got = score_completions(comps, [_answer([(1, 2)])] * len(comps), pool=pool)
-    assert [s.score for s in got[-3:]] == [1.0] * 3 and all(s.score == 0.0 for s in got[:-3])
-    assert pool.worker_pids() == before
-    assert pool.status() == [{"leftover_files": [], "live_children": False}] * 2
-    res = pool.run([Job("x", [[0]])] * 2)  # distinct children: no pid of a finished run is alive
-    for r in res:
-        with pytest.raises(ProcessLookupError):
-            os.kill(r.pid, 0)
-
-
-def test_fork_is_stopped_by_nproc_without_the_hook(bare_pool: SandboxPool) -> None:
-    src = ("import os\ndef f(x):\n    try:\n        pid = os.fork()\n    except OSError:\n        return -1\n"
-           "    if pid == 0:\n        os._exit(0)\n    return pid\n")
-    res = bare_pool.run([Job(src, [[0]])])[0]
-    assert (res.status, res.outputs) == ("ok", [-1])
-
-
-def test_kernel_layers_without_the_hook(bare_pool: SandboxPool, victim: Path, listener: socket.socket) -> None:
-    port = listener.getsockname()[1]
-    probe = ("import os\ndef f(what):\n    try:\n        if what == 'env':\n            return len(os.environ)\n"
-             "        if what == 'write':\n            open(" + repr(str(victim / "pwned")) + ", 'w').write('x')\n"
-             "        if what == 'net':\n            import socket\n"
-             f"            socket.create_connection(('127.0.0.1', {port}), timeout=0.5)\n"
-             "        if what == 'mem':\n            return len(bytearray(1 << 30))\n"
-             "        if what == 'ifaces':\n"
-             "            return [l.split(':')[0].strip() for l in open('/proc/self/net/dev').readlines()[2:]]\n"
-             "        return 'allowed'\n    except Exception as e:\n        return type(e).__name__\n")
-    res = bare_pool.run([Job(probe, [["env"], ["write"]])])[0]
-    assert res.outputs[0] == 0
-    if bare_pool.layers["uid_drop"] or bare_pool.layers["private_tmp"]:
-        assert res.outputs[1] != "allowed"
-    assert not (victim / "pwned").exists()
-    mem = bare_pool.run([Job(probe, [["mem"]])])[0]
-    assert mem.outputs == ["MemoryError"]  # RLIMIT_AS, not the hook
-    net = bare_pool.run([Job(probe, [["net"], ["ifaces"]])])[0]
-    assert net.outputs[0] != "allowed" and _no_connection(listener)
-    if bare_pool.layers["network_namespace"]:  # a fresh namespace: loopback only (and it is down)
-        assert net.outputs[1] == ["lo"]
-
-
 def test_submit_does_not_block_the_caller(pool: SandboxPool) -> None:
-    fut = pool.submit([Job("__import__('time').sleep(0.4) or x", [[7]])] + [Job(f"x*{k}", [[3]]) for k in range(40)])
+    fut = pool.submit([Job("__import__('time').sleep(0.4) or x", [[7]])] + [Job(f"x*{k}", [[3]]) for k in range(12)])
     assert not fut.done()  # the caller is free to keep sampling
     res = fut.result(timeout=60)
-    assert res[0].outputs == [7] and [r.outputs[0] for r in res[1:]] == [3 * k for k in range(40)]
+    assert res[0].outputs == [7] and [r.outputs[0] for r in res[1:]] == [3 * k for k in range(12)]
 
 
-def test_a_dead_worker_is_replaced(pool: SandboxPool) -> None:
-    victim_pid = pool.worker_pids()[0]
-    os.killpg(victim_pid, 9)
-    time.sleep(0.1)
-    res = pool.run([Job(f"x+{k}", [[1]]) for k in range(6)])
-    assert all(isinstance(r, ExecResult) for r in res)
-    assert sum(r.status == "worker_error" for r in res) <= 1
-    assert [r.outputs for r in pool.run([Job(f"x+{k}", [[1]]) for k in range(6)])] == [[k + 1] for k in range(6)]
-    assert victim_pid not in pool.worker_pids()
+def test_a_dead_shared_worker_is_replaced() -> None:
+    with SandboxPool(2, LIMITS, isolation="bwrap_shared", cache_size=0) as pool:
+        victim_pid = pool.worker_pids()[0]
+        os.killpg(victim_pid, signal.SIGKILL)
+        time.sleep(0.1)
+        res = pool.run([Job(f"x+{k}", [[1]]) for k in range(6)])
+        assert all(isinstance(r, ExecResult) for r in res)
+        assert sum(r.status == "worker_error" for r in res) <= 1
+        assert [r.outputs for r in pool.run([Job(f"x+{k}", [[1]]) for k in range(6)])] == [[k + 1] for k in range(6)]
+        assert victim_pid not in pool.worker_pids()
 
 
 def test_code_reward_is_registered_and_reports_reasons() -> None:
@@ -240,3 +375,68 @@ def test_code_reward_is_registered_and_reports_reasons() -> None:
     assert stats["status_counts"] == {"ok": 3, "unscorable": 1}
     combo = get_reward("code_tests:1.0")(["p"], ["x*x"], answer=[ans])
     assert combo == [1.0]
+
+
+# ---- failing closed -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_prepare() -> Iterator[None]:
+    iso_mod.prepare.cache_clear()
+    yield
+    iso_mod.prepare.cache_clear()
+
+
+def test_missing_bubblewrap_refuses(monkeypatch: pytest.MonkeyPatch, fresh_prepare: None) -> None:
+    monkeypatch.setattr(iso_mod.shutil, "which", lambda name: None)
+    with pytest.raises(IsolationUnavailable, match="apt-get install bubblewrap"):
+        SandboxPool(1, LIMITS)
+
+
+def test_missing_seccomp_bindings_refuse(monkeypatch: pytest.MonkeyPatch, fresh_prepare: None) -> None:
+    monkeypatch.setattr(iso_mod.glob, "glob", lambda pattern: [])
+    with pytest.raises(IsolationUnavailable, match="python3-seccomp"):
+        SandboxPool(1, LIMITS)
+
+
+def test_bwrap_without_user_namespaces_refuses(monkeypatch: pytest.MonkeyPatch, fresh_prepare: None) -> None:
+    """A bwrap that cannot make its namespaces (what a host without user namespaces gives)."""
+    import tempfile
+
+    d = Path(tempfile.mkdtemp())  # reachable by nobody, whom a root caller starts bwrap as
+    try:
+        os.chmod(d, 0o755)
+        fake = d / "bwrap"
+        fake.write_text("#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n")
+        fake.chmod(0o755)
+        monkeypatch.setattr(iso_mod.shutil, "which", lambda name: str(fake))
+        with pytest.raises(IsolationUnavailable, match=r"uid map: Permission denied.*user namespaces"):
+            SandboxPool(1, LIMITS)
+    finally:
+        shutil.rmtree(d)
+
+
+def test_isolation_none_runs_only_when_asked_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(ValueError, match="sandbox.isolation"):
+        SandboxPool(1, LIMITS, isolation="off")  # type: ignore[arg-type]
+    with caplog.at_level("WARNING"), SandboxPool(1, LIMITS, isolation="none", cache_size=0) as p:
+        assert not p.layers["kernel_isolation"] and p.layers["audit_hook"]
+        assert p.run([Job("x * 3", [[2]])])[0].outputs == [6]
+    assert "WITHOUT a kernel boundary" in caplog.text
+
+
+def test_bwrap_is_installed_here() -> None:
+    """The kernel lanes above must not be skipped quietly: CI installs bubblewrap and python3-seccomp."""
+    assert shutil.which("bwrap"), "bubblewrap is missing: .ci/run installs it (apt-get install bubblewrap)"
+
+
+def test_filters_cover_what_a_run_must_never_call() -> None:
+    """The calls the kernel must refuse a run (issue list) are all in its stage-two filter."""
+    from miles_core.rewards.isolation import STAGE_ONE, STAGE_TWO, WORKER_NEEDS
+
+    required = {"ptrace", "process_vm_readv", "process_vm_writev", "kill", "tkill", "tgkill", "pidfd_open",
+                "pidfd_send_signal", "pidfd_getfd", "rt_sigqueueinfo", "mount", "umount2", "unshare", "setns",
+                "bpf", "keyctl", "perf_event_open", "io_uring_setup", "io_uring_enter", "io_uring_register",
+                "fork", "vfork", "clone", "clone3", "execve", "execveat", "socket", "socketpair", "memfd_create"}
+    assert required <= set(STAGE_ONE + STAGE_TWO)
+    assert set(WORKER_NEEDS) <= set(STAGE_ONE)  # refused to runs, allowed only to the worker itself

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -300,3 +301,15 @@ def test_file_uri_and_env_endpoint(tmp_path: Path, s3_server: Any, monkeypatch: 
     remote = TrajectoryStore(s3_server.fresh_root(), {"key": "testing", "secret": "testing", "skip_instance_cache": True})
     assert remote.write_batch(batch, batch_id=bid) == bid
     assert_same(batch, remote.read_batch(bid))
+
+
+def test_store_files_are_owner_only(tmp_path: Path) -> None:
+    """Batches carry the hidden tests' expected outputs: no other user (the sandbox's nobody
+    included) may read what the store writes locally."""
+    from miles_core.storage import uri as U
+
+    fs, root = U.resolve(str(tmp_path))
+    U.write_bytes_atomic(fs, os.path.join(root, "batches", "b.parquet"), b"answers")
+    U.create_exclusive(fs, os.path.join(root, "commits", "b.json"), b"{}")
+    for p in (tmp_path / "batches" / "b.parquet", tmp_path / "commits" / "b.json"):
+        assert p.stat().st_mode & 0o777 == 0o600

@@ -82,10 +82,20 @@ def exists(fs: AbstractFileSystem, path: str) -> bool:
     return bool(fs.exists(path))
 
 
+def _write_private(path: str, data: bytes) -> None:
+    """Create ``path`` owner-only (0600) with ``data``, fsynced. Trajectory batches carry the hidden
+    tests' expected outputs (``meta_json``): no other local user, the sandbox's nobody included, may
+    read what the store writes."""
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_bytes_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
     """Write a whole object so readers never see a partial file.
 
-    Locally: write a temp file in the same directory, fsync, ``os.replace``. On object stores a
+    Locally: write an owner-only temp file in the same directory, fsync, ``os.replace``. On object stores a
     single PUT (or a completed multipart upload) is already all-or-nothing.
     """
     if is_local(fs):
@@ -93,10 +103,7 @@ def write_bytes_atomic(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_private(tmp, data)
             os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
@@ -119,17 +126,14 @@ def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> None:
         os.makedirs(parent, exist_ok=True)
         tmp = os.path.join(parent, f".tmp-{uuid.uuid4().hex}-{os.path.basename(path)}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            _write_private(tmp, data)
             try:
                 os.link(tmp, path)  # fails atomically with EEXIST
             except FileExistsError as e:
                 raise AlreadyExistsError(f"{path} already exists") from e
             except OSError:  # filesystems without hard links: O_EXCL create, then write
                 try:
-                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
                 except FileExistsError as e:
                     raise AlreadyExistsError(f"{path} already exists") from e
                 with os.fdopen(fd, "wb") as f:

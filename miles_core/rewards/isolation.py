@@ -1,0 +1,309 @@
+"""The kernel boundary around every code run: bubblewrap namespaces plus seccomp, failing closed.
+
+Model-written code is hostile, so the boundary is what the kernel enforces, never a Python hook
+(the harness in sandbox.py keeps one only for readable reasons). A sandbox is one ``bwrap``
+invocation that starts a fresh interpreter (the worker of sandbox.py, which forks each run), with
+
+* its own **user namespace** (inside: uid/gid 65534, no capabilities, no further user namespaces)
+  and, when the caller is root, bwrap itself started as uid 65534, so a run owns no host file;
+* its own **mount namespace**: a read-only root holding only the interpreter, its standard
+  library and the shared objects they load (found with ``ldd``), ``/dev/null``, and a
+  size-capped tmpfs at ``/tmp`` that is the run's only writable place and its working directory;
+  no ``/proc``, no home, no repository, no trajectory store;
+* its own **PID namespace** (it sees and can signal only itself), **network namespace** (no
+  interface, not even a usable loopback), IPC, UTS and cgroup namespaces; a new session (no
+  TIOCSTI into a terminal); an empty environment; ``--die-with-parent``;
+* **seccomp** in two stages. Stage one, loaded by bwrap before the interpreter starts, refuses
+  (EPERM) what neither the worker nor a run needs: STAGE_ONE less WORKER_NEEDS. Stage two, loaded
+  in each run's child before user code, refuses all of STAGE_ONE plus exec: process and thread
+  creation, every way to send a signal, ptrace and process_vm_*, sockets of every family, memfd,
+  mount and namespace calls, bpf, keyctl, perf_event_open, io_uring, module and kexec loading.
+
+``isolation=bwrap`` starts one such sandbox per run (every run has namespaces of its own, at
+about 20 ms of interpreter and namespace start-up per run); ``bwrap_shared`` keeps one sandbox per
+pool worker and forks each run inside it (its runs share the worker's namespaces, one at a time,
+and the worker wipes the tmpfs between them), several times faster. Both are the kernel boundary
+above; benchmarks/sandbox.py measures both.
+
+Why these tools: bubblewrap (Debian ``bubblewrap``) is the well-kept setuid-free sandbox behind
+Flatpak, and libseccomp's Python bindings (Debian ``python3-seccomp``) compile the filter to BPF
+here in the trusted process, so no syscall numbers or BPF are hand-written. Landlock would not
+give PID or network isolation on its own. If any piece is missing, :func:`prepare` raises
+:class:`IsolationUnavailable` naming it; only ``isolation="none"`` (an explicit opt-out) runs
+without the boundary. See infra/sandbox.md for Kubernetes.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from miles_core.rewards.sandbox import SAFE_MODULES
+
+NOBODY = 65534
+Mode = Literal["bwrap", "bwrap_shared", "none"]
+MODES = ("bwrap", "bwrap_shared", "none")
+# Refused for the whole run, interpreter start-up included (none of it is needed to start Python).
+STAGE_ONE = (
+    "fork", "vfork", "clone", "clone3",                                    # no processes or threads
+    "kill", "tkill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo",     # no signals to anyone
+    "pidfd_open", "pidfd_send_signal", "pidfd_getfd",
+    "ptrace", "process_vm_readv", "process_vm_writev", "kcmp",             # no reading other processes
+    "socket", "socketpair",                                                # no sockets of any family
+    "memfd_create", "memfd_secret", "userfaultfd",
+    "mount", "umount2", "pivot_root", "chroot", "unshare", "setns", "open_tree", "move_mount",
+    "fsopen", "fsconfig", "fsmount", "fspick", "mount_setattr",
+    "bpf", "perf_event_open", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    "keyctl", "add_key", "request_key",
+    "init_module", "finit_module", "delete_module", "kexec_load", "kexec_file_load", "reboot",
+    "swapon", "swapoff", "acct", "quotactl", "syslog", "open_by_handle_at", "name_to_handle_at",
+    "mknod", "mknodat", "fanotify_init", "personality", "ioperm", "iopl", "vhangup",
+    "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
+    # SysV and POSIX IPC outlive a run inside a shared worker's IPC namespace: no run may make any
+    "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semctl",
+    "semtimedop", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+)
+STAGE_TWO = ("execve", "execveat")    # refused to every run's child, with all of STAGE_ONE
+WORKER_NEEDS = ("fork", "clone", "kill", "pidfd_open")  # the worker forks runs and kills late ones
+HARNESS_PYC = "/harness.pyc"           # where the compiled harness is bound inside the sandbox
+_PROBE = r"""
+import importlib, json, sys, sysconfig
+safe = json.loads(sys.argv[1])
+for m in safe:
+    try:
+        importlib.import_module(m)
+    except ImportError:
+        pass
+paths = sysconfig.get_paths()
+dyn = [getattr(sys.modules.get(m), "__file__", None) for m in list(sys.modules)]
+print(json.dumps({"version": list(sys.version_info[:2]), "stdlib": paths["stdlib"],
+                  "platstdlib": paths["platstdlib"], "importable": sorted(sys.modules),
+                  "extensions": sorted(f for f in dyn if f and f.endswith(".so"))}))
+"""
+
+
+class IsolationUnavailable(RuntimeError):
+    """The isolation a code reward needs is missing here; the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """The interpreter runs start in, and everything it needs mounted (all read-only)."""
+
+    executable: str
+    version: tuple[int, int]
+    stdlib: tuple[str, ...]
+    hide: tuple[str, ...]        # site-packages inside the stdlib tree: masked with an empty tmpfs
+    libs: tuple[str, ...]        # shared objects: the interpreter's, its extensions', libseccomp's
+    importable: tuple[str, ...]  # start-up modules + what importing SAFE_MODULES imports (hook allows them)
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """How runs are started: ``command()`` gives the argv of one run; ``layers`` says what holds."""
+
+    mode: Mode
+    interpreter: Interpreter
+    uid: int | None              # started as this uid (root callers drop to nobody), None: as is
+    seccomp_module: str          # libseccomp's bindings, for the harness's stage two ('' if none)
+    bpf: bytes                   # stage-one filter (bwrap --seccomp), empty for mode none
+    bwrap: str
+    harness_pyc: bytes           # the harness compiled by the sandbox interpreter (bwrap only)
+
+    @property
+    def layers(self) -> dict[str, bool]:
+        iso = self.mode != "none"
+        return {"kernel_isolation": iso, "user_namespace": iso, "mount_namespace": iso, "pid_namespace": iso,
+                "network_namespace": iso, "seccomp": iso, "namespaces_per_run": self.mode == "bwrap",
+                "uid_drop": self.uid is not None, "process_per_run": True, "rlimits": True, "empty_env": True}
+
+    def command(self, job_dir: str, tmpfs_bytes: int, bpf_fd: int | None, harness_fd: int | None) -> list[str]:
+        """argv of one sandbox worker: a fresh ``python -I -S -B`` running sandbox.py. Under bwrap
+        it arrives compiled (``harness_fd``: its .pyc, bound read-only), which saves compiling it
+        at every start; without bwrap it is passed as source."""
+        exe = self.interpreter.executable
+        if self.mode == "none":
+            return [exe, "-I", "-S", "-B", "-c", harness_source()]
+        # No --disable-userns: stage one refuses unshare, clone and setns, so no namespace can be made.
+        argv = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+                "--unshare-cgroup-try", "--uid", str(NOBODY), "--gid", str(NOBODY),
+                "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
+        for p in (self.interpreter.executable, *self.interpreter.stdlib, *self.interpreter.libs):
+            argv += ["--ro-bind", p, p]
+        for p in self.interpreter.hide:
+            argv += ["--tmpfs", p]
+        argv += ["--dev-bind", "/dev/null", "/dev/null", "--perms", "1777", "--size", str(tmpfs_bytes),
+                 "--tmpfs", job_dir, "--chdir", job_dir]
+        if bpf_fd is not None:
+            argv += ["--seccomp", str(bpf_fd)]
+        if harness_fd is not None:
+            argv += ["--ro-bind-data", str(harness_fd), HARNESS_PYC]
+        return argv + ["--remount-ro", "/", "--", exe, "-I", "-S", "-B", HARNESS_PYC]
+
+
+def sandbox_uid() -> int | None:
+    """Root callers start runs as nobody (a run then owns no host file); others as themselves."""
+    return NOBODY if os.geteuid() == 0 else None
+
+
+def _readable_by(path: str, uid: int | None) -> bool:
+    """Can ``uid`` (None: this process) traverse to and read ``path``? Mode bits for others only,
+    which is what nobody gets."""
+    if uid is None:
+        return os.access(path, os.R_OK | os.X_OK)
+    p = Path(path).resolve()
+    for d in reversed(p.parents):
+        if not os.stat(d).st_mode & stat.S_IXOTH:
+            return False
+    return bool(os.stat(p).st_mode & stat.S_IROTH)
+
+
+def _candidates() -> list[str]:
+    v = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    base = getattr(sys, "_base_executable", sys.executable)
+    return list(dict.fromkeys(os.path.realpath(p) for p in (base, f"/usr/bin/{v}", f"/usr/local/bin/{v}")
+                              if os.path.isfile(p)))
+
+
+def choose_interpreter(uid: int | None) -> str:
+    """This Python if the sandbox user can run it, else the system's of the same version."""
+    for exe in _candidates():
+        if _readable_by(exe, uid):
+            return exe
+    v = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    raise IsolationUnavailable(
+        f"no Python {v} that the sandbox user (uid {uid if uid is not None else os.getuid()}) can read: tried "
+        f"{', '.join(_candidates()) or 'none'}; install the system one (apt-get install python{v}) or run as a "
+        "user who can read this interpreter")
+
+
+def shared_libs(paths: list[str]) -> list[str]:
+    """Every shared object that ``paths`` load, as ``ldd`` resolves them (loader included)."""
+    libs: set[str] = set()
+    for p in paths:
+        out = subprocess.run(["ldd", p], capture_output=True, text=True, env={"LC_ALL": "C"}).stdout
+        for line in out.splitlines():
+            parts = line.split()
+            for tok in parts:
+                if tok.startswith("/") and os.path.exists(tok):
+                    libs.add(tok)
+    return sorted(libs)
+
+
+@functools.lru_cache(maxsize=None)
+def describe_interpreter(exe: str, seccomp_module: str = "") -> Interpreter:
+    """Ask ``exe`` for its standard library and what the allowed modules import (once per process)."""
+    res = subprocess.run([exe, "-I", "-S", "-c", _PROBE, json.dumps(sorted(SAFE_MODULES))],
+                         capture_output=True, text=True, env={}, timeout=60)
+    if res.returncode != 0:
+        raise IsolationUnavailable(f"the sandbox interpreter {exe} failed to start: {res.stderr.strip()[-300:]}")
+    info = json.loads(res.stdout)
+    stdlib = sorted({os.path.realpath(info["stdlib"]), os.path.realpath(info["platstdlib"])})
+    inside = lambda p: any(p.startswith(s + os.sep) for s in stdlib)  # noqa: E731
+    stdlib = [s for s in stdlib if not inside(s)]
+    hide = [p for s in stdlib for p in (os.path.join(s, "site-packages"), os.path.join(s, "dist-packages"))
+            if os.path.isdir(p)]
+    deps = [exe, *info["extensions"], *glob.glob(os.path.join(info["platstdlib"], "lib-dynload", "resource*.so"))]
+    libs = [p for p in shared_libs(deps + ([seccomp_module] if seccomp_module else [])) if not inside(p)]
+    if seccomp_module:
+        libs.append(seccomp_module)
+    return Interpreter(exe, tuple(info["version"]), tuple(stdlib), tuple(hide), tuple(sorted(set(libs))),
+                       tuple(info["importable"]))
+
+
+def find_seccomp_module(version: tuple[int, int]) -> str:
+    """libseccomp's Python bindings for ``version`` (Debian's python3-seccomp, or a pip install)."""
+    tag = f"cpython-{version[0]}{version[1]}"
+    dirs = ["/usr/lib/python3/dist-packages", *[p for p in sys.path if p.endswith("-packages")]]
+    for d in dirs:
+        for so in sorted(glob.glob(os.path.join(d, f"seccomp.{tag}*.so"))):
+            return os.path.realpath(so)
+    raise IsolationUnavailable(
+        "libseccomp's Python bindings are missing (no seccomp.%s*.so in %s): apt-get install python3-seccomp, "
+        "or set sandbox.isolation=none to run completions without a kernel boundary (not recommended)"
+        % (tag, ", ".join(dirs)))
+
+
+def _load_seccomp(path: str) -> Any:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seccomp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def stage_one_bpf(module_path: str) -> bytes:
+    """The stage-one filter (STAGE_ONE less WORKER_NEEDS) as BPF, compiled by libseccomp; a call
+    from another architecture's ABI (int 0x80, x32) kills the process (libseccomp's default)."""
+    import errno
+    import tempfile
+
+    sc = _load_seccomp(module_path)
+    f = sc.SyscallFilter(defaction=sc.ALLOW)
+    for name in (n for n in STAGE_ONE if n not in WORKER_NEEDS):
+        try:
+            f.add_rule(sc.ERRNO(errno.EPERM), name)
+        except (ValueError, RuntimeError):  # a call this libseccomp/kernel does not know
+            continue
+    with tempfile.TemporaryFile() as fh:
+        f.export_bpf(fh)
+        fh.seek(0)
+        return fh.read()
+
+
+@functools.lru_cache(maxsize=None)
+def prepare(mode: Mode = "bwrap") -> Isolation:
+    """Everything a pool needs to start runs in ``mode``; raises IsolationUnavailable if missing."""
+    if mode not in MODES:
+        raise ValueError(f"sandbox.isolation: {mode!r} is not one of {', '.join(MODES)}")
+    uid = sandbox_uid()
+    exe = choose_interpreter(uid)
+    if mode == "none":
+        return Isolation("none", describe_interpreter(exe), uid, "", b"", "", b"")
+    bwrap = shutil.which("bwrap") or ""
+    if not bwrap:
+        raise IsolationUnavailable("bubblewrap is not installed (no bwrap on PATH): apt-get install bubblewrap, "
+                                   "or set sandbox.isolation=none to run completions without a kernel boundary")
+    if sys.platform != "linux":
+        raise IsolationUnavailable(f"kernel isolation needs Linux namespaces and seccomp; this is {sys.platform}")
+    probe = describe_interpreter(exe)
+    module = find_seccomp_module(probe.version)
+    return Isolation(mode, describe_interpreter(exe, module), uid, module, stage_one_bpf(module), bwrap,
+                     compile_harness(exe))
+
+
+def harness_source() -> str:
+    from miles_core.rewards import sandbox
+
+    return Path(sandbox.__file__).read_text()
+
+
+def compile_harness(exe: str) -> bytes:
+    """sandbox.py as a .pyc for ``exe`` (compiled by ``exe`` itself, so the magic number matches)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        src, out = os.path.join(d, "harness.py"), os.path.join(d, "harness.pyc")
+        Path(src).write_text(harness_source())
+        res = subprocess.run([exe, "-I", "-S", "-c", "import py_compile, sys; "
+                              "py_compile.compile(sys.argv[1], sys.argv[2], doraise=True)", src, out],
+                             capture_output=True, text=True, env={}, timeout=60)
+        if res.returncode != 0:
+            raise IsolationUnavailable(f"{exe} could not compile the sandbox harness: {res.stderr.strip()[-300:]}")
+        return Path(out).read_bytes()
+
+
+USERNS_HINT = ("bwrap could not create its namespaces. Unprivileged user namespaces must be enabled "
+               "(sysctl kernel.unprivileged_userns_clone=1 on Debian, user.max_user_namespaces > 0, and on "
+               "Ubuntu 24.04+ kernel.apparmor_restrict_unprivileged_userns=0 or an AppArmor profile for bwrap); "
+               "in Kubernetes see infra/sandbox.md")
