@@ -337,6 +337,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("recipes", help="list built-in recipes", description="List built-in recipes.")
     p.set_defaults(func=cmd_recipes)
+
+    p = sub.add_parser("models", help="check a model folder (family, size, ids, attention, smoke forward)",
+                       description="miles models check DIR: load a checkpoint folder the way training does.")
+    p.add_argument("action", choices=["check"])
+    p.add_argument("dir", help="a local checkpoint folder (config.json, *.safetensors, tokenizer)")
+    p.add_argument("--family", default="auto", help="auto (from config.json) or llada, dream, sdar, bidir_qwen3")
+    p.set_defaults(func=lambda a: __import__("miles_core.models.__main__", fromlist=["main"]).main(
+        ["check", a.dir, "--family", a.family]))
     return parser
 
 

@@ -22,7 +22,10 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    backend: Literal["tiny", "llama"] = "tiny"
+    # tiny | llama: a random-init model of the sizes below; hf: a local checkpoint (model.path) of
+    # model.family, in its published layout (models/families.py)
+    backend: Literal["tiny", "llama", "hf"] = "tiny"
+    family: Literal["auto", "llada", "dream", "sdar", "bidir_qwen3", "bidir_llama", "tiny"] = "auto"
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -321,7 +324,8 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.name != "code" or 0 <= obj.const_max <= 99, "const_max", "need 0 <= const_max <= 99")
     if isinstance(obj, ModelConfig):
         need(obj.d_model % obj.n_heads == 0, "d_model", "must be divisible by n_heads")
-        need(obj.backend == "llama" or not obj.path, "path", "only the 'llama' backend loads a checkpoint folder")
+        need(obj.backend in ("llama", "hf") or not obj.path, "path", "only the 'llama' and 'hf' backends load a checkpoint folder")
+        need(obj.backend != "hf" or bool(obj.path), "path", "backend 'hf' needs model.path (a local checkpoint folder)")
         need(obj.backend == "llama" or not obj.mask_token, "mask_token", "only used by the 'llama' backend")
         need(re.fullmatch(r"cpu|auto|cuda(:\d+)?", obj.device) is not None, "device",
              f"{obj.device!r} is not one of cpu, cuda, cuda:N, auto")

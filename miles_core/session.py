@@ -169,8 +169,8 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
     same interface (models/hf_tokenizer.py)."""
     s = cfg.sft
     seed = s.seed if seed is None else seed
-    if cfg.model.backend == "llama" and cfg.model.path:  # a local Hugging Face checkpoint to start from
-        model, tok = load_checkpoint(cfg.model.path, mask_token=cfg.model.mask_token or None)
+    if cfg.model.path:  # a local checkpoint to start from: a Llama, or a published family's folder
+        model, tok = load_checkpoint(cfg.model.path, mask_token=cfg.model.mask_token or None, family=cfg.model.family)
     elif cfg.model.backend == "llama":  # toy Llama-Diffusion: character tokenizer, random weights
         from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
 

@@ -49,9 +49,11 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def load_checkpoint(directory: str | Path, mask_token: str | None = None) -> tuple[nn.Module, AnyTokenizer]:
-    """Load a base denoiser and its tokenizer from a folder written by ``save_checkpoint``, or
-    from a local Hugging Face Llama folder (``model_type: llama``; see models/llama.py).
+def load_checkpoint(directory: str | Path, mask_token: str | None = None,
+                    family: str = "auto") -> tuple[nn.Module, AnyTokenizer]:
+    """Load a base denoiser and its tokenizer from a folder: a Miles tiny checkpoint, a Hugging
+    Face Llama (``bidir_llama``, models/llama.py) or a published diffusion family (models/families.py:
+    llada, dream, sdar, bidir_qwen3), by ``family`` or (``auto``) by config.json's model_type.
 
     ``mask_token`` only matters for a Llama whose tokenizer registers no mask token."""
     d = Path(directory)
@@ -59,15 +61,17 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None) -> tup
     if not cfg_path.exists():
         raise FileNotFoundError(f"checkpoint folder {d} has no config.json")
     model_type = json.loads(cfg_path.read_text()).get("model_type")
-    if model_type == "miles-tiny":
+    if family == "tiny" or (family == "auto" and model_type == "miles-tiny"):
         from miles_core.models.tiny import TinyDenoiser
 
         return TinyDenoiser.from_pretrained(d), CharTokenizer.load(d)
-    if model_type == "llama":
+    if family == "bidir_llama" or (family == "auto" and model_type == "llama"):
         from miles_core.models.llama import load_llama
 
         return load_llama(d, mask_token=mask_token)
-    raise ValueError(f"{cfg_path}: unknown model_type {model_type!r}; allowed: 'miles-tiny', 'llama'")
+    from miles_core.models.hf import load_family
+
+    return load_family(d, family)
 
 
 def save_checkpoint(model: nn.Module, tokenizer: AnyTokenizer, directory: str | Path) -> None:

@@ -1,0 +1,41 @@
+"""``python -m miles_core.models``: write a tiny checkpoint in a family's published layout, or check one.
+
+    python -m miles_core.models init --family llada OUT
+    python -m miles_core.models check DIR [--family F]      (also: miles models check DIR)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from miles_core.models.families import SPECS
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m miles_core.models", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    i = sub.add_parser("init", help="write a tiny random-init checkpoint in a family's published layout")
+    i.add_argument("out", help="output folder")
+    i.add_argument("--family", required=True, choices=sorted(SPECS))
+    i.add_argument("--seed", type=int, default=0)
+    c = sub.add_parser("check", help="load a checkpoint folder, print what it is, run one smoke forward")
+    c.add_argument("dir")
+    c.add_argument("--family", default="auto", choices=["auto", *sorted(SPECS)])
+    a = p.parse_args(argv)
+    if a.command == "init":
+        from miles_core.models.hf import init_tiny
+
+        print(f"wrote {init_tiny(a.family, a.out, a.seed)}")
+        return 0
+    from miles_core.models.hf import check
+
+    info = check(a.dir, a.family)
+    width = max(map(len, info))
+    for k, v in info.items():
+        print(f"{k:<{width}}  {json.dumps(v) if isinstance(v, (list, bool)) else v}")
+    return 0 if info["finite"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

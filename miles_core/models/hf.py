@@ -1,0 +1,241 @@
+"""Load, run, save and create family checkpoints (see families.py) through native transformers classes.
+
+:class:`HFDiffusion` is the Denoiser for every family: ``logits = model(input_ids [B, T],
+attention_mask [B, T] bool) -> [B, T, V]``.
+
+* Positions count real tokens only (``cumsum(mask) - 1``), and block boundaries of block-causal
+  families follow those positions, so a row's logits do not depend on its batch's padding.
+* Full attention: transformers 5 honours ``config.is_causal=False`` and the ``is_causal`` kwarg
+  (masking_utils.create_causal_mask falls back to a bidirectional mask; the SDPA path reads the
+  kwarg), both set here. Block-causal: a bool 4D mask ``[B, 1, T, T]`` (True = may attend),
+  which transformers passes to every layer as-is (masking_utils._preprocess_mask_arguments).
+* Dream's shift: the prediction for position i is read from the logits at i - 1 (a row's first
+  real token reads its own, as Dream's position 0 does, so left padding changes nothing).
+
+Checkpoints are read and written in the family's *published* layout (config.json field names,
+safetensors tensor names), so a Miles SFT checkpoint of LLaDA is again a LLaDA folder. A folder
+whose tensors do not map completely is an error listing the unmapped, missing and misshapen ones.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from miles_core.config import ConfigError
+from miles_core.models.families import SPECS, FamilySpec, family_for
+from miles_core.models.hf_tokenizer import HFTokenizer
+
+_NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
+def native_classes(spec: FamilySpec) -> tuple[type, type]:
+    import transformers
+
+    cfg_name, model_name = _NATIVE[spec.native]
+    return getattr(transformers, cfg_name), getattr(transformers, model_name)
+
+
+class HFDiffusion(nn.Module):
+    """A native transformers LM run as a masked-diffusion denoiser of one family (module docstring)."""
+
+    def __init__(self, lm: nn.Module, spec: FamilySpec, block_size: int = 4,
+                 published: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.lm, self.spec, self.block_size = lm, spec, int(block_size)
+        self.published = dict(published or {})
+        self.config = lm.config  # peft reads model.config.model_type for the LoRA targets
+        if spec.attention == "full":
+            lm.config.is_causal = False
+            for m in lm.modules():
+                if hasattr(m, "is_causal") and isinstance(m.is_causal, bool):
+                    m.is_causal = False
+
+    def block_mask(self, mask: Tensor, pos: Tensor) -> Tensor:
+        """[B, 1, T, T] bool: key is real and in the query's block or an earlier one; a padded
+        query sees itself only (keeps SDPA finite; its output is never read)."""
+        blk = pos // self.block_size                                                     # [B, T]
+        allowed = (blk[:, :, None] >= blk[:, None, :]) & mask[:, None, :]                # [B, Tq, Tk]
+        eye = torch.eye(mask.shape[1], dtype=torch.bool, device=mask.device)[None]
+        allowed = torch.where(mask[:, :, None], allowed, eye)
+        return allowed[:, None]
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        dev = self.lm.get_input_embeddings().weight.device
+        ids = input_ids.to(dev)
+        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(dev).bool()
+        pos = (mask.long().cumsum(1) - 1).clamp_min(0)                                  # [B, T]
+        if self.spec.attention == "block":
+            logits = self.lm(input_ids=ids, attention_mask=self.block_mask(mask, pos), position_ids=pos,
+                             use_cache=False).logits
+        else:
+            logits = self.lm(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False,
+                             is_causal=False).logits
+        if self.spec.logit_shift:  # i reads i - 1; a row's first real token (Dream: position 0) reads itself
+            first = mask & ~torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)   # [B, T]
+            logits = torch.where(first[..., None], logits, torch.cat([logits[:, :1], logits[:, :-1]], dim=1))
+        return logits.to(input_ids.device)                                              # [B, T, V]
+
+    def published_state_dict(self) -> dict[str, Tensor]:
+        out = {}
+        for k, v in self.lm.state_dict().items():
+            if k == "lm_head.weight" and self.lm.config.tie_word_embeddings:
+                continue
+            name = self.spec.to_published(k)
+            if name is None:
+                raise ValueError(f"{self.spec.name}: no published name for native tensor {k!r}")
+            out[name] = v.detach().cpu().contiguous()
+        return out
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """The family's published layout: config.json (its field names) + model.safetensors."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        cfg = {**self.published, **self.spec.published_config(self.lm.config.to_dict())}
+        if self.spec.attention == "block":
+            cfg["block_size"] = self.block_size
+        (d / "config.json").write_text(json.dumps(cfg, indent=2))
+        save_file(self.published_state_dict(), str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def read_tensors(d: Path) -> dict[str, Tensor]:
+    """Every tensor of a folder's safetensors files (single file or shards)."""
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint {d} has no *.safetensors weights")
+    out: dict[str, Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for k in fh.keys():
+                out[k] = fh.get_tensor(k)
+    return out
+
+
+def map_state_dict(spec: FamilySpec, tensors: dict[str, Tensor], want: dict[str, Tensor],
+                   where: str) -> dict[str, Tensor]:
+    """Published tensors -> the native state dict; every key accounted for, or an error naming them."""
+    mapped, unmapped = {}, []
+    for k, v in tensors.items():
+        n = spec.to_native(k)
+        (unmapped.append(k) if n is None or n not in want else mapped.__setitem__(n, v))
+    missing = sorted(set(want) - set(mapped))
+    shapes = [f"{k}: {tuple(mapped[k].shape)} in the file, {tuple(want[k].shape)} expected"
+              for k in sorted(set(mapped) & set(want)) if mapped[k].shape != want[k].shape]
+    if unmapped or missing or shapes:
+        parts = [f"unmapped tensors {sorted(unmapped)[:8]}" if unmapped else "",
+                 f"missing tensors {missing[:8]}" if missing else "", f"wrong shapes {shapes[:4]}" if shapes else ""]
+        raise ValueError(f"{where}: the {spec.name} checkpoint does not map completely onto "
+                         f"{spec.native}: " + "; ".join(p for p in parts if p))
+    return mapped
+
+
+def load_family(directory: str | Path, family: str = "auto", dtype: torch.dtype = torch.float32
+                ) -> tuple[HFDiffusion, HFTokenizer]:
+    """A local family folder as a denoiser plus its own tokenizer (never the network)."""
+    d = Path(directory)
+    if not (d / "config.json").exists():
+        raise FileNotFoundError(f"checkpoint folder {d} has no config.json")
+    published = json.loads((d / "config.json").read_text())
+    spec = family_for(published, family, str(d / "config.json"))
+    cfg_cls, lm_cls = native_classes(spec)
+    config = cfg_cls(**spec.native_config(published))
+    config._attn_implementation = "sdpa"
+    lm = lm_cls(config)
+    want = {k: v for k, v in lm.state_dict().items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    state = map_state_dict(spec, read_tensors(d), want, str(d))
+    lm.load_state_dict(state, strict=not config.tie_word_embeddings)
+    lm.to(dtype).eval()
+    mask_id = int(published.get("mask_token_id") or spec.mask_id)
+    tok = load_tokenizer(d, mask_id)
+    if tok.mask_id != mask_id:
+        raise ConfigError(f"{d}: the tokenizer's mask token has id {tok.mask_id}, config.json says {mask_id}")
+    if tok.vocab_size > config.vocab_size:
+        raise ConfigError(f"{d}: the tokenizer has {tok.vocab_size} tokens, the embedding only {config.vocab_size}")
+    return HFDiffusion(lm, spec, int(published.get("block_size", 4)), published), tok
+
+
+def load_tokenizer(d: Path, mask_id: int) -> HFTokenizer:
+    """The folder's own tokenizer with the token at ``mask_id`` as [MASK] (tokenizer.json is read
+    directly: AutoTokenizer would also read config.json and warn about the published model_type)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (d / "tokenizer.json").exists():
+        hf = PreTrainedTokenizerFast.from_pretrained(str(d), local_files_only=True)
+    else:
+        hf = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    name = hf.convert_ids_to_tokens(mask_id) if 0 <= mask_id < len(hf) else None
+    if not isinstance(name, str):
+        raise ConfigError(f"{d}: the tokenizer has no token with the mask id {mask_id}")
+    return HFTokenizer(hf, mask_token=name)
+
+
+def tiny_tokenizer(spec: FamilySpec, vocab_size: int) -> Any:
+    """A character-level fast tokenizer of ``vocab_size`` entries with the family's special tokens
+    at their published ids (the rest reserved), so ids in tests are the real checkpoint's ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from miles_core.tokenizer import DEFAULT_CHARS
+
+    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(DEFAULT_CHARS)}}
+    specials = dict(spec.special_tokens)
+    for i in range(len(vocab), vocab_size):
+        vocab[specials.get(i, f"<|reserved_{i}|>")] = i
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials.values()])
+    eos = specials[spec.eos_id]
+    bos = {"bos_token": specials[spec.bos_id]} if spec.bos_id is not None else {}
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token=eos, pad_token=eos,
+                                 mask_token=specials[spec.mask_id], clean_up_tokenization_spaces=False, **bos)
+    hf.chat_template = spec.chat_template
+    return hf
+
+
+TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256}
+VOCAB = {"llada": 126464, "dream": 152064, "sdar": 151936, "bidir_qwen3": 151936}
+
+
+def init_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random-init checkpoint in ``family``'s published layout: its config.json field
+    names, its safetensors tensor names, and a tokenizer with its special tokens at their ids."""
+    if family not in VOCAB:
+        raise ConfigError(f"--family: {family!r} has no tiny layout; one of {', '.join(VOCAB)}")
+    spec = SPECS[family]
+    cfg_cls, lm_cls = native_classes(spec)
+    extra = {"head_dim": 8} if spec.native == "qwen3" else {}
+    config = cfg_cls(vocab_size=VOCAB[family], tie_word_embeddings=False, eos_token_id=spec.eos_id,
+                     pad_token_id=spec.eos_id, bos_token_id=None, **TINY, **extra)
+    if spec.native == "llama":
+        config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
+    torch.manual_seed(seed)
+    model = HFDiffusion(lm_cls(config), spec)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    tiny_tokenizer(spec, VOCAB[family]).save_pretrained(str(out))
+    return out
+
+
+def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
+    """What ``miles models check`` prints: family, size, dtype, ids, attention, and a smoke forward."""
+    t0 = time.perf_counter()
+    model, tok = load_family(directory, family)
+    load_s = time.perf_counter() - t0
+    ids = torch.tensor([tok.encode("1+2=") + [tok.mask_id] * 4])
+    with torch.no_grad():
+        logits = model(ids, torch.ones_like(ids, dtype=torch.bool))
+    spec = model.spec
+    return {"family": spec.name, "native": spec.native, "parameters": sum(p.numel() for p in model.parameters()),
+            "dtype": str(next(model.parameters()).dtype), "mask_id": tok.mask_id, "eos_id": tok.eos_id,
+            "vocab_size": tok.vocab_size, "logit_shift": spec.logit_shift,
+            "attention": "block-causal, block %d" % model.block_size if spec.attention == "block" else "bidirectional",
+            "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
