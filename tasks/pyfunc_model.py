@@ -80,7 +80,8 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         self.sampler = sampler_for(ec)
         self.seed = ec.seed
         self.completion_len = ec.completion_len
-        self.max_len = int(base.config.max_len)
+        c = base.config  # the tiny model's max_len, a transformers model's max_position_embeddings
+        self.max_len = int(getattr(c, "max_len", None) or c.max_position_embeddings)
 
     def _canonical(self, prompt: str) -> str:
         # each task class says how its prompts are normalised (whitespace, countdown's sorted numbers)
@@ -99,11 +100,12 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         params = dict(params or {})
         prompts = [self._canonical(p) for p in prompts_from_input(model_input)]
         limit = self.max_len - self.completion_len
+        ids = [self.tok.encode(p) for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
-            if len(p) > limit:
-                raise ValueError(f"prompt {i} has {len(p)} characters; this model takes at most {limit} "
+            if len(ids[i]) > limit:
+                raise ValueError(f"prompt {i} has {len(ids[i])} tokens; this model takes at most {limit} "
                                  f"(max_len {self.max_len} - completion_len {self.completion_len})")
         temperature = float(params.get("temperature", self.sampler.temperature))
         if temperature < 0:
@@ -113,8 +115,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         out: list[str] = []
         step = max(int(self.cfg.eval.batch_size), 1)
         for start in range(0, len(prompts), step):
-            chunk = prompts[start:start + step]
-            batch = sample(self.model, self.tok, [self.tok.encode(p) for p in chunk], scfg, self.completion_len, gen)
+            batch = sample(self.model, self.tok, ids[start:start + step], scfg, self.completion_len, gen)
             out.extend(batch.completions)
         return out
 
