@@ -174,6 +174,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from miles_core.models.__main__ import main as models_main
+
+    return models_main([args.action, args.dir, "--family", args.family])
+
+
 def demo_overrides(recipe: str, extra: Sequence[str]) -> list[str]:
     """The demo's sizing for ``recipe`` (only ``arith`` is shrunk) followed by the user's overrides."""
     return [*DEMO_OVERRIDES.get(recipe, []), *extra]
@@ -343,8 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("action", choices=["check"])
     p.add_argument("dir", help="a local checkpoint folder (config.json, *.safetensors, tokenizer)")
     p.add_argument("--family", default="auto", help="auto (from config.json) or llada, dream, sdar, bidir_qwen3")
-    p.set_defaults(func=lambda a: __import__("miles_core.models.__main__", fromlist=["main"]).main(
-        ["check", a.dir, "--family", a.family]))
+    p.set_defaults(func=cmd_models)
     return parser
 
 
