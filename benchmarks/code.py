@@ -116,7 +116,8 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     torch.set_num_threads(1)
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
-    from miles_core.rewards.code import code_tests_reward, shared_pool
+    from miles_core.rewards.code import code_tests_reward
+    from miles_core.rewards.pool import shared_pool
     from miles_core.session import Learner, build_task, continue_sft
 
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from benchmarks.common import table, usable_cpus, write_result
-from miles_core.rewards.code import Job, SandboxLimits, SandboxPool
+from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
 BASELINE_REV = "65b1da5"  # the last commit with the fork-worker sandbox (audit hook as the boundary)
 ROOT = Path(__file__).resolve().parents[1]

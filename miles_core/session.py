@@ -26,7 +26,7 @@ from miles_core.eval.passk import EvalConfig, EvalResult
 from miles_core.models.base import load_checkpoint, resolve_device, save_checkpoint
 from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
-from miles_core.rewards.code import set_isolation
+from miles_core.rewards.pool import set_isolation
 from miles_core.rewards.math import get_reward
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch

@@ -21,7 +21,8 @@ import pytest
 from miles_core.data.code import encode_answer
 from miles_core.rewards import get_reward
 from miles_core.rewards import isolation as iso_mod
-from miles_core.rewards.code import ExecResult, Job, SandboxLimits, SandboxPool, code_tests_reward, score_completions
+from miles_core.rewards.code import code_tests_reward, score_completions
+from miles_core.rewards.pool import ExecResult, Job, SandboxLimits, SandboxPool
 from miles_core.rewards.isolation import IsolationUnavailable
 
 SECRET = 73914263  # the hidden expected output: only a leak (or a lucky guess) could score
@@ -200,17 +201,23 @@ def _no_connection(world: dict) -> bool:
 def attacked(request: pytest.FixtureRequest, world: dict) -> Iterator[dict]:
     """Every hostile completion, once, through a pool with the audit hook off; then the checks."""
     mode = request.param
+    before = set(_sandbox_processes())  # other pools of this test session (e.g. the shared reward pool)
     with SandboxPool(2, LIMITS, audit_hook=False, isolation=mode, cache_size=0) as pool:
         names, sources = zip(*_sources(world).items())
         scores = score_completions(list(sources), [_answer([(1, SECRET)])] * len(sources), pool=pool)
         after = score_completions(["x + 1"] * 3, [_answer([(1, 2)])] * 3, pool=pool)
         status = pool.status()
-    yield {"mode": mode, "scores": dict(zip(names, scores)), "after": after, "status": status,
-           "left_running": _sandbox_processes()}
+    left = sorted(set(_sandbox_processes()) - before)
+    for _ in range(50):  # the kernel tears a killed sandbox's PID namespace down asynchronously
+        if not left:
+            break
+        time.sleep(0.1)
+        left = sorted(set(_sandbox_processes()) - before)
+    yield {"mode": mode, "scores": dict(zip(names, scores)), "after": after, "status": status, "left_running": left}
 
 
 def _sandbox_processes() -> list[str]:
-    """Command lines of live processes that belong to some sandbox (bwrap, or its worker)."""
+    """pid and command line of live processes that belong to some sandbox (bwrap, or its worker)."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -218,7 +225,7 @@ def _sandbox_processes() -> list[str]:
         except OSError:
             continue
         if iso_mod.HARNESS_PYC in cmd or cmd.startswith(("bwrap ", "/usr/bin/bwrap ")):
-            found.append(cmd[:120])
+            found.append(f"{pid} {cmd[:120]}")
     return found
 
 

@@ -205,5 +205,5 @@ def family_for(config: dict[str, Any], family: str = "auto", where: str = "confi
         if mt in spec.model_types:
             return spec
     known = sorted(t for s in SPECS.values() for t in s.model_types)
-    raise ConfigError(f"{where}: model_type {mt!r} is not a known diffusion family ({', '.join(known)}); set "
-                      "model.family, or model.trust_remote_code=true for remote code")
+    raise ConfigError(f"{where}: model_type {mt!r} is not a known diffusion family ({', '.join(known)}; also "
+                      "llama and miles-tiny); set model.family to load it as one of them")

@@ -1,9 +1,8 @@
 """Rule-based rewards with the TRL contract ``fn(prompts, completions, **meta) -> list[float | None]``.
 
-``code_tests`` executes code completions in the sandbox (rewards/code.py, rewards/sandbox.py)."""
+``code_tests`` executes code completions in the sandbox (rewards/code.py, pool.py, isolation.py, sandbox.py)."""
 
-from miles_core.rewards.code import SandboxLimits, SandboxPool, Score, code_tests_reward, score_completions
-
+from miles_core.rewards.code import Score, code_tests_reward, score_completions
 from miles_core.rewards.math import (
     REWARDS,
     answers_match,
@@ -16,6 +15,7 @@ from miles_core.rewards.math import (
     normalize_number,
     reference_answer,
 )
+from miles_core.rewards.pool import SandboxLimits, SandboxPool
 
 __all__ = [
     "REWARDS",

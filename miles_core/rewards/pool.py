@@ -1,0 +1,402 @@
+"""The sandbox pool: runs code jobs in parallel, each in a fresh child inside the kernel boundary.
+
+:class:`SandboxPool` starts the workers of :mod:`miles_core.rewards.sandbox` under the isolation of
+:mod:`miles_core.rewards.isolation` (which says what each layer holds) and turns their replies into
+:class:`ExecResult`. Expected outputs never reach it: a job carries inputs only
+(:mod:`miles_core.rewards.code` compares outputs with the expected values).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from miles_core.rewards import sandbox
+from miles_core.rewards.isolation import (MODES, STAGE_ONE, STAGE_TWO, USERNS_HINT, IsolationUnavailable, Mode,
+                                         prepare)
+from miles_core.rewards.sandbox import read_frame, send_frame
+
+log = logging.getLogger("miles.rewards.sandbox")
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    timeout_s: float = 2.0          # wall clock per run (sleeping or blocked code)
+    cpu_s: int = 1                  # RLIMIT_CPU seconds (busy loops)
+    memory_mb: int = 256            # RLIMIT_AS
+    output_bytes: int = 1 << 20     # RLIMIT_FSIZE: stdout/stderr and any file written
+    open_files: int = 32            # RLIMIT_NOFILE
+    result_bytes: int = 1 << 20     # cap on the result message read back
+    tmpfs_mb: int = 64              # size of the run's /tmp, its only writable place (bwrap)
+
+    def __post_init__(self) -> None:
+        for name, low in (("timeout_s", 0.05), ("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1024),
+                          ("open_files", 8), ("result_bytes", 1024), ("tmpfs_mb", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
+                raise ValueError(f"SandboxLimits.{name}: need a number >= {low}, got {value!r}")
+        if not isinstance(self.cpu_s, int):
+            raise ValueError(f"SandboxLimits.cpu_s: need whole seconds (RLIMIT_CPU), got {self.cpu_s!r}")
+
+
+@dataclass(frozen=True)
+class Job:
+    """``source``: an expression (body of ``def entry(params)``) or a module defining ``entry``."""
+
+    source: str
+    inputs: Sequence[Sequence[Any]]   # one argument list per test call
+    entry: str = "f"
+    params: str = "x"
+    kind: str = "auto"                # "expression" | "module" | "auto" (expression if it parses as one)
+
+
+@dataclass
+class ExecResult:
+    """How one run ended. ``status`` is "ok" or a failure kind; ``reason`` says why in words."""
+
+    status: str
+    reason: str
+    outputs: list[Any] = field(default_factory=list)        # per input; None where the call raised
+    errors: list[str | None] = field(default_factory=list)  # per input; "raised TypeError" where it raised
+    seconds: float = 0.0
+    pid: int = 0
+    output_tail: str = ""                                    # last bytes of stdout/stderr
+
+
+class SandboxPool:
+    """Sandbox workers that run a batch of jobs in parallel, one fresh child process per job.
+
+    ``isolation`` (see :mod:`miles_core.rewards.isolation`): ``"bwrap"`` (default) starts a new
+    bubblewrap sandbox for every job; ``"bwrap_shared"`` keeps one per worker thread and runs job
+    after job in it; ``"none"`` is the explicit opt-out (same worker, rlimits and audit hook, no
+    kernel boundary), logged as a warning. If the isolation cannot be set up here, construction
+    fails closed with :class:`IsolationUnavailable` saying what is missing. ``submit`` returns a
+    Future at once, so a caller can keep sampling while a batch is scored; ``run`` waits. A worker
+    that fails (it should not: runs happen in its children) is killed and replaced, and its job
+    reports ``worker_error``. :attr:`layers` says which layers are active.
+    """
+
+    def __init__(self, workers: int | None = None, limits: SandboxLimits | None = None, *, audit_hook: bool = True,
+                 isolation: Mode = "bwrap", cache_size: int = 20_000) -> None:
+        import queue
+        import tempfile
+
+        self.limits = limits or SandboxLimits()
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # taskset-aware
+        n = workers if workers is not None else max(1, min(4, cpus))
+        if n < 1:
+            raise ValueError(f"SandboxPool: workers must be >= 1, got {n}")
+        self.isolation = iso = prepare(isolation)
+        self.layers: dict[str, bool] = {**iso.layers, "audit_hook": audit_hook}
+        self._dir = tempfile.mkdtemp(prefix="miles-sandbox-")  # workers' stderr; mode none: their run dirs
+        os.chmod(self._dir, 0o711)  # a worker started as nobody (mode none) reaches its own dir, lists nothing
+        self._opts = {"limits": dataclasses.asdict(self.limits), "audit_hook": audit_hook,
+                      "read_roots": sorted({*iso.interpreter.stdlib, os.devnull}),
+                      "importable": list(iso.interpreter.importable), "seccomp_module": iso.seccomp_module,
+                      "stage_two": list(STAGE_ONE + STAGE_TWO), "preimport": iso.mode != "bwrap"}
+        self._count = itertools.count()
+        self._queue: Any = queue.SimpleQueue()
+        self.cache_size = cache_size
+        self._cache: OrderedDict[str, ExecResult] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self.closed = False
+        if iso.mode == "none":
+            log.warning("sandbox.isolation=none: completions run WITHOUT a kernel boundary (rlimits and an audit "
+                        "hook only); model-written code can read and write what uid %s can",
+                        iso.uid if iso.uid is not None else os.getuid())
+        self._workers: list[_Worker | None] = [None] * n
+        self._check_live()
+        if iso.mode != "bwrap":
+            self._workers = [self._spawn() for _ in range(n)]
+        self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"miles-sandbox-{i}")
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def _check_live(self) -> None:
+        """Fail closed: one real run through the whole boundary before any completion is scored."""
+        try:
+            res = self._run_in(self._spawn(), _job_message(Job("x + 1", [[1]]), 0), once=True)
+        except RuntimeError as e:
+            res = ExecResult("worker_error", str(e))
+        if res.status != "ok" or res.outputs != [2]:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            hint = f"; {USERNS_HINT}" if self.isolation.mode != "none" else ""
+            raise IsolationUnavailable(f"sandbox ({self.isolation.mode}) failed its start-up run: {res.reason}; "
+                                       f"{res.output_tail.strip()[-300:]!r}{hint}")
+
+    def _spawn(self) -> "_Worker":
+        """Start one sandbox worker and wait for its hello; RuntimeError (with bwrap's words) if it fails."""
+        import marshal
+        import subprocess
+
+        iso, k = self.isolation, next(self._count)
+        base = "/tmp" if iso.mode != "none" else os.path.join(self._dir, f"w{k}")
+        if iso.mode == "none":
+            os.mkdir(base, 0o700)
+            if iso.uid is not None:
+                os.chown(base, iso.uid, iso.uid)
+        err_path = os.path.join(self._dir, f"w{k}.err")
+        err = os.open(err_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        fds = [err]
+        bpf, pyc = (_data_pipe(iso.bpf, fds), _data_pipe(iso.harness_pyc, fds)) if iso.bpf else (None, None)
+        ids = {} if iso.uid is None else {"user": iso.uid, "group": iso.uid, "extra_groups": []}
+        try:
+            p = subprocess.Popen(iso.command(base, self.limits.tmpfs_mb << 20, bpf, pyc), stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=err, pass_fds=tuple(f for f in (bpf, pyc) if f),
+                                 env={}, start_new_session=True, **ids)
+        finally:
+            for fd in fds[1:]:
+                os.close(fd)
+        w = _Worker(p, err, err_path, base if iso.mode == "none" else "")
+        try:
+            send_frame(p.stdin.fileno(), marshal.dumps({**self._opts, "base": base}))
+            hello = read_frame(p.stdout.fileno(), time.monotonic() + 60)
+            if hello is None:
+                raise EOFError("exited before the handshake")
+        except (OSError, TimeoutError, EOFError) as e:
+            tail = w.stderr_tail()
+            w.kill()
+            raise RuntimeError(f"sandbox worker failed to start ({type(e).__name__}: {e}): {tail!r}") from e
+        return w
+
+    def _run_in(self, w: "_Worker", msg: dict, once: bool = False) -> ExecResult:
+        """Send one job to worker ``w`` and turn its reply into an ExecResult; ``once``: then retire it."""
+        import marshal
+
+        try:
+            send_frame(w.proc.stdin.fileno(), marshal.dumps(msg))
+            body = read_frame(w.proc.stdout.fileno(), time.monotonic() + self.limits.timeout_s + 15)
+            reply = json.loads(body) if body is not None else None
+            if not isinstance(reply, dict) or "worker_error" in reply:
+                why = reply["worker_error"] if isinstance(reply, dict) else f"worker exited: {w.stderr_tail()!r}"
+                raise EOFError(why)
+            res = _interpret(reply["data"].encode("latin-1"), int(reply["signal"]), int(reply["code"]),
+                             bool(reply["timed_out"]), self.limits)
+            return ExecResult(**res, seconds=float(reply["seconds"]), pid=int(reply["pid"]),
+                              output_tail=str(reply["output_tail"]))
+        except (OSError, EOFError, TimeoutError, ValueError, KeyError, TypeError) as e:
+            once = True
+            raise RuntimeError(f"sandbox worker failed ({type(e).__name__}: {e}) and was replaced") from e
+        finally:
+            if once:
+                w.kill()
+
+    def _serve(self, i: int) -> None:
+        while (item := self._queue.get()) is not None:
+            job, done, key = item
+            try:
+                if self.isolation.mode == "bwrap":  # a new sandbox for every job
+                    res = self._run_in(self._spawn(), job, once=True)
+                else:
+                    w = self._workers[i] or self._spawn()
+                    self._workers[i] = w
+                    try:
+                        res = self._run_in(w, job)
+                    except RuntimeError:
+                        self._workers[i] = None  # replaced at the next job
+                        raise
+            except Exception as e:  # noqa: BLE001 - reported per job, the pool keeps serving
+                res = ExecResult("worker_error", str(e)[:300])
+            done(key, res)
+
+    def submit(self, jobs: Sequence[Job]) -> "Future[list[ExecResult]]":
+        """Queue ``jobs``; the Future resolves to their results, in order.
+
+        Identical jobs (same source and inputs: common within an RL group) run once, and results
+        of recent jobs are reused from an LRU cache (``cache_size``), except timeouts and worker
+        errors, which may be transient. Programs are assumed deterministic for this purpose.
+        """
+        if self.closed:
+            raise RuntimeError("SandboxPool.submit: the pool is closed")
+        msgs = [_job_message(j, k) for k, j in enumerate(jobs)]
+        fut: Future = Future()
+        results: list[Any] = [None] * len(msgs)
+        groups: dict[str, list[int]] = {}
+        for k, m in enumerate(msgs):
+            key = json.dumps(m, sort_keys=True)
+            with self._cache_lock:
+                hit = self._cache.get(key)
+                if hit is not None:
+                    self._cache.move_to_end(key)
+            if hit is not None:
+                results[k] = hit
+            else:
+                groups.setdefault(key, []).append(k)
+        left, lock = [len(groups)], threading.Lock()
+
+        def done(key: str, res: ExecResult) -> None:
+            if self.cache_size and res.status not in ("timeout", "worker_error"):
+                with self._cache_lock:
+                    self._cache[key] = res
+                    while len(self._cache) > self.cache_size:
+                        self._cache.popitem(last=False)
+            with lock:
+                for k in groups[key]:
+                    results[k] = res
+                left[0] -= 1
+                if left[0] == 0:
+                    fut.set_result(results)
+        if not groups:
+            fut.set_result(results)
+        for key, idx in groups.items():
+            self._queue.put((msgs[idx[0]], done, key))
+        return fut
+
+    def run(self, jobs: Sequence[Job]) -> list[ExecResult]:
+        return self.submit(jobs).result()
+
+    def worker_pids(self) -> list[int]:
+        """The long-lived workers' pids (bwrap_shared, none); empty for bwrap's per-job sandboxes."""
+        return [w.proc.pid for w in self._workers if w is not None]
+
+    def status(self) -> list[dict]:
+        """Per long-lived worker: files left in its run area and whether a child is still alive."""
+        import marshal
+
+        out = []
+        for w in self._workers:
+            if w is not None:
+                send_frame(w.proc.stdin.fileno(), marshal.dumps({"op": "status"}))
+                out.append(json.loads(read_frame(w.proc.stdout.fileno(), time.monotonic() + 30) or b"null"))
+        return out
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=self.limits.timeout_s + 20)
+        for w in self._workers:
+            if w is not None:
+                w.kill()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "SandboxPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _data_pipe(data: bytes, fds: list[int]) -> int:
+    """A pipe holding ``data`` (a few KB, within the pipe buffer) for bwrap to read; its read end."""
+    r, w = os.pipe()
+    fds.append(r)
+    os.write(w, data)
+    os.close(w)
+    return r
+
+
+@dataclass
+class _Worker:
+    """One sandbox worker process (bwrap, or the bare interpreter for mode none)."""
+
+    proc: Any
+    err: int                     # our descriptor of its stderr file (bwrap's own errors land there)
+    err_path: str
+    base: str                    # mode none: its run area on the host, removed with it
+
+    def stderr_tail(self, n: int = 300) -> str:
+        return os.pread(self.err, n, max(0, os.fstat(self.err).st_size - n)).decode("utf-8", "replace").strip()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's group; bwrap's death takes its namespaces, and every run, along."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+        os.close(self.err)
+        os.unlink(self.err_path)
+        if self.base:
+            shutil.rmtree(self.base, ignore_errors=True)
+
+
+def _interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: SandboxLimits) -> dict:
+    if timed_out:
+        return {"status": "timeout", "reason": f"timed out after {lim.timeout_s}s wall clock; run killed"}
+    if len(data) > lim.result_bytes:
+        return {"status": "bad_result", "reason": f"result message larger than {lim.result_bytes} bytes"}
+    if sig:
+        known = {signal.SIGXCPU: ("cpu_limit", f"CPU time limit ({lim.cpu_s}s) exceeded"),
+                 signal.SIGXFSZ: ("output_limit", f"wrote more than {lim.output_bytes} bytes (output/file limit)"),
+                 signal.SIGKILL: ("cpu_limit", "killed (SIGKILL): hard CPU limit or out of memory"),
+                 signal.SIGSEGV: ("crashed", "segmentation fault (e.g. stack overflow from runaway recursion)")}
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        status, reason = known.get(sig, ("crashed", f"killed by {name}"))
+        return {"status": status, "reason": reason}
+    body = sandbox.frame_body(data)
+    try:
+        msg = None if body is None else json.loads(body)
+    except ValueError:  # includes JSON and UTF-8 decoding errors
+        msg = None
+    if code == sandbox.VIOLATION_EXIT and isinstance(msg, dict):
+        return {"status": "blocked", "reason": str(msg.get("reason", "blocked by sandbox policy"))[:300]}
+    if code == 0 and isinstance(msg, dict) and isinstance(msg.get("status"), str):
+        out = {"status": msg["status"], "reason": str(msg.get("reason", ""))[:300]}
+        if msg["status"] == "ok":
+            outs, errs = msg.get("outputs"), msg.get("errors")
+            if not (isinstance(outs, list) and isinstance(errs, list) and len(outs) == len(errs)):
+                return {"status": "bad_result", "reason": "malformed result message"}
+            out.update(outputs=outs, errors=[e if isinstance(e, str) or e is None else "?" for e in errs])
+        return out
+    if data and msg is None:
+        return {"status": "bad_result", "reason": f"exited with code {code} after writing a malformed result"}
+    return {"status": "exited", "reason": f"exited with code {code} without reporting a result (os._exit/sys.exit?)"}
+
+
+_SHARED: dict[tuple[int, str], SandboxPool] = {}
+_SHARED_LOCK = threading.Lock()
+_ISOLATION: list[Mode] = ["bwrap"]
+
+
+def _job_message(job: Job, k: int) -> dict:
+    if not isinstance(job, Job) or not isinstance(job.source, str):
+        raise TypeError(f"SandboxPool: jobs[{k}] must be a Job with a str source, got {type(job).__name__}")
+    if job.kind not in ("expression", "module", "auto"):
+        raise ValueError(f"SandboxPool: jobs[{k}].kind must be 'expression', 'module' or 'auto', got {job.kind!r}")
+    if not job.entry.isidentifier():
+        raise ValueError(f"SandboxPool: jobs[{k}].entry must be an identifier, got {job.entry!r}")
+    msg = {"source": job.source, "inputs": [list(a) for a in job.inputs], "entry": job.entry, "params": job.params,
+           "kind": job.kind}
+    try:
+        json.loads(json.dumps(msg["inputs"]))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"SandboxPool: jobs[{k}].inputs must be JSON values ({e})") from None
+    return msg
+
+
+def set_isolation(mode: Mode) -> None:
+    """The isolation the code rewards' shared pool uses (a recipe's ``sandbox.isolation``)."""
+    if mode not in MODES:
+        raise ValueError(f"sandbox.isolation: {mode!r} is not one of {', '.join(MODES)}")
+    _ISOLATION[0] = mode
+
+
+def shared_pool() -> SandboxPool:
+    """One pool per process and isolation mode with default limits, closed at exit (what the code
+    reward uses). Raises IsolationUnavailable where the configured isolation cannot be had."""
+    key = (os.getpid(), _ISOLATION[0])
+    with _SHARED_LOCK:
+        pool = _SHARED.get(key)
+        if pool is None or pool.closed:
+            pool = _SHARED[key] = SandboxPool(isolation=_ISOLATION[0])
+            atexit.register(pool.close)
+        return pool
