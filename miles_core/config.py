@@ -25,7 +25,9 @@ class ModelConfig:
     # tiny | llama: a random-init model of the sizes below; hf: a local checkpoint (model.path) of
     # model.family, in its published layout (models/families.py)
     backend: Literal["tiny", "llama", "hf"] = "tiny"
-    family: Literal["auto", "llada", "dream", "sdar", "bidir_qwen3", "bidir_llama", "tiny"] = "auto"
+    family: Literal["auto", "llada", "dream", "sdar", "bidir_qwen3", "bidir_llama", "tiny", "remote_code"] = "auto"
+    # remote_code only: run the checkpoint's own modeling code (auto_map); off unless asked for
+    trust_remote_code: bool = False
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -326,6 +328,8 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.d_model % obj.n_heads == 0, "d_model", "must be divisible by n_heads")
         need(obj.backend in ("llama", "hf") or not obj.path, "path", "only the 'llama' and 'hf' backends load a checkpoint folder")
         need(obj.backend != "hf" or bool(obj.path), "path", "backend 'hf' needs model.path (a local checkpoint folder)")
+        need(obj.family == "remote_code" or not obj.trust_remote_code, "trust_remote_code",
+             "only used with model.family=remote_code")
         need(obj.backend == "llama" or not obj.mask_token, "mask_token", "only used by the 'llama' backend")
         need(re.fullmatch(r"cpu|auto|cuda(:\d+)?", obj.device) is not None, "device",
              f"{obj.device!r} is not one of cpu, cuda, cuda:N, auto")

@@ -170,7 +170,8 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
     s = cfg.sft
     seed = s.seed if seed is None else seed
     if cfg.model.path:  # a local checkpoint to start from: a Llama, or a published family's folder
-        model, tok = load_checkpoint(cfg.model.path, mask_token=cfg.model.mask_token or None, family=cfg.model.family)
+        model, tok = load_checkpoint(cfg.model.path, mask_token=cfg.model.mask_token or None, family=cfg.model.family,
+                                     trust_remote_code=cfg.model.trust_remote_code)
     elif cfg.model.backend == "llama":  # toy Llama-Diffusion: character tokenizer, random weights
         from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
 
@@ -208,7 +209,8 @@ def continue_sft(cfg: RecipeConfig, data: TaskData, checkpoint: str | Path, seco
     """The control arm of the RL benchmarks: SFT resumed from ``checkpoint`` on the same labelled
     data, all weights, for ``seconds`` of wall clock (what the RL arm took), with a fresh data order.
     Its LR is ``sft.lr`` held constant: a time budget has no step count for a decay to end at."""
-    model, tok = load_checkpoint(checkpoint, mask_token=cfg.model.mask_token or None)
+    model, tok = load_checkpoint(checkpoint, mask_token=cfg.model.mask_token or None,
+                                 trust_remote_code=cfg.model.trust_remote_code)
     model.to(resolve_device(cfg.model.device))
     s = cfg.sft
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
@@ -225,7 +227,8 @@ class Learner:
     def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None,
                  total_updates: int | None = None):
         self.cfg = cfg
-        base, self.tok = load_checkpoint(base_dir, mask_token=cfg.model.mask_token or None)
+        base, self.tok = load_checkpoint(base_dir, mask_token=cfg.model.mask_token or None,
+                                         trust_remote_code=cfg.model.trust_remote_code)
         for p in base.parameters():
             p.requires_grad_(False)
         if adapter_dir is not None:

@@ -72,7 +72,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         if not isinstance(recipe, dict):
             raise ValueError("model_config has no 'recipe' mapping; this model was not logged by Miles")
         self.cfg = load_recipe(recipe)
-        base, self.tok = load_checkpoint(context.artifacts["base"])
+        base, self.tok = load_checkpoint(context.artifacts["base"], trust_remote_code=self.cfg.model.trust_remote_code)
         adapter = context.artifacts.get("adapter")
         self.model = load_adapter(base, adapter) if adapter else base
         self.model.eval()

@@ -351,7 +351,8 @@ def evaluate_checkpoint(base_checkpoint: str, adapter_dir: str | None, cfg: dict
     """pass@k of a base checkpoint, with a LoRA adapter folder on top when given."""
     rc = load_recipe(cfg)
     _threads(rc)
-    model, tok = load_checkpoint(base_checkpoint, mask_token=rc.model.mask_token or None)
+    model, tok = load_checkpoint(base_checkpoint, mask_token=rc.model.mask_token or None,
+                                 trust_remote_code=rc.model.trust_remote_code)
     if adapter_dir is not None:
         model = load_adapter(model, adapter_dir)
     res = run_eval(model, tok, rc, build_task(rc), progress=progress)

@@ -250,3 +250,77 @@ def test_models_check_cli(ckpts: dict[str, Path], capsys: pytest.CaptureFixture)
     assert main(["models", "check", str(ckpts["sdar"])]) == 0
     out = capsys.readouterr().out
     assert "sdar" in out and "block-causal, block 4" in out and "151669" in out and "finite         true" in out
+
+
+CONFIG_PY = '''
+from transformers import PretrainedConfig
+
+
+class ToyDLMConfig(PretrainedConfig):
+    model_type = "toy-dlm"
+
+    def __init__(self, vocab_size=128, hidden=16, mask_token_id=None, **kw):
+        self.vocab_size, self.hidden, self.mask_token_id = vocab_size, hidden, mask_token_id
+        super().__init__(**kw)
+'''
+MODELING_PY = '''
+import torch
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import MaskedLMOutput
+
+from .configuration_toy import ToyDLMConfig
+
+
+class ToyDLM(PreTrainedModel):
+    """Bag-of-context denoiser: every position sees the mean of the attended embeddings."""
+    config_class = ToyDLMConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.emb = torch.nn.Embedding(config.vocab_size, config.hidden)
+        self.out = torch.nn.Linear(2 * config.hidden, config.vocab_size)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, **kw):
+        e = self.emb(input_ids)
+        m = attention_mask[..., None].float()
+        ctx = (e * m).sum(1, keepdim=True) / m.sum(1, keepdim=True)
+        return MaskedLMOutput(logits=self.out(torch.cat([e, ctx.expand_as(e)], -1)))
+'''
+
+
+def test_remote_code_is_an_explicit_opt_in(tmp_path: Path) -> None:
+    """A folder with its own modeling code (auto_map) loads only with trust_remote_code, through
+    transformers' dynamic modules, offline; its logits are the code's own."""
+    import importlib.util
+
+    from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
+
+    d = tmp_path / "toy"
+    d.mkdir()
+    (d / "configuration_toy.py").write_text(CONFIG_PY)
+    (d / "modeling_toy.py").write_text(MODELING_PY)
+    tok = HFTokenizer(char_tokenizer())
+    tok.save(d)
+    spec = importlib.util.spec_from_file_location("toy_pkg.configuration_toy", d / "configuration_toy.py")
+    cfg_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cfg_mod)
+    cfg = cfg_mod.ToyDLMConfig(vocab_size=tok.vocab_size, mask_token_id=tok.mask_id,
+                               auto_map={"AutoConfig": "configuration_toy.ToyDLMConfig",
+                                         "AutoModelForMaskedLM": "modeling_toy.ToyDLM"})
+    cfg.save_pretrained(str(d))
+    torch.manual_seed(0)
+    weights = {"emb.weight": torch.randn(tok.vocab_size, 16), "out.weight": torch.randn(tok.vocab_size, 32),
+               "out.bias": torch.randn(tok.vocab_size)}
+    save_file(weights, str(d / "model.safetensors"))
+    with pytest.raises(ConfigError, match="set model.trust_remote_code=true"):
+        load_checkpoint(d, family="remote_code")
+    with pytest.raises(ConfigError, match="model_type 'toy-dlm' is not a known diffusion family"):
+        load_checkpoint(d)
+    model, tok2 = load_checkpoint(d, trust_remote_code=True)  # auto: unknown type + opt-in
+    assert tok2.mask_id == tok.mask_id
+    ids = torch.tensor([tok.encode("1+2=") + [tok.mask_id] * 2])
+    e = weights["emb.weight"][ids[0]]
+    want = torch.cat([e, e.mean(0, keepdim=True).expand_as(e)], -1) @ weights["out.weight"].T + weights["out.bias"]
+    with torch.no_grad():
+        assert torch.allclose(model(ids)[0], want, atol=1e-5)

@@ -139,7 +139,8 @@ class SamplerWorker:
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
         self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         base_dir = self.run_store.fetch_base(self.cache)
-        base, self.tok = load_checkpoint(base_dir, mask_token=self.cfg.model.mask_token or None)  # once; only LoRA tensors change later
+        base, self.tok = load_checkpoint(base_dir, mask_token=self.cfg.model.mask_token or None,  # once; only LoRA
+                                         trust_remote_code=self.cfg.model.trust_remote_code)   # tensors change later
         for p in base.parameters():
             p.requires_grad_(False)
         base.to(resolve_device(self.cfg.model.device))  # adapter hot-swaps copy the host tensors in place

@@ -49,13 +49,14 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
-def load_checkpoint(directory: str | Path, mask_token: str | None = None,
-                    family: str = "auto") -> tuple[nn.Module, AnyTokenizer]:
+def load_checkpoint(directory: str | Path, mask_token: str | None = None, family: str = "auto",
+                    trust_remote_code: bool = False) -> tuple[nn.Module, AnyTokenizer]:
     """Load a base denoiser and its tokenizer from a folder: a Miles tiny checkpoint, a Hugging
     Face Llama (``bidir_llama``, models/llama.py) or a published diffusion family (models/families.py:
     llada, dream, sdar, bidir_qwen3), by ``family`` or (``auto``) by config.json's model_type.
 
-    ``mask_token`` only matters for a Llama whose tokenizer registers no mask token."""
+    ``mask_token`` only matters for a Llama whose tokenizer registers no mask token. ``remote_code``
+    (an explicit opt-in with ``trust_remote_code``) runs the folder's own modeling code."""
     d = Path(directory)
     cfg_path = d / "config.json"
     if not cfg_path.exists():
@@ -69,8 +70,13 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None,
         from miles_core.models.llama import load_llama
 
         return load_llama(d, mask_token=mask_token)
-    from miles_core.models.hf import load_family
+    from miles_core.models.hf import load_family, load_remote_code
 
+    from miles_core.models.families import SPECS
+
+    known = any(model_type in s.model_types for s in SPECS.values())
+    if family == "remote_code" or (family == "auto" and trust_remote_code and not known):
+        return load_remote_code(d, trust_remote_code)
     return load_family(d, family)
 
 

@@ -45,8 +45,8 @@ from typing import Any, Callable, Literal
 from miles_core.config import ConfigError
 
 # model.family values: these specs, plus bidir_llama (models/llama.py, which also adds a mask token
-# to a tokenizer that has none) and tiny (models/tiny.py).
-FAMILIES = ("auto", "llada", "dream", "sdar", "bidir_qwen3", "bidir_llama", "tiny")
+# to a tokenizer that has none), tiny (models/tiny.py) and remote_code (hf.py, explicit opt-in).
+FAMILIES = ("auto", "llada", "dream", "sdar", "bidir_qwen3", "bidir_llama", "tiny", "remote_code")
 LLADA_CHAT = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
               "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
               "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"

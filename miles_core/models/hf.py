@@ -239,3 +239,46 @@ def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
             "vocab_size": tok.vocab_size, "logit_shift": spec.logit_shift,
             "attention": "block-causal, block %d" % model.block_size if spec.attention == "block" else "bidirectional",
             "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
+
+
+class RemoteCodeDiffusion(nn.Module):
+    """``model.family=remote_code``: a folder's own modeling code (``auto_map`` in its config.json),
+    run as a bidirectional denoiser through transformers' Auto classes. An explicit opt-in
+    (``model.trust_remote_code=true``): it executes Python that ships with the checkpoint, and
+    code written for transformers 4 may not run under 5. Logits as the model returns them."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+        self.config = lm.config
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        dev = next(self.lm.parameters()).device
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask
+        out = self.lm(input_ids=input_ids.to(dev), attention_mask=mask.to(dev).long())
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        return logits.to(input_ids.device)                                              # [B, T, V]
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        self.lm.save_pretrained(str(directory))  # copies the modeling files along (auto_map)
+
+
+def load_remote_code(directory: str | Path, trust_remote_code: bool) -> tuple[RemoteCodeDiffusion, HFTokenizer]:
+    d = Path(directory)
+    if not trust_remote_code:
+        raise ConfigError(f"{d}: model.family=remote_code runs the Python code shipped in the checkpoint; set "
+                          "model.trust_remote_code=true to allow it (the published families need no remote code)")
+    import transformers
+
+    published = json.loads((d / "config.json").read_text())
+    auto_map = published.get("auto_map") or {}
+    for name in ("AutoModelForMaskedLM", "AutoModelForCausalLM", "AutoModel"):
+        if name in auto_map:
+            lm = getattr(transformers, name).from_pretrained(str(d), trust_remote_code=True, local_files_only=True)
+            break
+    else:
+        raise ConfigError(f"{d}/config.json: auto_map names no AutoModelForMaskedLM, AutoModelForCausalLM or "
+                          f"AutoModel class (it has {sorted(auto_map)}); nothing to load as remote code")
+    mask_id = published.get("mask_token_id")
+    tok = load_tokenizer(d, int(mask_id)) if mask_id is not None else HFTokenizer.load(d)
+    return RemoteCodeDiffusion(lm.eval()), tok
