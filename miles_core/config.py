@@ -56,6 +56,10 @@ class TaskConfig:
     num_test: int = 500        # held-out problems for evaluation
     num_val: int = 200         # held-out validation problems (SFT plateau / model selection), disjoint from test
     completion_len: int = 32
+    # plain: the prompt's tokens as they are; chat: wrapped in the tokenizer's own chat template as
+    # one user turn with the assistant header appended (instruct models: LLaDA-8B-Instruct, Dream-
+    # Instruct, SDAR-Chat). Recorded with every evaluation (EvalConfig.prompt_template).
+    prompt_template: Literal["plain", "chat"] = "plain"
     num_examples: int = 6      # code: visible outputs f(0..n-1) in the prompt
     const_max: int = 49        # code: additive constants range over [-const_max, const_max]
     numbers: int = 3           # countdown: given numbers per problem

@@ -23,7 +23,7 @@ from miles_core.data import code, countdown
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
-from miles_core.models.base import load_checkpoint, resolve_device, save_checkpoint
+from miles_core.models.base import load_base, resolve_device, save_checkpoint
 from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.rewards.pool import set_isolation
@@ -135,7 +135,8 @@ def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: Sam
                       temperature=s.temperature if s else e.temperature,
                       remasking=s.remasking if s else e.remasking, sampler=s.kind if s else "static",
                       threshold=s.threshold if s and s.kind == "nsd" else None, n_samples=e.n_samples,
-                      ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed, split=split)
+                      ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed, split=split,
+                      prompt_template=cfg.task.prompt_template)
 
 
 def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_problems: int | None = None,
@@ -170,8 +171,7 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
     s = cfg.sft
     seed = s.seed if seed is None else seed
     if cfg.model.path:  # a local checkpoint to start from: a Llama, or a published family's folder
-        model, tok = load_checkpoint(cfg.model.path, mask_token=cfg.model.mask_token or None, family=cfg.model.family,
-                                     trust_remote_code=cfg.model.trust_remote_code)
+        model, tok = load_base(cfg, cfg.model.path)
     elif cfg.model.backend == "llama":  # toy Llama-Diffusion: character tokenizer, random weights
         from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
 
@@ -209,8 +209,7 @@ def continue_sft(cfg: RecipeConfig, data: TaskData, checkpoint: str | Path, seco
     """The control arm of the RL benchmarks: SFT resumed from ``checkpoint`` on the same labelled
     data, all weights, for ``seconds`` of wall clock (what the RL arm took), with a fresh data order.
     Its LR is ``sft.lr`` held constant: a time budget has no step count for a decay to end at."""
-    model, tok = load_checkpoint(checkpoint, mask_token=cfg.model.mask_token or None,
-                                 trust_remote_code=cfg.model.trust_remote_code)
+    model, tok = load_base(cfg, checkpoint)
     model.to(resolve_device(cfg.model.device))
     s = cfg.sft
     train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
@@ -227,8 +226,7 @@ class Learner:
     def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None,
                  total_updates: int | None = None):
         self.cfg = cfg
-        base, self.tok = load_checkpoint(base_dir, mask_token=cfg.model.mask_token or None,
-                                         trust_remote_code=cfg.model.trust_remote_code)
+        base, self.tok = load_base(cfg, base_dir)
         for p in base.parameters():
             p.requires_grad_(False)
         if adapter_dir is not None:

@@ -59,6 +59,10 @@ class CharTokenizer:
                 out.append(self.itos[i])
         return "".join(out)
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A task prompt's ids (no chat template: the character model has none)."""
+        return self.encode(text)
+
     def encode_completion(self, text: str, length: int) -> list[int]:
         """Target completion: the text, then EOS up to ``length`` (raises if it does not fit)."""
         ids = self.encode(text)

@@ -64,7 +64,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
     def load_context(self, context: Any) -> None:
         from miles_core.config import load_recipe
         from miles_core.eval.evaluate import sampler_for
-        from miles_core.models.base import load_checkpoint
+        from miles_core.models.base import load_base
         from miles_core.models.lora import load_adapter
         from miles_core.session import eval_config
 
@@ -72,7 +72,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         if not isinstance(recipe, dict):
             raise ValueError("model_config has no 'recipe' mapping; this model was not logged by Miles")
         self.cfg = load_recipe(recipe)
-        base, self.tok = load_checkpoint(context.artifacts["base"], trust_remote_code=self.cfg.model.trust_remote_code)
+        base, self.tok = load_base(self.cfg, context.artifacts["base"])
         adapter = context.artifacts.get("adapter")
         self.model = load_adapter(base, adapter) if adapter else base
         self.model.eval()
@@ -100,7 +100,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         params = dict(params or {})
         prompts = [self._canonical(p) for p in prompts_from_input(model_input)]
         limit = self.max_len - self.completion_len
-        ids = [self.tok.encode(p) for p in prompts]
+        ids = [self.tok.encode_prompt(p) for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")

@@ -36,7 +36,7 @@ from miles_core.algo.rl import assign_advantages, rollout_stats
 from miles_core.algo.rl import rollout as rl_rollout
 from miles_core.algo.rl import score_rewards as rl_score
 from miles_core.config import ConfigError, RecipeConfig, load_recipe
-from miles_core.models.base import load_checkpoint
+from miles_core.models.base import load_base
 from miles_core.models.lora import load_adapter
 from miles_core.rewards import get_reward
 from miles_core.session import Learner, TaskData, build_task, run_eval, train_baseline
@@ -351,8 +351,7 @@ def evaluate_checkpoint(base_checkpoint: str, adapter_dir: str | None, cfg: dict
     """pass@k of a base checkpoint, with a LoRA adapter folder on top when given."""
     rc = load_recipe(cfg)
     _threads(rc)
-    model, tok = load_checkpoint(base_checkpoint, mask_token=rc.model.mask_token or None,
-                                 trust_remote_code=rc.model.trust_remote_code)
+    model, tok = load_base(rc, base_checkpoint)
     if adapter_dir is not None:
         model = load_adapter(model, adapter_dir)
     res = run_eval(model, tok, rc, build_task(rc), progress=progress)

@@ -324,3 +324,23 @@ def test_remote_code_is_an_explicit_opt_in(tmp_path: Path) -> None:
     want = torch.cat([e, e.mean(0, keepdim=True).expand_as(e)], -1) @ weights["out.weight"].T + weights["out.bias"]
     with torch.no_grad():
         assert torch.allclose(model(ids)[0], want, atol=1e-5)
+
+
+def test_chat_template_wraps_prompts_everywhere_and_is_recorded(ckpts: dict[str, Path]) -> None:
+    from miles_core.config import load_recipe
+    from miles_core.models.base import load_base
+    from miles_core.session import eval_config
+
+    cfg = load_recipe("tiny", ["model.backend=hf", f"model.path={ckpts['llada']}", "task.prompt_template=chat"])
+    _, tok = load_base(cfg, ckpts["llada"])
+    ids = tok.encode_prompt("1+2")
+    text = "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n1+2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    assert ids == tok.hf.encode(text, add_special_tokens=False)
+    assert ids[0] == 126080 and 126348 in ids                      # BOS and EoT at their published ids
+    assert eval_config(cfg).to_dict()["prompt_template"] == "chat"  # recorded with every evaluation
+    plain = load_recipe("tiny", ["model.backend=hf", f"model.path={ckpts['llada']}"])
+    assert load_base(plain, ckpts["llada"])[1].encode_prompt("1+2") == tok.encode("1+2")
+    with pytest.raises(ConfigError, match="task.prompt_template='chat'.*has no chat template"):
+        from miles_core.models.llama import init_checkpoint
+
+        load_base(load_recipe("tiny", ["task.prompt_template=chat"]), init_checkpoint(ckpts["llada"].parent / "llama"))

@@ -22,7 +22,7 @@ def rollout(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence
             group_offset: int = 0, threshold: float | None = None) -> TrajectoryBatch:
     """Sample ``group_size`` completions per prompt; rows of one prompt share a group id."""
     model.eval()
-    ids = [tok.encode(p) for p in prompts for _ in range(group_size)]
+    ids = [tok.encode_prompt(p) for p in prompts for _ in range(group_size)]
     gid = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
     batch = sample(model, tok, ids, cfg, completion_len, generator, gid, policy_version, threshold)
     batch.meta = [{"answer": a} for a in answers for _ in range(group_size)]

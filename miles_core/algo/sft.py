@@ -24,7 +24,7 @@ class SFTBatch:
 
 
 def make_batch(tok: CharTokenizer, prompts: Sequence[str], targets: Sequence[str], completion_len: int) -> SFTBatch:
-    prompt, real = left_pad([tok.encode(p) for p in prompts], tok.pad_id)
+    prompt, real = left_pad([tok.encode_prompt(p) for p in prompts], tok.pad_id)
     comp = torch.tensor([tok.encode_completion(t, completion_len) for t in targets], dtype=torch.long)
     x = torch.cat([prompt, comp], dim=1)
     attn = torch.cat([real, torch.ones_like(comp, dtype=torch.bool)], dim=1)

@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
 from miles_core.asyncrl.layout import RunStore
 from miles_core.config import RecipeConfig, load_recipe
-from miles_core.models.base import load_checkpoint, resolve_device
+from miles_core.models.base import load_base, resolve_device
 from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
 from miles_core.rewards.math import get_reward
 from miles_core.session import TaskData, build_task
@@ -139,8 +139,7 @@ class SamplerWorker:
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
         self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         base_dir = self.run_store.fetch_base(self.cache)
-        base, self.tok = load_checkpoint(base_dir, mask_token=self.cfg.model.mask_token or None,  # once; only LoRA
-                                         trust_remote_code=self.cfg.model.trust_remote_code)   # tensors change later
+        base, self.tok = load_base(self.cfg, base_dir)  # once; only LoRA tensors change later
         for p in base.parameters():
             p.requires_grad_(False)
         base.to(resolve_device(self.cfg.model.device))  # adapter hot-swaps copy the host tensors in place

@@ -45,7 +45,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
         chunks = tqdm(chunks, desc="eval", leave=False)
     for start in chunks:
         part = order[start:start + batch_size]
-        batch = sample(model, tok, [tok.encode(prompts[i]) for i, _ in part], scfg, ec.completion_len, gen)
+        batch = sample(model, tok, [tok.encode_prompt(prompts[i]) for i, _ in part], scfg, ec.completion_len, gen)
         rewards = reward_fn([prompts[i] for i, _ in part], batch.completions, answer=[answers[i] for i, _ in part])
         for (i, s), c, r in zip(part, batch.completions, rewards):
             ok = r is not None and r >= 1.0

@@ -78,6 +78,7 @@ class EvalConfig:
     seed: int = 0
     split: str = "test"
     task: str = "arith"
+    prompt_template: str = "plain"  # task.prompt_template: plain, or the model's chat template
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ks", tuple(int(k) for k in self.ks))

@@ -14,9 +14,11 @@ from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 import torch
 from torch import Tensor, nn
 
+from miles_core.config import ConfigError
 from miles_core.tokenizer import CharTokenizer
 
 if TYPE_CHECKING:
+    from miles_core.config import RecipeConfig
     from miles_core.models.hf_tokenizer import HFTokenizer
 
 # Either tokenizer has the same interface (encode/decode/encode_completion, special ids, save).
@@ -78,6 +80,20 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None, family
     if family == "remote_code" or (family == "auto" and trust_remote_code and not known):
         return load_remote_code(d, trust_remote_code)
     return load_family(d, family)
+
+
+def load_base(cfg: "RecipeConfig", directory: str | Path) -> tuple[nn.Module, AnyTokenizer]:
+    """:func:`load_checkpoint` with the recipe's model settings (mask token, family, remote-code
+    opt-in) and its prompt template: the one way training, sampling, evaluation and serving load
+    a base, so all of them encode prompts alike."""
+    model, tok = load_checkpoint(directory, mask_token=cfg.model.mask_token or None, family=cfg.model.family,
+                                 trust_remote_code=cfg.model.trust_remote_code)
+    if cfg.task.prompt_template != "plain":
+        if not hasattr(tok, "hf") or not getattr(tok.hf, "chat_template", None):
+            raise ConfigError(f"task.prompt_template={cfg.task.prompt_template!r}: the tokenizer of {directory} "
+                              "has no chat template")
+        tok.prompt_template = cfg.task.prompt_template
+    return model, tok
 
 
 def save_checkpoint(model: nn.Module, tokenizer: AnyTokenizer, directory: str | Path) -> None:

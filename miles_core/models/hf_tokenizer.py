@@ -52,6 +52,7 @@ class HFTokenizer:
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None and pad != self.eos_id else self.mask_id
         self.unk_id: int | None = int(tokenizer.unk_token_id) if tokenizer.unk_token_id is not None else None
+        self.prompt_template = "plain"  # or "chat": set from task.prompt_template by models.base.load_base
 
     @property
     def vocab_size(self) -> int:
@@ -83,6 +84,16 @@ class HFTokenizer:
                 run.append(i)
         out.append(self.hf.decode(run, skip_special_tokens=True))
         return "".join(out)
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A task prompt's ids: as they are (``prompt_template`` plain), or as one user turn of the
+        tokenizer's chat template with the generation prompt appended (chat; instruct models)."""
+        if self.prompt_template == "plain":
+            return self.encode(text)
+        out = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                          tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(i) for i in ids]
 
     def encode_completion(self, text: str, length: int) -> list[int]:
         """Target completion: the text, then EOS up to ``length`` (raises if it does not fit)."""
