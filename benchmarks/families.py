@@ -27,7 +27,7 @@ from pathlib import Path
 
 from benchmarks.common import table, write_result
 
-FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3", "bidir_llama")
+FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3", "modernbert", "bidir_llama")
 
 
 def one_family(family: str, sft_steps: int, out: "mp.Queue") -> None:

@@ -25,7 +25,8 @@ class ModelConfig:
     # tiny | llama: a random-init model of the sizes below; hf: a local checkpoint (model.path) of
     # model.family, in its published layout (models/families.py)
     backend: Literal["tiny", "llama", "hf"] = "tiny"
-    family: Literal["auto", "llada", "dream", "sdar", "bidir_qwen3", "bidir_llama", "tiny", "remote_code"] = "auto"
+    family: Literal["auto", "llada", "dream", "sdar", "bidir_qwen3", "modernbert", "bidir_llama", "tiny",
+                    "remote_code"] = "auto"
     # remote_code only: run the checkpoint's own modeling code (auto_map); off unless asked for
     trust_remote_code: bool = False
     d_model: int = 128

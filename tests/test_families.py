@@ -19,7 +19,8 @@ from miles_core.config import ConfigError
 from miles_core.models.base import load_checkpoint
 from miles_core.models.hf import HFDiffusion, init_tiny, load_family, read_tensors
 
-FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3")
+FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3", "modernbert")
+WRITTEN_OUT = ("llada", "dream", "sdar", "bidir_qwen3")  # families the independent reference forward covers
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,8 @@ def test_published_layouts(ckpts: dict[str, Path]) -> None:
 @pytest.mark.parametrize("family,ids", [("llada", {"mask": 126336, "eos": 126081}),
                                         ("dream", {"mask": 151666, "eos": 151643}),
                                         ("sdar", {"mask": 151669, "eos": 151643}),
-                                        ("bidir_qwen3", {"mask": 151669, "eos": 151643})])
+                                        ("bidir_qwen3", {"mask": 151669, "eos": 151643}),
+                                        ("modernbert", {"mask": 50284, "eos": 50282})])
 def test_special_tokens_sit_at_their_published_ids(ckpts: dict[str, Path], family: str, ids: dict) -> None:
     model, tok = load_checkpoint(ckpts[family])
     assert isinstance(model, HFDiffusion) and model.spec.name == family
@@ -122,7 +124,7 @@ def sdar_mask(T: int, block: int) -> torch.Tensor:
     return torch.tril(torch.ones(nb, nb)).repeat_interleave(block, 0).repeat_interleave(block, 1)[:T, :T].bool()
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", WRITTEN_OUT)
 def test_parity_with_a_forward_from_the_published_tensors(ckpts: dict[str, Path], family: str) -> None:
     model, tok = load_family(ckpts[family])
     ids = tok.encode("3+4*5=") + [tok.mask_id] * 5
@@ -133,16 +135,18 @@ def test_parity_with_a_forward_from_the_published_tensors(ckpts: dict[str, Path]
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
-def test_parity_with_the_native_class(ckpts: dict[str, Path]) -> None:
-    """bidir_qwen3's tensors are Qwen3's own: transformers' Qwen3ForCausalLM, loaded from the same
-    folder by from_pretrained and run with is_causal=False, gives the same logits."""
-    from transformers import Qwen3ForCausalLM
+@pytest.mark.parametrize("family,cls", [("bidir_qwen3", "Qwen3ForCausalLM"), ("modernbert", "ModernBertForMaskedLM")])
+def test_parity_with_the_native_class(ckpts: dict[str, Path], family: str, cls: str) -> None:
+    """bidir_qwen3's and modernbert's tensors are the native classes' own: transformers'
+    class, loaded from the same folder by from_pretrained (bidirectional), gives the same logits."""
+    import transformers
 
-    model, tok = load_family(ckpts["bidir_qwen3"])
-    native = Qwen3ForCausalLM.from_pretrained(str(ckpts["bidir_qwen3"]), local_files_only=True).eval()
+    model, tok = load_family(ckpts[family])
+    native = getattr(transformers, cls).from_pretrained(str(ckpts[family]), local_files_only=True).eval()
     ids = torch.tensor([tok.encode("9-2=") + [tok.mask_id] * 3])
+    kw = {"is_causal": False} if family == "bidir_qwen3" else {}
     with torch.no_grad():
-        assert torch.allclose(model(ids), native(input_ids=ids, is_causal=False).logits, atol=1e-5)
+        assert torch.allclose(model(ids), native(input_ids=ids, **kw).logits, atol=1e-5)
 
 
 def test_block_causal_attention(ckpts: dict[str, Path]) -> None:
@@ -161,7 +165,7 @@ def test_block_causal_attention(ckpts: dict[str, Path]) -> None:
 
 
 def test_full_attention_sees_later_positions(ckpts: dict[str, Path]) -> None:
-    for fam in ("llada", "bidir_qwen3"):
+    for fam in ("llada", "bidir_qwen3", "modernbert"):
         model, tok = load_family(ckpts[fam])
         ids = torch.tensor([tok.encode("12+34=") + [tok.mask_id] * 4])
         later = ids.clone()

@@ -14,7 +14,7 @@ import pytest
 
 from miles_core.models.hf import init_tiny, read_tensors
 
-FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3")
+FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3", "modernbert")
 SMALL = ["sft.steps=4", "sft.eval_every=2", "sft.batch_size=4", "task.completion_len=8", "task.min_ops=1",
          "task.max_ops=1", "task.num_train=16", "task.num_test=8", "task.num_val=8", "train.prompts_per_iter=2",
          "train.group_size=2", "eval.num_problems=4", "eval.batch_size=4"]

@@ -30,6 +30,12 @@ Every fact below was read from public code; the source follows it.
   ``Qwen3-0.6B-diffusion-mdlm-v0.1``, ``model_type`` ``qwen3`` or ``a2d-qwen3``; plain Qwen3
   tensors, ZHZisZZ/dllm ``dllm/pipelines/a2d/``): the native layout, full bidirectional attention.
   (**bidir_llama**, a Llama run bidirectionally, is models/llama.py.)
+* **modernbert** (ModernBERT-chat conversions such as dllm-hub's ``ModernBERT-{base,large}-chat-v0.1``,
+  ZHZisZZ/dllm ``examples/bert/``): transformers' own ``ModernBertForMaskedLM`` (``model_type:
+  "modernbert"``, decoder tied to the embeddings), natively bidirectional (global plus local
+  sliding-window layers), no logit shift. [CLS] 50281, [SEP] 50282 (used as EOS), [PAD] 50283
+  (answerdotai/ModernBERT-base special_tokens_map.json, as quoted in public code); [MASK] 50284 is
+  not verified from a primary file: a real folder's own tokenizer decides the mask id.
 
 What was verified here: tiny random-init checkpoints written in each family's published layout
 (:mod:`miles_core.models.hf`), loaded through the same path a user's download takes, with
@@ -46,7 +52,7 @@ from miles_core.config import ConfigError
 
 # model.family values: these specs, plus bidir_llama (models/llama.py, which also adds a mask token
 # to a tokenizer that has none), tiny (models/tiny.py) and remote_code (hf.py, explicit opt-in).
-FAMILIES = ("auto", "llada", "dream", "sdar", "bidir_qwen3", "bidir_llama", "tiny", "remote_code")
+FAMILIES = ("auto", "llada", "dream", "sdar", "bidir_qwen3", "modernbert", "bidir_llama", "tiny", "remote_code")
 LLADA_CHAT = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
               "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
               "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
@@ -60,7 +66,7 @@ class FamilySpec:
     """How one published family maps onto a native transformers architecture."""
 
     name: str
-    native: Literal["llama", "qwen2", "qwen3"]      # the transformers model_type it runs as
+    native: Literal["llama", "qwen2", "qwen3", "modernbert"]  # the transformers model_type it runs as
     model_types: tuple[str, ...]                    # published config.json model_type values (auto)
     attention: Literal["full", "block"]
     logit_shift: bool                               # prediction for i read at i-1 (Dream)
@@ -168,6 +174,12 @@ def _qwen_published(model_type: str, arch: str, extra: dict[str, Any]) -> Callab
     return out
 
 
+def _native_published(c: dict[str, Any]) -> dict[str, Any]:
+    """A family whose published config.json is the native one: the config's own fields."""
+    drop = {"transformers_version", "_name_or_path", "torch_dtype", "dtype", "architectures", "is_causal"}
+    return {"architectures": ["ModernBertForMaskedLM"], **{k: v for k, v in c.items() if k not in drop}}
+
+
 QWEN_SPECIALS = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>"}
 SPECS: dict[str, FamilySpec] = {
     "llada": FamilySpec(
@@ -191,6 +203,10 @@ SPECS: dict[str, FamilySpec] = {
         eot_id=151645, special_tokens={**QWEN_SPECIALS, 151669: "<|mask|>"}, chat_template=CHATML,
         native_config=_qwen_native(("is_causal", "mask_token_id")),
         published_config=_qwen_published("qwen3", "Qwen3ForCausalLM", {"is_causal": False})),
+    "modernbert": FamilySpec(
+        "modernbert", "modernbert", ("modernbert",), "full", False, mask_id=50284, eos_id=50282, eot_id=None,
+        special_tokens={50280: "[UNK]", 50281: "[CLS]", 50282: "[SEP]", 50283: "[PAD]", 50284: "[MASK]"},
+        chat_template="", native_config=_qwen_native(()), published_config=_native_published),
 }
 
 

@@ -34,7 +34,7 @@ from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.hf_tokenizer import HFTokenizer
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
 
 
 def native_classes(spec: FamilySpec) -> tuple[type, type]:
@@ -86,8 +86,9 @@ class HFDiffusion(nn.Module):
 
     def published_state_dict(self) -> dict[str, Tensor]:
         out = {}
+        tied = tied_keys(self.lm)
         for k, v in self.lm.state_dict().items():
-            if k == "lm_head.weight" and self.lm.config.tie_word_embeddings:
+            if k in tied:
                 continue
             name = self.spec.to_published(k)
             if name is None:
@@ -104,6 +105,15 @@ class HFDiffusion(nn.Module):
             cfg["block_size"] = self.block_size
         (d / "config.json").write_text(json.dumps(cfg, indent=2))
         save_file(self.published_state_dict(), str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def tied_keys(lm: nn.Module) -> set[str]:
+    """State-dict keys that are the input embedding again (a tied LM head / decoder): not stored."""
+    if not getattr(lm.config, "tie_word_embeddings", False):
+        return set()
+    emb = lm.get_input_embeddings().weight
+    keys = [k for k, v in lm.state_dict(keep_vars=True).items() if v is emb]
+    return set(keys[1:])  # the first is the embedding itself
 
 
 def read_tensors(d: Path) -> dict[str, Tensor]:
@@ -149,17 +159,33 @@ def load_family(directory: str | Path, family: str = "auto", dtype: torch.dtype 
     config = cfg_cls(**spec.native_config(published))
     config._attn_implementation = "sdpa"
     lm = lm_cls(config)
-    want = {k: v for k, v in lm.state_dict().items() if not (k == "lm_head.weight" and config.tie_word_embeddings)}
+    tied = tied_keys(lm)
+    want = {k: v for k, v in lm.state_dict().items() if k not in tied}
     state = map_state_dict(spec, read_tensors(d), want, str(d))
-    lm.load_state_dict(state, strict=not config.tie_word_embeddings)
+    lm.load_state_dict(state, strict=not tied)
     lm.to(dtype).eval()
-    mask_id = int(published.get("mask_token_id") or spec.mask_id)
+    mask_id = int(published.get("mask_token_id") or _own_mask_id(d) or spec.mask_id)
     tok = load_tokenizer(d, mask_id)
     if tok.mask_id != mask_id:
         raise ConfigError(f"{d}: the tokenizer's mask token has id {tok.mask_id}, config.json says {mask_id}")
     if tok.vocab_size > config.vocab_size:
         raise ConfigError(f"{d}: the tokenizer has {tok.vocab_size} tokens, the embedding only {config.vocab_size}")
     return HFDiffusion(lm, spec, int(published.get("block_size", 4)), published), tok
+
+
+def _own_mask_id(d: Path) -> int | None:
+    """The mask token the folder's tokenizer registers itself (tokenizer_config / special tokens map)."""
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        f = d / name
+        if f.exists():
+            tok = json.loads(f.read_text()).get("mask_token")
+            text = tok.get("content") if isinstance(tok, dict) else tok
+            if isinstance(text, str) and (d / "tokenizer.json").exists():
+                vocab = json.loads((d / "tokenizer.json").read_text())
+                ids = [a["id"] for a in vocab.get("added_tokens", []) if a.get("content") == text]
+                if ids:
+                    return int(ids[0])
+    return None
 
 
 def load_tokenizer(d: Path, mask_id: int) -> HFTokenizer:
@@ -185,8 +211,9 @@ def tiny_tokenizer(spec: FamilySpec, vocab_size: int) -> Any:
 
     from miles_core.tokenizer import DEFAULT_CHARS
 
-    vocab = {"[UNK]": 0, **{c: i + 1 for i, c in enumerate(DEFAULT_CHARS)}}
     specials = dict(spec.special_tokens)
+    own_unk = "[UNK]" in specials.values()  # ModernBERT has its own [UNK]; the others get one at 0
+    vocab = {**({} if own_unk else {"[UNK]": 0}), **{c: i + int(not own_unk) for i, c in enumerate(DEFAULT_CHARS)}}
     for i in range(len(vocab), vocab_size):
         vocab[specials.get(i, f"<|reserved_{i}|>")] = i
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="[UNK]"))
@@ -201,8 +228,8 @@ def tiny_tokenizer(spec: FamilySpec, vocab_size: int) -> Any:
 
 
 TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "max_position_embeddings": 256}
-VOCAB = {"llada": 126464, "dream": 152064, "sdar": 151936, "bidir_qwen3": 151936}
+        "max_position_embeddings": 256}
+VOCAB = {"llada": 126464, "dream": 152064, "sdar": 151936, "bidir_qwen3": 151936, "modernbert": 50368}
 
 
 def init_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
@@ -212,9 +239,13 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
         raise ConfigError(f"--family: {family!r} has no tiny layout; one of {', '.join(VOCAB)}")
     spec = SPECS[family]
     cfg_cls, lm_cls = native_classes(spec)
-    extra = {"head_dim": 8} if spec.native == "qwen3" else {}
-    config = cfg_cls(vocab_size=VOCAB[family], tie_word_embeddings=False, eos_token_id=spec.eos_id,
-                     pad_token_id=spec.eos_id, bos_token_id=None, **TINY, **extra)
+    if spec.native == "modernbert":  # its published checkpoints tie the decoder to the embeddings
+        extra = {"tie_word_embeddings": True, "pad_token_id": 50283, "eos_token_id": 50282, "bos_token_id": 50281,
+                 "cls_token_id": 50281, "sep_token_id": 50282}
+    else:
+        extra = {"tie_word_embeddings": False, "eos_token_id": spec.eos_id, "pad_token_id": spec.eos_id,
+                 "bos_token_id": None, "num_key_value_heads": 2, **({"head_dim": 8} if spec.native == "qwen3" else {})}
+    config = cfg_cls(vocab_size=VOCAB[family], **TINY, **extra)
     if spec.native == "llama":
         config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
     torch.manual_seed(seed)

@@ -24,6 +24,7 @@ TARGETS_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {
     "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "qwen2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "qwen3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "modernbert": ("Wqkv", "Wo", "Wi"),
 }
 
 
