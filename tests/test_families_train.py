@@ -47,3 +47,22 @@ def test_family_trains_through_the_flows_and_serves(family: str, prefect_harness
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(out) == 2 and all(isinstance(s, str) for s in out)
+
+
+def test_block_causal_family_trains_asynchronously(prefect_harness: None, tmp_project: Path) -> None:
+    """SDAR through the asynchronous flow: sampler processes load the published folder, hot-swap
+    the LoRA adapters the learner publishes, and every committed batch is consumed once."""
+    from flows.async_train import async_train_flow
+    from flows.sft import sft_flow
+
+    from miles_core.storage import AdapterRegistry
+
+    ckpt = init_tiny("sdar", tmp_project / "published")
+    ov = ["model.backend=hf", f"model.path={ckpt}", *SMALL, "async_rl.poll_interval=0.02"]
+    sft = sft_flow(recipe="tiny", overrides=ov, run_dir=str(tmp_project / "sft"), experiment="families")
+    store = str(tmp_project / "store")
+    out = async_train_flow(recipe="tiny", overrides=ov, run_dir=str(tmp_project / "async"), store_uri=store,
+                           base_checkpoint=sft["base_checkpoint"], num_samplers=2, batches_per_sampler=2,
+                           experiment="families", register_as="miles-sdar-async", timeout_s=600)
+    assert out["consumed_batches"] + out["dropped_batches"] == 4 and out["adapter_version"] == out["consumed_batches"]
+    assert AdapterRegistry(store).latest_version() == out["adapter_version"] >= 1
