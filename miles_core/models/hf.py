@@ -158,7 +158,11 @@ def load_family(directory: str | Path, family: str = "auto", dtype: torch.dtype 
     cfg_cls, lm_cls = native_classes(spec)
     config = cfg_cls(**spec.native_config(published))
     config._attn_implementation = "sdpa"
-    lm = lm_cls(config)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # every weight is overwritten below (or the load fails): skip random init
+        lm = lm_cls(config)
+    lm.tie_weights()         # a tied decoder / LM head is the embedding again (not stored, not loaded)
     tied = tied_keys(lm)
     want = {k: v for k, v in lm.state_dict().items() if k not in tied}
     state = map_state_dict(spec, read_tensors(d), want, str(d))
