@@ -51,6 +51,44 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def local_model_dir(path: str | Path) -> Path:
+    """``model.path`` as a local folder. A fsspec URI (``s3://bucket/models/llada``) is copied once
+    into a cache (``MILES_MODEL_CACHE``, default ``~/.cache/miles/models``) keyed by the URI, and
+    reused while its completion marker is there. The Hugging Face Hub is never contacted at run time:
+    ``hf://`` is refused, download a model once and point model.path at the folder."""
+    import hashlib
+    import os
+    import shutil
+
+    text = os.fspath(path)
+    if "://" not in text or text.startswith("file://"):
+        return Path(text.removeprefix("file://"))
+    if text.startswith(("hf://", "hub://")):
+        raise ConfigError(f"model.path={text!r}: Miles never downloads from the Hugging Face Hub at run time; "
+                          "download the folder once (e.g. huggingface-cli download) and give its local path or an "
+                          "s3:// copy")
+    from miles_core.storage.uri import resolve
+
+    fs, root = resolve(text)
+    cache = Path(os.environ.get("MILES_MODEL_CACHE", Path.home() / ".cache" / "miles" / "models"))
+    dest = cache / hashlib.sha256(text.encode()).hexdigest()[:16]
+    if (dest / ".miles-complete").exists():
+        return dest
+    if not fs.exists(root + "/config.json"):
+        raise FileNotFoundError(f"model.path={text!r}: no config.json there")
+    tmp = Path(f"{dest}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for f in fs.find(root):
+        rel = f[len(root):].lstrip("/")
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(f, str(tmp / rel))
+    (tmp / ".miles-complete").write_text(text)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
 def load_checkpoint(directory: str | Path, mask_token: str | None = None, family: str = "auto",
                     trust_remote_code: bool = False) -> tuple[nn.Module, AnyTokenizer]:
     """Load a base denoiser and its tokenizer from a folder: a Miles tiny checkpoint, a Hugging
@@ -59,7 +97,7 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None, family
 
     ``mask_token`` only matters for a Llama whose tokenizer registers no mask token. ``remote_code``
     (an explicit opt-in with ``trust_remote_code``) runs the folder's own modeling code."""
-    d = Path(directory)
+    d = local_model_dir(directory)
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"checkpoint folder {d} has no config.json")
