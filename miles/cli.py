@@ -162,6 +162,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlflow.pyfunc
     import pandas as pd
 
+    uri = tracking_uri(args.tracking_uri)  # the store training registered into, not MLflow's own default
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
     model = mlflow.pyfunc.load_model(args.model)
     out = model.predict(pd.DataFrame({"prompt": list(args.prompts)}))
     if isinstance(out, pd.DataFrame):
@@ -329,6 +332,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="MLflow model URI, e.g. models:/miles-arith@champion")
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
     p.add_argument("--with-prompt", action="store_true", help="print 'prompt<TAB>completion' lines")
+    p.add_argument("--tracking-uri", default=None,
+                   help="MLflow tracking/registry URI (default: $MLFLOW_TRACKING_URI, else ./mlruns/mlflow.db, "
+                        "where training registers models)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("demo", help="SFT -> ADPO -> evaluation on the embedded defaults (~10 min on CPU)",

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes"]
+COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models"]
 FLOW_STARTED = ("Beginning flow run", "Starting temporary server")
 
 
@@ -140,3 +140,14 @@ def test_demo_then_generate_on_the_tiny_recipe(tmp_path: Path) -> None:
     assert g.returncode == 0, g.stderr[-3000:]
     lines = g.stdout.splitlines()
     assert [line.split("\t")[0] for line in lines] == ["1+2*3", "4-5"], g.stdout
+    # as a user pastes the printed command: no MLFLOW_TRACKING_URI, from the repo root (the default
+    # ./mlruns/mlflow.db), and from elsewhere with --tracking-uri; MLflow never creates a stray mlflow.db
+    bare = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
+    g = miles("generate", "--model", "models:/cli-demo@champion", "1+2*3", cwd=tmp_path, env=bare, timeout=180)
+    assert g.returncode == 0 and len(g.stdout.splitlines()) == 1, g.stderr[-3000:]
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    g = miles("generate", "--model", "models:/cli-demo@champion", "--tracking-uri", env["MLFLOW_TRACKING_URI"],
+              "1+2*3", cwd=other, env=bare, timeout=180)
+    assert g.returncode == 0, g.stderr[-3000:]
+    assert not (tmp_path / "mlflow.db").exists() and not (other / "mlflow.db").exists()
