@@ -173,6 +173,9 @@ def services(tmp_path: Path) -> Iterator[dict[str, Any]]:
 
 def test_deploy_and_run_miles_train_through_a_worker(services: dict[str, Any]) -> None:
     env, base, logs, tmp = services["env"], services["base"], services["logs"], services["tmp"]
+    # the UI on this non-default port is told its own API, not http://127.0.0.1:4200/api
+    with urllib.request.urlopen(f"{base.removesuffix('/api')}/ui-settings", timeout=30) as r:
+        assert json.loads(r.read())["api_url"] == base
     names = ["miles-train", "miles-sft", "miles-evaluate", "miles-async-train", "miles-async-sampler",
              "miles-async-learner"]
     deploy = subprocess.run(["prefect", "--no-prompt", "deploy", *(a for n in names for a in ("--name", n))],
@@ -248,3 +251,21 @@ def test_start_s3_script_serves_a_bucket(tmp_path: Path) -> None:
     finally:
         stop(proc)
     assert proc.returncode is not None
+
+
+def test_prefect_script_uses_the_cli_home_and_tells_the_ui_its_port(tmp_path: Path) -> None:
+    """With PREFECT_HOME unset the script uses Prefect's own default (~/.prefect), the database
+    `miles demo` and the CLI write, and the UI's API URL follows PREFECT_PORT (a stand-in
+    `prefect` on PATH prints what the real one would be started with)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "prefect").write_text('#!/bin/sh\necho "HOME=$PREFECT_HOME UI=$PREFECT_SERVER_UI_API_URL ARGS=$*"\n')
+    (fake / "prefect").chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update({"HOME": str(tmp_path), "PATH": f"{fake}{os.pathsep}{env['PATH']}", "PREFECT_PORT": "4321",
+                "MILES_REPO_DIR": str(tmp_path)})
+    r = subprocess.run(["bash", str(REPO / "infra" / "start-prefect-server.sh")], env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == [f"HOME={tmp_path}/.prefect", "UI=http://127.0.0.1:4321/api", "ARGS=server", "start",
+                                "--host", "127.0.0.1", "--port", "4321"]
