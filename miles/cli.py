@@ -177,6 +177,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``mlflow models serve`` for a registered model, with this interpreter's scripts on PATH (MLflow
+    starts ``uvicorn`` by name, which fails when the venv is not activated) and the project's store."""
+    uri = tracking_uri(args.tracking_uri)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri,
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", args.model, "--env-manager", "local",
+           "--host", args.host, "--port", str(args.port)]
+    print(f"[miles serve] {args.model} on http://{args.host}:{args.port}/invocations "
+          f"(POST {{\"inputs\": [\"12+7*3\"]}})", flush=True)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached
+
+
 def cmd_models(args: argparse.Namespace) -> int:
     from miles_core.models.__main__ import main as models_main
 
@@ -255,6 +269,7 @@ def _print_where_to_look(run_dir: Path, model_uri: str | None = None, store: str
     if model_uri:
         name = model_uri.split("/")[1] if model_uri.startswith("models:/") else model_uri
         print(f'  try it     : miles generate --model "models:/{name}@champion" "12+7*3" "45-6*7"')
+        print(f'  serve it   : miles serve --model "models:/{name}@champion" --port 5001')
 
 
 # ----------------------------------------------------------------------------- parser
@@ -336,6 +351,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MLflow tracking/registry URI (default: $MLFLOW_TRACKING_URI, else ./mlruns/mlflow.db, "
                         "where training registers models)")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve a registered model over HTTP (mlflow models serve, venv-independent)",
+                       description="Serve a registered model's predict over HTTP on the project's MLflow store.")
+    p.add_argument("--model", required=True, help="MLflow model URI, e.g. models:/miles-arith@champion")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=5001)
+    p.add_argument("--tracking-uri", default=None, help="MLflow tracking/registry URI (default as for generate)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="SFT -> ADPO -> evaluation on the embedded defaults (~10 min on CPU)",
                        description="Runs the whole loop on one machine (Prefect without a server, MLflow "

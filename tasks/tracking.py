@@ -255,8 +255,14 @@ def _stage_core(dest: Path) -> str:
     return str(core)
 
 
+# Serving machines install the model's requirements.txt: with PyTorch's CPU index beside PyPI, the
+# exact torch pin resolves to its +cpu build (a local version sorts above the bare one), so a clean
+# CPU machine does not pull the multi-GB CUDA wheel. A GPU server overrides it with its own index.
+TORCH_CPU_INDEX = "--extra-index-url https://download.pytorch.org/whl/cpu"
+
+
 def _requirements() -> list[str]:
-    out = []
+    out = [TORCH_CPU_INDEX]
     for name in _REQUIREMENTS:
         try:
             out.append(f"{name}=={pkg_version(name).split('+')[0]}")

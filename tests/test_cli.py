@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models"]
+COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve"]
 FLOW_STARTED = ("Beginning flow run", "Starting temporary server")
 
 

@@ -85,3 +85,42 @@ def test_registered_adapter_loads_with_plain_peft(trained: TrainedProject, tmp_p
     fetched = AdapterRegistry(trained.store_uri).fetch(trained.train["adapter_version"], tmp_path / "fetched")
     stored = load_file(str(fetched / "adapter_model.safetensors"))
     assert stored.keys() == weights.keys() and all(torch.equal(stored[k], weights[k]) for k in weights)
+
+
+def test_registered_model_serves_over_http_without_the_venv_on_path(trained: TrainedProject, tmp_path: Path) -> None:
+    """`miles serve` as printed by the demo: a clean PATH (no venv), the project's store, a real
+    HTTP request; and the model's requirements install torch from PyTorch's CPU index."""
+    import socket
+    import time
+    import urllib.request
+
+    import mlflow.artifacts
+
+    req = Path(mlflow.artifacts.download_artifacts(f"models:/{trained.model_name}@champion",
+                                                   dst_path=str(tmp_path / "art"))) / "requirements.txt"
+    assert req.read_text().splitlines()[0] == tracking.TORCH_CPU_INDEX
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**_child_env(trained), "PATH": "/usr/bin:/bin"}
+    miles_exe = str(Path(sys.executable).parent / "miles")
+    proc = subprocess.Popen([miles_exe, "serve", "--model", f"models:/{trained.model_name}@champion", "--port",
+                             str(port)], cwd=trained.root, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline, body = time.monotonic() + 240, None
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                r = urllib.request.urlopen(urllib.request.Request(
+                    f"http://127.0.0.1:{port}/invocations", data=json.dumps({"inputs": PROMPTS}).encode(),
+                    headers={"Content-Type": "application/json"}), timeout=30)
+                body = json.loads(r.read())
+                break
+            except OSError:
+                time.sleep(1)
+        assert body is not None, (proc.stdout.read(4000) if proc.poll() is not None else "no answer in time")
+        preds = body["predictions"]
+        assert len(preds) == 2 and all(isinstance(p, str) for p in preds)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
