@@ -50,9 +50,17 @@ def _recipes_dir() -> Path:
 
 def validate_recipe(recipe: str | None, overrides: Sequence[str]) -> Any:
     """Load the recipe with its overrides, so a bad field fails before any flow starts."""
-    from miles_core.config import load_recipe
+    from miles_core.config import ConfigError, load_recipe
 
-    return load_recipe(recipe or DEMO_RECIPE, list(overrides))
+    cfg = load_recipe(recipe or DEMO_RECIPE, list(overrides))
+    if cfg.model.device.startswith("cuda"):  # a GPU that is not there: say so now, not after flow start-up
+        from miles_core.models.base import resolve_device
+
+        try:
+            resolve_device(cfg.model.device)
+        except RuntimeError as e:
+            raise ConfigError(f"model.device: {e}") from None
+    return cfg
 
 
 def _prefect_defaults() -> None:

@@ -20,6 +20,23 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the field."""
 
 
+def bounded(default: Any, lo: float | None = None, hi: float | None = None) -> Any:
+    """A numeric field with inclusive bounds, declared beside it; :func:`build` checks them by name."""
+    return field(default=default, metadata={"bounds": (lo, hi)})
+
+
+def check_bounds(obj: Any, path: str = "") -> None:
+    """Every bounded field of ``obj`` within its bounds, or a ConfigError naming field, value and bounds."""
+    for f in dataclasses.fields(obj):
+        lo, hi = f.metadata.get("bounds", (None, None))
+        v = getattr(obj, f.name)
+        if v is None or (lo is None and hi is None):
+            continue
+        if (lo is not None and v < lo) or (hi is not None and v > hi):
+            rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+            raise ConfigError(f"{path}{f.name}: {v!r} is out of bounds {rng}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     # tiny | llama: a random-init model of the sizes below; hf: a local checkpoint (model.path) of
@@ -29,11 +46,11 @@ class ModelConfig:
                     "remote_code"] = "auto"
     # remote_code only: run the checkpoint's own modeling code (auto_map); off unless asked for
     trust_remote_code: bool = False
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int = 512
-    max_len: int = 64
+    d_model: int = bounded(128, 8)
+    n_layers: int = bounded(4, 1, 256)
+    n_heads: int = bounded(4, 1, 256)
+    d_ff: int = bounded(512, 1)
+    max_len: int = bounded(64, 8)
     # llama only: a local Hugging Face folder (config.json, safetensors, tokenizer) to start from;
     # empty: a random-init Llama of the sizes above with a character tokenizer (toy recipes).
     path: str = ""
@@ -49,46 +66,46 @@ class ModelConfig:
 @dataclass(frozen=True)
 class TaskConfig:
     name: Literal["arith", "countdown", "code"] = "arith"
-    min_ops: int = 2
-    max_ops: int = 3
-    max_digits: int = 2
-    mul_max_digits: int = 1
-    num_train: int = 1000      # labelled demonstrations available to SFT (scarce on purpose)
-    num_test: int = 500        # held-out problems for evaluation
-    num_val: int = 200         # held-out validation problems (SFT plateau / model selection), disjoint from test
-    completion_len: int = 32
+    min_ops: int = bounded(2, 1, 16)
+    max_ops: int = bounded(3, 1, 16)
+    max_digits: int = bounded(2, 1, 9)
+    mul_max_digits: int = bounded(1, 1, 9)
+    num_train: int = bounded(1000, 1)      # labelled demonstrations available to SFT (scarce on purpose)
+    num_test: int = bounded(500, 1)        # held-out problems for evaluation
+    num_val: int = bounded(200, 0)         # held-out validation problems (SFT plateau / model selection), disjoint from test
+    completion_len: int = bounded(32, 4)
     # plain: the prompt's tokens as they are; chat: wrapped in the tokenizer's own chat template as
     # one user turn with the assistant header appended (instruct models: LLaDA-8B-Instruct, Dream-
     # Instruct, SDAR-Chat). Recorded with every evaluation (EvalConfig.prompt_template).
     prompt_template: Literal["plain", "chat"] = "plain"
-    num_examples: int = 6      # code: visible outputs f(0..n-1) in the prompt
-    const_max: int = 49        # code: additive constants range over [-const_max, const_max]
-    numbers: int = 3           # countdown: given numbers per problem
-    max_value: int = 12        # countdown: numbers range over 1..max_value
+    num_examples: int = bounded(6, 1, 64)      # code: visible outputs f(0..n-1) in the prompt
+    const_max: int = bounded(49, 0, 1000000)        # code: additive constants range over [-const_max, const_max]
+    numbers: int = bounded(3, 2, 8)           # countdown: given numbers per problem
+    max_value: int = bounded(12, 1, 1000000)        # countdown: numbers range over 1..max_value
 
 
 @dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 3000
-    batch_size: int = 64
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    warmup: int = 100
+    steps: int = bounded(3000, 1)
+    batch_size: int = bounded(64, 1)
+    lr: float = bounded(1e-3, 1e-12, 10.0)
+    weight_decay: float = bounded(0.01, 0.0, 10.0)
+    warmup: int = bounded(100, 0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 at sft.steps
-    eval_every: int = 500
-    seed: int = 0
+    eval_every: int = bounded(500, 1)
+    seed: int = bounded(0, 0)
 
 
 @dataclass(frozen=True)
 class SamplerConfig:
     kind: Literal["static", "nsd"] = "static"
-    steps: int = 16                     # static: total denoising steps for the completion
-    block_size: int = 0                 # 0: the whole completion is one block
-    temperature: float = 1.0
+    steps: int = bounded(16, 1)                     # static: total denoising steps for the completion
+    block_size: int = bounded(0, 0)                 # 0: the whole completion is one block
+    temperature: float = bounded(1.0, 0.0, 100.0)
     remasking: Literal["low_confidence", "random"] = "low_confidence"
-    threshold: float = 0.9              # nsd: commit every position with confidence >= threshold
-    max_per_step: int = 8               # nsd: cap on positions committed in one step
-    min_per_step: int = 1               # nsd: always commit at least this many
+    threshold: float = bounded(0.9, 1e-09, 1.0)              # nsd: commit every position with confidence >= threshold
+    max_per_step: int = bounded(8, 1)               # nsd: cap on positions committed in one step
+    min_per_step: int = bounded(1, 1)               # nsd: always commit at least this many
     block_cache: bool = False           # reuse prompt + finished blocks' keys/values (approximate)
 
     def hash(self, completion_len: int) -> str:
@@ -98,42 +115,42 @@ class SamplerConfig:
 
 @dataclass(frozen=True)
 class LoraSettings:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
+    r: int = bounded(16, 1, 4096)
+    alpha: int = bounded(32, 1)
+    dropout: float = bounded(0.0, 0.0, 0.99)
     targets: str = ""          # comma-separated module names, e.g. "q_proj,v_proj"; "" = the backend's attention+MLP projections
 
 
 @dataclass(frozen=True)
 class ADPOConfig:
     estimator: Literal["adpo", "meanfield"] = "adpo"
-    lr: float = 1e-3
-    warmup: int = 5
+    lr: float = bounded(1e-3, 1e-12, 10.0)
+    warmup: int = bounded(5, 0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 over the run's updates
-    clip_eps: float = 0.2
-    is_cap: float = 2.0                 # C in w = min(pi_prox / mu, C)
-    step_fraction: float = 1.0          # rho: fraction of each trajectory's steps per update
-    kl_coef: float = 0.0                # KL to the reference (adapter disabled)
-    entropy_floor: float = 0.0          # penalise mean entropy below this (NSD guard)
-    entropy_coef: float = 0.0
+    clip_eps: float = bounded(0.2, 1e-09, 10.0)
+    is_cap: float = bounded(2.0, 1.0)                 # C in w = min(pi_prox / mu, C)
+    step_fraction: float = bounded(1.0, 1e-09, 1.0)          # rho: fraction of each trajectory's steps per update
+    kl_coef: float = bounded(0.0, 0.0)                # KL to the reference (adapter disabled)
+    entropy_floor: float = bounded(0.0, 0.0)          # penalise mean entropy below this (NSD guard)
+    entropy_coef: float = bounded(0.0, 0.0)
     std_normalize: bool = False         # group advantages: mean-centred, optionally /std
     skip_zero_variance: bool = True
     loss_norm: Literal["informative", "batch"] = "informative"  # loss / tokens of: rows with A != 0 | the whole batch
-    num_minibatches: int = 1
-    epochs: int = 1
-    row_chunk: int = 256                # rows per forward/backward (bounds peak memory)
-    max_grad_norm: float = 1.0
-    prompt_mask_prob: float = 0.15      # meanfield (d1): fraction of prompt tokens masked
-    max_staleness: int = 4              # async: S
+    num_minibatches: int = bounded(1, 1)
+    epochs: int = bounded(1, 1)
+    row_chunk: int = bounded(256, 1)                # rows per forward/backward (bounds peak memory)
+    max_grad_norm: float = bounded(1.0, 1e-09)
+    prompt_mask_prob: float = bounded(0.15, 0.0, 1.0)      # meanfield (d1): fraction of prompt tokens masked
+    max_staleness: int = bounded(4, 0)              # async: S
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    iterations: int = 40
-    prompts_per_iter: int = 16
-    group_size: int = 8
-    eval_every: int = 10
-    seed: int = 0
+    iterations: int = bounded(40, 0)
+    prompts_per_iter: int = bounded(16, 1)
+    group_size: int = bounded(8, 2)
+    eval_every: int = bounded(10, 0)
+    seed: int = bounded(0, 0)
     reward: str = "math_exact"
     rl_exclude_demos: bool = False      # RL never draws a prompt that is one of the SFT demonstrations
 
@@ -142,19 +159,19 @@ class TrainConfig:
 class AsyncSettings:
     """Decoupled samplers and learner (miles_core/asyncrl). Staleness S is ``adpo.max_staleness``."""
 
-    num_samplers: int = 1
-    batches_per_sampler: int = 10       # sample budget: each sampler commits this many batches
-    max_pending: int = 2                # back-pressure: committed batches the learner has not taken yet
-    checkpoint_every: int = 1           # learner checkpoint to the store every N updates (and on stop)
-    poll_interval: float = 0.05         # seconds between store polls while waiting
-    sampler_threads: int = 1            # torch threads per sampler process
-    sampler_nice: int = 0               # OS niceness of sampler processes (>0: the learner gets the CPU first on a shared host)
+    num_samplers: int = bounded(1, 1, 4096)
+    batches_per_sampler: int = bounded(10, 1)       # sample budget: each sampler commits this many batches
+    max_pending: int = bounded(2, 1)                # back-pressure: committed batches the learner has not taken yet
+    checkpoint_every: int = bounded(1, 1)           # learner checkpoint to the store every N updates (and on stop)
+    poll_interval: float = bounded(0.05, 1e-06, 3600.0)         # seconds between store polls while waiting
+    sampler_threads: int = bounded(1, 1, 1024)            # torch threads per sampler process
+    sampler_nice: int = bounded(0, 0, 19)               # OS niceness of sampler processes (>0: the learner gets the CPU first on a shared host)
     pin_samplers: bool = False          # pin sampler i to CPU i mod (CPUs this process may use); the learner floats
     shared_budget: bool = False         # samplers claim slots of one num_samplers x batches_per_sampler budget (a fast one takes more)
     learner_samples: bool = False       # with shared_budget: the learner samples a batch itself instead of waiting idle
     sync_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # adapter tensors as published to samplers
-    learner_threads: int = 1            # torch threads of the learner process
-    retry_budget_s: float = 60.0        # storage errors are retried with backoff for this long
+    learner_threads: int = bounded(1, 1, 1024)            # torch threads of the learner process
+    retry_budget_s: float = bounded(60.0, 0.0)        # storage errors are retried with backoff for this long
 
 
 @dataclass(frozen=True)
@@ -162,26 +179,26 @@ class GuardSettings:
     """Collapse guard (miles_core/algo/guard.py): roll the policy back when a batch shows it collapsed."""
 
     enabled: bool = True
-    max_empty_frac: float = 0.5         # collapse: this share of empty completions, after a running share below half of it
-    reward_drop: float = 0.1            # collapse: batch mean reward below this x the running mean of healthy batches ...
-    min_reward: float = 0.2             # ... when that running mean is at least this (below, a drop is noise)
-    min_rows: int = 64                  # smaller batches are too noisy to call a collapse: always accepted
-    ema: float = 0.1                    # weight of a new healthy batch in the running means
-    snapshot_every: int = 10            # candidate rollback target every N policy versions
-    max_rollbacks: int = 3              # a collapse after this many rollbacks in a row (no healthy batch between) -> CollapseError
-    confirm: int = 2                    # a reward drop rolls back on the confirm-th unhealthy batch in a row (earlier ones skipped)
+    max_empty_frac: float = bounded(0.5, 1e-09, 1.0)         # collapse: this share of empty completions, after a running share below half of it
+    reward_drop: float = bounded(0.1, 0.0, 0.999)            # collapse: batch mean reward below this x the running mean of healthy batches ...
+    min_reward: float = bounded(0.2, 0.0)             # ... when that running mean is at least this (below, a drop is noise)
+    min_rows: int = bounded(64, 1)                  # smaller batches are too noisy to call a collapse: always accepted
+    ema: float = bounded(0.1, 1e-09, 1.0)                    # weight of a new healthy batch in the running means
+    snapshot_every: int = bounded(10, 1)            # candidate rollback target every N policy versions
+    max_rollbacks: int = bounded(3, 0)              # a collapse after this many rollbacks in a row (no healthy batch between) -> CollapseError
+    confirm: int = bounded(2, 1)                    # a reward drop rolls back on the confirm-th unhealthy batch in a row (earlier ones skipped)
 
 
 @dataclass(frozen=True)
 class EvalSettings:
-    num_problems: int = 500
-    steps: int = 16
-    block_size: int = 0
-    temperature: float = 0.0
+    num_problems: int = bounded(500, 1)
+    steps: int = bounded(16, 1)
+    block_size: int = bounded(0, 0)
+    temperature: float = bounded(0.0, 0.0, 100.0)
     remasking: Literal["low_confidence", "random"] = "low_confidence"
-    n_samples: int = 1
-    seed: int = 1234
-    batch_size: int = 250
+    n_samples: int = bounded(1, 1)
+    seed: int = bounded(1234, 0)
+    batch_size: int = bounded(250, 1)
 
 
 @dataclass(frozen=True)
@@ -211,7 +228,7 @@ class RecipeConfig:
     guard: GuardSettings = field(default_factory=GuardSettings)
     eval: EvalSettings = field(default_factory=EvalSettings)
     sandbox: SandboxSettings = field(default_factory=SandboxSettings)
-    torch_threads: int = 0               # 0: leave torch's default
+    torch_threads: int = bounded(0, 0, 1024)               # 0: leave torch's default
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -279,6 +296,7 @@ def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
             raise ConfigError(f"unknown config key {full!r}; allowed keys here: {', '.join(sorted(names))}")
         kwargs[key] = _coerce(full, hints[key], value)
     obj = cls(**kwargs)
+    check_bounds(obj, path)
     validate(obj, path)
     return obj
 

@@ -80,6 +80,8 @@ def test_unknown_command_is_a_usage_error() -> None:
     (["train", "tiny", "lr"], ["lr", "key.sub=value"]),
     (["eval", "--model", "models:/miles-arith@champion", "eval.temperature=hot"], ["eval.temperature"]),
     (["demo", "train.group_size=1"], ["train.group_size"]),
+    (["sft", "tiny", "sft.steps=-1"], ["sft.steps", "-1", "[1, inf]"]),
+    (["train", "tiny", "lora.r=0"], ["lora.r", "0", "[1, 4096]"]),
 ])
 def test_bad_recipe_or_override_fails_fast_naming_the_field(args: list[str], names: list[str]) -> None:
     r = miles(*args, timeout=60)
@@ -151,3 +153,13 @@ def test_demo_then_generate_on_the_tiny_recipe(tmp_path: Path) -> None:
               "1+2*3", cwd=other, env=bare, timeout=180)
     assert g.returncode == 0, g.stderr[-3000:]
     assert not (tmp_path / "mlflow.db").exists() and not (other / "mlflow.db").exists()
+
+
+def test_a_missing_gpu_is_refused_before_any_flow_starts() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    r = miles("sft", "tiny", "model.device=cuda")
+    assert r.returncode == 2 and "model.device" in r.stderr and "sees no CUDA device" in r.stderr, r.stderr
+    assert not any(s in r.stdout + r.stderr for s in FLOW_STARTED)

@@ -241,3 +241,33 @@ def test_a_rows_logits_and_greedy_completion_do_not_depend_on_its_batch():
     one = sample(model, TOK, [TOK.encode("1+2")], greedy, 6, torch.Generator().manual_seed(0))
     two = sample(model, TOK, [TOK.encode("1+2"), TOK.encode("123+456*7")], greedy, 6, torch.Generator().manual_seed(0))
     assert torch.equal(one.completion_ids[0], two.completion_ids[0])
+
+
+def _bounded_fields():
+    import dataclasses as dc
+    import typing
+
+    from miles_core.config import RecipeConfig
+
+    def walk(cls, prefix):
+        hints = typing.get_type_hints(cls)
+        for f in dc.fields(cls):
+            if dc.is_dataclass(hints[f.name]):
+                yield from walk(hints[f.name], f"{prefix}{f.name}.")
+            elif hints[f.name] in (int, float) or hints[f.name] in (int | None, float | None):
+                yield f"{prefix}{f.name}", hints[f.name], f.metadata.get("bounds")
+    return list(walk(RecipeConfig, ""))
+
+
+@pytest.mark.parametrize("key,tp,bounds", _bounded_fields(), ids=lambda v: v if isinstance(v, str) else "")
+def test_every_numeric_setting_is_bounded_and_refused_outside(key: str, tp: type, bounds) -> None:
+    """Generated from the config dataclasses: every int/float field declares bounds, and a value
+    just outside them fails at load with the field, the value and the bounds in the message."""
+    from miles_core.config import ConfigError, load_recipe
+
+    assert bounds is not None and bounds != (None, None), f"{key} declares no bounds"
+    lo, hi = bounds
+    step = 1 if tp in (int, int | None) else 1e-3 * max(1.0, abs(lo if lo is not None else hi))
+    for bad in ([lo - step] if lo is not None else []) + ([hi + step] if hi is not None else []):
+        with pytest.raises(ConfigError, match=rf"{key}: {bad!r} is out of bounds \["):
+            load_recipe("tiny", [f"{key}={bad}"])
