@@ -33,6 +33,9 @@ from mlflow.exceptions import MlflowException
 
 log = logging.getLogger("miles.tracking")
 
+# MLflow 3's UI opens an experiment by its kind: "custom_model_development" ("Machine learning") is
+# the runs table; without the tag it may infer GenAI and open an empty traces overview.
+EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 CHAMPION = "champion"
 PASS1_TAG = "miles.pass1"
 FINGERPRINT_TAG = "miles.eval_fingerprint"
@@ -73,11 +76,13 @@ def metric_key(name: str) -> str:
 def _experiment_id(client: MlflowClient, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is not None:
+        if EXPERIMENT_KIND_TAG not in exp.tags:
+            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         return exp.experiment_id
     db = _sqlite_file(mlflow.get_tracking_uri())
     location = (db.resolve().parent / "artifacts").as_uri() if db is not None else None
     try:
-        return client.create_experiment(name, artifact_location=location)
+        return client.create_experiment(name, artifact_location=location, tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except MlflowException:  # created concurrently by another run
         exp = client.get_experiment_by_name(name)
         if exp is None:

@@ -85,6 +85,8 @@ def test_train_run_logs_params_metrics_and_artifacts(trained: TrainedProject) ->
     run = client.get_run(rid)
     assert run.info.status == "FINISHED"
     assert run.data.tags["miles.sft_run_id"] == ""  # base checkpoint given: no SFT subflow
+    # the MLflow UI opens the experiment on its runs table (not MLflow 3's GenAI overview)
+    assert client.get_experiment(run.info.experiment_id).tags["mlflow.experimentKind"] == "custom_model_development"
     assert _prefect_flow_name(run.data.tags["prefect.flow_run_id"]) == "miles-train"
     cfg = load_recipe("tiny", [*TINY_OVERRIDES, "train.iterations=2"])
     for key, value in cfg.flat().items():
