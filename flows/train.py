@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger
 from flows.params import TrainParams, cli_main, documented, validate
 from flows.sft import sft_flow
 from miles_core.config import load_recipe
+from miles_core.progress import Progress
 from tasks import tracking, training
 
 CURVE_PANELS = [("rollout reward", ["reward/reward_mean"]), ("held-out pass@1", ["eval/pass1"])]
@@ -47,6 +48,8 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
     tracking.log_eval(run_id, ev, start)
     tracking.log_params(run_id, {f"eval_config.{k}": v for k, v in ev["config"].items()})
     adapter = init
+    bar = Progress(total - start, "rl", enabled=p.progress)  # a bar with ETA on a terminal, plain lines elsewhere
+    bar.figures["pass@1"] = first["pass1"]
     for it in range(start, total):
         ro = training.rollout(run, store, it)
         sc = training.score_rewards(run, store, ro["batch_id"])
@@ -63,6 +66,9 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
             ev = training.evaluate_policy(run, adapter["version"], p.progress)
             tracking.log_eval(run_id, ev, step)
             log.info("iteration %d: held-out pass@1 %.3f", step, ev["pass1"])
+            bar.figures["pass@1"] = ev["pass1"]
+        bar.update(1, reward=float(sc["stats"]["reward_mean"]))
+    bar.close()
     tracking.log_metrics(run_id, {"final/pass1": ev["pass1"], "final/start_pass1": first["pass1"]}, total)
     tracking.log_artifact(run_id, ev["path"], "eval")
     tracking.log_table(run_id, [{"version": adapter["version"], **s} for s in ev["samples"]], "samples/eval.json")

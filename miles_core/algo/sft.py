@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from miles_core.algo.schedule import Schedule, lr_factor
+from miles_core.progress import track
 from miles_core.samplers.step import left_pad
 from miles_core.tokenizer import CharTokenizer
 
@@ -70,11 +71,7 @@ def train_sft(model, tok: CharTokenizer, prompts: Sequence[str], targets: Sequen
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(warmup, lr_schedule, steps))
     n = len(prompts)
     history = []
-    it = range(steps)
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(it, desc="sft", leave=False)
+    it = track(range(steps), steps, "sft", enabled=progress)
     model.train()
     for step in it:
         idx = torch.randint(0, n, (batch_size,), generator=gen).tolist()

@@ -13,6 +13,7 @@ import torch
 
 from miles_core.config import SamplerConfig
 from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
+from miles_core.progress import track
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import CharTokenizer
 
@@ -38,11 +39,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     samples: list[dict] = []
     nfe_total, tokens, t0 = 0, 0, time.perf_counter()
     order = [(i, s) for s in range(ec.n_samples) for i in range(len(prompts))]
-    chunks = range(0, len(order), batch_size)
-    if progress:
-        from tqdm import tqdm
-
-        chunks = tqdm(chunks, desc="eval", leave=False)
+    chunks = track(range(0, len(order), batch_size), -(-len(order) // batch_size), "eval", enabled=progress)
     for start in chunks:
         part = order[start:start + batch_size]
         batch = sample(model, tok, [tok.encode_prompt(prompts[i]) for i, _ in part], scfg, ec.completion_len, gen)
