@@ -25,12 +25,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 RUNS_DIR = "runs"
 
 
+# what a recipe field may name without a path (listed in the Prefect form's help text)
+BUILTIN_RECIPES = tuple(sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "miles_core" / "recipes").glob("*.yaml")))
+
 class FlowParams(BaseModel):
     """Shared by every flow: which recipe, where outputs go, which MLflow experiment."""
 
     model_config = ConfigDict(extra="forbid")
 
-    recipe: str = Field("arith", description="built-in recipe name (arith, tiny) or a YAML file")
+    recipe: str = Field("arith", description=f"built-in recipe name ({', '.join(BUILTIN_RECIPES)}) or a YAML file")
     overrides: list[str] = Field(default_factory=list, description="recipe overrides, key.sub=value")
     run_dir: str | None = Field(None, description="local folder for checkpoints/plots (default ./runs/<flow>-<recipe>-<time>)")
     experiment: str = Field("miles", min_length=1, description="MLflow experiment name")
@@ -59,7 +62,7 @@ class SFTParams(FlowParams):
 
 
 class TrainParams(FlowParams):
-    store_uri: str | None = Field(None, description="trajectory/adapter store: folder or s3://bucket/prefix (default <run_dir>/store)")
+    store_uri: str | None = Field(None, description="trajectory/adapter store: folder or s3://bucket/prefix (default RUN_DIR/store, RUN_DIR being run_dir)")
     base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
     iterations: int | None = Field(None, ge=0, description="RL iterations (overrides train.iterations)")
     register_as: str | None = Field("miles-arith", description="MLflow registered model for the final adapter (empty: do not register)")
@@ -71,7 +74,7 @@ class TrainParams(FlowParams):
 
 
 class AsyncTrainParams(FlowParams):
-    store_uri: str | None = Field(None, description="the run's store shared by samplers and learner: folder or s3://bucket/prefix (default <run_dir>/store)")
+    store_uri: str | None = Field(None, description="the run's store shared by samplers and learner: folder or s3://bucket/prefix (default RUN_DIR/store, RUN_DIR being run_dir)")
     base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
     num_samplers: int | None = Field(None, ge=1, description="sampler workers (overrides async_rl.num_samplers)")
     batches_per_sampler: int | None = Field(None, ge=1, description="sample budget per sampler (overrides async_rl.batches_per_sampler)")

@@ -15,8 +15,10 @@ import argparse
 import importlib
 import inspect
 import os
+import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Sequence
@@ -105,9 +107,25 @@ def _print_result(result: Any) -> None:
 def cmd_recipes(args: argparse.Namespace) -> int:
     """List built-in recipes with the first comment line of each file."""
     for path in sorted(_recipes_dir().glob("*.yaml")):
-        first = next((ln.lstrip("# ").strip() for ln in path.read_text().splitlines() if ln.startswith("#")), "")
-        print(f"{path.stem:<12} {first}")
+        lines = textwrap.wrap(recipe_summary(path.read_text()), 86) or [""]
+        print(f"{path.stem:<12} {lines[0]}")
+        for more in lines[1:]:
+            print(f"{'':<12} {more}")
     return 0
+
+
+def recipe_summary(text: str) -> str:
+    """The first sentence of a recipe's leading comment, however many lines it spans."""
+    words: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        words.append(line.lstrip("#").strip())
+        joined = " ".join(w for w in words if w)
+        m = re.search(r"^(.*?(?<!e\.g)(?<!i\.e)\.)(\s|$)", joined)  # "e.g." ends no sentence
+        if m:
+            return m.group(1)
+    return " ".join(w for w in words if w)
 
 
 def cmd_sft(args: argparse.Namespace) -> int:

@@ -108,9 +108,16 @@ def test_source_and_resume_errors(args: list[str], needle: str) -> None:
 def test_recipes_lists_builtins_with_descriptions() -> None:
     r = miles("recipes")
     assert r.returncode == 0, r.stderr
-    rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}
-    assert {"arith", "tiny"} <= set(rows)
+    rows: dict[str, str] = {}
+    for line in r.stdout.splitlines():  # a description wraps onto indented lines under its name
+        if line.strip() and not line.startswith(" "):
+            name = line.split()[0]
+            rows[name] = line[len(name):].strip()
+        elif line.strip():
+            rows[name] += " " + line.strip()
+    assert {"arith", "tiny", "code", "countdown"} <= set(rows)
     assert "arithmetic" in rows["arith"].lower()
+    assert all(d.endswith(".") for d in rows.values()), rows  # whole sentences, never cut mid-way
 
 
 def test_console_script_is_declared() -> None:
