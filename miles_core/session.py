@@ -23,7 +23,7 @@ from miles_core.data import code, countdown
 from miles_core.data.arith import ArithConfig, ArithTask, Problem, max_target_len
 from miles_core.eval.evaluate import evaluate
 from miles_core.eval.passk import EvalConfig, EvalResult
-from miles_core.models.base import load_base, resolve_device, save_checkpoint
+from miles_core.models.base import base_identity, load_base, resolve_device, save_checkpoint
 from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.rewards.pool import set_isolation
@@ -225,7 +225,7 @@ class Learner:
 
     def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None,
                  total_updates: int | None = None):
-        self.cfg = cfg
+        self.cfg, self.base_dir, self._base_identity = cfg, base_dir, None
         base, self.tok = load_base(cfg, base_dir)
         for p in base.parameters():
             p.requires_grad_(False)
@@ -312,7 +312,9 @@ class Learner:
         self.sched.load_state_dict(st["sched"])
 
     def save_adapter(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
-        return save_adapter(self.model, directory, dtype)
+        if self._base_identity is None:  # hashed once per learner: the async learner publishes every update
+            self._base_identity = base_identity(self.base_dir)
+        return save_adapter(self.model, directory, dtype, base=self._base_identity)
 
     def state(self) -> dict:
         return {**self._policy_state(), "gen": self.gen.get_state(), "rng": self.rng.getstate(),

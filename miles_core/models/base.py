@@ -134,6 +134,25 @@ def load_base(cfg: "RecipeConfig", directory: str | Path) -> tuple[nn.Module, An
     return model, tok
 
 
+def base_identity(directory: str | Path) -> dict[str, str]:
+    """What an adapter belongs to: the base's name (its config's ``_name_or_path`` when that is a
+    name, else the folder's) and the SHA-256 of its weight files, so an adapter is never silently
+    applied to another base. Hashing reads every weight once (~1 GB/s); callers cache it."""
+    import hashlib
+
+    d = local_model_dir(directory)
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
+    name = str(cfg.get("_name_or_path") or "")
+    if not name or "/" in name and Path(name).exists():
+        name = d.name
+    h = hashlib.sha256()
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+    return {"name": name, "sha256": h.hexdigest()}
+
+
 def save_checkpoint(model: nn.Module, tokenizer: AnyTokenizer, directory: str | Path) -> None:
     """Write model weights, config and tokenizer so ``load_checkpoint`` restores them exactly
     (a Llama-Diffusion model is written as a standard Hugging Face folder)."""

@@ -63,7 +63,8 @@ def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = Fal
     return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
 
 
-def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | None = None,
+                 base: dict[str, str] | None = None) -> Path:
     """Write the adapter as a standard peft folder (adapter_config.json + adapter_model.safetensors).
 
     The same two files ``PeftModel.save_pretrained`` writes, without the README model card it also
@@ -72,13 +73,18 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     ``dtype`` (e.g. ``torch.bfloat16``) casts the tensors as written: half the bytes to ship to
     samplers, which load them into their float32 LoRA layers; the behaviour log-probs they record
     are those of the rounded policy, and the learner's importance weight corrects for the difference.
+    ``base`` (models.base.base_identity): the adapter records what it belongs to, as peft's
+    ``base_model_name_or_path`` and as ``miles.base_*`` safetensors metadata with the base's hash.
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    meta = {"format": "pt", **({"miles.base_name": base["name"], "miles.base_sha256": base["sha256"]} if base else {})}
+    save_file(state, str(d / ADAPTER_WEIGHTS), metadata=meta)
     cfg = copy.deepcopy(model.peft_config["default"])
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
+    if base:
+        cfg.base_model_name_or_path = base["name"]
     cfg.save_pretrained(str(d))
     return d
 
