@@ -105,7 +105,7 @@ def test_bad_checkpoint_folders_name_the_problem(tmp_path, base_dir):
         load_llama(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt9"}))
     with pytest.raises(ValueError, match=r"model_type 'gpt9' is not a known diffusion family \(Dream, a2d-qwen3, "
-                                         r"llada, qwen3, sdar; also llama and miles-tiny\)"):
+                                         r"llada, modernbert, qwen3, sdar; also llama and miles-tiny\)"):
         load_checkpoint(tmp_path)
     with pytest.raises(ConfigError, match="model.path: only the 'llama' and 'hf' backends"):
         load_recipe("tiny", ["model.path=/x"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from miles_core.config import LoraSettings
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the tensors of a peft adapter folder
+BASE_FILE = "miles_base.json"                  # what the adapter belongs to: the base's name and weight hash
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
 # Attention and MLP projections per backend, keyed by the base's ``config.model_type``.
 TARGETS_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {
@@ -74,13 +76,14 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     samplers, which load them into their float32 LoRA layers; the behaviour log-probs they record
     are those of the rounded policy, and the learner's importance weight corrects for the difference.
     ``base`` (models.base.base_identity): the adapter records what it belongs to, as peft's
-    ``base_model_name_or_path`` and as ``miles.base_*`` safetensors metadata with the base's hash.
+    ``base_model_name_or_path`` and in ``miles_base.json`` (name and the hash of the base's weights).
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in get_peft_model_state_dict(model).items()}
-    meta = {"format": "pt", **({"miles.base_name": base["name"], "miles.base_sha256": base["sha256"]} if base else {})}
-    save_file(state, str(d / ADAPTER_WEIGHTS), metadata=meta)
+    save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    if base:  # beside the weights, not in their header: safetensors orders header metadata arbitrarily
+        (d / BASE_FILE).write_text(json.dumps({"name": base["name"], "sha256": base["sha256"]}, sort_keys=True))
     cfg = copy.deepcopy(model.peft_config["default"])
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
     if base:
