@@ -395,3 +395,14 @@ def test_samplers_record_steps_that_scoring_reproduces(ckpts: dict[str, Path], f
     logp, _, commit = score_rows(model, batch, rows.traj, rows.step, tok, 1.0)
     assert commit.sum() == batch.completion_ids.numel()
     assert torch.allclose(logp[commit], batch.logp[rows.traj][commit], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["tiny", "bidir_llama"])
+def test_init_and_check_cover_the_built_in_families_too(family: str, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    from miles_core.models.__main__ import main
+
+    assert main(["init", "--family", family, str(tmp_path / family)]) == 0
+    assert main(["check", str(tmp_path / family)]) == 0
+    out = capsys.readouterr().out
+    assert f"family         {family}" in out and "finite         true" in out

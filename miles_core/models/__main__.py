@@ -12,21 +12,42 @@ import json
 from miles_core.models.families import SPECS
 
 
+def init(family: str, out: str, seed: int = 0) -> str:
+    """A tiny random-init checkpoint of ``family`` in its published layout (bidir_llama: a plain
+    Hugging Face Llama folder; tiny: Miles' own character model)."""
+    if family == "bidir_llama":
+        from miles_core.models.llama import init_checkpoint
+
+        return str(init_checkpoint(out, seed=seed))
+    if family == "tiny":
+        import torch
+
+        from miles_core.models.base import save_checkpoint
+        from miles_core.models.tiny import TinyConfig, TinyDenoiser
+        from miles_core.tokenizer import CharTokenizer
+
+        torch.manual_seed(seed)
+        tok = CharTokenizer()
+        save_checkpoint(TinyDenoiser(TinyConfig(tok.vocab_size, 32, 1, 2, 64, 64)), tok, out)
+        return out
+    from miles_core.models.hf import init_tiny
+
+    return str(init_tiny(family, out, seed))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m miles_core.models", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("init", help="write a tiny random-init checkpoint in a family's published layout")
     i.add_argument("out", help="output folder")
-    i.add_argument("--family", required=True, choices=sorted(SPECS))
+    i.add_argument("--family", required=True, choices=sorted([*SPECS, "bidir_llama", "tiny"]))
     i.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("check", help="load a checkpoint folder, print what it is, run one smoke forward")
     c.add_argument("dir")
-    c.add_argument("--family", default="auto", choices=["auto", *sorted(SPECS)])
+    c.add_argument("--family", default="auto", choices=["auto", *sorted(SPECS), "bidir_llama", "tiny"])
     a = p.parse_args(argv)
     if a.command == "init":
-        from miles_core.models.hf import init_tiny
-
-        print(f"wrote {init_tiny(a.family, a.out, a.seed)}")
+        print(f"wrote {init(a.family, a.out, a.seed)}")
         return 0
     from miles_core.models.hf import check
 

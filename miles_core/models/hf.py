@@ -262,17 +262,23 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
 
 def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
     """What ``miles models check`` prints: family, size, dtype, ids, attention, and a smoke forward."""
+    from miles_core.models.base import load_checkpoint
+
     t0 = time.perf_counter()
-    model, tok = load_family(directory, family)
+    model, tok = load_checkpoint(directory, family=family)  # the path training takes
     load_s = time.perf_counter() - t0
     ids = torch.tensor([tok.encode("1+2=") + [tok.mask_id] * 4])
     with torch.no_grad():
         logits = model(ids, torch.ones_like(ids, dtype=torch.bool))
-    spec = model.spec
-    return {"family": spec.name, "native": spec.native, "parameters": sum(p.numel() for p in model.parameters()),
-            "dtype": str(next(model.parameters()).dtype), "mask_id": tok.mask_id, "eos_id": tok.eos_id,
-            "vocab_size": tok.vocab_size, "logit_shift": spec.logit_shift,
-            "attention": "block-causal, block %d" % model.block_size if spec.attention == "block" else "bidirectional",
+    spec = getattr(model, "spec", None)
+    name = spec.name if spec else {"TinyDenoiser": "tiny", "LlamaDiffusion": "bidir_llama"}.get(
+        type(model).__name__, "remote_code")
+    block = spec is not None and spec.attention == "block"
+    return {"family": name, "native": spec.native if spec else str(getattr(model.config, "model_type", name)),
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype),
+            "mask_id": tok.mask_id, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
+            "logit_shift": bool(spec and spec.logit_shift),
+            "attention": f"block-causal, block {model.block_size}" if block else "bidirectional",
             "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
 
 
