@@ -50,9 +50,8 @@ from typing import Any, Callable, Literal
 
 from miles_core.config import ConfigError
 
-# model.family values: these specs, plus bidir_llama (models/llama.py, which also adds a mask token
-# to a tokenizer that has none), tiny (models/tiny.py) and remote_code (hf.py, explicit opt-in).
-FAMILIES = ("auto", "llada", "dream", "sdar", "bidir_qwen3", "modernbert", "bidir_llama", "tiny", "remote_code")
+# model.family (config.ModelConfig) names these specs, plus bidir_llama (models/llama.py, which also
+# adds a mask token to a tokenizer that has none), tiny (models/tiny.py) and remote_code (hf.py).
 LLADA_CHAT = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
               "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
               "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
@@ -156,8 +155,8 @@ def _llada_published(c: dict[str, Any]) -> dict[str, Any]:
             "pad_token_id": c.get("pad_token_id", 126081), "use_cache": False}
 
 
-def _qwen_native(extra: tuple[str, ...]) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Qwen2/Qwen3-shaped config.json -> native kwargs: drop the published wrapper's own keys."""
+def _drop_keys(extra: tuple[str, ...]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """A config.json in the native field names -> native kwargs: drop the published wrapper's own keys."""
     drop = {"model_type", "architectures", "auto_map", "transformers_version", "torch_dtype", "dtype", *extra}
     return lambda d: {k: v for k, v in d.items() if k not in drop}
 
@@ -191,22 +190,22 @@ SPECS: dict[str, FamilySpec] = {
     "dream": FamilySpec(
         "dream", "qwen2", ("Dream",), "full", True, mask_id=151666, eos_id=151643, eot_id=151645,
         special_tokens={**QWEN_SPECIALS, 151665: "<|beginoftext|>", 151666: "<|mask|>"}, chat_template=CHATML,
-        native_config=_qwen_native(("mask_token_id",)),
+        native_config=_drop_keys(("mask_token_id",)),
         published_config=_qwen_published("Dream", "DreamModel", {"mask_token_id": 151666})),
     "sdar": FamilySpec(
         "sdar", "qwen3", ("sdar",), "block", False, mask_id=151669, eos_id=151643, eot_id=151645,
         special_tokens={**QWEN_SPECIALS, 151669: "<|MASK|>"}, chat_template=CHATML,
-        native_config=_qwen_native(("mask_token_id",)),
+        native_config=_drop_keys(("mask_token_id",)),
         published_config=_qwen_published("sdar", "SDARForCausalLM", {"block_size": 4, "mask_token_id": 151669})),
     "bidir_qwen3": FamilySpec(
         "bidir_qwen3", "qwen3", ("qwen3", "a2d-qwen3"), "full", False, mask_id=151669, eos_id=151643,
         eot_id=151645, special_tokens={**QWEN_SPECIALS, 151669: "<|mask|>"}, chat_template=CHATML,
-        native_config=_qwen_native(("is_causal", "mask_token_id")),
+        native_config=_drop_keys(("is_causal", "mask_token_id")),
         published_config=_qwen_published("qwen3", "Qwen3ForCausalLM", {"is_causal": False})),
     "modernbert": FamilySpec(
         "modernbert", "modernbert", ("modernbert",), "full", False, mask_id=50284, eos_id=50282, eot_id=None,
         special_tokens={50280: "[UNK]", 50281: "[CLS]", 50282: "[SEP]", 50283: "[PAD]", 50284: "[MASK]"},
-        chat_template="", native_config=_qwen_native(()), published_config=_native_published),
+        chat_template="", native_config=_drop_keys(()), published_config=_native_published),
 }
 
 

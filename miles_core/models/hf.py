@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from miles_core.config import ConfigError
 from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.hf_tokenizer import HFTokenizer
+from miles_core.models.llama import make_bidirectional, model_inputs
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -54,10 +55,7 @@ class HFDiffusion(nn.Module):
         self.published = dict(published or {})
         self.config = lm.config  # peft reads model.config.model_type for the LoRA targets
         if spec.attention == "full":
-            lm.config.is_causal = False
-            for m in lm.modules():
-                if hasattr(m, "is_causal") and isinstance(m.is_causal, bool):
-                    m.is_causal = False
+            make_bidirectional(lm)
 
     def block_mask(self, mask: Tensor, pos: Tensor) -> Tensor:
         """[B, 1, T, T] bool: key is real and in the query's block or an earlier one; a padded
@@ -69,10 +67,7 @@ class HFDiffusion(nn.Module):
         return allowed[:, None]
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        dev = self.lm.get_input_embeddings().weight.device
-        ids = input_ids.to(dev)
-        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(dev).bool()
-        pos = (mask.long().cumsum(1) - 1).clamp_min(0)                                  # [B, T]
+        ids, mask, pos = model_inputs(self.lm, input_ids, attention_mask)
         if self.spec.attention == "block":
             logits = self.lm(input_ids=ids, attention_mask=self.block_mask(mask, pos), position_ids=pos,
                              use_cache=False).logits

@@ -68,6 +68,15 @@ def make_bidirectional(lm: LlamaForCausalLM) -> int:
     return n
 
 
+def model_inputs(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(ids, bool mask, positions) on ``lm``'s device. Positions count real tokens only
+    (``cumsum(mask) - 1``), so left padding never shifts a row's rotary positions."""
+    dev = lm.get_input_embeddings().weight.device
+    ids = input_ids.to(dev)
+    mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(dev).bool()
+    return ids, mask, (mask.long().cumsum(1) - 1).clamp_min(0)                          # [B, T] each
+
+
 class LlamaDiffusion(nn.Module):
     """logits = model(input_ids [B, T], attention_mask [B, T] bool) -> [B, T, V] (the Denoiser protocol).
 
@@ -86,10 +95,7 @@ class LlamaDiffusion(nn.Module):
         self.config = lm.config  # peft reads model.config (model_type 'llama' picks the LoRA targets)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        dev = self.lm.get_input_embeddings().weight.device
-        ids = input_ids.to(dev)
-        mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(dev).bool()
-        pos = (mask.long().cumsum(1) - 1).clamp_min(0)                                  # [B, T]
+        ids, mask, pos = model_inputs(self.lm, input_ids, attention_mask)
         logits = self.lm(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False).logits
         return logits.to(input_ids.device)                                              # [B, T, V]
 
