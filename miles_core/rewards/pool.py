@@ -117,9 +117,9 @@ class SandboxPool:
                         "hook only); model-written code can read and write what uid %s can",
                         iso.uid if iso.uid is not None else os.getuid())
         self._workers: list[_Worker | None] = [None] * n
-        self._check_live()
+        self._check_live()  # a long-lived mode keeps the checked worker as worker 0
         if iso.mode != "bwrap":
-            self._workers = [self._spawn() for _ in range(n)]
+            self._workers[1:] = [self._spawn() for _ in range(n - 1)]
         self._threads = [threading.Thread(target=self._serve, args=(i,), daemon=True, name=f"miles-sandbox-{i}")
                          for i in range(n)]
         for t in self._threads:
@@ -127,11 +127,20 @@ class SandboxPool:
 
     def _check_live(self) -> None:
         """Fail closed: one real run through the whole boundary before any completion is scored."""
+        shared = self.isolation.mode != "bwrap"
+        w = None
         try:
-            res = self._run_in(self._spawn(), _job_message(Job("x + 1", [[1]]), 0), once=True)
+            w = self._spawn()
+            res = self._run_in(w, _job_message(Job("x + 1", [[1]]), 0), once=not shared)
         except RuntimeError as e:
             res = ExecResult("worker_error", str(e))
-        if res.status != "ok" or res.outputs != [2]:
+        ok = res.status == "ok" and res.outputs == [2]
+        if shared and w is not None and res.status != "worker_error":  # _run_in retired it on a worker error
+            if ok:
+                self._workers[0] = w
+            else:
+                w.kill()
+        if not ok:
             shutil.rmtree(self._dir, ignore_errors=True)
             hint = f"; {USERNS_HINT}" if self.isolation.mode != "none" else ""
             raise IsolationUnavailable(f"sandbox ({self.isolation.mode}) failed its start-up run: {res.reason}; "
