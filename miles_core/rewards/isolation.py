@@ -276,8 +276,7 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
                                    "or set sandbox.isolation=none to run completions without a kernel boundary")
     if sys.platform != "linux":
         raise IsolationUnavailable(f"kernel isolation needs Linux namespaces and seccomp; this is {sys.platform}")
-    probe = describe_interpreter(exe)
-    module = find_seccomp_module(probe.version)
+    module = find_seccomp_module(sys.version_info[:2])  # choose_interpreter only offers this Python's version
     return Isolation(mode, describe_interpreter(exe, module), uid, module, stage_one_bpf(module), bwrap,
                      compile_harness(exe))
 
