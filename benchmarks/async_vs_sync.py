@@ -49,7 +49,8 @@ def timed_loop(cfg_json: str, base: str, threads: int, batches: int, start_at: f
 
     torch.set_num_threads(threads)
     from miles_core.config import load_recipe
-    from miles_core.session import Learner, build_task
+    from miles_core.data.registry import build_task
+    from miles_core.learner.policy import Learner
 
     cfg = load_recipe(json.loads(cfg_json))
     data = build_task(cfg)
@@ -127,7 +128,8 @@ def evaluate(cfg, base: str, adapter: str) -> tuple[float, list[bool]]:
     torch.set_num_threads(usable_cpus())
     from miles_core.models.base import load_checkpoint
     from miles_core.models.lora import load_adapter
-    from miles_core.session import build_task, run_eval
+    from miles_core.data.registry import build_task
+    from miles_core.eval.evaluate import run_eval
 
     model, tok = load_checkpoint(base)
     r = run_eval(load_adapter(model, adapter), tok, cfg, build_task(cfg))
@@ -149,7 +151,8 @@ def main() -> None:
 
     from miles_core.asyncrl.launch import prepare_run, run_local
     from miles_core.config import load_recipe
-    from miles_core.session import build_task, train_baseline
+    from miles_core.data.registry import build_task
+    from miles_core.learner.baseline import train_baseline
 
     cores = usable_cpus()
     overrides = DEFAULT_OVERRIDES + args.set
@@ -189,7 +192,7 @@ def main() -> None:
         summary = run_local(run_uri, cfg.async_rl.num_samplers, work / "logs", timeout=3600, env=env,
                             warm=not args.cold)
         async_seconds = time.perf_counter() - t1
-        from miles_core.asyncrl.layout import RunStore
+        from miles_core.storage.run import RunStore
 
         rs = RunStore(run_uri)
         rs.adapters.fetch(summary["version"], work / "async_adapter")

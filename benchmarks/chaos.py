@@ -30,7 +30,7 @@ DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=15
 
 
 def audit(run_uri: str, expected: int) -> dict:
-    from miles_core.asyncrl.layout import RunStore
+    from miles_core.storage.run import RunStore
 
     rs = RunStore(run_uri)
     committed = set(rs.trajectories.list_batches()) | set(rs.trajectories.list_quarantined())
@@ -65,9 +65,10 @@ def main() -> None:
     import torch
 
     from miles_core.asyncrl.launch import LocalRun, local_env, prepare_run, worker_names
-    from miles_core.asyncrl.layout import RunStore
+    from miles_core.storage.run import RunStore
     from miles_core.config import load_recipe
-    from miles_core.session import build_task, train_baseline
+    from miles_core.data.registry import build_task
+    from miles_core.learner.baseline import train_baseline
 
     cfg = load_recipe("arith", DEFAULT_OVERRIDES + args.set)
     work = Path(tempfile.mkdtemp(prefix="miles-chaos-"))

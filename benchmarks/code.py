@@ -1,9 +1,9 @@
 """Code generation with a sandboxed execution reward: does ADPO beat its SFT starting point?
 
 Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
-  1. SFT on the scarce labelled demonstrations of the ``code`` recipe (session.train_baseline),
+  1. SFT on the scarce labelled demonstrations of the ``code`` recipe (learner/baseline.py's train_baseline),
      all ``sft.steps``, keeping the weights of the best validation pass@1;
-  2. ADPO from that checkpoint (session.Learner) on fresh generator prompts, rewarded by
+  2. ADPO from that checkpoint (learner/policy.py's Learner) on fresh generator prompts, rewarded by
      the recipe's ``train.reward`` (``code_pass``: 1 when the completion, executed in the sandbox,
      passes every hidden test; ``code_tests``: the fraction it passes);
   3. both evaluated on the same held-out functions (>= 200, disjoint from training) with one
@@ -38,9 +38,9 @@ PASS_K = 8  # side measurement: pass@1 / pass@8 of samples at temperature 1
 
 
 def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
-    """``session.run_eval`` (pass@1 = the code_tests reward in the sandbox) plus per-family rates;
+    """``run_eval`` (eval/evaluate.py) (pass@1 = the code_tests reward in the sandbox) plus per-family rates;
     ``steps`` overrides the number of denoising passes (a side measurement, never the headline)."""
-    from miles_core.session import run_eval
+    from miles_core.eval.evaluate import run_eval
 
     if steps is not None:
         cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, steps=steps))
@@ -57,7 +57,7 @@ def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, float]:
     """pass@1 and pass@k of ``k`` samples at temperature 1 (a side measurement): a policy that only
     sharpens what SFT could already write raises pass@1 toward SFT's pass@k; one that learned to
     write programs SFT could not also raises pass@k."""
-    from miles_core.session import run_eval
+    from miles_core.eval.evaluate import run_eval
 
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=1.0, n_samples=k))
     return run_eval(model, tok, cfg, data).pass_at
@@ -66,7 +66,7 @@ def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, float]:
 def val_pass1(model, tok, cfg, data) -> float:
     """Greedy pass@1 on the validation functions (disjoint from test): the figure to choose RL
     settings by, so that choosing never looks at the reported test functions."""
-    from miles_core.session import run_eval
+    from miles_core.eval.evaluate import run_eval
 
     return run_eval(model, tok, cfg, data, split="val").pass_at["pass@1"]
 
@@ -76,7 +76,7 @@ def sft_checkpoint(cfg, data, ckpt: Path, seed: int, on_eval=None, reuse: bool =
     curve and seconds; with ``reuse``, take the checkpoint an earlier run left there instead. The
     model, task and sft settings it was trained with are stored beside it (sft_run.json) and must
     equal this run's, so RL variants compared on one baseline really share it."""
-    from miles_core.session import train_baseline
+    from miles_core.learner.baseline import train_baseline
 
     def as_stored(d: dict) -> dict:  # JSON's view: lists, not tuples
         return json.loads(json.dumps(d))
@@ -118,7 +118,9 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     from miles_core.models.base import load_checkpoint
     from miles_core.rewards.code import code_tests_reward
     from miles_core.rewards.pool import shared_pool
-    from miles_core.session import Learner, build_task, continue_sft
+    from miles_core.data.registry import build_task
+    from miles_core.learner.baseline import continue_sft
+    from miles_core.learner.policy import Learner
 
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)

@@ -37,7 +37,9 @@ def one_family(family: str, sft_steps: int, out: "mp.Queue") -> None:
         torch.set_num_threads(1)
         from miles_core.config import load_recipe
         from miles_core.models.base import load_checkpoint, save_checkpoint
-        from miles_core.session import Learner, build_task, train_baseline
+        from miles_core.data.registry import build_task
+        from miles_core.learner.baseline import train_baseline
+        from miles_core.learner.policy import Learner
 
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "published"

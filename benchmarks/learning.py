@@ -33,7 +33,10 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
     torch.set_num_threads(1)
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
-    from miles_core.session import Learner, build_task, continue_sft, run_eval, train_baseline
+    from miles_core.data.registry import build_task
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.learner.baseline import continue_sft, train_baseline
+    from miles_core.learner.policy import Learner
 
     cfg = load_recipe("arith", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)

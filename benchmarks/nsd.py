@@ -25,8 +25,11 @@ from miles_core.config import SamplerConfig, load_recipe
 from miles_core.eval.evaluate import evaluate
 from miles_core.flops import FlopMeter
 from miles_core.models.base import load_checkpoint
-from miles_core.rewards.math import get_reward
-from miles_core.session import Learner, build_task, eval_config, run_eval, train_baseline
+from miles_core.rewards.registry import get_reward
+from miles_core.data.registry import build_task
+from miles_core.eval.evaluate import eval_config, run_eval
+from miles_core.learner.baseline import train_baseline
+from miles_core.learner.policy import Learner
 
 
 def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> list[dict]:

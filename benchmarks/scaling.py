@@ -9,7 +9,7 @@ local Hugging Face folder, LoRA on every projection) and one torch thread per pr
   trajectory store. throughput = completions / (last end - first start).
 * Learner: ``torchrun`` with 2 gloo ranks, each building the same ``Learner``. Phase 1: rank 0
   alone runs ``--updates`` ADPO updates with ``World()`` (size 1: no collectives, what a 1-rank run
-  computes) while rank 1 waits at a barrier. Phase 2: both ranks run ``distributed_update`` on a
+  computes) while rank 1 waits at a barrier. Phase 2: both ranks run ``Learner.update(batch, world=...)`` on a
   batch with twice the trajectories, so each rank has the same rows as in phase 1. Rewards are
   synthetic (one winner per group) so no trajectory has a zero advantage and every rank trains
   exactly prompts x group x steps rows; an update's cost does not depend on reward values.
@@ -66,8 +66,8 @@ def sampler_worker(index: int, base: str, store_uri: str, overrides: list[str], 
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.models.lora import add_lora
-    from miles_core.rewards.math import get_reward
-    from miles_core.session import build_task
+    from miles_core.rewards.registry import get_reward
+    from miles_core.data.registry import build_task
     from miles_core.storage import TrajectoryStore
 
     cfg = load_recipe(RECIPE, overrides)
@@ -137,8 +137,8 @@ def learner_rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from miles_core.config import load_recipe
-    from miles_core.distributed import World, close_world, distributed_update, init_world
-    from miles_core.session import Learner
+    from miles_core.parallel import World, close_world, init_world
+    from miles_core.learner.policy import Learner
     from miles_core.storage import TrajectoryStore
 
     world = init_world("gloo")
@@ -147,7 +147,7 @@ def learner_rank(args: argparse.Namespace) -> None:
     cfg = load_recipe(RECIPE, args.overrides)
     learner = Learner(cfg, args.base, seed=0)
     batches = {n: TrajectoryStore(args.store).read_batch(f"procs{n}") for n in (1, 2)}
-    distributed_update(learner, batches[2], world)  # warm-up, both ranks
+    learner.update(batches[2], world=world)  # warm-up, both ranks
     recs = []
     for r in range(args.rounds):
         for n in (1, 2, 0):  # 0: both ranks run 1-rank updates side by side, no collectives (machine ceiling)
@@ -157,7 +157,7 @@ def learner_rank(args: argparse.Namespace) -> None:
             for _ in range(args.updates):
                 if n != 1 or world.rank == 0:
                     t0, c0 = time.perf_counter(), time.process_time()
-                    stats = distributed_update(learner, batches[max(n, 1)], world if n == 2 else World())
+                    stats = learner.update(batches[max(n, 1)], world=world if n == 2 else World())
                     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 else:
                     dt, cpu, stats = 0.0, 0.0, {"rows": 0.0}
@@ -176,7 +176,8 @@ def make_learner_store(base: str, work: Path, a: argparse.Namespace) -> str:
     torch.set_num_threads(1)
     from miles_core.algo.advantages import group_advantages
     from miles_core.config import load_recipe
-    from miles_core.session import Learner, build_task
+    from miles_core.data.registry import build_task
+    from miles_core.learner.policy import Learner
     from miles_core.storage import TrajectoryStore
 
     cfg = load_recipe(RECIPE, _overrides(a))

@@ -51,7 +51,9 @@ def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> di
     torch.set_num_threads(1)
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
-    from miles_core.session import build_task, run_eval, train_baseline
+    from miles_core.data.registry import build_task
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.learner.baseline import train_baseline
 
     cfg = load_recipe(recipe, overrides)
     data = build_task(cfg)

@@ -23,7 +23,7 @@ from prefect import flow, get_run_logger
 from flows.params import AsyncTrainParams, LearnerParams, SamplerParams, cli_main, documented, validate
 from flows.sft import sft_flow
 from miles_core.config import load_recipe
-from tasks import asyncrun, tracking, training
+from tasks import asyncrun, evaluation, tracking
 
 SAMPLER_DEPLOYMENT = "miles-async-sampler/miles-async-sampler"
 LEARNER_DEPLOYMENT = "miles-async-learner/miles-async-learner"
@@ -135,13 +135,13 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
         _log_run(run_id, summ)
         tracking.log_metrics(run_id, {"async/seconds": seconds}, int(summ.get("updates") or 0))
         version = int(summ["version"])
-        adapter_dir = training.fetch_adapter(asyncrun.adapter_uri(store, version), str(out / "adapter"))
-        ev = training.evaluate_checkpoint(str(base), adapter_dir, cfg.to_dict(), str(out / "evals" / "final.json"),
+        adapter_dir = evaluation.fetch_adapter(asyncrun.adapter_uri(store, version), str(out / "adapter"))
+        ev = evaluation.evaluate_checkpoint(str(base), adapter_dir, cfg.to_dict(), str(out / "evals" / "final.json"),
                                           p.progress)
         tracking.log_eval(run_id, ev, int(summ.get("updates") or 0))
         tracking.log_artifact(run_id, ev["path"], "eval")
         if p.register_as:
-            reg = training.register_policy(run_id, p.register_as, str(Path(base).resolve()), adapter_dir, cfg.to_dict(),
+            reg = evaluation.register_policy(run_id, p.register_as, str(Path(base).resolve()), adapter_dir, cfg.to_dict(),
                                            ev["pass1"], ev["fingerprint"],
                                            {"miles.adapter_uri": asyncrun.adapter_uri(store, version),
                                             "miles.policy_version": version, "miles.recipe": p.recipe})

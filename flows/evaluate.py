@@ -18,7 +18,7 @@ from prefect import flow, get_run_logger
 
 from flows.params import EvalParams, cli_main, documented, validate
 from miles_core.config import load_recipe
-from tasks import tracking, training
+from tasks import evaluation, tracking
 
 DEFAULT_RECIPE = "arith"
 
@@ -40,7 +40,7 @@ def evaluate_flow(recipe: str | None = None, overrides: list[str] | None = None,
         source = tracking.resolve_model(p.model_uri, out / "model")
         base, adapter_dir = source["base_dir"], source["adapter_dir"]
     elif p.adapter:
-        adapter_dir = training.fetch_adapter(p.adapter, str(out / "adapter"))
+        adapter_dir = evaluation.fetch_adapter(p.adapter, str(out / "adapter"))
     assert base is not None  # EvalParams guarantees a base checkpoint or a model URI
     overrides = [*p.overrides, *([f"eval.num_problems={p.num_problems}"] if p.num_problems else [])]
     cfg = load_recipe(p.recipe or source["recipe"] or DEFAULT_RECIPE, overrides)
@@ -50,7 +50,7 @@ def evaluate_flow(recipe: str | None = None, overrides: list[str] | None = None,
             "miles.registered_version": source["version"] or ""}
     with tracking.run(p.experiment, f"eval-{cfg.name}", cfg.flat(), tags) as run_id:
         log.info("evaluating %s on %d %s problems (MLflow run %s)", described, cfg.eval.num_problems, cfg.name, run_id)
-        ev = training.evaluate_checkpoint(str(base), adapter_dir, cfg.to_dict(), str(out / "eval.json"), p.progress)
+        ev = evaluation.evaluate_checkpoint(str(base), adapter_dir, cfg.to_dict(), str(out / "eval.json"), p.progress)
         tracking.log_params(run_id, {f"eval_config.{k}": v for k, v in ev["config"].items()})
         tracking.set_tags(run_id, {"miles.eval_fingerprint": ev["fingerprint"]})
         tracking.log_eval(run_id, ev, 0)

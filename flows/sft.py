@@ -15,7 +15,7 @@ from prefect import flow, get_run_logger
 
 from flows.params import SFTParams, cli_main, documented, validate
 from miles_core.config import load_recipe
-from tasks import tracking, training
+from tasks import evaluation, tracking
 
 
 @flow(name="miles-sft", persist_result=False)
@@ -32,7 +32,7 @@ def sft_flow(recipe: str = "arith", overrides: list[str] | None = None, run_dir:
     tags = {"miles.kind": "sft", "miles.recipe": p.recipe, "miles.run_dir": out}
     with tracking.run(p.experiment, f"sft-{cfg.name}", cfg.flat(), tags) as run_id:
         log.info("SFT %s for %d steps -> %s (MLflow run %s)", cfg.name, cfg.sft.steps, out / "base", run_id)
-        res = training.sft_baseline(cfg.to_dict(), str(out / "base"), run_id, p.eval_problems, p.progress)
+        res = evaluation.sft_baseline(cfg.to_dict(), str(out / "base"), run_id, p.eval_problems, p.progress)
         ev = res["eval"]
         tracking.log_eval(run_id, ev, cfg.sft.steps, prefix="sft_final")
         tracking.log_metrics(run_id, {"time/sft_s": res["seconds"]}, cfg.sft.steps)
@@ -44,7 +44,7 @@ def sft_flow(recipe: str = "arith", overrides: list[str] | None = None, run_dir:
         tracking.log_artifacts(run_id, res["base_checkpoint"], "base_checkpoint")
         reg: dict[str, Any] = {}
         if p.register_as:
-            reg = training.register_policy(run_id, p.register_as, res["base_checkpoint"], None, cfg.to_dict(),
+            reg = evaluation.register_policy(run_id, p.register_as, res["base_checkpoint"], None, cfg.to_dict(),
                                            ev["pass1"], ev["fingerprint"], {"miles.kind": "sft"})
     summary = {"sft_pass1": ev["pass1"], "base_checkpoint": res["base_checkpoint"], "run_dir": str(out),
                "mlflow_run_id": run_id, "eval_fingerprint": ev["fingerprint"],

@@ -22,7 +22,7 @@ from flows.params import TrainParams, cli_main, documented, validate
 from flows.sft import sft_flow
 from miles_core.config import load_recipe
 from miles_core.progress import Progress
-from tasks import tracking, training
+from tasks import evaluation, tracking, training
 
 CURVE_PANELS = [("rollout reward", ["reward/reward_mean"]), ("held-out pass@1", ["eval/pass1"])]
 
@@ -111,7 +111,7 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
             res = _loop(p, cfg, out, store, run_id, init)
             ev, adapter = res["last"], res["adapter"]
             if p.register_as:
-                reg = training.register_policy(
+                reg = evaluation.register_policy(
                     run_id, p.register_as, init["base_checkpoint"], adapter["adapter_dir"], cfg.to_dict(),
                     ev["pass1"], ev["fingerprint"],
                     {"miles.adapter_uri": adapter["adapter_uri"], "miles.policy_version": adapter["version"],

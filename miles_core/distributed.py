@@ -3,7 +3,8 @@
     torchrun --nproc-per-node N -m miles_core.distributed --recipe llama_tiny --base BASE_DIR \\
         --store s3://bucket/run/trajectories --out /tmp/learner [--registry s3://bucket/run/adapters]
 
-How an update is split (``adpo_update(..., world=World)``):
+How an update is split (``Learner.update(batch, world=World)``, the same update every learner
+runs, collapse guard included; World itself lives in miles_core/parallel.py):
 
 * Every rank reads the same stored batch and holds the same generator state (same seed), so the
   (trajectory, step) rows, their permutation into minibatches and the loss normaliser (total
@@ -46,152 +47,18 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
-from miles_core.algo.update import adpo_update
-from miles_core.types import TrajectoryBatch
+from miles_core.config import load_recipe
+from miles_core.learner.policy import Learner
+from miles_core.parallel import World, close_world, init_world
+from miles_core.storage import AdapterRegistry, TrajectoryStore
 
 log = logging.getLogger("miles.distributed")
-MAX_KEYS = ("iw_max", "grad_norm")  # stats reduced by max over ranks; everything else is summed
-
-
-def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
-    """[lo, hi) of rank ``rank``'s contiguous block of n items; sizes differ by at most one."""
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside a world of size {size}")
-    return n * rank // size, n * (rank + 1) // size
-
-
-@dataclass
-class World:
-    """This process's place in the data-parallel group. ``size == 1``: every method is a no-op,
-    so a single process through this path computes bit for bit what ``world=None`` does."""
-
-    rank: int = 0
-    size: int = 1
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    local_rank: int = 0
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-    def shard(self, idx: Tensor) -> Tensor:
-        """This rank's rows of a minibatch ``idx`` [R] -> [R_rank] (a contiguous block)."""
-        lo, hi = shard_bounds(idx.numel(), self.rank, self.size)
-        return idx[lo:hi]
-
-    def all_reduce_(self, t: Tensor, op: str = "sum") -> Tensor:
-        """In-place sum (or max) over ranks of a tensor on any device (moved for the backend)."""
-        if self.size == 1:
-            return t
-        buf = t.detach().to(self.device, torch.float64 if t.dtype == torch.float64 else torch.float32)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        t.copy_(buf.to(t.device, t.dtype))
-        return t
-
-    def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
-        """Sum the trainable gradients over ranks: one flattened all-reduce (float32).
-
-        A rank that scored no rows of this minibatch has ``grad None``; it contributes zeros. A
-        parameter no rank touched keeps ``grad None``, as in a single process (AdamW skips it).
-        """
-        if self.size == 1 or not params:
-            return
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device, torch.float32)
-                          for p in params]
-                         + [torch.tensor([float(p.grad is not None) for p in params], device=self.device)])
-        dist.all_reduce(flat)
-        touched = flat[-len(params):].tolist()  # one device->host copy, not one per parameter
-        off = 0
-        for p, hit in zip(params, touched):
-            n = p.numel()
-            p.grad = flat[off:off + n].view_as(p).to(p.device, p.dtype) if hit > 0 else None
-            off += n
-
-    def reduce_stats(self, agg: dict[str, float], total_tok: float) -> tuple[dict[str, float], float]:
-        """Token-weighted stat sums and counts summed over ranks; ``iw_max``/``grad_norm`` maxed.
-
-        One ``all_gather_object`` (two collectives) instead of a key exchange plus two all-reduces:
-        on a latency-bound link (gloo on loopback: ~2 ms a collective) every call counts. Ranks
-        combine the gathered values in rank order, so every rank gets bit-identical stats.
-        """
-        if self.size == 1:
-            return agg, total_tok
-        gathered: list[Any] = [None] * self.size
-        dist.all_gather_object(gathered, (agg, float(total_tok)))
-        out: dict[str, float] = {}
-        for part, _ in gathered:
-            for k, v in part.items():
-                out[k] = (max(out[k], v) if k in MAX_KEYS else out[k] + v) if k in out else float(v)
-        return out, sum(t for _, t in gathered)
-
-    def broadcast_(self, params: list[torch.nn.Parameter], src: int = 0) -> None:
-        """Make every rank start from rank ``src``'s trainable parameters (as DDP does)."""
-        if self.size == 1:
-            return
-        with torch.no_grad():
-            for p in params:
-                buf = p.data.to(self.device)
-                dist.broadcast(buf, src=src)
-                p.data.copy_(buf.to(p.device))
-
-    def max_over_ranks(self, value: float) -> float:
-        return float(self.all_reduce_(torch.tensor([value], dtype=torch.float64), op="max")[0])
-
-    def sum_over_ranks(self, value: float) -> float:
-        return float(self.all_reduce_(torch.tensor([value], dtype=torch.float64))[0])
-
-    def barrier(self) -> None:
-        if self.size > 1:
-            dist.barrier()
-
-
-def init_world(backend: str | None = None, timeout_s: float = 600.0) -> World:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the env).
-
-    Without those variables this is a single process (``World()``). ``backend`` None: NCCL when
-    CUDA is available, else gloo. With NCCL each rank uses ``cuda:LOCAL_RANK``.
-    """
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return World()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = torch.device("cpu")
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use --backend gloo")
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
-    return World(dist.get_rank(), dist.get_world_size(), device, local_rank)
-
-
-def close_world(world: World) -> None:
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def distributed_update(learner: Any, batch: TrajectoryBatch, world: World,
-                       temperature: float | None = None) -> dict[str, float]:
-    """``Learner.update`` with the rows sharded over ``world`` (same stats keys, version + 1)."""
-    t = learner.cfg.sampler.temperature if temperature is None else temperature
-    stats = adpo_update(learner.model, learner.opt, batch, learner.cfg.adpo, learner.tok, t, learner.gen,
-                        learner.sched, world=world)
-    learner.version += 1
-    stats["policy_version"] = float(learner.version)
-    return stats
 
 
 def local_base(base: str, cache_dir: str | Path, world: World) -> str:
@@ -243,10 +110,6 @@ def _setup_logging(world: World) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any] | None:
     """The torchrun entry: one ADPO update per stored batch; rank 0 writes and publishes."""
-    from miles_core.config import load_recipe
-    from miles_core.session import Learner
-    from miles_core.storage import AdapterRegistry, TrajectoryStore
-
     world = init_world(args.backend)
     _setup_logging(world)
     try:
@@ -268,7 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
             batch = store.read_batch(bid)
             world.barrier()  # time the update, not a neighbour still reading its batch
             t0, c0 = time.perf_counter(), time.process_time()
-            stats = distributed_update(learner, batch, world)
+            stats = learner.update(batch, world=world)  # the collapse guard applies here too
             dt = world.max_over_ranks(time.perf_counter() - t0)
             cpu = world.sum_over_ranks(time.process_time() - c0)  # CPU seconds of all ranks together
             row = {"batch_id": bid, "update_s": dt, "update_cpu_s": cpu, "world_size": world.size, **stats}

@@ -10,9 +10,9 @@ from typing import Any
 from prefect import task
 
 from miles_core.asyncrl.launch import prepare_run, run_local, summarize
-from miles_core.asyncrl.layout import RunStore
+from miles_core.storage.run import RunStore
 from miles_core.config import load_recipe
-from tasks.training import LIGHT, STORAGE
+from tasks.common import LIGHT, STORAGE
 
 
 @task(name="prepare-async-run", **STORAGE, **LIGHT)

@@ -66,7 +66,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         from miles_core.eval.evaluate import sampler_for
         from miles_core.models.base import load_base
         from miles_core.models.lora import load_adapter
-        from miles_core.session import eval_config
+        from miles_core.eval.evaluate import eval_config
 
         recipe = (context.model_config or {}).get("recipe")
         if not isinstance(recipe, dict):
@@ -85,7 +85,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
 
     def _canonical(self, prompt: str) -> str:
         # each task class says how its prompts are normalised (whitespace, countdown's sorted numbers)
-        from miles_core.session import canonical_prompt
+        from miles_core.data.registry import canonical_prompt
 
         return canonical_prompt(self.cfg.task.name, prompt)
 

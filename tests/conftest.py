@@ -38,7 +38,7 @@ os.environ.pop("MLFLOW_REGISTRY_URI", None)
 
 # The `tiny` recipe, trained just enough that rollouts get some reward (so ADPO updates move the
 # adapter) while the whole SFT -> train -> eval chain stays within seconds.
-TINY_OVERRIDES = ["sft.steps=60", "sft.eval_every=20", "train.reward=math_exact:1.0,format:0.5"]
+TINY_OVERRIDES = ["sft.steps=150", "sft.eval_every=50", "train.reward=math_exact:1.0,format:0.5"]
 MODEL_NAME = "miles-test-arith"
 EXPERIMENT = "miles-test"
 S3_BUCKET = "miles-flows"

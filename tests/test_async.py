@@ -18,13 +18,14 @@ import torch
 
 from miles_core.algo.rl import assign_advantages
 from miles_core.asyncrl.launch import command, local_env, prepare_run
-from miles_core.asyncrl.layout import RunSpecMismatch, RunStore
+from miles_core.storage.run import RunSpecMismatch, RunStore
 from miles_core.asyncrl.learner import AsyncLearner
 from miles_core.asyncrl.sampler import SamplerWorker, batch_id
 from miles_core.config import ConfigError, load_recipe
 from miles_core.models.base import load_checkpoint
 from miles_core.models.lora import load_adapter
-from miles_core.session import build_task, train_baseline
+from miles_core.data.registry import build_task
+from miles_core.learner.baseline import train_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",

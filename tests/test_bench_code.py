@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks.code import sft_checkpoint
 from miles_core.config import load_recipe
-from miles_core.session import build_task
+from miles_core.data.registry import build_task
 
 SMALL = ["sft.steps=4", "sft.eval_every=2", "sft.batch_size=8", "task.num_train=16", "task.num_test=8",
          "task.num_val=8", "model.d_model=16", "model.n_layers=1", "model.d_ff=32"]

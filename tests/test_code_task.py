@@ -21,7 +21,7 @@ from miles_core.data.code import (
     space_stats,
 )
 from miles_core.rewards.code import score_completions
-from miles_core.session import build_task
+from miles_core.data.registry import build_task
 from miles_core.tokenizer import CharTokenizer
 
 CFG = CodeConfig()
@@ -135,7 +135,7 @@ def test_rl_prompts_can_exclude_the_sft_demonstrations() -> None:
 
 
 def test_code_pass_gives_no_partial_credit() -> None:
-    from miles_core.rewards.math import get_reward
+    from miles_core.rewards.registry import get_reward
 
     task = CodeTask(CodeConfig(b_max=5))
     fn = next(f for f in task.pools[False] if f.forms[0] == "min(x,3)+2")

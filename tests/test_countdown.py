@@ -10,8 +10,8 @@ import pytest
 from miles_core.config import ConfigError, load_recipe
 from miles_core.data.arith import is_test_prompt
 from miles_core.data.countdown import CountdownConfig, CountdownTask, check, max_target_len, parse_prompt
-from miles_core.rewards.math import get_reward
-from miles_core.session import TASK_CHECK, build_task
+from miles_core.rewards.registry import get_reward
+from miles_core.data.registry import build_task, TASK_CHECK
 
 
 @pytest.mark.parametrize("completion, ok, why", [

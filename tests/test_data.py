@@ -91,7 +91,7 @@ def test_splits_disjoint_deterministic_distinct() -> None:
 def test_validation_split_is_held_out_and_disjoint_from_test() -> None:
     # model selection (SFT plateau) looks at val; results are reported on test: never the same problem
     from miles_core.config import load_recipe
-    from miles_core.session import build_task
+    from miles_core.data.registry import build_task
 
     cfg = load_recipe("arith")
     data = build_task(cfg)
@@ -209,7 +209,8 @@ def test_gsm8k_loader_errors_name_line_and_field(tmp_path: Path, bad: object, pa
 
 def test_reasoning_gym_loader_and_scorer() -> None:
     pytest.importorskip("reasoning_gym")
-    from miles_core.data import load_reasoning_gym, reasoning_gym_reward
+    from miles_core.data import load_reasoning_gym
+    from miles_core.rewards.reasoning_gym import reasoning_gym_reward
     from miles_core.rewards import get_reward
 
     probs = load_reasoning_gym("chain_sum", size=4, seed=7)

@@ -14,7 +14,9 @@ from miles_core.models.base import load_checkpoint, resolve_device
 from miles_core.models.lora import load_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.samplers.sampler import sample
-from miles_core.session import Learner, build_task, train_baseline
+from miles_core.data.registry import build_task
+from miles_core.learner.baseline import train_baseline
+from miles_core.learner.policy import Learner
 from miles_core.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()

@@ -17,12 +17,13 @@ from safetensors.torch import load_file
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.update import adpo_update
 from miles_core.config import ADPOConfig, SamplerConfig, load_recipe
-from miles_core.distributed import World, shard_bounds
+from miles_core.parallel import World, shard_bounds
 from miles_core.models.llama import init_checkpoint
 from miles_core.models.lora import add_lora
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.samplers.sampler import sample
-from miles_core.session import Learner, build_task
+from miles_core.data.registry import build_task
+from miles_core.learner.policy import Learner
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.tokenizer import CharTokenizer
 

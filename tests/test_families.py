@@ -333,7 +333,7 @@ def test_remote_code_is_an_explicit_opt_in(tmp_path: Path) -> None:
 def test_chat_template_wraps_prompts_everywhere_and_is_recorded(ckpts: dict[str, Path]) -> None:
     from miles_core.config import load_recipe
     from miles_core.models.base import load_base
-    from miles_core.session import eval_config
+    from miles_core.eval.evaluate import eval_config
 
     cfg = load_recipe("tiny", ["model.backend=hf", f"model.path={ckpts['llada']}", "task.prompt_template=chat"])
     _, tok = load_base(cfg, ckpts["llada"])

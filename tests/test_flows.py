@@ -19,7 +19,8 @@ from flows.sft import sft_flow
 from flows.train import train_flow
 from miles_core.config import ConfigError, load_recipe
 from miles_core.storage import AdapterRegistry, TrajectoryStore
-from tasks import tracking, training
+from miles_core.storage.run import RunStore
+from tasks import common, tracking, training
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -70,9 +71,9 @@ def test_sft_run_logs_plateau_curve_and_checkpoint(trained: TrainedProject) -> N
     run = client.get_run(trained.sft["mlflow_run_id"])
     assert run.info.status == "FINISHED"
     assert _prefect_flow_name(run.data.tags["prefect.flow_run_id"]) == "miles-sft"
-    assert run.data.params["sft.steps"] == "60"
+    assert run.data.params["sft.steps"] == "150"
     steps = [m.step for m in client.get_metric_history(run.info.run_id, "sft/pass1")]
-    assert steps == [20, 40, 60]
+    assert steps == [50, 100, 150]
     assert run.data.metrics["sft_final/pass1"] == trained.sft["sft_pass1"]
     files = _artifact_files(client, run.info.run_id)
     assert {"plots/sft_curve.png", "base_checkpoint/model.safetensors", "eval/sft.json"} <= files
@@ -108,17 +109,19 @@ def test_train_run_logs_params_metrics_and_artifacts(trained: TrainedProject) ->
     png = Path(client.download_artifacts(rid, "plots/learning_curve.png", str(trained.root / "dl")))
     assert png.read_bytes()[:8] == PNG_MAGIC
     table = json.loads(Path(client.download_artifacts(rid, "samples/rollouts.json", str(trained.root / "dl"))).read_text())
-    assert "completion" in table["columns"] and len(table["data"]) == 2 * training.SAMPLE_ROWS
+    assert "completion" in table["columns"] and len(table["data"]) == 2 * common.SAMPLE_ROWS
 
 
 def test_batches_committed_and_adapters_published(trained: TrainedProject) -> None:
     meta = training.checkpoint_meta(trained.train["run_dir"])
     assert meta is not None and meta["iteration"] == 2
-    ids = [f"{meta['run_key']}-it{i:06d}" for i in range(2)]
-    raw = TrajectoryStore(f"{trained.store_uri}/{training.RAW}")
-    scored = TrajectoryStore(f"{trained.store_uri}/{training.SCORED}")
+    ids = [f"{i:06d}-learner" for i in range(2)]
+    rs = RunStore(trained.store_uri)
+    raw, scored = rs.rollouts, rs.trajectories
     assert raw.list_batches() == ids and scored.list_batches() == ids
     assert meta["consumed"] == ids  # each batch used exactly once
+    ckpt = rs.load_checkpoint()  # the ledger inside the learner checkpoint is the source of truth
+    assert [e["id"] for e in ckpt["ledger"]["consumed"]] == ids and ckpt["version"] == 2
     for bid, version in zip(ids, (0, 1)):
         assert raw.read_batch(bid).reward.isnan().all()  # raw: sampled, not yet scored
         batch = scored.read_batch(bid)
@@ -128,7 +131,6 @@ def test_batches_committed_and_adapters_published(trained: TrainedProject) -> No
             assert abs(float(batch.advantage[batch.group_id == g].sum())) < 1e-5
     reg = AdapterRegistry(trained.store_uri)
     assert reg.versions() == [0, 1, 2] and reg.latest_version() == 2
-    assert reg.metadata(2)["run_key"] == meta["run_key"]
     assert trained.train["adapter_uri"] == f"{trained.store_uri}/adapters/v000002"
 
 
@@ -206,7 +208,7 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
     meta = training.checkpoint_meta(run_dir)
     assert meta is not None and meta["iteration"] == 2 and len(meta["consumed"]) == 2
     store = first["store_uri"]
-    assert TrajectoryStore(f"{store}/{training.SCORED}").list_batches() == meta["consumed"]
+    assert RunStore(store).trajectories.list_batches() == meta["consumed"]
     assert AdapterRegistry(store).versions() == [0, 1, 2]
     # a retried task finds its work done: the committed batch is reused, the update not applied twice
     again = training.rollout.fn(str(run_dir), store, 1)
@@ -217,11 +219,11 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
 
 
 def test_only_transient_failures_are_retried(prefect_harness: None) -> None:
-    assert training.is_transient(TimeoutError("slow S3"))
-    assert not training.is_transient(FileExistsError("adapter version 3 belongs to another run"))
-    assert not training.is_transient(ConfigError("adpo.lr: must be > 0"))
+    assert common.is_transient(TimeoutError("slow S3"))
+    assert not common.is_transient(FileExistsError("adapter version 3 belongs to another run"))
+    assert not common.is_transient(ConfigError("adpo.lr: must be > 0"))
     calls = {"io": 0, "bug": 0}
-    policy = {**training.STORAGE, **training.LIGHT, "retry_delay_seconds": 0}
+    policy = {**common.STORAGE, **common.LIGHT, "retry_delay_seconds": 0}
 
     @task(**policy)
     def flaky_io() -> str:

@@ -11,7 +11,9 @@ import torch
 from miles_core.algo.guard import CollapseError, CollapseGuard, Health, batch_health
 from miles_core.algo.rl import assign_advantages
 from miles_core.config import ConfigError, GuardSettings, load_recipe
-from miles_core.session import Learner, build_task, train_baseline
+from miles_core.data.registry import build_task
+from miles_core.learner.baseline import train_baseline
+from miles_core.learner.policy import Learner
 from miles_core.types import TrajectoryBatch
 
 

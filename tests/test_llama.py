@@ -17,7 +17,9 @@ from miles_core.models.base import load_checkpoint, save_checkpoint
 from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
 from miles_core.models.llama import LlamaDiffusion, init_checkpoint, load_llama
 from miles_core.models.lora import lora_targets
-from miles_core.session import Learner, build_task, train_baseline
+from miles_core.data.registry import build_task
+from miles_core.learner.baseline import train_baseline
+from miles_core.learner.policy import Learner
 
 
 @pytest.fixture(scope="module")

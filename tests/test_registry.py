@@ -18,7 +18,7 @@ from miles_core.config import load_recipe
 from miles_core.eval.evaluate import sampler_for
 from miles_core.models.tiny import TinyDenoiser
 from miles_core.samplers.sampler import sample
-from miles_core.session import eval_config
+from miles_core.eval.evaluate import eval_config
 from miles_core.storage import AdapterRegistry
 from miles_core.tokenizer import CharTokenizer
 from tasks import tracking

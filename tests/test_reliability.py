@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from miles_core.asyncrl.layout import RunStore
+from miles_core.storage.run import RunStore
 from miles_core.storage.retry import StorageUnavailableError, call_with_retry, is_transient
 
 

@@ -146,7 +146,7 @@ def test_random_garbage_never_raises() -> None:
 
 
 def test_arith_steps_process_reward_counts_correct_prefix():
-    from miles_core.rewards.math import arith_steps_reward
+    from miles_core.rewards.verifiers import arith_steps_reward
 
     prompts = ["47+8*6-13"] * 5 + ["not an expression"]
     comps = ["8*6=48;47+48=95;95-13=82", "8*6=48;47+48=95;95-13=81", "8*6=48;1+1=2;95-13=82", "", "1+1=2;8*6=48"]
@@ -155,7 +155,8 @@ def test_arith_steps_process_reward_counts_correct_prefix():
 
 
 def test_arith_digits_reward_gives_place_value_credit_on_the_last_result_only():
-    from miles_core.rewards.math import arith_digits_reward, get_reward
+    from miles_core.rewards.registry import get_reward
+    from miles_core.rewards.verifiers import arith_digits_reward
 
     p = ["7+5+6"] * 6 + ["6-3*4"] * 2 + ["not an expression"]
     comps = ["7+5=12;12+6=18",   # right: 1

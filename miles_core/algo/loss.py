@@ -1,6 +1,8 @@
 """The ADPO token-level objective: clipped ratio against the proximal policy, truncated
 importance weight against the behaviour policy (decoupled PPO, as in AReaL), optional KL to the
-reference, optional entropy floor. Returns the loss and its stats (torchtune style)."""
+reference, optional entropy floor. Returns the loss and its stats (torchtune style), kept as
+tensors: the update engine adds them up on the device and reads them back once per update, not
+seven host syncs per chunk."""
 
 from __future__ import annotations
 
@@ -10,10 +12,20 @@ import torch
 from torch import Tensor, nn
 
 
+SUM_KEYS = ("clip_frac", "approx_kl", "iw_mean", "kl_ref", "entropy")  # token sums; the mean is sum / tokens
+
+
 @dataclass
 class LossOut:
     loss: Tensor
-    stats: dict[str, float]
+    sums: dict[str, Tensor]  # detached 0-dim: SUM_KEYS summed over committed tokens, "tokens", "iw_max" (a max)
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """Per-token means as floats (a host sync each: for tests and one-off calls, not a loop)."""
+        n = max(float(self.sums["tokens"]), 1.0)
+        return {**{k: float(self.sums[k]) / n for k in SUM_KEYS}, "iw_max": float(self.sums["iw_max"]),
+                "tokens": float(self.sums["tokens"])}
 
 
 class ADPOLoss(nn.Module):
@@ -52,23 +64,21 @@ class ADPOLoss(nn.Module):
         w = m * row_weight[:, None]
         loss = (per_tok * w).sum() / normaliser
         n_tok = m.sum().clamp_min(1)
-        ent_mean = torch.tensor(0.0)
-        if entropy is not None:
-            ent_mean = (entropy * m).sum() / n_tok
-            if self.entropy_coef > 0 and self.entropy_floor > 0:
-                # only pushes back when the policy gets more confident than the floor allows
-                loss = loss + self.entropy_coef * torch.relu(self.entropy_floor - ent_mean) * (n_tok / normaliser)
+        ent_sum = (entropy * m).sum() if entropy is not None else torch.zeros((), device=logp.device)
+        if entropy is not None and self.entropy_coef > 0 and self.entropy_floor > 0:
+            # only pushes back when the policy gets more confident than the floor allows
+            loss = loss + self.entropy_coef * torch.relu(self.entropy_floor - ent_sum / n_tok) * (n_tok / normaliser)
         with torch.no_grad():
             # tokens whose gradient the clip removed: ratio pushed past the trust region in A's direction
             clipped = (((ratio > 1 + self.clip_eps) & (adv > 0)) | ((ratio < 1 - self.clip_eps) & (adv < 0))).float()
             log_r = logp - prox_logp
-            stats = {
-                "clip_frac": float((clipped * m).sum() / n_tok),
-                "approx_kl": float((((ratio - 1) - log_r) * m).sum() / n_tok),
-                "iw_mean": float((iw * m).sum() / n_tok),
-                "iw_max": float((iw_raw * m).max()) if m.any() else 0.0,
-                "kl_ref": float((kl * m).sum() / n_tok),
-                "entropy": float(ent_mean),
-                "tokens": float(m.sum()),
+            sums = {
+                "clip_frac": (clipped * m).sum(),
+                "approx_kl": (((ratio - 1) - log_r) * m).sum(),
+                "iw_mean": (iw * m).sum(),
+                "kl_ref": (kl * m).sum(),
+                "entropy": ent_sum.detach(),
+                "tokens": m.sum(),
+                "iw_max": (iw_raw * m).amax() if m.numel() else torch.zeros((), device=logp.device),
             }
-        return LossOut(loss=loss, stats=stats)
+        return LossOut(loss=loss, sums=sums)

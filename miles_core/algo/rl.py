@@ -1,15 +1,19 @@
 """The pieces of one RL iteration, shared by the synchronous flow, async workers and benchmarks:
-rollout (G samples per prompt, recorded) -> reward -> group advantages -> ``adpo_update``."""
+rollout (G samples per prompt, recorded) -> reward -> group advantages -> ``adpo_update``, and
+the seeded batch every learner and sampler commits (:func:`sample_batch`)."""
 
 from __future__ import annotations
 
+import hashlib
 import math
+import random
 from typing import Callable, Sequence
 
 import torch
 
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
-from miles_core.config import SamplerConfig
+from miles_core.config import RecipeConfig, SamplerConfig
+from miles_core.data.registry import TaskData
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -66,3 +70,39 @@ def rollout_stats(batch: TrajectoryBatch) -> dict[str, float]:
         "zero_variance_frac": zero_groups / max(len(groups), 1), "distinct_frac": distinct,
         "completions": float(len(batch)),
     }
+
+
+def batch_id(seq: int, worker: str) -> str:
+    """Sorts by sequence number first, so the learner takes batches roughly in sampling order."""
+    return f"{seq:06d}-{worker}"
+
+
+def batch_seq(bid: str) -> int:
+    """The sequence number of a :func:`batch_id`."""
+    return int(bid.split("-", 1)[0])
+
+
+def _seed(*parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: RewardFn | None, worker: str, index: int,
+                 seq: int, version: int) -> TrajectoryBatch:
+    """Batch ``seq`` of ``worker``: prompts and noise seeded from (run seed, worker, seq), so a
+    restarted sampler redoes the batch it lost with the same prompts and noise (with the adapter
+    version it holds then). Used by samplers and by a learner that samples while it would
+    otherwise wait (``async_rl.learner_samples``), and by the synchronous flow (worker "learner",
+    ``reward_fn`` None: the raw batch, scored by its own task)."""
+    rng = random.Random(_seed(cfg.train.seed, worker, seq, "prompts"))
+    gen = torch.Generator().manual_seed(_seed(cfg.train.seed, worker, seq, "noise"))
+    problems = data.draw_rl(rng, cfg.train.prompts_per_iter)
+    # distinct group ids per worker (advantages are group-relative within a batch; ids only need to be
+    # unique there, distinct across workers keeps logs readable): the learner is worker num_samplers
+    stride = cfg.async_rl.num_samplers + int(cfg.async_rl.learner_samples)
+    offset = (seq * stride + index) * cfg.train.prompts_per_iter
+    batch = rollout(model, tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
+                    cfg.task.completion_len, cfg.train.group_size, gen, version, group_offset=offset)
+    if reward_fn is None:
+        return batch
+    score_rewards(batch, reward_fn)
+    return assign_advantages(batch, cfg.adpo.std_normalize)

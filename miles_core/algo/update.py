@@ -1,4 +1,10 @@
-"""One ADPO policy update over a batch of recorded trajectories.
+"""One ADPO policy update over a batch of recorded trajectories: the one update engine.
+
+:func:`policy_update` is the loop every path runs (synchronous and asynchronous learners, the
+torchrun learner with a ``World``, the continuous trainer): proximal log-probs, epochs x
+minibatches x row chunks, the ADPO loss, gradient sync, clipping, the optimizer and LR steps, and
+the stats. What differs between kinds of trajectory is only how a row is scored, behind a
+:class:`RowScorer`. See ARCHITECTURE.md.
 
 Every recorded step is an independent row (trajectory b, step k): its state is rebuilt from
 ``step_map``, scored with the same step function that sampled it, and backpropagated on its own
@@ -13,21 +19,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.loss import SUM_KEYS, ADPOLoss
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
+from miles_core.parallel import World
 from miles_core.samplers.step import denoise_step, left_pad, rebuild_state
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
-
-if TYPE_CHECKING:
-    from miles_core.distributed import World
-
 
 @dataclass
 class Rows:
@@ -79,40 +82,36 @@ def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: C
     return out.logp, out.entropy, commit
 
 
-def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch, cfg: ADPOConfig,
-                tok: CharTokenizer, temperature: float, generator: torch.Generator,
-                scheduler=None, world: "World | None" = None) -> dict[str, float]:
-    """One policy update (``num_minibatches`` x ``epochs`` optimizer steps) on ``batch``.
+class RowScorer(Protocol):
+    """What the engine needs from one kind of recorded trajectory: masked-diffusion step rows
+    (:class:`MaskedStepRows`), continuous Gaussian step rows (continuous/train.py)."""
 
-    ``world`` (data parallel, miles_core/distributed.py): every rank holds the same batch and
-    generator state, so rows, permutation and the normaliser are identical everywhere; each rank
-    scores only ``world.shard`` of every minibatch, and gradients (and stats) are summed over
-    ranks before clipping and the optimizer step. ``None``: single process, unchanged.
+    width: int  # L: scored positions per row (completion length, or 1 for a continuous step)
+
+    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Current-policy log-probs [R, L], entropy [R, L] or None, commit mask [R, L] of rows (traj, step)."""
+        ...
+
+    def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
+        """The sampling policy's stored log-probs [R, L]; None: rows are on-policy (mu = pi_prox)."""
+        ...
+
+
+def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
+                  normaliser: float, cfg: ADPOConfig, generator: torch.Generator, scheduler: Any = None,
+                  world: World | None = None) -> dict[str, float]:
+    """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``.
+
+    ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update, so chunked
+    backward passes (``row_chunk`` rows each) add up to the full-batch gradient. ``world`` (data
+    parallel): every rank holds the same rows and generator state and scores only ``world.shard``
+    of every minibatch; gradients are summed over ranks before clipping and the step. Stats stay
+    tensors (sums and counts) until one reduction and one host read at the end.
     """
-    assert batch.advantage is not None
-    adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
-    keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
-    stats: dict[str, float] = {"rows": 0.0, "trajectories": float(keep.numel()),
-                               "skipped_trajectories": float(len(batch) - keep.numel())}
-    if keep.numel() == 0:
-        return stats
-    sub = batch.select(keep)
-    adv = torch.nan_to_num(sub.advantage, nan=0.0)
-    if cfg.estimator == "adpo":
-        rows = build_rows(sub, cfg.step_fraction, generator)
-        behav_full = sub.logp
-    else:
-        rows = Rows(torch.arange(len(sub)), torch.zeros(len(sub), dtype=torch.long), torch.ones(len(sub)))
-        behav_full = None
-    prompt_width = max(len(p) for p in sub.prompt_ids)
-    prompt_mask = torch.rand(len(sub), prompt_width, generator=generator) < cfg.prompt_mask_prob
     n_rows = rows.traj.numel()
-    # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
-    # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
-    # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
-    normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
     loss_fn = ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
     params = trainable_parameters(model)
+    device = params[0].device if params else torch.device("cpu")
     own = world.shard if world is not None else (lambda idx: idx)
 
     def chunks(idx: Tensor):
@@ -121,15 +120,15 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch,
 
     prox = None
     if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
-        prox = torch.zeros(n_rows, sub.completion_len)
+        prox = torch.zeros(n_rows, scorer.width, device=device)
         with torch.no_grad():
             for c in chunks(own(torch.arange(n_rows))):
-                prox[c] = score_rows(model, sub, rows.traj[c], rows.step[c], tok, temperature,
-                                     cfg.estimator, prompt_mask)[0]
+                prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
         if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
             world.all_reduce_(prox)
-    agg: dict[str, float] = {}
-    total_tok = 0.0
+    zero = torch.zeros((), device=device)
+    sums = {k: zero.clone() for k in (*SUM_KEYS, "tokens", "loss")}
+    iw_max, grad_norm = zero.clone(), zero.clone()
     model.train()
     for _ in range(cfg.epochs):
         perm = torch.randperm(n_rows, generator=generator)
@@ -137,37 +136,84 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch,
             optimizer.zero_grad(set_to_none=True)
             for c in chunks(own(mb)):
                 t_idx, s_idx = rows.traj[c], rows.step[c]
-                logp, ent, commit = score_rows(model, sub, t_idx, s_idx, tok, temperature, cfg.estimator, prompt_mask)
+                logp, ent, commit = scorer.score(model, t_idx, s_idx)
                 prox_c = prox[c] if prox is not None else logp.detach()
-                behav = behav_full[t_idx] if behav_full is not None else prox_c
+                behav = scorer.behaviour(t_idx, s_idx)
                 ref = None
                 if cfg.kl_coef > 0:
                     with torch.no_grad(), reference_policy(model) as ref_model:
-                        ref = score_rows(ref_model, sub, t_idx, s_idx, tok, temperature, cfg.estimator, prompt_mask)[0]
-                out = loss_fn(logp, prox_c, behav, adv[t_idx], commit, rows.weight[c],
-                              normaliser / cfg.num_minibatches, ref, ent)
+                        ref = scorer.score(ref_model, t_idx, s_idx)[0]
+                out = loss_fn(logp, prox_c, prox_c if behav is None else behav.to(logp.device), adv[t_idx].to(logp.device),
+                              commit, rows.weight[c].to(logp.device), normaliser / cfg.num_minibatches, ref, ent)
                 out.loss.backward()  # graph of this chunk only: one denoising step per row
-                n = out.stats["tokens"]
-                total_tok += n
-                for k, v in out.stats.items():
-                    if k == "iw_max":
-                        agg[k] = max(agg.get(k, 0.0), v)
-                    elif k != "tokens":
-                        agg[k] = agg.get(k, 0.0) + v * n
-                agg["loss"] = agg.get("loss", 0.0) + float(out.loss.detach())
+                for k in SUM_KEYS + ("tokens",):
+                    sums[k] += out.sums[k].to(device)
+                sums["loss"] += out.loss.detach().to(device)
+                iw_max = torch.maximum(iw_max, out.sums["iw_max"].to(device))
             if world is not None:
                 world.sync_grads(params)  # sum over ranks: the loss is already / global normaliser
-            gn = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            agg["grad_norm"] = float(gn)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).to(device)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()
-    if world is not None:
-        agg, total_tok = world.reduce_stats(agg, total_tok)
-    for k in list(agg):
-        if k not in ("iw_max", "loss", "grad_norm"):
-            agg[k] /= max(total_tok, 1.0)
-    stats.update(agg)
-    stats["rows"] = float(n_rows)
-    stats["tokens"] = total_tok
+    total = torch.stack([sums[k] for k in (*SUM_KEYS, "tokens", "loss")])
+    peaks = torch.stack([iw_max, grad_norm])
+    if world is not None:  # one sum and one max over ranks for every stat of the update
+        world.all_reduce_(total)
+        world.all_reduce_(peaks, op="max")
+    vals, (iw_peak, gn) = total.tolist(), peaks.tolist()  # the update's one host read of its stats
+    tokens = vals[len(SUM_KEYS)]
+    stats = {k: v / max(tokens, 1.0) for k, v in zip(SUM_KEYS, vals)}
+    stats.update(iw_max=iw_peak, grad_norm=gn, loss=vals[-1], tokens=tokens, rows=float(n_rows))
+    return stats
+
+
+@dataclass
+class MaskedStepRows:
+    """Rows of a masked-diffusion batch: (b, k) states rebuilt from ``step_map`` (ADPO), or one
+    fully masked row per trajectory (``meanfield``, d1's diffu-GRPO estimator)."""
+
+    batch: TrajectoryBatch
+    tok: CharTokenizer
+    temperature: float
+    estimator: str
+    prompt_mask: Tensor | None
+
+    @property
+    def width(self) -> int:
+        return self.batch.completion_len
+
+    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.estimator, self.prompt_mask)
+
+    def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
+        return self.batch.logp[traj] if self.estimator == "adpo" else None
+
+
+def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch, cfg: ADPOConfig,
+                tok: CharTokenizer, temperature: float, generator: torch.Generator,
+                scheduler: Any = None, world: World | None = None) -> dict[str, float]:
+    """One policy update on a masked-diffusion ``batch`` (see :func:`policy_update` for ``world``):
+    rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine."""
+    assert batch.advantage is not None
+    adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
+    keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
+    stats: dict[str, float] = {"rows": 0.0, "trajectories": float(keep.numel()),
+                               "skipped_trajectories": float(len(batch) - keep.numel())}
+    if keep.numel() == 0:
+        return stats
+    sub = batch.select(keep)
+    if cfg.estimator == "adpo":
+        rows = build_rows(sub, cfg.step_fraction, generator)
+    else:
+        rows = Rows(torch.arange(len(sub)), torch.zeros(len(sub), dtype=torch.long), torch.ones(len(sub)))
+    prompt_width = max(len(p) for p in sub.prompt_ids)
+    prompt_mask = torch.rand(len(sub), prompt_width, generator=generator) < cfg.prompt_mask_prob
+    # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
+    # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
+    # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
+    normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
+    scorer = MaskedStepRows(sub, tok, temperature, cfg.estimator, prompt_mask)
+    adv = torch.nan_to_num(sub.advantage, nan=0.0)
+    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world))
     return stats

@@ -20,18 +20,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from miles_core.asyncrl.layout import RunStore
+from miles_core.storage.run import RunStore
 from miles_core.config import RecipeConfig
 
 
 def prepare_run(run_uri: str, cfg: RecipeConfig, base_dir: str | os.PathLike[str],
-                storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Create (or re-open, if the recipe matches) the run at ``run_uri``; return its spec."""
+                storage_options: dict[str, Any] | None = None, resumable: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Create (or re-open, if the recipe matches up to ``resumable`` settings) the run at
+    ``run_uri``; return its spec. A changed setting raises RunSpecMismatch naming it."""
     if not (Path(base_dir) / "config.json").exists():
         raise FileNotFoundError(f"base checkpoint {base_dir} is not a Miles checkpoint folder (no config.json)")
     rs = RunStore(run_uri, storage_options, cfg.async_rl.retry_budget_s)
     spec = rs.write_spec({"cfg": cfg.to_dict(), "base_source": str(Path(base_dir).resolve()),
-                          "created_unix": time.time()})
+                          "created_unix": time.time()}, resumable)
     rs.upload_base(base_dir)
     return spec
 

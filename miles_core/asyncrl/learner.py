@@ -1,82 +1,47 @@
-"""The asynchronous learner: consume committed batches, enforce staleness, update, publish.
+"""The asynchronous learner: the run's :class:`~miles_core.learner.runtime.LearnerRun` in a loop.
 
-The loop, per batch (oldest first):
-
-    read the batch (a corrupt one is quarantined and recorded, never fatal)
-    staleness s = current version - the batch's policy version; s > S: drop it and record it
-    ADPO update with the truncated importance weight against the stored behaviour log-probs
-    version += 1; checkpoint every N updates; publish the adapter; write status.json
-
-and when no batch is waiting: with ``async_rl.learner_samples`` it claims a slot of the shared
-sample budget and samples that batch itself with the current policy (committed like any sampler's,
-so the ledger and restarts treat it the same), else it sleeps and the wait counts as idle.
-
-Exactly-once: the *ledger* (which batch ids were consumed, dropped or quarantined) lives inside
-the learner checkpoint, next to the adapter and optimizer it produced, and both are written in
-one atomic object. A learner killed after an update but before its checkpoint resumes from the
-previous checkpoint, whose ledger does not list that batch, so the batch is used again by the
-surviving lineage and exactly once there. Adapter versions the dead learner published after its
-last checkpoint are orphaned: the resumed learner numbers its next version above them, so a
-number is never reused for different weights.
+Per pass: take the oldest committed batch not in the ledger and ``consume`` it (read, staleness
+check, update, checkpoint, publish: learner/runtime.py, the same code the synchronous flow runs),
+then write status.json for the samplers' back-pressure. When no batch is waiting: with
+``async_rl.learner_samples`` it claims a slot of the shared sample budget and samples that batch
+itself with the current policy (committed like any sampler's, so the ledger and restarts treat it
+the same), else it sleeps and the wait counts as idle. See ARCHITECTURE.md.
 """
 
 from __future__ import annotations
 
 import logging
 import shutil
-import tempfile
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from miles_core.asyncrl.layout import RunStore
-from miles_core.asyncrl.sampler import SlotClaims, batch_id, batch_seq, sample_batch
+from miles_core.algo.rl import batch_id, batch_seq, sample_batch
+from miles_core.asyncrl.sampler import SlotClaims
 from miles_core.config import load_recipe
-from miles_core.session import Learner, build_task
-from miles_core.storage import BatchExistsError, CorruptBatchError
+from miles_core.data.registry import build_task
+from miles_core.learner.runtime import LearnerRun
+from miles_core.storage import BatchExistsError
+from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
 SELF = "learner"  # the worker name of batches the learner samples itself
 
 
-class AsyncLearner:
+class AsyncLearner(LearnerRun):
     """The single learner process of an asynchronous run. ``run()`` returns its final status."""
 
     def __init__(self, run_uri: str, cache_dir: str | None = None, storage_options: dict[str, Any] | None = None,
                  max_updates: int | None = None) -> None:
-        self.rs = RunStore(run_uri, storage_options)
-        spec = self.rs.read_spec()
-        self.cfg = load_recipe(spec["cfg"])
-        self.rs.retry_budget_s = self.cfg.async_rl.retry_budget_s
-        torch.set_num_threads(self.cfg.async_rl.learner_threads)
-        self.cache = Path(cache_dir or tempfile.mkdtemp(prefix="miles-learner-"))
-        self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
-        base_dir = self.rs.fetch_base(self.cache)
+        cfg = load_recipe(RunStore(run_uri, storage_options).read_spec()["cfg"])
+        torch.set_num_threads(cfg.async_rl.learner_threads)
         # one update per batch: the LR schedule spans the run's batch budget
-        self.learner = Learner(self.cfg, base_dir, seed=self.cfg.train.seed, total_updates=self.expected)
+        super().__init__(run_uri, cache_dir, storage_options, cfg,
+                         total_updates=cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler)
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
-        self.ledger: dict[str, list[dict[str, Any]]] = {"consumed": [], "dropped": [], "quarantined": []}
-        self.history: list[dict[str, Any]] = []
-        self.totals = {"idle_s": 0.0, "wall_s": 0.0, "fill_s": 0.0, "resumes": 0, "version_skips": 0}
-        ckpt = self.rs.load_checkpoint()
-        if ckpt is not None:
-            self.learner.load_state(ckpt["learner"])
-            self.ledger, self.history, self.totals = ckpt["ledger"], ckpt["history"], ckpt["totals"]
-            self.totals["resumes"] += 1
-        latest = self.rs.retry(self.rs.adapters.latest_version, "polling adapters")
-        if latest is not None and latest > self.learner.version:
-            # versions published after the last checkpoint by a learner that died: never reuse them
-            log.warning("resuming at checkpoint version %d below published %d; next version is %d",
-                        self.learner.version, latest, latest + 1)
-            self.learner.version = latest
-            self.totals["version_skips"] += 1
-        self._since_ckpt = 0
         self._init_self_sampling()
-        if not self.rs.retry(lambda: self.rs.adapters.is_committed(self.learner.version), "checking adapter"):
-            self.publish()
 
     # ------------------------------------------------------------------ sampling instead of waiting
     def _init_self_sampling(self) -> None:
@@ -119,9 +84,6 @@ class AsyncLearner:
         return True
 
     # ------------------------------------------------------------------ bookkeeping
-    def handled(self) -> set[str]:
-        return {e["id"] for entries in self.ledger.values() for e in entries}
-
     @property
     def expected(self) -> int:
         return self.cfg.async_rl.num_samplers * self.cfg.async_rl.batches_per_sampler
@@ -146,57 +108,6 @@ class AsyncLearner:
                 "self_sample_s": self.totals.get("sample_s", 0.0),
                 "self_sample_fraction": self.totals.get("sample_s", 0.0) / wall,
                 "completions": sum(e["rows"] for e in self.ledger["consumed"])}
-
-    def checkpoint(self) -> None:
-        blob = {"learner": self.learner.state(), "ledger": self.ledger, "history": self.history,
-                "totals": self.totals, "version": self.learner.version}
-        self.rs.save_checkpoint(blob, self.learner.version)
-        self._since_ckpt = 0
-
-    def publish(self) -> None:
-        """Upload the current adapter as version ``learner.version`` (idempotent on resume)."""
-        v = self.learner.version
-        with tempfile.TemporaryDirectory(dir=self.cache) as tmp:
-            self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype))
-            self.rs.retry(lambda: self.rs.adapters.is_committed(v) or
-                          self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
-                          f"publishing adapter v{v}")
-
-    # ------------------------------------------------------------------ the loop
-    def step(self, bid: str) -> str:
-        """Handle one committed batch: 'consumed', 'dropped' or 'quarantined'."""
-        rs, S = self.rs, self.cfg.adpo.max_staleness
-        t_read = time.perf_counter()
-        try:
-            batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
-        except CorruptBatchError as e:
-            rs.retry(lambda: rs.trajectories.quarantine(bid, str(e)), f"quarantining {bid}")
-            self.ledger["quarantined"].append({"id": bid, "reason": str(e)[:300]})
-            return "quarantined"
-        behaviour_version = int(batch.policy_version.min())
-        staleness = self.learner.version - behaviour_version
-        if staleness > S:
-            self.ledger["dropped"].append({"id": bid, "staleness": staleness})
-            return "dropped"
-        t0 = time.perf_counter()
-        stats = self.learner.update(batch)
-        t1 = time.perf_counter()
-        reward = torch.nan_to_num(batch.reward, nan=0.0)
-        self.ledger["consumed"].append({"id": bid, "staleness": staleness, "policy_version": behaviour_version,
-                                        "learner_version": self.learner.version, "rows": len(batch)})
-        self.history.append({"update": len(self.ledger["consumed"]), "version": self.learner.version,
-                             "staleness": staleness, "reward_mean": float(reward.mean()),
-                             "read_s": t0 - t_read, "update_s": t1 - t0,
-                             **{k: float(v) for k, v in stats.items() if k in
-                                ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows",
-                                 "rolled_back", "guard_skipped", "guard_rollbacks")}})
-        self._since_ckpt += 1
-        if self._since_ckpt >= self.cfg.async_rl.checkpoint_every:
-            self.checkpoint()
-        t2 = time.perf_counter()
-        self.publish()
-        self.history[-1].update(checkpoint_s=t2 - t1, publish_s=time.perf_counter() - t2)
-        return "consumed"
 
     def run(self) -> dict[str, Any]:
         a, rs = self.cfg.async_rl, self.rs
@@ -225,7 +136,7 @@ class AsyncLearner:
                     self.totals["fill_s"] = self.totals.get("fill_s", 0.0) + waited
                 last = time.perf_counter()
                 continue
-            outcome = self.step(pending[0])
+            outcome, _ = self.consume(pending[0])
             updates_here += outcome == "consumed"
             rs.write_json(self.status(), "learner", "status.json")
         now = time.perf_counter()

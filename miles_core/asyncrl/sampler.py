@@ -14,10 +14,8 @@ was writing when killed was never visible (commit marker last) and is simply wri
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
-import random
 import shutil
 import tempfile
 import time
@@ -28,51 +26,17 @@ import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
-from miles_core.algo.rl import assign_advantages, rollout, rollout_stats, score_rewards
-from miles_core.asyncrl.layout import RunStore
-from miles_core.config import RecipeConfig, load_recipe
+from miles_core.algo.rl import batch_id, rollout_stats, sample_batch
+from miles_core.config import load_recipe
+from miles_core.data.registry import build_task
 from miles_core.models.base import load_base, resolve_device
 from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
-from miles_core.rewards.math import get_reward
-from miles_core.session import TaskData, build_task
+from miles_core.rewards.registry import reward_for_recipe
 from miles_core.storage import BatchExistsError
 from miles_core.storage import uri as U
-from miles_core.types import TrajectoryBatch
+from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
-
-
-def batch_id(seq: int, worker: str) -> str:
-    """Sorts by sequence number first, so the learner takes batches roughly in sampling order."""
-    return f"{seq:06d}-{worker}"
-
-
-def batch_seq(bid: str) -> int:
-    """The sequence number of a :func:`batch_id`."""
-    return int(bid.split("-", 1)[0])
-
-
-def _seed(*parts: object) -> int:
-    return int.from_bytes(hashlib.sha256(repr(parts).encode()).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn, worker: str, index: int, seq: int,
-                 version: int) -> TrajectoryBatch:
-    """Batch ``seq`` of ``worker``: prompts and noise seeded from (run seed, worker, seq), so a
-    restarted sampler redoes the batch it lost with the same prompts and noise (with the adapter
-    version it holds then). Used by samplers and by a learner that samples while it would
-    otherwise wait (``async_rl.learner_samples``)."""
-    rng = random.Random(_seed(cfg.train.seed, worker, seq, "prompts"))
-    gen = torch.Generator().manual_seed(_seed(cfg.train.seed, worker, seq, "noise"))
-    problems = data.draw_rl(rng, cfg.train.prompts_per_iter)
-    # distinct group ids per worker (advantages are group-relative within a batch; ids only need to be
-    # unique there, distinct across workers keeps logs readable): the learner is worker num_samplers
-    stride = cfg.async_rl.num_samplers + int(cfg.async_rl.learner_samples)
-    offset = (seq * stride + index) * cfg.train.prompts_per_iter
-    batch = rollout(model, tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
-                    cfg.task.completion_len, cfg.train.group_size, gen, version, group_offset=offset)
-    score_rewards(batch, reward_fn)
-    return assign_advantages(batch, cfg.adpo.std_normalize)
 
 
 class SlotClaims:
@@ -147,7 +111,7 @@ class SamplerWorker:
         self.model = add_lora_from(base, self.cfg.lora, dropout=0.0)
         self.base_ptr = next(iter(base.parameters())).data_ptr()
         self.data = build_task(self.cfg)
-        self.reward_fn = get_reward(self.cfg.train.reward)
+        self.reward_fn = reward_for_recipe(self.cfg)
         self.version: int | None = None
         prev = self.run_store.read_json("samplers", f"{worker}.json") or {}
         self.stats: dict[str, Any] = {"worker": worker, "committed": prev.get("committed", 0),

@@ -4,7 +4,7 @@ ADPO here is the discrete objective with one change: the per-token log-prob beco
 Gaussian transition log-prob from :func:`~miles_core.continuous.sde.ddim_step`. Every recorded
 step (trajectory b, step k) is an independent row: state x_k, timestep, the recorded next state
 x_{k+1} and its behaviour log-prob. Rows are scored on their own, in chunks of ``row_chunk``,
-and fed to the shared :class:`~miles_core.algo.loss.ADPOLoss` (L = 1 "token" per row), so the
+and fed to the shared update engine (algo/update.py, L = 1 "token" per row), so the
 clipped ratio vs the proximal policy, the truncated importance weight vs the behaviour policy,
 step subsampling and the optional KL to the adapter-off reference all carry over unchanged, and
 peak memory does not depend on the number of denoising steps.
@@ -19,11 +19,12 @@ import torch
 from torch import Tensor
 
 from miles_core.algo.advantages import group_advantages
-from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.update import Rows, policy_update
 from miles_core.config import ADPOConfig
 from miles_core.continuous.sde import DEFAULT_SCHEDULE, ContinuousBatch, NoiseSchedule, ddim_step, sample_ode, sample_sde
 from miles_core.continuous.task import ConstraintTask
-from miles_core.models.lora import reference_policy, trainable_parameters
+from miles_core.models.lora import trainable_parameters
+from miles_core.parallel import World
 
 
 def train_denoiser(model, prompt_ids: Tensor, x0: Tensor, steps: int, batch_size: int, lr: float, seed: int,
@@ -67,17 +68,8 @@ def rollout(model, task: ConstraintTask, prompts: list[str], prompt_ids: Tensor,
     return batch
 
 
-@dataclass
-class StepRows:
-    """Training rows (trajectory, step) with the weight that undoes step subsampling. All [R]."""
-
-    traj: Tensor
-    step: Tensor
-    weight: Tensor
-
-
 def build_step_rows(n_traj: int, steps: int, fraction: float, generator: torch.Generator,
-                    eligible: Tensor | None = None) -> StepRows:
+                    eligible: Tensor | None = None) -> Rows:
     """Every eligible step of every trajectory, or ceil(fraction * n) random ones each, reweighted
     by n/m so the subsampled objective stays unbiased for the sum over eligible steps.
 
@@ -95,7 +87,7 @@ def build_step_rows(n_traj: int, steps: int, fraction: float, generator: torch.G
         step = pool.repeat(n_traj)
     else:
         step = torch.stack([pool[torch.randperm(n, generator=generator)[:m].sort().values] for _ in range(n_traj)]).flatten()
-    return StepRows(torch.arange(n_traj).repeat_interleave(m), step, torch.full((n_traj * m,), n / m))
+    return Rows(torch.arange(n_traj).repeat_interleave(m), step, torch.full((n_traj * m,), n / m))
 
 
 def score_steps(model, batch: ContinuousBatch, traj: Tensor, step: Tensor,
@@ -106,15 +98,34 @@ def score_steps(model, batch: ContinuousBatch, traj: Tensor, step: Tensor,
                      batch.eta, prev_sample=x_prev, schedule=schedule)[1]
 
 
+@dataclass
+class GaussianStepRows:
+    """Rows of a continuous batch for the update engine: one scored "token" per (b, k), the
+    recorded transition x_k -> x_{k+1} under the Gaussian step of :func:`ddim_step`."""
+
+    batch: ContinuousBatch
+    schedule: NoiseSchedule
+    width: int = 1
+
+    def score(self, model, traj: Tensor, step: Tensor) -> tuple[Tensor, None, Tensor]:
+        logp = score_steps(model, self.batch, traj, step, self.schedule)[:, None]
+        return logp, None, torch.ones_like(logp, dtype=torch.bool)
+
+    def behaviour(self, traj: Tensor, step: Tensor) -> Tensor:
+        return self.batch.logp[traj, step][:, None]
+
+
 def adpo_update(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatch, cfg: ADPOConfig,
                 generator: torch.Generator, schedule: NoiseSchedule = DEFAULT_SCHEDULE,
-                max_timestep: int | None = None) -> dict[str, float]:
-    """One policy update (``num_minibatches`` x ``epochs`` optimizer steps) on recorded trajectories.
+                max_timestep: int | None = None, scheduler=None, world: World | None = None) -> dict[str, float]:
+    """One policy update (``num_minibatches`` x ``epochs`` optimizer steps) on recorded trajectories,
+    through the same engine as the discrete learner (:func:`~miles_core.algo.update.policy_update`).
 
-    The loss is normalised per (trajectory, step) of the whole batch, so chunking only changes
-    peak memory, never the gradient. ``max_timestep`` trains only steps that start at t <= it:
-    noise injected at high-noise steps is washed out by the later ones, so their policy-gradient
-    rows are almost pure noise and, under Adam, make the adapter drift without improving reward.
+    The loss is normalised per (trajectory, step), so chunking only changes peak memory, never the
+    gradient; ``adpo.loss_norm`` picks the trajectories counted (with A != 0, or the whole batch).
+    ``max_timestep`` trains only steps that start at t <= it: noise injected at high-noise steps
+    is washed out by the later ones, so their policy-gradient rows are almost pure noise and,
+    under Adam, make the adapter drift without improving reward.
     """
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
@@ -122,58 +133,13 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatch,
     stats: dict[str, float] = {"trajectories": float(keep.numel()), "skipped_trajectories": float(len(batch) - keep.numel())}
     if keep.numel() == 0:
         return stats
-    k_steps = batch.num_steps
     eligible = None if max_timestep is None else batch.timesteps[:-1] <= max_timestep
-    rows = build_step_rows(keep.numel(), k_steps, cfg.step_fraction, generator, eligible)
+    rows = build_step_rows(keep.numel(), batch.num_steps, cfg.step_fraction, generator, eligible)
     rows.traj = keep[rows.traj]
-    n_rows = rows.traj.numel()
-    normaliser = float(rows.weight.sum())  # = trajectories x eligible steps, whatever the subsampling
-    loss_fn = ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef)
-    params = trainable_parameters(model)
-    ones = torch.ones(1, dtype=torch.bool)
-
-    def chunks(idx: Tensor):
-        for s in range(0, idx.numel(), cfg.row_chunk):
-            yield idx[s:s + cfg.row_chunk]
-
-    prox = None
-    if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = the policy before this update, frozen
-        prox = torch.zeros(n_rows)
-        with torch.no_grad():
-            for c in chunks(torch.arange(n_rows)):
-                prox[c] = score_steps(model, batch, rows.traj[c], rows.step[c], schedule)
-    agg: dict[str, float] = {}
-    model.train()
-    for _ in range(cfg.epochs):
-        perm = torch.randperm(n_rows, generator=generator)
-        for mb in perm.chunk(cfg.num_minibatches):
-            optimizer.zero_grad(set_to_none=True)
-            for c in chunks(mb):
-                tr, st = rows.traj[c], rows.step[c]
-                logp = score_steps(model, batch, tr, st, schedule)
-                prox_c = prox[c] if prox is not None else logp.detach()
-                ref = None
-                if cfg.kl_coef > 0:
-                    with torch.no_grad(), reference_policy(model) as ref_model:
-                        ref = score_steps(ref_model, batch, tr, st, schedule)[:, None]
-                out = loss_fn(logp[:, None], prox_c[:, None], batch.logp[tr, st][:, None], adv_all[tr],
-                              ones.expand(c.numel(), 1), rows.weight[c], normaliser / cfg.num_minibatches, ref)
-                out.loss.backward()  # graph of this chunk only: one denoising step per row
-                n = out.stats["tokens"]
-                for key, v in out.stats.items():
-                    if key == "iw_max":
-                        agg[key] = max(agg.get(key, 0.0), v)
-                    elif key not in ("tokens", "entropy"):
-                        agg[key] = agg.get(key, 0.0) + v * n
-                agg["loss"] = agg.get("loss", 0.0) + float(out.loss.detach())
-            agg["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
-            optimizer.step()
-    total = float(n_rows * cfg.epochs)
-    for key in ("clip_frac", "approx_kl", "iw_mean", "kl_ref"):
-        if key in agg:
-            agg[key] /= total
-    stats.update(agg)
-    stats["rows"] = float(n_rows)
+    per_traj = float(rows.weight.sum()) / keep.numel()  # eligible steps per trajectory, whatever the subsampling
+    normaliser = per_traj * (keep.numel() if cfg.loss_norm == "informative" else len(batch))
+    stats.update(policy_update(model, optimizer, GaussianStepRows(batch, schedule), rows, adv_all, normaliser, cfg,
+                               generator, scheduler, world))
     return stats
 
 

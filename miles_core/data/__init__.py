@@ -11,7 +11,7 @@ from miles_core.data.arith import (
     solve,
     solve_steps,
 )
-from miles_core.data.loaders import load_gsm8k_jsonl, load_reasoning_gym, reasoning_gym_reward
+from miles_core.data.loaders import load_gsm8k_jsonl, load_reasoning_gym
 
 __all__ = [
     "ArithConfig",
@@ -23,7 +23,6 @@ __all__ = [
     "load_reasoning_gym",
     "max_prompt_len",
     "max_target_len",
-    "reasoning_gym_reward",
     "solve",
     "solve_steps",
 ]

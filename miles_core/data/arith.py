@@ -18,6 +18,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from miles_core.config import TaskConfig
+from miles_core.data.spec import TaskSpec
+
 SPLITS = ("train", "test", "rl")
 TEST_BUCKETS = 2  # hash % 10 < TEST_BUCKETS -> test: 20% of all prompts
 _TOKEN_RE = re.compile(r"\d+|[+\-*]")
@@ -260,3 +263,11 @@ def max_target_len(cfg: ArithConfig) -> int:
             acc = c
         best = max(best, length + steps - 1)
     return best
+
+
+def _from_recipe(t: TaskConfig) -> tuple[ArithTask, int]:
+    cfg = ArithConfig(min_ops=t.min_ops, max_ops=t.max_ops, max_digits=t.max_digits, mul_max_digits=t.mul_max_digits)
+    return ArithTask(cfg), max_target_len(cfg)
+
+
+SPEC = TaskSpec("arith", _from_recipe, canonical_prompt, check_reward="math_exact")  # pass@1: the exact answer

@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
+from miles_core.config import TaskConfig
 from miles_core.data.arith import Problem
+from miles_core.data.spec import TaskSpec
 
 SPLITS = ("train", "test", "rl")
 TEST_BUCKETS = 2  # hash % 10 < TEST_BUCKETS -> test: about 20% of all functions
@@ -256,3 +258,11 @@ def space_stats(cfg: CodeConfig) -> SpaceStats:
     for f in fns:
         fam[f.family] = fam.get(f.family, 0) + 1
     return SpaceStats(len(fns), sum(is_test_prompt(f.prompt) for f in fns), fam)
+
+
+def _from_recipe(t: TaskConfig) -> tuple[CodeTask, int]:
+    cfg = CodeConfig(examples=t.num_examples, b_max=t.const_max)
+    return CodeTask(cfg), max_target_len(cfg)
+
+
+SPEC = TaskSpec("code", _from_recipe, canonical_prompt, check_reward="code_tests")  # pass@1: every hidden test passes

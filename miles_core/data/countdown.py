@@ -25,7 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Iterable
 
+from miles_core.config import TaskConfig
 from miles_core.data.arith import SPLITS, Problem, draw_distinct, is_test_prompt
+from miles_core.data.spec import TaskSpec
 
 _STEP_RE = re.compile(r"^(-?\d+)([+\-*])(-?\d+)=(-?\d+)$")
 _PROMPT_RE = re.compile(r"^(\d+(?:,\d+)+):(\d+)$")
@@ -161,3 +163,11 @@ def max_target_len(cfg: CountdownConfig) -> int:
         total += len(str(hi)) + 1 + len(str(cfg.max_value)) + 1 + len(str(res))
         hi = res
     return total + cfg.numbers - 2
+
+
+def _from_recipe(t: TaskConfig) -> tuple[CountdownTask, int]:
+    cfg = CountdownConfig(numbers=t.numbers, max_value=t.max_value)
+    return CountdownTask(cfg), max_target_len(cfg)
+
+
+SPEC = TaskSpec("countdown", _from_recipe, canonical_prompt, check_reward="countdown")  # pass@1: any valid solution

@@ -7,14 +7,13 @@ import and optional).
 
 from __future__ import annotations
 
-import functools
 import json
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import fsspec
 
 from miles_core.data.arith import Problem
-from miles_core.rewards.math import completion_text, extract_answer, normalize_number
+from miles_core.data.answers import normalize_number
 
 
 def _gsm8k_final(answer: str) -> str | None:
@@ -67,7 +66,7 @@ def load_gsm8k_jsonl(uri: str, storage_options: dict | None = None, limit: int |
     return out
 
 
-def _rg() -> Any:
+def reasoning_gym_module() -> Any:
     try:
         import reasoning_gym
     except ImportError as e:  # pragma: no cover - depends on the environment
@@ -78,10 +77,10 @@ def _rg() -> Any:
 def load_reasoning_gym(name: str, size: int, seed: int, **kwargs: Any) -> list[Problem]:
     """``size`` problems from the reasoning-gym dataset ``name`` (extra kwargs go to its config).
 
-    The raw entry is kept in ``meta["entry"]`` so :func:`reasoning_gym_reward` can use the
+    The raw entry is kept in ``meta["entry"]`` so rewards/reasoning_gym.py can use the
     dataset's own scorer, which knows answer formats (lists, strings, boards) we do not.
     """
-    rg = _rg()
+    rg = reasoning_gym_module()
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:
@@ -99,69 +98,4 @@ def load_reasoning_gym(name: str, size: int, seed: int, **kwargs: Any) -> list[P
                 meta={"task": "reasoning_gym", "dataset_name": name, "entry": entry, "index": i, "seed": seed},
             )
         )
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _scorer(name: str) -> Callable[[str | None, dict], float]:
-    return _rg().get_score_answer_fn(name)
-
-
-def _candidates(text: str) -> list[str]:
-    """Ways to read a final answer from a completion: <answer> tags, the whole text, our extractor."""
-    from reasoning_gym.utils import extract_answer as rg_extract
-
-    cands: list[str] = []
-    tagged = rg_extract(text)
-    if tagged:
-        cands.append(tagged)
-    if text.strip():
-        cands.append(text.strip())
-    ours = extract_answer(text)
-    if ours:
-        cands.append(ours)
-    return cands
-
-
-def reasoning_gym_reward(
-    prompts: Sequence[str],
-    completions: Sequence[Any],
-    entry: Sequence[dict | None],
-    dataset_name: Sequence[str] | str | None = None,
-    **_: Any,
-) -> list[float | None]:
-    """Score with reasoning-gym's own ``score_answer``: the best score over candidate answer readings.
-
-    reasoning-gym's default scorer gives partial credit when the oracle answer is a substring, so a
-    verbose completion would score below 1.0; trying the ``<answer>`` tag content and our
-    normalised final answer as well gives full credit to a correct final answer. None when the
-    entry is missing; 0.0 for any malformed completion or scorer failure.
-    """
-    if len(entry) != len(completions):
-        raise ValueError(f"reasoning_gym_reward: {len(entry)} entries for {len(completions)} completions")
-    names = [dataset_name] * len(completions) if dataset_name is None or isinstance(dataset_name, str) else dataset_name
-    if len(names) != len(completions):
-        raise ValueError(f"reasoning_gym_reward: {len(names)} dataset names for {len(completions)} completions")
-    out: list[float | None] = []
-    for comp, ent, name in zip(completions, entry, names):
-        if not isinstance(ent, dict):
-            out.append(None)
-            continue
-        name = name or (ent.get("metadata") or {}).get("source_dataset")
-        if not name:
-            out.append(None)
-            continue
-        score = _scorer(name)
-        best = 0.0
-        try:
-            for cand in _candidates(completion_text(comp)):
-                try:
-                    best = max(best, float(score(cand, ent)))
-                except Exception:  # noqa: BLE001 - third-party scorers can raise on odd input
-                    continue
-                if best >= 1.0:
-                    break
-        except Exception:  # noqa: BLE001
-            best = 0.0
-        out.append(min(max(best, 0.0), 1.0))
     return out

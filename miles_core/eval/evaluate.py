@@ -11,9 +11,11 @@ from typing import Callable, Sequence
 
 import torch
 
-from miles_core.config import SamplerConfig
+from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
+from miles_core.data.registry import TASK_CHECK, TaskData
 from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
 from miles_core.progress import track
+from miles_core.rewards.registry import reward_for_recipe
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import CharTokenizer
 
@@ -57,3 +59,32 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
                "seconds": seconds}
     return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics,
                       correct=correct)
+
+
+def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: SamplerConfig | None = None,
+                split: str = "test") -> EvalConfig:
+    """The recipe's eval settings (or ``sampler``'s, to evaluate the way a run samples) as an EvalConfig."""
+    e = cfg.eval
+    s = sampler
+    return EvalConfig(num_problems=num_problems or e.num_problems, completion_len=cfg.task.completion_len,
+                      steps=s.steps if s else e.steps, block_size=(s.block_size if s else e.block_size) or cfg.task.completion_len,
+                      temperature=s.temperature if s else e.temperature,
+                      remasking=s.remasking if s else e.remasking, sampler=s.kind if s else "static",
+                      threshold=s.threshold if s and s.kind == "nsd" else None, n_samples=e.n_samples,
+                      ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed, split=split,
+                      prompt_template=cfg.task.prompt_template)
+
+
+def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_problems: int | None = None,
+             sampler: SamplerConfig | None = None, progress: bool = False, split: str = "test") -> EvalResult:
+    """pass@k on the first ``num_problems`` of ``split`` ("test": reported results; "val": selection)."""
+    if split not in ("test", "val"):
+        raise ValueError(f"run_eval: split must be 'test' or 'val', got {split!r}")
+    pool = data.test if split == "test" else data.val
+    if not pool:
+        raise ConfigError(f"run_eval: the {split!r} split is empty; set task.num_{split} > 0")
+    ec = eval_config(cfg, min(num_problems or cfg.eval.num_problems, len(pool)), sampler, split)
+    probs = pool[:ec.num_problems]
+    reward = reward_for_recipe(cfg, TASK_CHECK[cfg.task.name])
+    return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, reward,
+                    batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler)

@@ -1,21 +1,14 @@
 """Rule-based rewards with the TRL contract ``fn(prompts, completions, **meta) -> list[float | None]``.
 
-``code_tests`` executes code completions in the sandbox (rewards/code.py, pool.py, isolation.py, sandbox.py)."""
+By name: :mod:`miles_core.rewards.registry`. ``code_tests`` executes code completions in the
+sandbox (rewards/code.py, pool.py, isolation.py, sandbox.py); answers are read by
+miles_core/data/answers.py."""
 
+from miles_core.data.answers import answers_match, extract_answer, normalize_number, reference_answer
 from miles_core.rewards.code import Score, code_tests_reward, score_completions
-from miles_core.rewards.math import (
-    REWARDS,
-    answers_match,
-    combined_reward,
-    extract_answer,
-    format_reward,
-    get_reward,
-    is_worked_solution,
-    math_exact_reward,
-    normalize_number,
-    reference_answer,
-)
+from miles_core.rewards.math import format_reward, is_worked_solution, math_exact_reward
 from miles_core.rewards.pool import SandboxLimits, SandboxPool
+from miles_core.rewards.registry import REWARDS, combined_reward, get_reward, reward_for_recipe
 
 __all__ = [
     "REWARDS",
@@ -33,4 +26,5 @@ __all__ = [
     "math_exact_reward",
     "normalize_number",
     "reference_answer",
+    "reward_for_recipe",
 ]

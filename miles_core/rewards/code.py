@@ -67,7 +67,7 @@ def score_result(res: ExecResult, expected: Sequence[Any], inputs: Sequence[Sequ
 
 def _prepare(completions: Sequence[Any], answers: Sequence[Any]) -> tuple[list[Job | Score | None], list[list]]:
     """Per completion: a Job to run, a Score decided without running it, or None (unscorable reference)."""
-    from miles_core.rewards.math import completion_text
+    from miles_core.rewards.text import completion_text
 
     if len(completions) != len(answers):
         raise ValueError(f"code reward: answer has {len(answers)} items but there are {len(completions)} completions")

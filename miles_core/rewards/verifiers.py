@@ -1,5 +1,5 @@
 """Task-specific verifiers with the reward contract ``fn(prompts, completions, **meta)``: process
-rewards for the worked arithmetic steps, and the countdown check. Registered in rewards.math.REWARDS.
+rewards for the worked arithmetic steps, and the countdown check. Registered in rewards/registry.py.
 The task modules are imported on use: miles_core.data imports the reward modules."""
 
 from __future__ import annotations

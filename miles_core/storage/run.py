@@ -1,8 +1,11 @@
-"""Where an asynchronous run keeps its state: one store URI, shared by every process.
+"""Where a training run keeps its state: one store URI, shared by every process of the run.
+
+The synchronous flow and the asynchronous learner use the same layout (see ARCHITECTURE.md):
 
     {run}/run.json                  the run spec (recipe, seed): written once, exclusive create
     {run}/base/                     the frozen base checkpoint, uploaded once (COMMITTED last)
-    {run}/trajectories/             committed Parquet batches (TrajectoryStore)
+    {run}/rollouts/                 raw batches before scoring (the synchronous flow's score task)
+    {run}/trajectories/             committed, scored Parquet batches (TrajectoryStore): what a learner consumes
     {run}/adapters/vNNNNNN/         published LoRA versions (AdapterRegistry)
     {run}/learner/checkpoints/      learner state: adapter, optimizer, RNGs, version, ledger
     {run}/learner/CHECKPOINT        pointer to the newest checkpoint (+ its sha256), written last
@@ -12,6 +15,8 @@
 
 Why one layout object: samplers and the learner never talk to each other, only to storage, so
 they must agree on these paths; every read and write goes through :func:`call_with_retry`.
+The tensor-free ``run.json`` check lives here too, because a resumed run and a second sampler
+re-open the same run and must be refused if its recipe changed.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
+from miles_core.config import ConfigError
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage import uri as U
 from miles_core.storage.retry import call_with_retry
@@ -33,8 +39,21 @@ T = TypeVar("T")
 BASE_FILES_MARKER = "COMMITTED"
 
 
-class RunSpecMismatch(ValueError):
+class RunSpecMismatch(ConfigError):
     """``run.json`` already exists with a different recipe: refusing to mix two experiments."""
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def changed_settings(old: dict[str, Any], new: dict[str, Any], resumable: tuple[str, ...] = ()) -> list[str]:
+    """Recipe keys whose values differ between two nested cfg dicts, ignoring ``resumable`` prefixes."""
+    a, b = _flat(old), _flat(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and not k.startswith(resumable))
 
 
 class RunStore:
@@ -44,6 +63,7 @@ class RunStore:
         self.uri = run_uri.rstrip("/")
         self.options = storage_options
         self.fs, self.root = U.resolve(self.uri, storage_options)
+        self.rollouts = TrajectoryStore(f"{self.uri}/rollouts", storage_options)
         self.trajectories = TrajectoryStore(f"{self.uri}/trajectories", storage_options)
         self.adapters = AdapterRegistry(self.uri, storage_options)
         self.retry_budget_s = retry_budget_s
@@ -75,17 +95,21 @@ class RunStore:
         return self.retry(lambda: U.exists(self.fs, path), f"checking {'/'.join(parts)}")
 
     # ------------------------------------------------------------------ run spec
-    def write_spec(self, spec: dict[str, Any]) -> dict[str, Any]:
-        """Create ``run.json`` or, if it exists, check it describes the same run; return the stored spec."""
+    def write_spec(self, spec: dict[str, Any], resumable: tuple[str, ...] = ()) -> dict[str, Any]:
+        """Create ``run.json`` or, if it exists, check it describes the same run (settings under a
+        ``resumable`` prefix may differ: a resumed run may be longer); return the stored spec."""
         path = self.path("run.json")
         try:
             self.retry(lambda: U.create_exclusive(self.fs, path, U.dumps(spec)), "creating run.json")
             return spec
         except U.AlreadyExistsError:
             old = self.read_spec()
-            if json.dumps(old.get("cfg"), sort_keys=True) != json.dumps(spec.get("cfg"), sort_keys=True):
-                raise RunSpecMismatch(f"{self.uri}/run.json describes a different recipe; use a new run URI "
-                                      "(or the same recipe to resume)") from None
+            changed = changed_settings(old.get("cfg") or {}, spec.get("cfg") or {}, resumable)
+            if changed:
+                a, b = _flat(old.get("cfg") or {}), _flat(spec.get("cfg") or {})
+                diff = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:5])
+                raise RunSpecMismatch(f"{self.uri}/run.json describes a different recipe ({diff}); use a new run "
+                                      "URI (or the same recipe to resume)") from None
             return old
 
     def read_spec(self) -> dict[str, Any]:
@@ -111,7 +135,8 @@ class RunStore:
             self.retry(lambda: U.write_bytes_atomic(self.fs, dest, data), f"uploading base/{p.name}")
         marker = self.path("base", BASE_FILES_MARKER)
         try:
-            self.retry(lambda: U.create_exclusive(self.fs, marker, U.dumps({"files": manifest})), "committing base/")
+            info = {"files": manifest, "name": Path(local_dir).resolve().name}  # the name adapters record
+            self.retry(lambda: U.create_exclusive(self.fs, marker, U.dumps(info)), "committing base/")
         except U.AlreadyExistsError:
             pass
 
@@ -121,7 +146,8 @@ class RunStore:
         if info is None:
             raise FileNotFoundError(f"{self.uri}/base has no {BASE_FILES_MARKER}: the base checkpoint was never uploaded")
         digest = hashlib.sha256(U.dumps(info)).hexdigest()[:16]
-        dest = Path(cache_dir) / f"base-{digest}"
+        # base-{digest}/{name}: the folder keeps the base's own name, which adapters record as theirs
+        dest = Path(cache_dir) / f"base-{digest}" / str(info.get("name") or "base")
         if (dest / BASE_FILES_MARKER).exists():
             return dest
         tmp = Path(cache_dir) / f".base-{digest}-{os.getpid()}"
@@ -133,6 +159,7 @@ class RunStore:
                 raise ValueError(f"{self.uri}/base/{name}: checksum mismatch with {BASE_FILES_MARKER}")
             (tmp / name).write_bytes(data)
         (tmp / BASE_FILES_MARKER).write_bytes(U.dumps(info))
+        dest.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.replace(tmp, dest)
         except OSError:  # another process on this machine won the race: use its copy

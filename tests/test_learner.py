@@ -6,7 +6,9 @@ import torch
 
 from miles_core.config import load_recipe
 from miles_core.models.base import load_checkpoint
-from miles_core.session import Learner, build_task, train_baseline
+from miles_core.data.registry import build_task
+from miles_core.learner.baseline import train_baseline
+from miles_core.learner.policy import Learner
 
 
 def test_sft_checkpoint_roundtrip_and_bit_exact_resume(tmp_path):
@@ -70,7 +72,7 @@ def test_sft_saves_the_weights_of_its_best_validation_score(tmp_path, monkeypatc
     # and the weights seen at each evaluation recorded: the saved model must be the second's.
     import types
 
-    import miles_core.session as session
+    import miles_core.learner.baseline as session
 
     cfg = load_recipe("tiny", ["sft.steps=30", "sft.eval_every=10"])
     scores, snapshots = iter([0.1, 0.5, 0.2]), []
@@ -92,7 +94,7 @@ def test_sft_patience_stops_after_evaluations_without_a_strict_gain(tmp_path, mo
     # does not reset it and SFT stops at step 40; the saved weights are the tie's (step 30)
     import types
 
-    import miles_core.session as session
+    import miles_core.learner.baseline as session
 
     cfg = load_recipe("tiny", ["sft.steps=100", "sft.eval_every=10"])
     scores, snapshots, seen = iter([0.1, 0.5, 0.5, 0.4, 0.9, 0.9]), [], []

@@ -1,0 +1,146 @@
+"""The RL policy state every learner drives: frozen base + LoRA adapter, optimizer, LR schedule,
+RNGs, policy version and the collapse guard. One object for the synchronous flow, the asynchronous
+learner, the torchrun learner and the benchmarks, so what a benchmark measures is what a user
+runs; ``state()``/``load_state()`` capture everything needed to resume bit-exactly. The run
+around it (ledger, checkpoints, publishing) is miles_core/learner/runtime.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import random
+from pathlib import Path
+
+import torch
+
+from miles_core.algo.guard import CollapseGuard, batch_health
+from miles_core.algo.rl import assign_advantages, rollout, score_rewards
+from miles_core.algo.schedule import lr_factor
+from miles_core.algo.update import adpo_update
+from miles_core.config import RecipeConfig, SamplerConfig
+from miles_core.data.arith import Problem
+from miles_core.data.registry import TaskData
+from miles_core.models.base import base_identity, load_base, resolve_device
+from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
+from miles_core.parallel import World
+from miles_core.rewards.registry import reward_for_recipe
+from miles_core.types import TrajectoryBatch
+
+
+class Learner:
+    """Base (frozen) + LoRA policy, optimizer, warm-up schedule, RNGs and policy version.
+
+    ``state()``/``load_state()`` capture everything needed to resume bit-exactly."""
+
+    def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None,
+                 total_updates: int | None = None):
+        self.cfg, self.base_dir, self._base_identity = cfg, base_dir, None
+        base, self.tok = load_base(cfg, base_dir)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        if adapter_dir is not None:
+            self.model = load_adapter(base, adapter_dir, trainable=True)
+        else:
+            torch.manual_seed(seed)
+            self.model = add_lora_from(base, cfg.lora)
+        self.model.to(resolve_device(cfg.model.device))  # before the optimizer, which keeps its state beside the params
+        a = cfg.adpo
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
+        # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
+        # each num_minibatches * epochs optimizer steps
+        updates = cfg.train.iterations if total_updates is None else total_updates
+        steps = updates * a.num_minibatches * a.epochs
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a.warmup, a.lr_schedule, steps))
+        self.gen = torch.Generator().manual_seed(seed)
+        self.rng = random.Random(seed)
+        self.version = 0
+        self.reward_fn = reward_for_recipe(cfg)
+        self.groups_seen = 0
+        self.guard = CollapseGuard(cfg.guard, self._policy_state()) if cfg.guard.enabled else None
+        self.guard_event = ""  # why the last update was skipped or rolled back ("" when it ran)
+
+    def _policy_state(self) -> dict:
+        """What a rollback restores: adapter, optimizer and schedule (not the RNGs), as copies that
+        later steps cannot change; ``state()`` adds the RNGs, version and guard to it."""
+        return {"adapter": {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k},
+                "opt": copy.deepcopy(self.opt.state_dict()), "sched": self.sched.state_dict()}
+
+    def draw_prompts(self, data: TaskData, n: int) -> list[Problem]:
+        """Fresh RL prompts from the verifier's supply (never the test bucket; see TaskData.draw_rl)."""
+        return data.draw_rl(self.rng, n)
+
+    def rollout(self, problems: list[Problem], sampler: SamplerConfig | None = None,
+                threshold: float | None = None) -> TrajectoryBatch:
+        s = sampler or self.cfg.sampler
+        batch = rollout(self.model, self.tok, [p.prompt for p in problems], [p.answer for p in problems], s,
+                        self.cfg.task.completion_len, self.cfg.train.group_size, self.gen, self.version,
+                        group_offset=self.groups_seen, threshold=threshold)
+        self.groups_seen += len(problems)
+        score_rewards(batch, self.reward_fn)
+        return assign_advantages(batch, self.cfg.adpo.std_normalize)
+
+    def update(self, batch: TrajectoryBatch, temperature: float | None = None,
+               world: World | None = None) -> dict[str, float]:
+        """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
+        then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th
+        unhealthy batch in a row) the last healthy policy is restored and published as a new
+        version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and ``self.guard_event`` says why.
+        Raises CollapseError when rolling back no longer helps. ``world``: data-parallel ranks
+        (torchrun), each scoring its shard of the rows; the guard sees the same batch on every rank."""
+        self.guard_event = ""
+        if self.guard is not None:
+            h = batch_health(batch)
+            reason = self.guard.collapse_reason(h)
+            if reason is not None:
+                self.guard_event = reason
+                # sampled by the collapsed line (already rolled back), or a reward drop not yet confirmed
+                if not self.guard.should_roll_back(h) or not self.guard.confirmed(h):
+                    return {"rows": 0.0, "guard_skipped": 1.0, "policy_version": float(self.version),
+                            "guard_rollbacks": float(self.guard.rollbacks)}
+                self.version += 1
+                self._restore(self.guard.rolled_back(self.version, reason))
+                logging.getLogger("miles").warning("collapse guard: %s; restored policy version %d as version %d",
+                                                   reason, self.guard.good[0], self.version)
+                return {"rows": 0.0, "rolled_back": 1.0, "policy_version": float(self.version),
+                        "guard_rollbacks": float(self.guard.rollbacks)}
+            self.guard.accept(h)
+        t = self.cfg.sampler.temperature if temperature is None else temperature
+        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched, world)
+        self.version += 1
+        if self.guard is not None:
+            self.guard.offer(self.version, self._policy_state)
+            stats["guard_rollbacks"] = float(self.guard.rollbacks)
+        stats["policy_version"] = float(self.version)
+        return stats
+
+    def _restore(self, st: dict) -> None:
+        """Inverse of ``_policy_state`` (also the first half of ``load_state``). The optimizer state
+        is copied in, so later in-place steps never write into a snapshot the guard still holds."""
+        missing = self.model.load_state_dict(st["adapter"], strict=False)
+        if missing.unexpected_keys:
+            raise ValueError(f"checkpoint has unexpected adapter keys: {missing.unexpected_keys[:3]}")
+        self.opt.load_state_dict(copy.deepcopy(st["opt"]))
+        self.sched.load_state_dict(st["sched"])
+
+    def save_adapter(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+        if self._base_identity is None:  # hashed once per learner: the async learner publishes every update
+            self._base_identity = base_identity(self.base_dir)
+        return save_adapter(self.model, directory, dtype, base=self._base_identity)
+
+    def state(self) -> dict:
+        return {**self._policy_state(), "gen": self.gen.get_state(), "rng": self.rng.getstate(),
+                "version": self.version, "groups_seen": self.groups_seen, "torch_rng": torch.get_rng_state(),
+                "guard": self.guard.state() if self.guard else None}
+
+    def load_state(self, st: dict) -> None:
+        self._restore(st)
+        self.gen.set_state(st["gen"])
+        self.rng.setstate(st["rng"])
+        self.version = int(st["version"])
+        self.groups_seen = int(st["groups_seen"])
+        torch.set_rng_state(st["torch_rng"])
+        if self.guard is not None and st.get("guard") is not None:  # older checkpoints: a fresh guard
+            self.guard.load_state(st["guard"])
+

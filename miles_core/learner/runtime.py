@@ -1,0 +1,148 @@
+"""The run around one :class:`~miles_core.learner.policy.Learner`: the one learner runtime.
+
+The synchronous flow (one task per phase: tasks/training.py) and the asynchronous learner
+(asyncrl/learner.py) drive the same object, so resume and exactly-once are one implementation:
+
+    consume(batch id):
+        read the batch (a corrupt one is quarantined and recorded, never fatal)
+        staleness s = current version - the batch's policy version; s > S: drop it and record it
+        ADPO update with the truncated importance weight against the stored behaviour log-probs
+        version += 1; checkpoint every N updates; publish the adapter
+
+Exactly-once: the *ledger* (which batch ids were consumed, dropped or quarantined) lives inside
+the learner checkpoint, next to the adapter and optimizer it produced, and both are written in
+one atomic object. A learner killed after an update but before its checkpoint resumes from the
+previous checkpoint, whose ledger does not list that batch, so the batch is used again by the
+surviving lineage and exactly once there. Adapter versions the dead learner published after its
+last checkpoint are orphaned: the resumed learner numbers its next version above them, so a
+number is never reused for different weights. The store layout is miles_core/storage/run.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_core.config import RecipeConfig, load_recipe
+from miles_core.learner.policy import Learner
+from miles_core.storage import CorruptBatchError
+from miles_core.storage.run import RunStore, changed_settings
+
+log = logging.getLogger(__name__)
+# Settings that may change when a run is resumed (its length, evaluation, threads); anything else
+# would silently change the experiment, so it is refused.
+RESUMABLE = ("train.iterations", "train.eval_every", "eval.", "torch_threads")
+HISTORY_KEYS = ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows", "rolled_back",
+                "guard_skipped", "guard_rollbacks")
+
+
+class LearnerRun:
+    """A learner bound to the run at ``run_uri``: its ledger, checkpoints and published adapters.
+
+    ``cfg``: the recipe to run with (default: the run's own); it may differ from ``run.json`` only
+    in :data:`RESUMABLE` settings. ``total_updates``: how many policy updates the LR schedule spans.
+    ``checkpoint_every``: default ``async_rl.checkpoint_every`` (the synchronous flow passes 1).
+    """
+
+    def __init__(self, run_uri: str, cache_dir: str | None = None, storage_options: dict[str, Any] | None = None,
+                 cfg: RecipeConfig | None = None, total_updates: int | None = None,
+                 checkpoint_every: int | None = None) -> None:
+        self.rs = RunStore(run_uri, storage_options)
+        spec = self.rs.read_spec()
+        if cfg is not None:
+            changed = changed_settings(spec["cfg"], cfg.to_dict(), RESUMABLE)
+            if changed:
+                raise ValueError(f"{run_uri}: cfg differs from run.json in {changed[:5]}, which a resume may not change")
+        self.cfg = cfg or load_recipe(spec["cfg"])
+        self.rs.retry_budget_s = self.cfg.async_rl.retry_budget_s
+        self.cache = Path(cache_dir or tempfile.mkdtemp(prefix="miles-learner-"))
+        self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
+        self.checkpoint_every = checkpoint_every or self.cfg.async_rl.checkpoint_every
+        self.learner = Learner(self.cfg, self.rs.fetch_base(self.cache), seed=self.cfg.train.seed,
+                               total_updates=total_updates)
+        self.ledger: dict[str, list[dict[str, Any]]] = {"consumed": [], "dropped": [], "quarantined": []}
+        self.history: list[dict[str, Any]] = []
+        self.totals: dict[str, Any] = {"idle_s": 0.0, "wall_s": 0.0, "fill_s": 0.0, "resumes": 0, "version_skips": 0}
+        ckpt = self.rs.load_checkpoint()
+        if ckpt is not None:
+            self.learner.load_state(ckpt["learner"])
+            self.ledger, self.history, self.totals = ckpt["ledger"], ckpt["history"], ckpt["totals"]
+            self.totals["resumes"] += 1
+        latest = self.rs.retry(self.rs.adapters.latest_version, "polling adapters")
+        if latest is not None and latest > self.learner.version:
+            # versions published after the last checkpoint by a learner that died: never reuse them
+            log.warning("resuming at checkpoint version %d below published %d; next version is %d",
+                        self.learner.version, latest, latest + 1)
+            self.learner.version = latest
+            self.totals["version_skips"] += 1
+        self._since_ckpt = 0
+        if not self.rs.retry(lambda: self.rs.adapters.is_committed(self.learner.version), "checking adapter"):
+            self.publish()
+
+    def handled(self) -> set[str]:
+        """Batch ids the ledger lists (consumed, dropped or quarantined): never taken again."""
+        return {e["id"] for entries in self.ledger.values() for e in entries}
+
+    def checkpoint(self) -> None:
+        blob = {"learner": self.learner.state(), "ledger": self.ledger, "history": self.history,
+                "totals": self.totals, "version": self.learner.version}
+        self.rs.save_checkpoint(blob, self.learner.version)
+        self._since_ckpt = 0
+
+    def publish(self) -> None:
+        """Upload the current adapter as version ``learner.version`` (idempotent on resume)."""
+        v = self.learner.version
+        with tempfile.TemporaryDirectory(dir=self.cache) as tmp:
+            self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype))
+            self.rs.retry(lambda: self.rs.adapters.is_committed(v) or
+                          self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
+                          f"publishing adapter v{v}")
+
+    def adapter_uri(self, version: int | None = None) -> str:
+        return f"{self.rs.uri}/adapters/v{self.learner.version if version is None else version:06d}"
+
+    def consume(self, bid: str) -> tuple[str, dict[str, float]]:
+        """Handle one committed batch -> ('consumed' | 'dropped' | 'quarantined', update stats)."""
+        rs, S = self.rs, self.cfg.adpo.max_staleness
+        t_read = time.perf_counter()
+        try:
+            batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
+        except CorruptBatchError as e:
+            reason = str(e)
+            rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")
+            self.ledger["quarantined"].append({"id": bid, "reason": reason[:300]})
+            return "quarantined", {}
+        behaviour_version = int(batch.policy_version.min())
+        staleness = self.learner.version - behaviour_version
+        if staleness > S:
+            self.ledger["dropped"].append({"id": bid, "staleness": staleness})
+            return "dropped", {}
+        t0 = time.perf_counter()
+        stats = self.learner.update(batch)
+        t1 = time.perf_counter()
+        stats.update(staleness=float(staleness), seconds=t1 - t0, tokens_per_s=stats.get("tokens", 0.0) / max(t1 - t0, 1e-9))
+        reward = torch.nan_to_num(batch.reward, nan=0.0)
+        self.ledger["consumed"].append({"id": bid, "staleness": staleness, "policy_version": behaviour_version,
+                                        "learner_version": self.learner.version, "rows": len(batch)})
+        self.history.append({"update": len(self.ledger["consumed"]), "version": self.learner.version,
+                             "staleness": staleness, "reward_mean": float(reward.mean()),
+                             "read_s": t0 - t_read, "update_s": t1 - t0, "guard_event": self.learner.guard_event,
+                             **{k: float(v) for k, v in stats.items() if k in HISTORY_KEYS}})
+        self._since_ckpt += 1
+        if self._since_ckpt >= self.checkpoint_every:
+            self.checkpoint()
+        t2 = time.perf_counter()
+        self.publish()
+        self.history[-1].update(checkpoint_s=t2 - t1, publish_s=time.perf_counter() - t2)
+        return "consumed", stats
+
+    def last_update(self, bid: str) -> dict[str, Any]:
+        """The history row of the update that consumed ``bid`` (a retried task reports it again)."""
+        n = next((i for i, e in enumerate(self.ledger["consumed"]) if e["id"] == bid), None)
+        row = dict(self.history[n]) if n is not None and n < len(self.history) else {}
+        return {**row, "seconds": row.get("update_s", 0.0)}

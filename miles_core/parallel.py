@@ -1,0 +1,120 @@
+"""Data-parallel primitives: this process's place in the group (:class:`World`), row sharding,
+joining and leaving the process group. The update engine (algo/update.py) imports them for real,
+so a single process is ``World()`` (every method a no-op) and the torchrun learner
+(miles_core/distributed.py) is the same code with a bigger world. Why gradients are summed by
+hand instead of DDP: see miles_core/distributed.py.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
+    """[lo, hi) of rank ``rank``'s contiguous block of n items; sizes differ by at most one."""
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside a world of size {size}")
+    return n * rank // size, n * (rank + 1) // size
+
+
+@dataclass
+class World:
+    """This process's place in the data-parallel group. ``size == 1``: every method is a no-op,
+    so a single process through this path computes bit for bit what ``world=None`` does."""
+
+    rank: int = 0
+    size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    local_rank: int = 0
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, idx: Tensor) -> Tensor:
+        """This rank's rows of a minibatch ``idx`` [R] -> [R_rank] (a contiguous block)."""
+        lo, hi = shard_bounds(idx.numel(), self.rank, self.size)
+        return idx[lo:hi]
+
+    def all_reduce_(self, t: Tensor, op: str = "sum") -> Tensor:
+        """In-place sum (or max) over ranks of a tensor on any device (moved for the backend)."""
+        if self.size == 1:
+            return t
+        buf = t.detach().to(self.device, torch.float64 if t.dtype == torch.float64 else torch.float32)
+        dist.all_reduce(buf, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        t.copy_(buf.to(t.device, t.dtype))
+        return t
+
+    def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
+        """Sum the trainable gradients over ranks: one flattened all-reduce (float32).
+
+        A rank that scored no rows of this minibatch has ``grad None``; it contributes zeros. A
+        parameter no rank touched keeps ``grad None``, as in a single process (AdamW skips it).
+        """
+        if self.size == 1 or not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device, torch.float32)
+                          for p in params]
+                         + [torch.tensor([float(p.grad is not None) for p in params], device=self.device)])
+        dist.all_reduce(flat)
+        touched = flat[-len(params):].tolist()  # one device->host copy, not one per parameter
+        off = 0
+        for p, hit in zip(params, touched):
+            n = p.numel()
+            p.grad = flat[off:off + n].view_as(p).to(p.device, p.dtype) if hit > 0 else None
+            off += n
+
+    def broadcast_(self, params: list[torch.nn.Parameter], src: int = 0) -> None:
+        """Make every rank start from rank ``src``'s trainable parameters (as DDP does)."""
+        if self.size == 1:
+            return
+        with torch.no_grad():
+            for p in params:
+                buf = p.data.to(self.device)
+                dist.broadcast(buf, src=src)
+                p.data.copy_(buf.to(p.device))
+
+    def max_over_ranks(self, value: float) -> float:
+        return float(self.all_reduce_(torch.tensor([value], dtype=torch.float64), op="max")[0])
+
+    def sum_over_ranks(self, value: float) -> float:
+        return float(self.all_reduce_(torch.tensor([value], dtype=torch.float64))[0])
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            dist.barrier()
+
+
+def init_world(backend: str | None = None, timeout_s: float = 600.0) -> World:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the env).
+
+    Without those variables this is a single process (``World()``). ``backend`` None: NCCL when
+    CUDA is available, else gloo. With NCCL each rank uses ``cuda:LOCAL_RANK``.
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return World()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r} is not supported; use 'gloo' (CPU) or 'nccl' (GPU)")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use --backend gloo")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return World(dist.get_rank(), dist.get_world_size(), device, local_rank)
+
+
+def close_world(world: World) -> None:
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

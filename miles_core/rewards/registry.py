@@ -1,0 +1,80 @@
+"""Every reward by name: what ``train.reward`` and a task's checking reward name.
+
+Why a registry module of its own: the rewards live in modules that say what they check (math
+answers, the arithmetic and countdown verifiers, executed code, reasoning-gym's scorers); this one
+only maps names to them and builds weighted combinations, so adding a reward is one module plus
+one line here. :func:`reward_for_recipe` also applies the recipe's sandbox setting, so no caller can
+score code with a sandbox mode other than the one its recipe asks for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from miles_core.config import RecipeConfig
+from miles_core.rewards.code import code_pass_reward, code_tests_reward
+from miles_core.rewards.math import RewardFn, format_reward, math_exact_reward, nonempty_reward
+from miles_core.rewards.pool import set_isolation
+from miles_core.rewards.reasoning_gym import reasoning_gym_reward
+from miles_core.rewards.verifiers import arith_digits_reward, arith_steps_reward, countdown_reward
+
+REWARDS: dict[str, RewardFn] = {
+    "math_exact": math_exact_reward,
+    "countdown": countdown_reward,
+    "code_tests": code_tests_reward,
+    "code_pass": code_pass_reward,
+    "arith_steps": arith_steps_reward,
+    "arith_digits": arith_digits_reward,
+    "format": format_reward,
+    "nonempty": nonempty_reward,
+    "reasoning_gym": reasoning_gym_reward,
+}
+
+
+def combined_reward(weights: dict[str, float]) -> RewardFn:
+    """Weighted sum of registered rewards, e.g. ``{"math_exact": 1.0, "format": 0.1}``.
+
+    A sample is None when any component with non-zero weight is None (unscorable stays unscorable).
+    """
+    if not weights:
+        raise ValueError("combined_reward: weights must name at least one reward")
+    fns = {name: (get_reward(name), float(w)) for name, w in weights.items()}
+
+    def fn(prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
+        total: list[float | None] = [0.0] * len(completions)
+        for name, (f, w) in fns.items():
+            vals = f(prompts, completions, **meta)
+            for i, v in enumerate(vals):
+                if w == 0.0:
+                    continue
+                cur = total[i]
+                total[i] = None if (v is None or cur is None) else cur + w * float(v)
+        return total
+
+    fn.__name__ = "combined_" + "_".join(f"{k}{v:g}" for k, v in weights.items())
+    return fn
+
+
+def get_reward(name: str) -> RewardFn:
+    """Reward by name. Also accepts a weighted spec ``"math_exact:1.0,format:0.1"`` (config-friendly)."""
+    if not isinstance(name, str):
+        raise TypeError(f"get_reward: name must be a str, got {type(name).__name__}")
+    key = name.strip()
+    if key in REWARDS:
+        return REWARDS[key]
+    if ":" in key:
+        weights: dict[str, float] = {}
+        for part in key.split(","):
+            n, _, w = part.partition(":")
+            try:
+                weights[n.strip()] = float(w)
+            except ValueError:
+                raise ValueError(f"get_reward: bad weight in {part!r} (spec {name!r}); use 'name:weight,...'") from None
+        return combined_reward(weights)
+    raise ValueError(f"unknown reward {name!r}; allowed: {sorted(REWARDS)} or a 'name:weight,...' combination")
+
+
+def reward_for_recipe(cfg: RecipeConfig, name: str | None = None) -> RewardFn:
+    """The reward ``name`` (default ``train.reward``) with the recipe's ``sandbox.isolation`` applied."""
+    set_isolation(cfg.sandbox.isolation)
+    return get_reward(cfg.train.reward if name is None else name)

@@ -1,0 +1,92 @@
+"""Prefect tasks around training: the SFT baseline, evaluating a checkpoint (with an adapter
+folder or a published version), and registering a policy in MLflow. Paths and small dicts in and
+out; the work is in miles_core (learner/baseline.py, eval/evaluate.py) and tasks/tracking.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from prefect import task
+
+from miles_core.config import load_recipe
+from miles_core.data.registry import build_task
+from miles_core.eval.evaluate import run_eval
+from miles_core.learner.baseline import train_baseline
+from miles_core.models.base import load_base
+from miles_core.models.lora import load_adapter
+from miles_core.storage import AdapterRegistry
+from tasks import tracking
+from tasks.common import LIGHT, STORAGE, eval_summary, retry_transient
+
+_ADAPTER_URI = re.compile(r"^(?P<root>.+)/adapters/v(?P<version>\d+)/?$")
+
+
+@task(name="fetch-adapter", **STORAGE, **LIGHT)
+def fetch_adapter(adapter: str, dest: str) -> str:
+    """A local PEFT folder for ``adapter``: the folder itself, or a download of ``<store>/adapters/vN``."""
+    if (Path(adapter) / "adapter_config.json").exists():
+        return str(Path(adapter).resolve())
+    m = _ADAPTER_URI.match(adapter)
+    if m is None:
+        raise ValueError(f"adapter {adapter!r} is neither a PEFT folder (adapter_config.json) nor a "
+                         "published version URI '<store_uri>/adapters/vNNNNNN'")
+    return str(AdapterRegistry(m["root"]).fetch(int(m["version"]), dest))
+
+
+@task(name="evaluate-checkpoint", **LIGHT)
+def evaluate_checkpoint(base_checkpoint: str, adapter_dir: str | None, cfg: dict[str, Any], out_path: str,
+                        progress: bool = False) -> dict[str, Any]:
+    """pass@k of a base checkpoint, with a LoRA adapter folder on top when given."""
+    rc = load_recipe(cfg)
+    if rc.torch_threads > 0:
+        torch.set_num_threads(rc.torch_threads)
+    model, tok = load_base(rc, base_checkpoint)
+    if adapter_dir is not None:
+        model = load_adapter(model, adapter_dir)
+    res = run_eval(model, tok, rc, build_task(rc), progress=progress)
+    return eval_summary(res, Path(out_path))
+
+
+@task(name="sft-baseline", **LIGHT)
+def sft_baseline(cfg: dict[str, Any], out_dir: str, run_id: str, eval_problems: int | None = None,
+                 progress: bool = False) -> dict[str, Any]:
+    """Train the SFT baseline, logging the held-out plateau curve as ``sft/*`` metrics, then
+    evaluate it with the recipe's full eval config. The checkpoint folder appears atomically."""
+    rc = load_recipe(cfg)
+    if rc.torch_threads > 0:
+        torch.set_num_threads(rc.torch_threads)
+    dest = Path(out_dir)
+    if (dest / "config.json").exists():
+        raise FileExistsError(f"{dest} already holds a checkpoint; choose a new run_dir")
+    data = build_task(rc)
+    n_eval = eval_problems or rc.eval.num_problems
+
+    def on_eval(step: int, pass1: float, stats: dict[str, float]) -> None:
+        tracking.log_metrics(run_id, {"sft/pass1": pass1, **{f"sft/{k}": v for k, v in stats.items()}}, step)
+
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    t0 = time.perf_counter()
+    try:
+        model, tok = train_baseline(rc, data, tmp, on_eval=on_eval, progress=progress, eval_problems=n_eval)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    seconds = time.perf_counter() - t0
+    ev = eval_summary(run_eval(model, tok, rc, data, progress=progress), dest.parent / "evals" / "sft.json")
+    return {"base_checkpoint": str(dest.resolve()), "pass1": ev["pass1"], "eval": ev, "seconds": seconds}
+
+
+@task(name="register-policy", retries=2, retry_delay_seconds=[2, 4], retry_condition_fn=retry_transient, **LIGHT)
+def register_policy(run_id: str, name: str, base_checkpoint: str, adapter_dir: str | None, cfg: dict[str, Any],
+                    pass1: float, fingerprint: str, tags: dict[str, str]) -> dict[str, Any]:
+    """Register the policy as a pyfunc model version; ``champion`` moves only if pass@1 improves."""
+    return tracking.register_model(run_id, name, base_checkpoint, adapter_dir, cfg, pass1, fingerprint, tags)
