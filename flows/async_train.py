@@ -1,4 +1,4 @@
-"""Asynchronous ADPO training flow (DESIGN.md sections 1, 4, 6):
+"""Asynchronous ADPO training flow (ARCHITECTURE.md, "One asynchronous iteration"):
 
     SFT base (unless given) -> prepare the run in the store
     -> start N sampler runs and one learner run (deployments on work pools, or local processes)
@@ -23,7 +23,8 @@ from prefect import flow, get_run_logger
 from flows.params import AsyncTrainParams, LearnerParams, SamplerParams, cli_main, documented, validate
 from flows.sft import sft_flow
 from miles_core.config import load_recipe
-from tasks import asyncrun, evaluation, tracking
+from miles import tracking
+from tasks import asyncrun, evaluation
 
 SAMPLER_DEPLOYMENT = "miles-async-sampler/miles-async-sampler"
 LEARNER_DEPLOYMENT = "miles-async-learner/miles-async-learner"

@@ -18,7 +18,8 @@ from prefect import flow, get_run_logger
 
 from flows.params import EvalParams, cli_main, documented, validate
 from miles_core.config import load_recipe
-from tasks import evaluation, tracking
+from miles import tracking
+from tasks import evaluation
 
 DEFAULT_RECIPE = "arith"
 

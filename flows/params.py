@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
 import typing
 from collections.abc import Callable, Sequence
@@ -23,6 +24,11 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RUNS_DIR = "runs"
+
+
+def ALIAS(*flags: str) -> dict[str, Any]:
+    """Shorter command-line spellings of a field (``--store`` for ``store_uri``), listed first."""
+    return {"cli": list(flags)}
 
 
 # what a recipe field may name without a path (listed in the Prefect form's help text)
@@ -48,6 +54,10 @@ class FlowParams(BaseModel):
                 raise ValueError(f"override {ov!r} must look like key.sub=value")
         return value
 
+    def recipe_overrides(self) -> list[str]:
+        """The overrides the flow applies to its recipe (subclasses add their own fields' ones)."""
+        return list(self.overrides)
+
     def run_path(self, flow: str) -> Path:
         """``run_dir`` resolved, or a fresh timestamped folder under ``./runs``."""
         if self.run_dir:
@@ -62,26 +72,32 @@ class SFTParams(FlowParams):
 
 
 class TrainParams(FlowParams):
-    store_uri: str | None = Field(None, description="trajectory/adapter store: folder or s3://bucket/prefix (default RUN_DIR/store, RUN_DIR being run_dir)")
+    store_uri: str | None = Field(None, description="trajectory/adapter store: folder or s3://bucket/prefix (default RUN_DIR/store, RUN_DIR being run_dir)", json_schema_extra=ALIAS("--store"))
     base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
     iterations: int | None = Field(None, ge=0, description="RL iterations (overrides train.iterations)")
     register_as: str | None = Field("miles-arith", description="MLflow registered model for the final adapter (empty: do not register)")
     resume: bool = Field(False, description="continue the learner checkpoint found in run_dir")
     log_adapters: bool = Field(True, description="log every adapter version as an MLflow artifact")
 
+    @model_validator(mode="after")
+    def _resume_needs_run_dir(self) -> "TrainParams":
+        if self.resume and not self.run_dir:
+            raise ValueError("resume needs run_dir (the folder holding the learner checkpoint to continue)")
+        return self
+
     def recipe_overrides(self) -> list[str]:
         return [*self.overrides, *([f"train.iterations={self.iterations}"] if self.iterations is not None else [])]
 
 
 class AsyncTrainParams(FlowParams):
-    store_uri: str | None = Field(None, description="the run's store shared by samplers and learner: folder or s3://bucket/prefix (default RUN_DIR/store, RUN_DIR being run_dir)")
+    store_uri: str | None = Field(None, description="the run's store shared by samplers and learner: folder or s3://bucket/prefix (default RUN_DIR/store, RUN_DIR being run_dir)", json_schema_extra=ALIAS("--store"))
     base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
-    num_samplers: int | None = Field(None, ge=1, description="sampler workers (overrides async_rl.num_samplers)")
-    batches_per_sampler: int | None = Field(None, ge=1, description="sample budget per sampler (overrides async_rl.batches_per_sampler)")
+    num_samplers: int | None = Field(None, ge=1, description="sampler workers (overrides async_rl.num_samplers)", json_schema_extra=ALIAS("--samplers"))
+    batches_per_sampler: int | None = Field(None, ge=1, description="sample budget per sampler (overrides async_rl.batches_per_sampler)", json_schema_extra=ALIAS("--batches"))
     launcher: Literal["processes", "deployments"] = Field(
         "processes", description="processes: local subprocesses; deployments: flow runs of miles-async-sampler / miles-async-learner on their work pools")
     register_as: str | None = Field("miles-arith", description="MLflow registered model for the final adapter (empty: do not register)")
-    timeout_s: float = Field(3600.0, gt=0, description="fail if the samplers and learner have not finished by then")
+    timeout_s: float = Field(3600.0, gt=0, description="seconds: fail if the samplers and learner have not finished by then", json_schema_extra=ALIAS("--timeout"))
 
     def recipe_overrides(self) -> list[str]:
         extra = [f"async_rl.num_samplers={self.num_samplers}"] if self.num_samplers else []
@@ -105,17 +121,19 @@ class LearnerParams(BaseModel):
 
 class EvalParams(FlowParams):
     recipe: str | None = Field(None, description="recipe for task and eval settings (default: the model's own, else arith)")  # type: ignore[assignment]
-    model_uri: str | None = Field(None, description="models:/NAME@champion, models:/NAME/3 or runs:/ID/model")
+    model_uri: str | None = Field(None, description="models:/NAME@champion, models:/NAME/3 or runs:/ID/model", json_schema_extra=ALIAS("--model"))
     adapter: str | None = Field(None, description="PEFT adapter folder or <store_uri>/adapters/vNNNNNN (needs base_checkpoint)")
-    base_checkpoint: str | None = Field(None, description="SFT checkpoint folder (for adapter, or alone to evaluate the base)")
+    base_checkpoint: str | None = Field(None, description="SFT checkpoint folder (for adapter, or alone to evaluate the base)", json_schema_extra=ALIAS("--base"))
     num_problems: int | None = Field(None, ge=1, description="held-out problems (overrides eval.num_problems)")
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvalParams":
         if self.model_uri and self.adapter:
             raise ValueError("give either model_uri or adapter, not both")
+        if self.model_uri and self.base_checkpoint:
+            raise ValueError("base_checkpoint goes with adapter (or alone, to evaluate the base), not with model_uri")
         if not self.model_uri and not self.base_checkpoint:
-            raise ValueError("base_checkpoint is required unless model_uri is given")
+            raise ValueError("give model_uri, or adapter with its base_checkpoint, or base_checkpoint alone")
         return self
 
 
@@ -154,22 +172,70 @@ def _arg_type(annotation: Any) -> Callable[[str], Any]:
     return args[0] if args[0] in (int, float) else str
 
 
+def flags(name: str, f: Any) -> list[str]:
+    """A field's command-line options: its aliases first (:func:`ALIAS`), then ``--field-name``."""
+    return [*((f.json_schema_extra or {}).get("cli", [])), "--" + name.replace("_", "-")]
+
+
+def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], positional: Sequence[str] = (),
+                  defaults: bool = True) -> None:
+    """One option per field of ``model``, from its type, default and description: the one place a
+    flow parameter becomes a command-line option, for ``python -m flows.<name>`` and ``miles``.
+
+    ``positional``: fields taken as positional arguments (``overrides`` as trailing ``key=value``
+    words, else ``--set key=value``). ``defaults=False``: unset options are None, which
+    :func:`call_values` drops, so the flow's own default applies.
+    """
+    for name, f in model.model_fields.items():
+        default = (f.default if not f.is_required() and f.default_factory is None else None) if defaults else None
+        if name == "overrides":
+            if name in positional:
+                parser.add_argument(name, nargs="*", default=[], metavar="key=value", help=f.description)
+            else:
+                parser.add_argument("--set", dest=name, action="append", default=[], metavar="KEY=VALUE",
+                                    help=f.description)
+        elif name in positional:
+            parser.add_argument(name, default=default, nargs=None if f.is_required() or name == "recipe" else "?",
+                                help=f.description)
+        elif f.annotation is bool:
+            parser.add_argument(*flags(name, f), dest=name, action=argparse.BooleanOptionalAction, default=default,
+                                help=f.description)
+        elif typing.get_origin(f.annotation) is Literal:
+            parser.add_argument(*flags(name, f), dest=name, choices=typing.get_args(f.annotation), default=default,
+                                help=f.description)
+        else:
+            parser.add_argument(*flags(name, f), dest=name, type=_arg_type(f.annotation), default=default,
+                                help=f.description)
+
+
+def call_values(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """The parsed options that were given (None dropped; ``--register-as ''`` means do not register)."""
+    out = {k: getattr(args, k) for k in model.model_fields if getattr(args, k, None) is not None}
+    if out.get("register_as") == "":
+        out["register_as"] = None
+    return out
+
+
+def flag_message(err: Exception, model: type[BaseModel]) -> str:
+    """A ValidationError in one line, fields named the way the command line spells them."""
+    try:
+        parts = [f"{'.'.join(map(str, d['loc'])) or 'parameters'}: {d['msg']}" for d in err.errors()]  # type: ignore[attr-defined]
+    except AttributeError:
+        parts = [str(err).splitlines()[0]]
+    msg = "; ".join(parts).replace("parameters: Value error, ", "").replace("Value error, ", "")
+    for name, f in sorted(model.model_fields.items(), key=lambda kv: -len(kv[0])):
+        if name in ("recipe", "overrides"):  # positional words on the command line: the name is right
+            continue
+        msg = re.sub(rf"(?<![\w-]){name}(?![\w-])", flags(name, f)[0], msg)
+    return msg
+
+
 def cli_main(flow: Callable[..., Any], model: type[BaseModel], argv: Sequence[str] | None = None) -> int:
     """``python -m flows.<name>``: one option per field (``--set key=value`` for overrides)."""
     module = f"flows.{Path(inspect.getfile(getattr(flow, 'fn', flow))).stem}"
     parser = argparse.ArgumentParser(prog=f"python -m {module}", description=(flow.__doc__ or "").split("\n")[0])
-    for name, f in model.model_fields.items():
-        opt = "--" + name.replace("_", "-")
-        if name == "overrides":
-            parser.add_argument("--set", dest=name, action="append", default=[], metavar="KEY=VALUE", help=f.description)
-        elif f.annotation is bool:
-            parser.add_argument(opt, dest=name, action=argparse.BooleanOptionalAction, default=f.default, help=f.description)
-        else:
-            parser.add_argument(opt, dest=name, type=_arg_type(f.annotation), default=f.default, help=f.description)
-    args = vars(parser.parse_args(argv))
-    if "register_as" in args and args["register_as"] == "":
-        args["register_as"] = None
-    result = flow(**args)
+    add_arguments(parser, model)
+    result = flow(**call_values(parser.parse_args(argv), model))
     json.dump(result, sys.stdout, indent=2, default=str)
     print()
     return 0

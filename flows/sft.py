@@ -15,7 +15,8 @@ from prefect import flow, get_run_logger
 
 from flows.params import SFTParams, cli_main, documented, validate
 from miles_core.config import load_recipe
-from tasks import evaluation, tracking
+from miles import tracking
+from tasks import evaluation
 
 
 @flow(name="miles-sft", persist_result=False)

@@ -1,4 +1,4 @@
-"""Synchronous ADPO training flow (DESIGN.md section 1):
+"""Synchronous ADPO training flow (ARCHITECTURE.md, "One synchronous iteration"):
 
     per iteration: rollout -> score rewards -> ADPO update (+ publish adapter) -> evaluate every N
 
@@ -22,7 +22,8 @@ from flows.params import TrainParams, cli_main, documented, validate
 from flows.sft import sft_flow
 from miles_core.config import load_recipe
 from miles_core.progress import Progress
-from tasks import evaluation, tracking, training
+from miles import tracking
+from tasks import evaluation, training
 
 CURVE_PANELS = [("rollout reward", ["reward/reward_mean"]), ("held-out pass@1", ["eval/pass1"])]
 

@@ -2,7 +2,7 @@
 
 A trajectory is stored in O(L) per sequence, never O(K*L): the intermediate state x_k of the
 denoising chain is rebuilt from ``step_map`` (the step at which each completion position was
-committed). See DESIGN.md section 3.
+committed). See SCHEMA.md (miles_core/storage) for the stored layout.
 """
 
 from __future__ import annotations

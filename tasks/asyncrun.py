@@ -1,4 +1,4 @@
-"""Prefect tasks of an asynchronous run (DESIGN.md sections 1 and 6): prepare the run in the
+"""Prefect tasks of an asynchronous run (ARCHITECTURE.md, "One asynchronous iteration"): prepare the run in the
 store, run a sampler or the learner (the bodies of the deployments the flow starts), or run them
 all as local processes, and read back the run's summary. Arguments are URIs and small dicts."""
 

@@ -1,6 +1,6 @@
 """Prefect tasks around training: the SFT baseline, evaluating a checkpoint (with an adapter
 folder or a published version), and registering a policy in MLflow. Paths and small dicts in and
-out; the work is in miles_core (learner/baseline.py, eval/evaluate.py) and tasks/tracking.py."""
+out; the work is in miles_core (learner/baseline.py, eval/evaluate.py) and miles/tracking.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from miles_core.learner.baseline import train_baseline
 from miles_core.models.base import load_base
 from miles_core.models.lora import load_adapter
 from miles_core.storage import AdapterRegistry
-from tasks import tracking
+from miles import tracking
 from tasks.common import LIGHT, STORAGE, eval_summary, retry_transient
 
 _ADAPTER_URI = re.compile(r"^(?P<root>.+)/adapters/v(?P<version>\d+)/?$")

@@ -14,10 +14,11 @@ from torch import nn
 from miles_core.config import ADPOConfig
 from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, DenoiserConfig, encode_prompts
 from miles_core.continuous.sde import NoiseSchedule, ddim_step, gaussian_log_prob, sample_ode, sample_sde
-from miles_core.continuous.storage import ContinuousSchemaError, from_table, read_batch, to_table, write_batch
+from miles_core.continuous.storage import ContinuousSchemaError, continuous_store, from_table, to_table
 from miles_core.continuous.task import ConstraintTask, is_test_prompt
 from miles_core.continuous.train import adpo_update, build_step_rows, rollout, score_steps
 from miles_core.models.lora import add_lora, trainable_parameters
+from miles_core.storage import BatchExistsError, BatchNotFoundError, CorruptBatchError
 from miles_core.tokenizer import CharTokenizer
 
 torch.set_num_threads(1)
@@ -202,9 +203,11 @@ def test_arrow_round_trip_and_schema_checks(tmp_path) -> None:
     model = tiny_policy()
     _, batch = recorded(model)
     batch.reward[0] = float("nan")
-    path = tmp_path / "traj" / "batch-0.parquet"
-    write_batch(batch, str(path))
-    back = read_batch(f"file://{path}")
+    store = continuous_store(f"file://{tmp_path / 'traj'}")  # the discrete store's commit protocol
+    store.write_batch(batch, "batch-0")
+    assert store.list_batches() == ["batch-0"] and store.commit_info("batch-0")["kind"] == "continuous_trajectory"
+    back = store.read_batch("batch-0")
+    path = tmp_path / "traj" / "batches" / "batch-0.parquet"
     for name in ("prompt_ids", "latents", "timesteps", "logp", "group_id", "policy_version"):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
     assert torch.equal(back.reward.isnan(), batch.reward.isnan())
@@ -227,8 +230,30 @@ def test_arrow_round_trip_and_schema_checks(tmp_path) -> None:
     meta[b"miles.kind"] = b"discrete_trajectory"
     with pytest.raises(ContinuousSchemaError, match="miles.kind"):
         from_table(table.replace_schema_metadata(meta))
-    with pytest.raises(FileNotFoundError):
-        read_batch(str(tmp_path / "missing.parquet"))
+    with pytest.raises(BatchNotFoundError):
+        store.read_batch("missing")
+    with pytest.raises(BatchExistsError):  # a committed batch is never overwritten
+        store.write_batch(batch, "batch-0")
+    # a corrupt file is detected by its checksum and quarantined; the store keeps going
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(CorruptBatchError, match="sha256"):
+        store.read_batch("batch-0")
+    store.quarantine("batch-0", "truncated")
+    assert store.list_batches() == [] and store.list_quarantined() == ["batch-0"]
+    # a discrete batch is not a continuous one: the kind in its schema is refused, naming it
+    from miles_core.storage import TrajectoryStore
+
+    disc = TrajectoryStore(tmp_path / "disc")
+    disc_bid = disc.write_batch(_discrete_batch(), "d0")
+    foreign = continuous_store(str(tmp_path / "disc"))
+    with pytest.raises(CorruptBatchError, match="miles.kind"):
+        foreign.read_batch(disc_bid)
+
+
+def _discrete_batch():
+    from test_storage import make_batch
+
+    return make_batch()
 
 
 def test_table_of_a_batch_is_self_describing() -> None:

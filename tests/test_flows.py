@@ -20,7 +20,8 @@ from flows.train import train_flow
 from miles_core.config import ConfigError, load_recipe
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage.run import RunStore
-from tasks import common, tracking, training
+from miles import tracking
+from tasks import common, training
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

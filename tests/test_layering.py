@@ -1,4 +1,4 @@
-"""The layering contract (DESIGN.md section 2), checked two independent ways.
+"""The layering contracts (ARCHITECTURE.md, "Floors"), checked two independent ways.
 
 Why both: import-linter follows the real import graph (including indirect chains such as
 miles_core -> tasks -> prefect) but only sees module-level imports that grimp resolves; the AST
@@ -101,6 +101,23 @@ VIOLATING_TREE = {
 }
 
 
+def layer_names() -> list[list[str]]:
+    """miles_core's floors as the contract file lists them, highest first."""
+    text = CONFIG.read_text().split("[importlinter:contract:core-layers]", 1)[1]
+    block = text.split("layers =", 1)[1].split("exhaustive", 1)[0]
+    return [[m.strip() for m in line.split("|")] for line in block.strip().splitlines()]
+
+
+# Every floor present (empty modules), then three ways to break the floors: a bottom module
+# importing a runtime, one sibling importing another, and a chain that climbs only indirectly.
+LAYER_TREE = {f"miles_core/{m}.py": "" for floor in layer_names() for m in floor} | {
+    "miles_core/__init__.py": "",
+    "miles_core/config.py": "import miles_core.learner\n",
+    "miles_core/models.py": "from miles_core import data\n",
+    "miles_core/storage.py": "import miles_core.types\nimport miles_core.algo\n",
+}
+
+
 # ----------------------------------------------------------------------------- the real repo
 
 @pytest.mark.parametrize("package", sorted(RULES))
@@ -114,7 +131,7 @@ def test_repo_import_linter_contracts_kept() -> None:
         assert (REPO / package / "__init__.py").exists(), f"{package}/__init__.py missing: import-linter needs a package"
     result = lint_imports(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 2 kept, 0 broken" in result.stdout, result.stdout
+    assert "Contracts: 3 kept, 0 broken" in result.stdout, result.stdout
 
 
 # ----------------------------------------------------------------------------- the checkers can fail
@@ -135,9 +152,21 @@ def test_ast_scan_ignores_relative_and_allowed_imports(tmp_path: Path) -> None:
 
 
 def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
-    _write(tmp_path, VIOLATING_TREE)
+    _write(tmp_path, {**LAYER_TREE, **VIOLATING_TREE})
     result = lint_imports(tmp_path)
     assert result.returncode != 0, result.stdout + result.stderr
-    assert "Contracts: 0 kept, 2 broken" in result.stdout, result.stdout
+    assert "Contracts: 0 kept, 3 broken" in result.stdout, result.stdout
     assert "miles_core.algo -> prefect" in result.stdout
     assert "flows.train -> torch" in result.stdout
+
+
+def test_import_linter_layers_contract_fails_on_a_tree_that_breaks_the_floors(tmp_path: Path) -> None:
+    assert layer_names()[-1] == ["types", "config", "tokenizer"] and len(layer_names()) == 7
+    _write(tmp_path, {**LAYER_TREE, "tasks/__init__.py": "", "flows/__init__.py": "", "miles/__init__.py": ""})
+    result = lint_imports(tmp_path)
+    out = result.stdout
+    assert result.returncode != 0, out + result.stderr
+    assert "Contracts: 2 kept, 1 broken" in out, out
+    assert "miles_core.config -> miles_core.learner" in out  # a bottom floor importing a runtime
+    assert "miles_core.models -> miles_core.data" in out  # siblings on one floor are independent
+    assert "miles_core.storage -> miles_core.algo" in out

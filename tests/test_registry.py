@@ -21,7 +21,7 @@ from miles_core.samplers.sampler import sample
 from miles_core.eval.evaluate import eval_config
 from miles_core.storage import AdapterRegistry
 from miles_core.tokenizer import CharTokenizer
-from tasks import tracking
+from miles import tracking
 
 PROMPTS = ["3+4*2", "9 - 2*3"]
 

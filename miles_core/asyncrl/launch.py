@@ -1,6 +1,6 @@
 """Prepare an asynchronous run and, on one machine, run its processes.
 
-``prepare_run`` writes the spec and uploads the base once; from then on any process anywhere
+``prepare_run`` (miles_core/storage/run.py) writes the spec and uploads the base once; from then on any process anywhere
 that can reach the store URI can join as a sampler or the learner
 (``python -m miles_core.asyncrl sampler|learner RUN_URI``). At scale the Prefect flow
 ``flows/async_train.py`` starts them as deployments on work pools; ``run_local`` starts them as
@@ -20,21 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from miles_core.storage.run import RunStore
-from miles_core.config import RecipeConfig
-
-
-def prepare_run(run_uri: str, cfg: RecipeConfig, base_dir: str | os.PathLike[str],
-                storage_options: dict[str, Any] | None = None, resumable: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Create (or re-open, if the recipe matches up to ``resumable`` settings) the run at
-    ``run_uri``; return its spec. A changed setting raises RunSpecMismatch naming it."""
-    if not (Path(base_dir) / "config.json").exists():
-        raise FileNotFoundError(f"base checkpoint {base_dir} is not a Miles checkpoint folder (no config.json)")
-    rs = RunStore(run_uri, storage_options, cfg.async_rl.retry_budget_s)
-    spec = rs.write_spec({"cfg": cfg.to_dict(), "base_source": str(Path(base_dir).resolve()),
-                          "created_unix": time.time()}, resumable)
-    rs.upload_base(base_dir)
-    return spec
+from miles_core.storage.run import RunStore, prepare_run  # noqa: F401  (prepare_run: the entry point of a run)
 
 
 def worker_names(n: int) -> list[str]:

@@ -1,4 +1,4 @@
-"""Continuous diffusion policies under the Miles API (DESIGN.md section 4).
+"""Continuous diffusion policies under the Miles API (ARCHITECTURE.md, "Continuous policies").
 
   policy   prompt-conditioned eps-network (LoRA-targetable Linear names)
   sde      DDPM/DDIM schedule, THE step function ``ddim_step`` (samples or scores), SDE/ODE samplers

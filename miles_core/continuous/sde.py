@@ -3,7 +3,7 @@
 ``ddim_step`` is the continuous counterpart of :func:`miles_core.samplers.step.denoise_step`: one
 function both samples a transition x_t -> x_{t_prev} and scores a recorded one, so a behaviour
 log-prob written by the sampler and the learner's log-prob of the same step come from the same
-arithmetic (ddpo-pytorch's ``ddim_step_with_logprob``; DESIGN.md section 4).
+arithmetic (ddpo-pytorch's ``ddim_step_with_logprob``; ARCHITECTURE.md, "Continuous policies").
 
 With eta > 0 a step is a Gaussian transition N(mean, std^2 I) (eta = 1 is DDPM's posterior
 variance); its log-prob, summed over the latent dims, is the per-step "token" log-prob that the

@@ -21,22 +21,22 @@ Schema metadata (UTF-8 JSON values): ``miles.schema_version`` = "1", ``miles.kin
 "continuous_trajectory", ``miles.latent_shape`` = [K + 1, D], ``miles.prompt_len`` = P,
 ``miles.timesteps`` = the K + 1 grid timesteps, ``miles.eta`` = the sampler's eta. Shapes live in
 the metadata so list lengths are checked on read; a file that disagrees is rejected naming the
-column. Files go through :mod:`miles_core.storage.uri`, so a path or an ``s3://`` URI both work.
+column. Batches are stored by :class:`~miles_core.storage.trajectories.TrajectoryStore` with the
+:data:`CONTINUOUS` codec: data file, then an exclusively created commit marker with its SHA-256,
+and a corrupt batch quarantined, exactly as discrete batches (a path or an ``s3://`` URI).
 """
 
 from __future__ import annotations
 
-import io
 import json
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import torch
 
 from miles_core.continuous.sde import ContinuousBatch
-from miles_core.storage import uri as U
+from miles_core.storage.trajectories import BatchCodec, TrajectoryStore
 
 SCHEMA_VERSION = 1
 KIND = "continuous_trajectory"
@@ -97,6 +97,9 @@ def to_table(batch: ContinuousBatch) -> pa.Table:
 
 def _meta(table: pa.Table, source: str) -> dict[str, Any]:
     raw = table.schema.metadata or {}
+    kind = raw.get(b"miles.kind", b"").decode()
+    if kind and kind != KIND:  # a batch of another kind first: that is what is wrong, not a missing key
+        raise ContinuousSchemaError(f"{source}: miles.kind is {kind!r}, expected {KIND!r}")
     out: dict[str, Any] = {}
     for key in _META_KEYS:
         if key.encode() not in raw:
@@ -152,22 +155,23 @@ def from_table(table: pa.Table, source: str = "table") -> ContinuousBatch:
     )
 
 
-def write_batch(batch: ContinuousBatch, uri: str, storage_options: dict | None = None) -> str:
-    """Write one Parquet file at ``uri`` (atomic locally, one complete PUT on S3); returns the path."""
-    buf = io.BytesIO()
-    pq.write_table(to_table(batch), buf, compression="zstd")
-    fs, path = U.resolve(uri, storage_options)
-    U.write_bytes_atomic(fs, path, buf.getvalue())
-    return path
+def _check(schema: pa.Schema) -> None:
+    """What a store reader checks before decoding: the kind and version in the schema metadata."""
+    _meta(pa.table({}, schema=pa.schema([], metadata=schema.metadata)), "continuous batch")
 
 
-def read_batch(uri: str, storage_options: dict | None = None) -> ContinuousBatch:
-    """Read a file written by :func:`write_batch`; a missing or foreign file is a clear error."""
-    fs, path = U.resolve(uri, storage_options)
-    if not U.exists(fs, path):
-        raise FileNotFoundError(f"no continuous trajectory file at {uri}")
-    try:
-        table = pq.read_table(io.BytesIO(fs.cat_file(path)))
-    except pa.ArrowInvalid as e:
-        raise ContinuousSchemaError(f"{uri}: not a readable Parquet file ({e})") from e
-    return from_table(table, source=str(uri))
+def _describe(batch: ContinuousBatch) -> dict[str, Any]:
+    pv = batch.policy_version
+    return {"num_steps": batch.num_steps, "latent_dim": int(batch.latents.shape[-1]),
+            "policy_version_min": int(pv.min()) if len(batch) else None,
+            "policy_version_max": int(pv.max()) if len(batch) else None}
+
+
+# Continuous batches in a TrajectoryStore: the same commit markers, checksums and quarantine as
+# discrete ones, e.g. ``TrajectoryStore(f"{run}/trajectories", codec=CONTINUOUS)``.
+CONTINUOUS = BatchCodec(KIND, SCHEMA_VERSION, to_table, lambda t: from_table(t, "continuous batch"), _check, _describe)
+
+
+def continuous_store(root_uri: str, storage_options: dict[str, Any] | None = None) -> TrajectoryStore:
+    """A trajectory store of continuous batches under ``root_uri`` (local folder or ``s3://``)."""
+    return TrajectoryStore(root_uri, storage_options, codec=CONTINUOUS)

@@ -20,9 +20,13 @@ number is never reused for different weights. The store layout is miles_core/sto
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -31,12 +35,13 @@ import torch
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.learner.policy import Learner
 from miles_core.storage import CorruptBatchError
-from miles_core.storage.run import RunStore, changed_settings
+from miles_core.storage.run import RunStore, changed_settings, prepare_run
 
 log = logging.getLogger(__name__)
 # Settings that may change when a run is resumed (its length, evaluation, threads); anything else
 # would silently change the experiment, so it is refused.
 RESUMABLE = ("train.iterations", "train.eval_every", "eval.", "torch_threads")
+POINTER = "learner.json"  # run_dir/learner.json: which store and base a local run folder trains
 HISTORY_KEYS = ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows", "rolled_back",
                 "guard_skipped", "guard_rollbacks")
 
@@ -146,3 +151,86 @@ class LearnerRun:
         n = next((i for i, e in enumerate(self.ledger["consumed"]) if e["id"] == bid), None)
         row = dict(self.history[n]) if n is not None and n < len(self.history) else {}
         return {**row, "seconds": row.get("update_s", 0.0)}
+
+
+# ---------------------------------------------------------------------- a run driven step by step
+def read_pointer(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """``run_dir``'s pointer (store, base, run key, cfg, iteration, version), or None if absent."""
+    path = Path(run_dir) / POINTER
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError as e:
+        raise ValueError(f"{path}: unreadable learner metadata ({e})") from None
+
+
+def write_pointer(run_dir: str | os.PathLike[str], run: LearnerRun, **extra: Any) -> dict[str, Any]:
+    """Record where ``run_dir``'s run lives and how far it got (atomic; the store stays the truth)."""
+    meta = {**(read_pointer(run_dir) or {}), **extra, "iteration": len(run.handled()),
+            "version": run.learner.version, "consumed": [e["id"] for e in run.ledger["consumed"]]}
+    path = Path(run_dir) / POINTER
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{POINTER}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_text(json.dumps(meta, indent=1, default=str))
+    os.replace(tmp, path)
+    return meta
+
+
+def open_step_run(run_dir: str | os.PathLike[str]) -> LearnerRun:
+    """The run ``run_dir`` points at, as the synchronous flow drives it: one checkpoint per update,
+    the LR schedule over ``train.iterations``, the base cached under ``run_dir/.cache``."""
+    meta = read_pointer(run_dir)
+    if meta is None:
+        raise FileNotFoundError(f"no learner in {run_dir}; start the run first")
+    cfg = load_recipe(meta["cfg"])
+    return LearnerRun(meta["store_uri"], str(Path(run_dir) / ".cache"), cfg=cfg, total_updates=cfg.train.iterations,
+                      checkpoint_every=1)
+
+
+def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_uri: str,
+                   resume: bool = False) -> tuple[LearnerRun, bool]:
+    """Start the run of ``run_dir`` in ``store_uri`` (publishing adapter v0), or resume it -> (run, resumed).
+
+    Refused, naming why: a folder that already holds a run without ``resume``; a resume on another
+    base or store; a store that holds another run; a changed setting outside :data:`RESUMABLE`."""
+    meta = read_pointer(run_dir)
+    if meta is not None:
+        if not resume:
+            raise FileExistsError(f"{run_dir} already holds a learner checkpoint (iteration {meta['iteration']}); "
+                                  "pass resume=True to continue it, or choose a new run_dir")
+        if Path(base_checkpoint).resolve() != Path(meta["base_checkpoint"]).resolve():
+            raise ValueError(f"cannot resume {run_dir}: it was trained on base {meta['base_checkpoint']}, "
+                             f"not {base_checkpoint}")
+        if store_uri.rstrip("/") != str(meta["store_uri"]).rstrip("/"):
+            raise ValueError(f"cannot resume {run_dir}: its batches and adapters are in {meta['store_uri']}, "
+                             f"not {store_uri}")
+    elif RunStore(store_uri).exists("run.json"):
+        raise FileExistsError(f"{store_uri} already holds another training run; use a separate store_uri per run")
+    if not (Path(base_checkpoint) / "config.json").exists():
+        raise FileNotFoundError(f"base_checkpoint {base_checkpoint} is not a Miles checkpoint folder (no config.json)")
+    prepare_run(store_uri, cfg, base_checkpoint, resumable=RESUMABLE)  # a changed setting fails, naming it
+    fresh = {"run_key": uuid.uuid4().hex[:12], "base_checkpoint": str(Path(base_checkpoint).resolve()),
+             "store_uri": store_uri}
+    pointer = {**fresh, **(meta or {}), "cfg": cfg.to_dict()}
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / POINTER).write_text(json.dumps(pointer, indent=1, default=str))
+    run = open_step_run(run_dir)
+    write_pointer(run_dir, run)
+    return run, meta is not None
+
+
+def save_local_adapter(run: LearnerRun, root: str | os.PathLike[str]) -> Path:
+    """A local copy of the current adapter (``root/vN``, for tracking and registration); older
+    copies are pruned, since the store keeps every published version."""
+    root = Path(root)
+    dest = root / f"v{run.learner.version:06d}"
+    if not (dest / "adapter_config.json").exists():
+        tmp = root / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+        run.learner.save_adapter(tmp)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(tmp, dest)
+    for old in root.glob("v*"):
+        if old != dest:
+            shutil.rmtree(old, ignore_errors=True)
+    return dest

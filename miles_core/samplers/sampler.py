@@ -5,7 +5,7 @@ positions in their current block, and a commit rule picks which positions to rev
   * static: a fixed number per step (LLaDA ``get_num_transfer_tokens``), ranked by confidence
     (``low_confidence``) or at random (``random``);
   * nsd: every position whose confidence passes a threshold, at least ``min_per_step`` and at
-    most ``max_per_step`` (Native Speculative Denoising, DESIGN.md section 5).
+    most ``max_per_step`` (Native Speculative Denoising).
 Rows that finish stop costing denoiser calls, so NFE is counted per sequence.
 """
 

@@ -1,6 +1,6 @@
 """Storage: trajectory batches (Parquet + commit markers) and adapter versions, through fsspec.
 
-One URI scheme for local folders, ``file://`` and ``s3://`` (DESIGN.md section 6); see
+One URI scheme for local folders, ``file://`` and ``s3://`` (ARCHITECTURE.md, "Why each store round trip exists"); see
 ``SCHEMA.md`` in this folder for the Arrow schema and the commit protocol.
 """
 

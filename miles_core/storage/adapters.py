@@ -1,4 +1,4 @@
-"""Numbered LoRA adapter versions in the same store as the trajectories (DESIGN.md section 6).
+"""Numbered LoRA adapter versions in the same store as the trajectories (ARCHITECTURE.md, "Why each store round trip exists").
 
 Why: the learner publishes adapters that samplers hot-swap, and both sides only share storage.
 A version folder ``adapters/v{N:06d}/`` counts only once its ``COMMITTED`` marker (written last,

@@ -23,14 +23,14 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 import torch
 
-from miles_core.config import ConfigError
+from miles_core.config import ConfigError, RecipeConfig
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage import uri as U
 from miles_core.storage.retry import call_with_retry
@@ -201,3 +201,16 @@ class RunStore:
 
     def request_stop(self, reason: str = "") -> None:
         self.write_json({"reason": reason}, "control", "STOP")
+
+
+def prepare_run(run_uri: str, cfg: RecipeConfig, base_dir: str | os.PathLike[str],
+                storage_options: dict[str, Any] | None = None, resumable: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Create (or re-open, if the recipe matches up to ``resumable`` settings) the run at
+    ``run_uri``; return its spec. A changed setting raises RunSpecMismatch naming it."""
+    if not (Path(base_dir) / "config.json").exists():
+        raise FileNotFoundError(f"base checkpoint {base_dir} is not a Miles checkpoint folder (no config.json)")
+    rs = RunStore(run_uri, storage_options, cfg.async_rl.retry_budget_s)
+    spec = rs.write_spec({"cfg": cfg.to_dict(), "base_source": str(Path(base_dir).resolve()),
+                          "created_unix": time.time()}, resumable)
+    rs.upload_base(base_dir)
+    return spec

@@ -1,23 +1,28 @@
-"""Trajectory batches as versioned Parquet files with a commit protocol (DESIGN.md section 6).
+"""Trajectory batches as versioned Parquet files with a commit protocol (ARCHITECTURE.md).
 
 Why a commit protocol: samplers and the learner share only object storage, and S3 has no atomic
 rename. A batch is visible only once ``commits/{id}.json`` exists, and that marker is written last
 with an exclusive create, so a killed writer leaves at most an unlisted data file and a committed
 batch is never overwritten. The marker carries the SHA-256 of the Parquet bytes so readers detect
 corruption, quarantine the file, and keep going. See ``SCHEMA.md`` next to this file.
+
+The protocol does not depend on what a batch holds: a :class:`BatchCodec` turns a batch into an
+Arrow table and back. Discrete masked-diffusion batches are the default (:data:`DISCRETE`);
+continuous trajectories pass theirs (miles_core/continuous/storage.py), so both get the same
+markers, checksums and quarantine.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-import json
 import logging
 import os
 import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -32,6 +37,32 @@ from miles_core.types import TrajectoryBatch
 log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+@dataclass(frozen=True)
+class BatchCodec:
+    """How one kind of batch is stored: to and from an Arrow table, the schema check a reader
+    runs, and the fields its commit marker adds (so readers can plan without reading the data)."""
+
+    kind: str
+    schema_version: int
+    to_table: Callable[[Any], pa.Table]
+    from_table: Callable[[pa.Table], Any]
+    check_schema: Callable[[pa.Schema], Any]  # raises SchemaError / ValueError on a foreign schema
+    describe: Callable[[Any], dict[str, Any]]
+
+
+def _describe_discrete(batch: TrajectoryBatch) -> dict[str, Any]:
+    pv = batch.policy_version
+    return {"completion_len": batch.completion_len,
+            "policy_version_min": int(pv.min()) if len(batch) else None,
+            "policy_version_max": int(pv.max()) if len(batch) else None,
+            "sampler_hash": batch.sampler_hash,
+            "created_at": datetime.fromtimestamp(batch.created_at, timezone.utc).isoformat(),
+            "created_at_unix": batch.created_at}
+
+
+DISCRETE = BatchCodec(KIND, SCHEMA_VERSION, to_arrow, from_arrow, check_schema, _describe_discrete)
 
 
 def new_batch_id() -> str:
@@ -49,9 +80,11 @@ class TrajectoryStore:
     ``quarantine/{id}/`` (corrupt batches moved aside with ``reason.json``).
     """
 
-    def __init__(self, root_uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> None:
+    def __init__(self, root_uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
+                 codec: BatchCodec = DISCRETE) -> None:
         self.root_uri = os.fspath(root_uri)
         self.fs, self.root = U.resolve(self.root_uri, storage_options)
+        self.codec = codec
 
     def __repr__(self) -> str:
         return f"TrajectoryStore({self.root_uri!r})"
@@ -67,7 +100,7 @@ class TrajectoryStore:
         if not isinstance(batch_id, str) or not _ID_RE.match(batch_id) or batch_id.endswith((".json", ".parquet")):
             raise ValueError(f"invalid batch id {batch_id!r}: use letters, digits, '.', '_', '-' (no slashes)")
 
-    def write_batch(self, batch: TrajectoryBatch, batch_id: str | None = None) -> str:
+    def write_batch(self, batch: Any, batch_id: str | None = None) -> str:
         """Write and commit ``batch``; return its id. Raises :class:`BatchExistsError` if committed.
 
         Order: data object (exclusive create, or overwrite of an uncommitted leftover from a dead
@@ -78,7 +111,7 @@ class TrajectoryStore:
         data_path, marker = self.data_path(bid), self.marker_path(bid)
         if U.exists(self.fs, marker):
             raise BatchExistsError(f"trajectory batch {bid!r} is already committed ({marker}); not overwriting")
-        table = to_arrow(batch)
+        table = self.codec.to_table(batch)
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
         data = buf.getvalue()
@@ -89,23 +122,10 @@ class TrajectoryStore:
                 U.create_exclusive(self.fs, data_path, data)
             except U.AlreadyExistsError as e:
                 raise BatchExistsError(f"trajectory batch {bid!r} is being written by another writer ({data_path})") from e
-        pv = batch.policy_version
-        info = {
-            "batch_id": bid,
-            "file": f"batches/{bid}.parquet",
-            "rows": len(batch),
-            "bytes": len(data),
-            "sha256": hashlib.sha256(data).hexdigest(),
-            "schema_version": SCHEMA_VERSION,
-            "kind": KIND,
-            "completion_len": batch.completion_len,
-            "policy_version_min": int(pv.min()) if len(batch) else None,
-            "policy_version_max": int(pv.max()) if len(batch) else None,
-            "sampler_hash": batch.sampler_hash,
-            "created_at": datetime.fromtimestamp(batch.created_at, timezone.utc).isoformat(),
-            "created_at_unix": batch.created_at,
-            "committed_at": datetime.now(timezone.utc).isoformat(),
-        }
+        info = {"batch_id": bid, "file": f"batches/{bid}.parquet", "rows": len(batch), "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(), "schema_version": self.codec.schema_version,
+                "kind": self.codec.kind, **self.codec.describe(batch),
+                "committed_at": datetime.now(timezone.utc).isoformat()}
         try:
             U.create_exclusive(self.fs, marker, U.dumps(info))
         except U.AlreadyExistsError as e:
@@ -144,18 +164,18 @@ class TrajectoryStore:
         except (pa.ArrowException, OSError, ValueError) as e:
             raise CorruptBatchError(batch_id, path, f"unreadable Parquet ({e})") from e
         try:
-            check_schema(table.schema)
-        except SchemaError as e:
+            self.codec.check_schema(table.schema)
+        except (SchemaError, ValueError) as e:
             raise CorruptBatchError(batch_id, path, f"incompatible schema: {e}") from e
         if table.num_rows != info.get("rows"):
             raise CorruptBatchError(batch_id, path, f"{table.num_rows} rows, commit marker says {info.get('rows')}")
         return table
 
-    def read_batch(self, batch_id: str) -> TrajectoryBatch:
+    def read_batch(self, batch_id: str) -> Any:
         """Read a committed batch; raises :class:`CorruptBatchError` naming the file on any defect."""
         table = self.read_table(batch_id)
         try:
-            return from_arrow(table)
+            return self.codec.from_table(table)
         except (SchemaError, ValueError) as e:
             raise CorruptBatchError(batch_id, self.data_path(batch_id), str(e)) from e
 

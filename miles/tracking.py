@@ -1,12 +1,12 @@
 """The only module that talks to MLflow: runs, params, metrics, artifacts, the learning-curve plot,
-and the model registry (pyfunc versions and the ``champion`` alias). DESIGN.md section 7.
+and the model registry (pyfunc versions and the ``champion`` alias). ARCHITECTURE.md, "Four packages".
 
 Why one module: flows and tasks stay small, and an MLflow upgrade lands in one place. Every call
 takes an explicit run id and goes through ``MlflowClient``, never the fluent "active run", so a
 task running in a worker thread cannot log into somebody else's run.
 
 Defaults: ``MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<cwd>/mlruns/mlflow.db`` with artifacts
-in ``<cwd>/mlruns/artifacts`` (the embedded, one-machine mode of DESIGN.md section 8).
+in ``<cwd>/mlruns/artifacts`` (the embedded, one-machine mode; infra/README.md).
 """
 
 from __future__ import annotations
@@ -342,7 +342,7 @@ def register_model(run_id: str, name: str, base_dir: str | os.PathLike[str], ada
                    tags: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Log the policy as a pyfunc under ``model/`` of ``run_id``, register it as a new version of
     ``name`` (tags: pass@1, eval fingerprint, ``tags``) and apply :func:`promote_if_better`."""
-    import tasks.pyfunc_model as pyfunc_model
+    import miles.pyfunc_model as pyfunc_model
 
     ev = dict(recipe.get("eval") or {})
     artifacts = {"base": os.fspath(base_dir)}

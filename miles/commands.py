@@ -1,0 +1,229 @@
+"""The hand-written ``miles`` subcommands: the ones that add something to a flow (the demo chains
+three and reports), or that are not flows at all (generate, serve, recipes, models). The flow
+subcommands are generated from the flows' parameter models in miles/cli.py."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import os
+import re
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+# The demo: the `arith` recipe shrunk so SFT -> ADPO -> evaluation finishes in about ten minutes on
+# two idle CPU cores (benchmarks/learning.py runs the full-size comparison).
+DEMO_RECIPE = "arith"
+DEMO_OVERRIDES: dict[str, list[str]] = {
+    "arith": ["sft.steps=2500", "sft.eval_every=500", "train.iterations=40", "train.eval_every=20",
+              "eval.num_problems=200"],
+}
+DEMO_EXPERIMENT = "miles-demo"
+
+
+class UsageError(Exception):
+    """A command line that cannot run as given; printed as one line, exit code 2."""
+
+
+def _recipes_dir() -> Path:
+    import miles_core.config as config
+
+    return Path(config.__file__).parent / "recipes"
+
+
+def validate_recipe(recipe: str | None, overrides: Sequence[str]) -> Any:
+    """Load the recipe with its overrides, so a bad field fails before any flow starts."""
+    from miles_core.config import ConfigError, load_recipe
+
+    cfg = load_recipe(recipe or DEMO_RECIPE, list(overrides))
+    if cfg.model.device.startswith("cuda"):  # a GPU that is not there: say so now, not after flow start-up
+        from miles_core.models.base import resolve_device
+
+        try:
+            resolve_device(cfg.model.device)
+        except RuntimeError as e:
+            raise ConfigError(f"model.device: {e}") from None
+    return cfg
+
+
+def _prefect_defaults() -> None:
+    """Sensible defaults for the embedded (serverless) Prefect mode on a small machine."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+
+def call_flow(module: str, name: str, params: dict[str, Any]) -> Any:
+    """Import ``flows.<module>.<name>`` and call it with the parameters its signature accepts.
+
+    ``None`` values mean "flow default" and are dropped. A parameter the user asked for that the
+    flow does not take is a usage error rather than being silently ignored.
+    """
+    _prefect_defaults()
+    flow = getattr(importlib.import_module(f"flows.{module}"), name)
+    accepted = inspect.signature(getattr(flow, "fn", flow)).parameters
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs: dict[str, Any] = {}
+    for key, value in params.items():
+        if value is None:
+            continue
+        if key not in accepted and not takes_kwargs:
+            if key == "progress":
+                continue  # progress bars are a nicety, not a request
+            raise UsageError(f"flows.{module}.{name} does not accept option {key!r}")
+        kwargs[key] = value
+    return flow(**kwargs)
+
+
+def print_result(result: Any) -> None:
+    import json
+
+    if isinstance(result, dict):
+        print(json.dumps(result, indent=2, default=str, sort_keys=True))
+    elif result is not None:
+        print(result)
+
+
+def cmd_recipes(args: argparse.Namespace) -> int:
+    """List built-in recipes with the first comment line of each file."""
+    for path in sorted(_recipes_dir().glob("*.yaml")):
+        lines = textwrap.wrap(recipe_summary(path.read_text()), 86) or [""]
+        print(f"{path.stem:<12} {lines[0]}")
+        for more in lines[1:]:
+            print(f"{'':<12} {more}")
+    return 0
+
+
+def recipe_summary(text: str) -> str:
+    """The first sentence of a recipe's leading comment, however many lines it spans."""
+    words: list[str] = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        words.append(line.lstrip("#").strip())
+        joined = " ".join(w for w in words if w)
+        m = re.search(r"^(.*?(?<!e\.g)(?<!i\.e)\.)(\s|$)", joined)  # "e.g." ends no sentence
+        if m:
+            return m.group(1)
+    return " ".join(w for w in words if w)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Load a registered model with ``mlflow.pyfunc`` and print one completion per prompt."""
+    import mlflow.pyfunc
+    import pandas as pd
+
+    uri = tracking_uri(args.tracking_uri)  # the store training registered into, not MLflow's own default
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    model = mlflow.pyfunc.load_model(args.model)
+    out = model.predict(pd.DataFrame({"prompt": list(args.prompts)}))
+    if isinstance(out, pd.DataFrame):
+        col = "completion" if "completion" in out.columns else out.columns[0]
+        completions = [str(v) for v in out[col].tolist()]
+    else:
+        completions = [str(v) for v in list(out)]
+    for prompt, completion in zip(args.prompts, completions):
+        print(f"{prompt}\t{completion}" if args.with_prompt else completion)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """``mlflow models serve`` for a registered model, with this interpreter's scripts on PATH (MLflow
+    starts ``uvicorn`` by name, which fails when the venv is not activated) and the project's store."""
+    uri = tracking_uri(args.tracking_uri)
+    env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri,
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", args.model, "--env-manager", "local",
+           "--host", args.host, "--port", str(args.port)]
+    print(f"[miles serve] {args.model} on http://{args.host}:{args.port}/invocations "
+          f"(POST {{\"inputs\": [\"12+7*3\"]}})", flush=True)
+    os.execvpe(cmd[0], cmd, env)
+    return 0  # not reached
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from miles_core.models.__main__ import main as models_main
+
+    return models_main([args.action, args.dir, "--family", args.family])
+
+
+def demo_overrides(recipe: str, extra: Sequence[str]) -> list[str]:
+    """The demo's sizing for ``recipe`` (only ``arith`` is shrunk) followed by the user's overrides."""
+    return [*DEMO_OVERRIDES.get(recipe, []), *extra]
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """SFT baseline -> ADPO training -> evaluation of the registered model, then where to look."""
+    run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    overrides = demo_overrides(args.recipe, args.overrides)
+    validate_recipe(args.recipe, overrides)
+    common = {"recipe": args.recipe, "overrides": overrides, "experiment": args.experiment,
+              "tracking_uri": args.tracking_uri, "progress": args.progress}
+    print(f"[miles demo] 1/3 SFT baseline ({args.recipe}) -> {run_dir / 'sft'}", flush=True)
+    sft = call_flow("sft", "sft_flow", {**common, "run_dir": str(run_dir / "sft")})
+    print(f"[miles demo] 2/3 ADPO training on top of {sft['base_checkpoint']}", flush=True)
+    train = call_flow("train", "train_flow", {**common, "run_dir": str(run_dir / "train"),
+                                              "base_checkpoint": sft["base_checkpoint"],
+                                              "register_as": args.register_as})
+    print("[miles demo] 3/3 evaluation of the trained policy", flush=True)
+    source = ({"model_uri": train["model_uri"]} if train.get("model_uri")
+              else {"adapter": train["adapter_dir"], "base_checkpoint": train["base_checkpoint"]})
+    ev = call_flow("evaluate", "evaluate_flow", {**common, "run_dir": str(run_dir / "eval"), **source})
+    print(demo_report(sft, train, ev))
+    _print_where_to_look(run_dir, train.get("model_uri"), args.tracking_uri)
+    return 0
+
+
+def demo_report(sft: dict[str, Any], train: dict[str, Any], ev: dict[str, Any]) -> str:
+    """SFT vs RL pass@1 on the same held-out problems, and whether the eval settings matched."""
+    lines = ["", "=" * 64,
+             f"  SFT baseline pass@1 : {sft['sft_pass1']:.3f}",
+             f"  ADPO (RL)    pass@1 : {ev['pass1']:.3f}   ({train['iterations']} iterations, "
+             f"{ev['num_problems']} held-out problems)",
+             f"  change              : {ev['pass1'] - sft['sft_pass1']:+.3f}"]
+    if sft.get("eval_fingerprint") != ev.get("eval_fingerprint"):
+        lines.append("  note: the two evaluations used different settings "
+                     f"({sft.get('eval_fingerprint')} vs {ev.get('eval_fingerprint')}); compare with care")
+    if train.get("model_uri"):
+        status = "now champion" if train.get("promoted") else f"champion stays v{train.get('champion_version')}"
+        lines.append(f"  registered          : {train['model_uri']} ({status})")
+    lines.append("=" * 64)
+    return "\n".join(lines)
+
+
+def tracking_uri(explicit: str | None = None) -> str:
+    """The MLflow store the flows write to: ``--tracking-uri``, the env var, else the default."""
+    uri = explicit or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    try:
+        tracking = importlib.import_module("miles.tracking")
+        default = getattr(tracking, "default_tracking_uri", None)
+        if callable(default):
+            return str(default())
+    except ImportError:
+        pass
+    return f"sqlite:///{Path.cwd() / 'mlruns' / 'mlflow.db'}"
+
+
+def _print_where_to_look(run_dir: Path, model_uri: str | None = None, store: str | None = None) -> None:
+    uri = tracking_uri(store)
+    print("\nWhere to look:")
+    print(f"  run folder : {run_dir}")
+    if uri.startswith(("http://", "https://")):
+        print(f"  MLflow UI  : {uri}")
+    else:
+        print(f"  MLflow UI  : mlflow ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
+    print("  Prefect UI : prefect server start --host 127.0.0.1   (then http://127.0.0.1:4200: the demo's")
+    print("               flow runs are in the same PREFECT_HOME database the temporary server used)")
+    if model_uri:
+        name = model_uri.split("/")[1] if model_uri.startswith("models:/") else model_uri
+        print(f'  try it     : miles generate --model "models:/{name}@champion" "12+7*3" "45-6*7"')
+        print(f'  serve it   : miles serve --model "models:/{name}@champion" --port 5001')
+
+
