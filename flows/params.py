@@ -133,7 +133,7 @@ class EvalParams(FlowParams):
         if self.model_uri and self.base_checkpoint:
             raise ValueError("base_checkpoint goes with adapter (or alone, to evaluate the base), not with model_uri")
         if not self.model_uri and not self.base_checkpoint:
-            raise ValueError("give model_uri, or adapter with its base_checkpoint, or base_checkpoint alone")
+            raise ValueError("base_checkpoint is required unless model_uri is given")
         return self
 
 

@@ -56,6 +56,10 @@ def test_parameter_models_reject_bad_input_by_name() -> None:
         EvalParams(model_uri="models:/m@champion", adapter="a", base_checkpoint="b")
     with pytest.raises(ValidationError, match="base_checkpoint is required"):
         EvalParams(adapter="some/adapter")
+    with pytest.raises(ValidationError, match="not with model_uri"):
+        EvalParams(model_uri="models:/m@champion", base_checkpoint="b")
+    with pytest.raises(ValidationError, match="resume needs run_dir"):
+        TrainParams(resume=True)
     with pytest.raises(ValidationError, match="stepz"):
         SFTParams(recipe="tiny", stepz=3)
 
