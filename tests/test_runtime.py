@@ -7,25 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from miles_core.config import ConfigError, load_recipe
-from miles_core.data.registry import build_task
-from miles_core.learner.baseline import train_baseline
 from miles_core.storage.run import RunStore
 from tasks import training
 
-BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
-        "task.completion_len=16", "train.reward=math_exact:1.0,format:0.5,arith_steps:0.5", "train.iterations=3"]
+from test_async import BASE as ASYNC_BASE
+from test_async import base_dir  # noqa: F401  (the same tiny SFT base as the async tests)
 
-
-@pytest.fixture(scope="module")
-def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    cfg = load_recipe("tiny", BASE)
-    out = tmp_path_factory.mktemp("sync") / "sft"
-    train_baseline(cfg, build_task(cfg), out)
-    return out
+BASE = [*ASYNC_BASE, "train.iterations=3"]
 
 
 def iterate(run_dir: Path, store: str, its: range) -> dict:
