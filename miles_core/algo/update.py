@@ -55,13 +55,23 @@ def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Ge
 
 
 def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, estimator: str,
-               prompt_mask: Tensor | None = None) -> tuple[Tensor, Tensor, int, Tensor]:
-    """-> x [R, T], attn [R, T], prompt width, commit [R, L] for the given rows."""
+               prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None) -> tuple[Tensor, Tensor, int, Tensor]:
+    """-> x [R, T], attn [R, T], prompt width, commit [R, L] for the given rows.
+
+    ``adpo``: the recorded state before step k (rebuilt from ``step_map``), scoring the tokens
+    committed at k. ``meanfield``: the whole completion masked, every token scored, prompt tokens
+    masked where ``prompt_mask`` [B, P] says. ``coupled``: ``comp_mask`` [B, L] masked for step 0
+    and its complement for step 1, each row scoring the tokens it masks.
+    """
     prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
     comp = batch.completion_ids[traj]
     if estimator == "adpo":
         state = rebuild_state(comp, batch.step_map[traj], step, tok.mask_id)
         commit = batch.step_map[traj] == step[:, None]
+    elif estimator == "coupled":
+        assert comp_mask is not None, "coupled rows need the pair's completion mask"
+        commit = comp_mask[traj] ^ (step[:, None] == 1)
+        state = comp.masked_fill(commit, tok.mask_id)
     else:  # meanfield: everything masked, every token scored at once
         state = torch.full_like(comp, tok.mask_id)
         commit = torch.ones_like(comp, dtype=torch.bool)
@@ -74,9 +84,9 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
 
 
 def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, temperature: float,
-               estimator: str = "adpo", prompt_mask: Tensor | None = None):
+               estimator: str = "adpo", prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None):
     """Current-policy log-probs of the committed tokens of each row: logp, entropy, commit [R, L]."""
-    x, attn, width, commit = row_inputs(batch, traj, step, tok, estimator, prompt_mask)
+    x, attn, width, commit = row_inputs(batch, traj, step, tok, estimator, prompt_mask, comp_mask)
     out = denoise_step(model, x, attn, width, temperature=temperature, forbidden=tok.forbidden_ids,
                        tokens=batch.completion_ids[traj])
     return out.logp, out.entropy, commit
@@ -118,19 +128,27 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
         for s in range(0, idx.numel(), cfg.row_chunk):
             yield idx[s:s + cfg.row_chunk]
 
-    prox = None
+    per_epoch = getattr(scorer, "per_epoch", False)  # rows redrawn each epoch (fresh masks)
+    proxes: list[Tensor] = []
     if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
-        prox = torch.zeros(n_rows, scorer.width, device=device)
-        with torch.no_grad():
-            for c in chunks(own(torch.arange(n_rows))):
-                prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
-        if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
-            world.all_reduce_(prox)
+        for e in range(cfg.epochs if per_epoch else 1):
+            if per_epoch:
+                scorer.set_epoch(e)
+            prox = torch.zeros(n_rows, scorer.width, device=device)
+            with torch.no_grad():
+                for c in chunks(own(torch.arange(n_rows))):
+                    prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
+            if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
+                world.all_reduce_(prox)
+            proxes.append(prox)
     zero = torch.zeros((), device=device)
     sums = {k: zero.clone() for k in (*SUM_KEYS, "tokens", "loss")}
     iw_max, grad_norm = zero.clone(), zero.clone()
     model.train()
-    for _ in range(cfg.epochs):
+    for epoch in range(cfg.epochs):
+        if per_epoch:
+            scorer.set_epoch(epoch)
+        prox = proxes[epoch if per_epoch else 0] if proxes else None
         perm = torch.randperm(n_rows, generator=generator)
         for mb in perm.chunk(cfg.num_minibatches):
             optimizer.zero_grad(set_to_none=True)
@@ -170,24 +188,69 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
 
 @dataclass
 class MaskedStepRows:
-    """Rows of a masked-diffusion batch: (b, k) states rebuilt from ``step_map`` (ADPO), or one
-    fully masked row per trajectory (``meanfield``, d1's diffu-GRPO estimator)."""
+    """Rows of a masked-diffusion batch for the engine, one estimator each:
+
+    * ``adpo``: every recorded step (b, k), its state rebuilt from ``step_map``, scoring the
+      tokens committed at k against their stored behaviour log-probs (the recorded trajectory).
+    * ``meanfield``: d1 / diffu-GRPO (Zhao et al., 2025, arXiv:2504.12216): one row per
+      trajectory, the completion fully masked and a random fraction ``adpo.prompt_mask_prob`` of
+      the prompt masked, every token scored in one pass; a fresh prompt mask at every inner
+      iteration (epoch), as d1 draws one per iteration.
+    * ``coupled``: DiffuCoder's coupled-GRPO (Gong et al., 2025, arXiv:2506.20639): two rows per
+      trajectory, a random mask M (each token masked with probability t ~ U(0, 1)) and its
+      complement, so every completion token is scored exactly once per pair; redrawn every epoch.
+
+    ``meanfield`` and ``coupled`` score tokens outside any recorded state, so their ratio is
+    against the policy before the update and there is no importance weight (behaviour = prox).
+    """
 
     batch: TrajectoryBatch
     tok: CharTokenizer
     temperature: float
     estimator: str
-    prompt_mask: Tensor | None
+    prompt_masks: Tensor | None = None  # [E, B, P]: meanfield's prompt mask per epoch
+    comp_masks: Tensor | None = None    # [E, B, L]: coupled's mask M per epoch (its pair is ~M)
+    epoch: int = 0
 
     @property
     def width(self) -> int:
         return self.batch.completion_len
 
+    @property
+    def per_epoch(self) -> bool:
+        """Rows change between epochs (fresh masks), so the proximal policy is scored per epoch."""
+        return self.estimator != "adpo"
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
-        return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.estimator, self.prompt_mask)
+        pm = self.prompt_masks[self.epoch] if self.prompt_masks is not None else None
+        cm = self.comp_masks[self.epoch] if self.comp_masks is not None else None
+        return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.estimator, pm, cm)
 
     def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
         return self.batch.logp[traj] if self.estimator == "adpo" else None
+
+
+def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+                   generator: torch.Generator) -> tuple[Rows, MaskedStepRows]:
+    """The rows of ``cfg.estimator`` on the kept trajectories, and the scorer that scores them.
+    Random draws happen here, in a fixed order, so every rank of a world draws the same."""
+    b, epochs = len(sub), cfg.epochs
+    prompt_width = max(len(p) for p in sub.prompt_ids)
+    if cfg.estimator == "adpo":
+        rows = build_rows(sub, cfg.step_fraction, generator)
+        torch.rand(b, prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
+        return rows, MaskedStepRows(sub, tok, temperature, "adpo")
+    if cfg.estimator == "meanfield":
+        rows = Rows(torch.arange(b), torch.zeros(b, dtype=torch.long), torch.ones(b))
+        masks = torch.rand(epochs, b, prompt_width, generator=generator) < cfg.prompt_mask_prob
+        return rows, MaskedStepRows(sub, tok, temperature, "meanfield", prompt_masks=masks)
+    t = torch.rand(epochs, b, 1, generator=generator)
+    comp = torch.rand(epochs, b, sub.completion_len, generator=generator) < t
+    rows = Rows(torch.arange(b).repeat_interleave(2), torch.tensor([0, 1]).repeat(b), torch.ones(2 * b))
+    return rows, MaskedStepRows(sub, tok, temperature, "coupled", comp_masks=comp)
 
 
 def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch, cfg: ADPOConfig,
@@ -203,17 +266,11 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     if keep.numel() == 0:
         return stats
     sub = batch.select(keep)
-    if cfg.estimator == "adpo":
-        rows = build_rows(sub, cfg.step_fraction, generator)
-    else:
-        rows = Rows(torch.arange(len(sub)), torch.zeros(len(sub), dtype=torch.long), torch.ones(len(sub)))
-    prompt_width = max(len(p) for p in sub.prompt_ids)
-    prompt_mask = torch.rand(len(sub), prompt_width, generator=generator) < cfg.prompt_mask_prob
+    rows, scorer = estimator_rows(sub, cfg, tok, temperature, generator)
     # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
     # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
     normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
-    scorer = MaskedStepRows(sub, tok, temperature, cfg.estimator, prompt_mask)
     adv = torch.nan_to_num(sub.advantage, nan=0.0)
     stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world))
     return stats
