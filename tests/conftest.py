@@ -141,3 +141,18 @@ def trained(trained_project: TrainedProject, monkeypatch: pytest.MonkeyPatch) ->
     trained_project.activate(monkeypatch)
     yield trained_project
     _point_mlflow(SESSION_MLFLOW_URI)
+
+
+def train_tiny_base(tmp_path_factory: pytest.TempPathFactory, overrides: list[str], name: str) -> Path:
+    """A tiny SFT checkpoint of the ``tiny`` recipe with ``overrides``, in a fresh temp folder."""
+    import torch
+
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.learner.baseline import train_baseline
+
+    torch.set_num_threads(1)
+    cfg = load_recipe("tiny", overrides)
+    out = tmp_path_factory.mktemp(name) / "sft"
+    train_baseline(cfg, build_task(cfg), out)
+    return out

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import train_tiny_base
 import torch
 
 from miles_core.algo.rl import assign_advantages
@@ -24,8 +25,6 @@ from miles_core.asyncrl.sampler import SamplerWorker, batch_id
 from miles_core.config import ConfigError, load_recipe
 from miles_core.models.base import load_checkpoint
 from miles_core.models.lora import load_adapter
-from miles_core.data.registry import build_task
-from miles_core.learner.baseline import train_baseline
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
@@ -34,11 +33,13 @@ BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampl
 
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    torch.set_num_threads(1)
-    cfg = load_recipe("tiny", BASE)
-    out = tmp_path_factory.mktemp("async") / "sft"
-    train_baseline(cfg, build_task(cfg), out)
-    return out
+    return train_tiny_base(tmp_path_factory, BASE, "async")
+
+
+@pytest.fixture(scope="module")
+def signal_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Trained enough that every batch has a reward spread, so every update moves the adapter."""
+    return train_tiny_base(tmp_path_factory, [*BASE, "sft.steps=150"], "async-signal")
 
 
 def make_run(tmp: Path, base: Path, *overrides: str) -> tuple[str, object]:
@@ -142,18 +143,20 @@ def test_run_spec_and_async_config_errors_name_the_field(tmp_path: Path, base_di
         RunStore(str(tmp_path / "nowhere")).read_spec()
 
 
-def test_async_learner_resume_is_bit_identical(tmp_path: Path, base_dir: Path) -> None:
+def test_async_learner_resume_is_bit_identical(tmp_path: Path, signal_base: Path) -> None:
     """Stopped after update 2 and resumed in a new object (fresh RNGs), the learner reaches the
     same adapter as an uninterrupted one over the same committed batches."""
     adapters = []
     for name, stops in (("straight", [None]), ("resumed", [2, None])):
-        run, _ = make_run(tmp_path / name, base_dir, "async_rl.batches_per_sampler=4", "async_rl.max_pending=10",
+        run, _ = make_run(tmp_path / name, signal_base, "async_rl.batches_per_sampler=4", "async_rl.max_pending=10",
                           "adpo.max_staleness=10", "async_rl.checkpoint_every=3")
         AsyncLearner(run, str(tmp_path / name / "lc0"))  # v0
         SamplerWorker(run, "w0", 0, str(tmp_path / name / "sc")).run()
         for i, stop in enumerate(stops):
             out = AsyncLearner(run, str(tmp_path / name / f"lc{i}"), max_updates=stop).run()
         assert out["done"] and out["consumed"] == 4
+        hist = RunStore(run).read_json("learner", "history.json")["history"]
+        assert any(h["rows"] > 0 for h in hist[2:]), hist  # an update after the resume moved the adapter
         adapters.append(RunStore(run).adapters.fetch(4, tmp_path / name / "final"))
     a, b = (Path(d, "adapter_model.safetensors").read_bytes() for d in adapters)
     assert a == b

@@ -7,15 +7,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from conftest import train_tiny_base
 
 from miles_core.config import ConfigError, load_recipe
 from miles_core.storage.run import RunStore
 from tasks import training
 
-from test_async import BASE as ASYNC_BASE
-from test_async import base_dir  # noqa: F401  (the same tiny SFT base as the async tests)
+# Trained enough (150 steps) that every batch has a reward spread, so every update moves the
+# adapter: a resume that lost optimizer or RNG state could not hide behind updates that do nothing.
+BASE = ["sft.steps=150", "sft.eval_every=50", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
+        "task.completion_len=16", "train.reward=math_exact:1.0,format:0.5", "train.iterations=3"]
 
-BASE = [*ASYNC_BASE, "train.iterations=3"]
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tiny_base(tmp_path_factory, BASE, "sync")
 
 
 def iterate(run_dir: Path, store: str, its: range) -> dict:
@@ -39,7 +45,7 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
             assert init["iteration"] == its.start and init["resumed"] == (i > 0)
             last = iterate(run_dir, store, its)
             training.release(run_dir)
-        assert last["version"] == 3 and last["iteration"] == 3
+        assert last["version"] == 3 and last["iteration"] == 3 and last["stats"]["rows"] > 0  # the resumed update ran
         rs = RunStore(store)
         ledger = rs.load_checkpoint()["ledger"]
         assert [e["id"] for e in ledger["consumed"]] == [f"{i:06d}-learner" for i in range(3)]
