@@ -123,7 +123,7 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class ADPOConfig:
-    estimator: Literal["adpo", "meanfield", "coupled"] = "adpo"  # algo/update.py::MaskedStepRows: what each scores
+    estimator: Literal["adpo", "meanfield", "coupled", "wd1"] = "adpo"  # algo/update.py::MaskedStepRows: what each scores
     lr: float = bounded(1e-3, 1e-12, 10.0)
     warmup: int = bounded(5, 0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 over the run's updates

@@ -85,7 +85,7 @@ def test_sft_lr_schedule_warms_up_then_decays_to_zero_at_sft_steps():
         train_sft(base_model(), TOK, *data, lr_schedule="step", **kw)
 
 
-@pytest.mark.parametrize("estimator", ["adpo", "meanfield", "coupled"])
+@pytest.mark.parametrize("estimator", ["adpo", "meanfield", "coupled", "wd1"])
 def test_update_changes_only_lora_parameters(estimator):
     model = add_lora(base_model(), r=4, alpha=8)
     before = {k: v.clone() for k, v in model.state_dict().items()}

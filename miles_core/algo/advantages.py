@@ -32,3 +32,19 @@ def zero_variance_groups(reward: Tensor, group_id: Tensor) -> Tensor:
         m = group_id == g
         out[m] = bool((r[m] == r[m][0]).all())
     return out
+
+
+def wd1_weights(advantage: Tensor, group_id: Tensor) -> Tensor:
+    """wd1's per-completion weight (Tang et al., 2025, arXiv:2507.08838; xiaohangt/wd1's
+    ``rev_grpo_trainer.py``): softmax(A) - softmax(-A) within each group, so the objective
+    sum_i w_i log p(o_i) raises the likelihood of the better completions and lowers that of the
+    worse ones without a ratio. For a group of two with A = +-a this is +-tanh(a).
+
+    advantage [B], group_id [B] -> weight [B]; every group's weights sum to 0."""
+    _, inv = torch.unique(group_id, return_inverse=True)
+    out = torch.zeros_like(advantage, dtype=torch.float32)
+    for g in range(int(inv.max()) + 1):
+        m = inv == g
+        a = advantage[m].float()
+        out[m] = torch.softmax(a, 0) - torch.softmax(-a, 0)
+    return out

@@ -40,9 +40,10 @@ class ADPOLoss(nn.Module):
     """
 
     def __init__(self, clip_eps: float = 0.2, is_cap: float = 2.0, kl_coef: float = 0.0,
-                 entropy_floor: float = 0.0, entropy_coef: float = 0.0) -> None:
+                 entropy_floor: float = 0.0, entropy_coef: float = 0.0, ratio_free: bool = False) -> None:
         super().__init__()
         self.clip_eps, self.is_cap, self.kl_coef = clip_eps, is_cap, kl_coef
+        self.ratio_free = ratio_free  # wd1: l_i = -A_b * log pi_theta (a weighted likelihood, no ratio, no clip)
         self.entropy_floor, self.entropy_coef = entropy_floor, entropy_coef
 
     def forward(self, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantage: Tensor, commit: Tensor,
@@ -55,7 +56,7 @@ class ADPOLoss(nn.Module):
         iw_raw = torch.exp(prox_logp.detach() - behav_logp)
         iw = iw_raw.clamp(max=self.is_cap)
         surr = torch.minimum(ratio * adv, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * adv)
-        per_tok = -iw * surr
+        per_tok = -adv * logp if self.ratio_free else -iw * surr
         kl = torch.zeros_like(logp)
         if ref_logp is not None and self.kl_coef > 0:
             d = ref_logp.detach() - logp
@@ -71,6 +72,8 @@ class ADPOLoss(nn.Module):
         with torch.no_grad():
             # tokens whose gradient the clip removed: ratio pushed past the trust region in A's direction
             clipped = (((ratio > 1 + self.clip_eps) & (adv > 0)) | ((ratio < 1 - self.clip_eps) & (adv < 0))).float()
+            if self.ratio_free:
+                clipped = torch.zeros_like(clipped)
             log_r = logp - prox_logp
             sums = {
                 "clip_frac": (clipped * m).sum(),

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+from miles_core.algo.advantages import wd1_weights
 from miles_core.algo.loss import SUM_KEYS, ADPOLoss
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
@@ -119,7 +120,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     tensors (sums and counts) until one reduction and one host read at the end.
     """
     n_rows = rows.traj.numel()
-    loss_fn = ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
+    loss_fn = ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef,
+                       ratio_free=cfg.estimator == "wd1")
     params = trainable_parameters(model)
     device = params[0].device if params else torch.device("cpu")
     own = world.shard if world is not None else (lambda idx: idx)
@@ -196,6 +198,8 @@ class MaskedStepRows:
       trajectory, the completion fully masked and a random fraction ``adpo.prompt_mask_prob`` of
       the prompt masked, every token scored in one pass; a fresh prompt mask at every inner
       iteration (epoch), as d1 draws one per iteration.
+    * ``wd1`` (set up in :func:`adpo_update`): d1's rows, each trajectory weighted by
+      softmax(A) - softmax(-A) in its group, with a ratio-free loss -w log p (arXiv:2507.08838).
     * ``coupled``: DiffuCoder's coupled-GRPO (Gong et al., 2025, arXiv:2506.20639): two rows per
       trajectory, a random mask M (each token masked with probability t ~ U(0, 1)) and its
       complement, so every completion token is scored exactly once per pair; redrawn every epoch.
@@ -243,7 +247,7 @@ def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, te
         rows = build_rows(sub, cfg.step_fraction, generator)
         torch.rand(b, prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
         return rows, MaskedStepRows(sub, tok, temperature, "adpo")
-    if cfg.estimator == "meanfield":
+    if cfg.estimator in ("meanfield", "wd1"):  # wd1 scores d1's rows; its weights and loss differ
         rows = Rows(torch.arange(b), torch.zeros(b, dtype=torch.long), torch.ones(b))
         masks = torch.rand(epochs, b, prompt_width, generator=generator) < cfg.prompt_mask_prob
         return rows, MaskedStepRows(sub, tok, temperature, "meanfield", prompt_masks=masks)
@@ -272,5 +276,7 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
     normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
     adv = torch.nan_to_num(sub.advantage, nan=0.0)
+    if cfg.estimator == "wd1":  # ratio-free weighted likelihood: softmax(A) - softmax(-A) per group
+        adv = wd1_weights(adv, sub.group_id)
     stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world))
     return stats
