@@ -1,0 +1,136 @@
+"""Every estimator in the update engine on equal samples and (about) equal update compute (issue 24).
+
+Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
+  1. one SFT checkpoint: trained to its validation plateau, or taken from ``--sft-dir``
+     (``DIR/seed{N}/sft``, e.g. the work folder ``benchmarks.learning`` prints);
+  2. from it, one arm per ``adpo.estimator``, each sampling the same number of completions
+     (``train.iterations`` x prompts x group, same seed);
+  3. update compute made about equal by inner iterations: ADPO scores ``step_fraction`` x
+     ``sampler.steps`` rows per trajectory, mean-field and wd1 one, coupled two, so those arms run
+     that many epochs per update (d1's inner iterations, each with fresh masks);
+  4. every arm evaluated on the same held-out problems with one pinned eval config.
+Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled), peak bytes
+of autograd-saved tensors in one update, wall-clock of the updates, paired sign test against ADPO.
+Writes benchmarks/results/estimators.json. Run: python -m benchmarks.estimators [--sft-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import multiprocessing as mp
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks.common import sign_test_p, table, write_result
+
+ESTIMATORS = ("adpo", "meanfield", "wd1", "coupled")
+ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2}
+DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
+FLOP_EVERY = 10
+
+
+def arm_overrides(cfg, estimator: str) -> list[str]:
+    """``adpo.estimator`` and, for the one-pass estimators, the epochs that match ADPO's update compute."""
+    out = [f"adpo.estimator={estimator}"]
+    if estimator != "adpo":
+        adpo_rows = max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps)) * cfg.adpo.epochs
+        out.append(f"adpo.epochs={max(1, round(adpo_rows / ROWS_PER_TRAJECTORY[estimator]))}")
+    return out
+
+
+def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, estimators: list[str]) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from benchmarks.memory import SavedTensorMeter
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.flops import FlopMeter
+    from miles_core.learner.baseline import train_baseline
+    from miles_core.learner.policy import Learner
+
+    cfg = load_recipe("arith", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
+    data = build_task(cfg)
+    ckpt = Path(sft_dir) / f"seed{seed}" / "sft" if sft_dir else Path(out) / f"seed{seed}" / "sft"
+    if not (ckpt / "config.json").exists():
+        train_baseline(cfg, data, ckpt, seed=seed, on_eval=lambda *a: None, eval_problems=200, patience=3)
+    results: dict[str, dict] = {}
+    for arm in ["sft", *estimators]:
+        if arm == "sft":
+            from miles_core.models.base import load_checkpoint
+
+            model, tok = load_checkpoint(ckpt)
+            r = run_eval(model, tok, cfg, data)
+            results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct]}
+            continue
+        arm_cfg = load_recipe("arith", overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
+        learner = Learner(arm_cfg, ckpt, seed=seed)
+        meter, update_s, samples, peak, measured = FlopMeter(), 0.0, 0, 0, 0
+        for it in range(arm_cfg.train.iterations):
+            batch = learner.rollout(learner.draw_prompts(data, arm_cfg.train.prompts_per_iter))
+            samples += len(batch)
+            t0 = time.perf_counter()
+            if it == 1:  # one update's peak autograd memory (iteration 0 may have no signal)
+                peak = SavedTensorMeter(learner.params).measure(lambda: learner.update(batch))
+            elif it % FLOP_EVERY == 0:
+                with meter.measure("update"):
+                    learner.update(batch)
+                measured += 1
+            else:
+                learner.update(batch)
+            update_s += time.perf_counter() - t0
+            if (it + 1) % 50 == 0:
+                print(f"[seed {seed}] {arm} it {it + 1} reward {float(batch.reward.nan_to_num(0).mean()):.3f}", flush=True)
+        r = run_eval(learner.model, learner.tok, arm_cfg, data)
+        results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "samples": samples,
+                        "update_flops": meter.totals.get("update", 0) / max(measured, 1) * arm_cfg.train.iterations,
+                        "peak_mem_bytes": peak, "update_seconds": update_s, "epochs": arm_cfg.adpo.epochs,
+                        "eval_config": r.config.to_dict()}
+        print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({update_s:.0f}s of updates)", flush=True)
+    return {"seed": seed, "results": results}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap.add_argument("--sft-dir", default=None, help="reuse DIR/seed{N}/sft checkpoints (e.g. benchmarks.learning's)")
+    ap.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
+    args = ap.parse_args()
+    overrides = DEFAULT_OVERRIDES + args.set
+    t0 = time.perf_counter()
+    work = tempfile.mkdtemp(prefix="miles-estimators-")
+    with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
+        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_dir, args.estimators) for s in args.seeds])
+    rows, out = [], []
+    for arm in ["sft", *args.estimators]:
+        res = [p["results"][arm] for p in per_seed]
+        wins = losses = 0
+        for p in per_seed:
+            for a, b in zip(p["results"][arm]["correct"], p["results"]["adpo"]["correct"]):
+                wins += a and not b
+                losses += b and not a
+        entry = {"name": arm, "pass1": sum(r["pass1"] for r in res) / len(res),
+                 "p_vs_adpo": None if arm == "adpo" else sign_test_p(wins, losses),
+                 "wins_vs_adpo": wins, "losses_vs_adpo": losses}
+        if arm != "sft":
+            for key in ("update_flops", "peak_mem_bytes", "update_seconds", "samples", "epochs"):
+                entry[key] = sum(r[key] for r in res) / len(res)
+        out.append(entry)
+        trained = arm != "sft"
+        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["epochs"]) if trained else "-",
+                     f"{entry['update_flops']:.3g}" if trained else "-",
+                     f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",
+                     f"{entry['update_seconds']:.0f}" if trained else "-",
+                     "-" if entry["p_vs_adpo"] is None else f"{entry['p_vs_adpo']:.3g}"])
+    print(table(rows, ["estimator", "pass@1", "epochs", "update FLOPs", "peak saved MiB", "update s", "p vs adpo"]))
+    payload = {"estimators": out, "seeds": args.seeds, "overrides": overrides, "seconds": time.perf_counter() - t0,
+               "eval_config": per_seed[0]["results"]["adpo"]["eval_config"], "sft_dir": args.sft_dir}
+    print(f"wrote {write_result('estimators', payload)}")
+
+
+if __name__ == "__main__":
+    main()
