@@ -5,9 +5,11 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      (``DIR/seed{N}/sft``, e.g. the work folder ``benchmarks.learning`` prints);
   2. from it, one arm per ``adpo.estimator``, each sampling the same number of completions
      (``train.iterations`` x prompts x group, same seed);
-  3. update compute made about equal by inner iterations: ADPO scores ``step_fraction`` x
-     ``sampler.steps`` rows per trajectory, mean-field and wd1 one, coupled two, so those arms run
-     that many epochs per update (d1's inner iterations, each with fresh masks);
+  3. update compute made about equal by Monte-Carlo mask samples: ADPO scores ``step_fraction`` x
+     ``sampler.steps`` rows per trajectory, mean-field and wd1 one per mask draw, coupled two, so
+     those arms draw that many masks per trajectory (``adpo.mask_samples``), with the same
+     optimizer steps per batch as ADPO. (Matching by inner iterations instead, d1's mu, takes 4x
+     the optimizer steps per batch at the same LR, which over-optimizes the one-pass estimators.)
   4. every arm evaluated on the same held-out problems with one pinned eval config.
 Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled), peak bytes
 of autograd-saved tensors in one update, wall-clock of the updates, paired sign test against ADPO.
@@ -32,11 +34,11 @@ FLOP_EVERY = 10
 
 
 def arm_overrides(cfg, estimator: str) -> list[str]:
-    """``adpo.estimator`` and, for the one-pass estimators, the epochs that match ADPO's update compute."""
+    """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update compute."""
     out = [f"adpo.estimator={estimator}"]
     if estimator != "adpo":
-        adpo_rows = max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps)) * cfg.adpo.epochs
-        out.append(f"adpo.epochs={max(1, round(adpo_rows / ROWS_PER_TRAJECTORY[estimator]))}")
+        adpo_rows = max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps))
+        out.append(f"adpo.mask_samples={max(1, round(adpo_rows / ROWS_PER_TRAJECTORY[estimator]))}")
     return out
 
 
@@ -87,7 +89,7 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
         r = run_eval(learner.model, learner.tok, arm_cfg, data)
         results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "samples": samples,
                         "update_flops": meter.totals.get("update", 0) / max(measured, 1) * arm_cfg.train.iterations,
-                        "peak_mem_bytes": peak, "update_seconds": update_s, "epochs": arm_cfg.adpo.epochs,
+                        "peak_mem_bytes": peak, "update_seconds": update_s, "mask_samples": arm_cfg.adpo.mask_samples,
                         "eval_config": r.config.to_dict()}
         print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({update_s:.0f}s of updates)", flush=True)
     return {"seed": seed, "results": results}
@@ -117,16 +119,16 @@ def main() -> None:
                  "p_vs_adpo": None if arm == "adpo" else sign_test_p(wins, losses),
                  "wins_vs_adpo": wins, "losses_vs_adpo": losses}
         if arm != "sft":
-            for key in ("update_flops", "peak_mem_bytes", "update_seconds", "samples", "epochs"):
+            for key in ("update_flops", "peak_mem_bytes", "update_seconds", "samples", "mask_samples"):
                 entry[key] = sum(r[key] for r in res) / len(res)
         out.append(entry)
         trained = arm != "sft"
-        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["epochs"]) if trained else "-",
+        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if trained else "-",
                      f"{entry['update_flops']:.3g}" if trained else "-",
                      f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",
                      f"{entry['update_seconds']:.0f}" if trained else "-",
                      "-" if entry["p_vs_adpo"] is None else f"{entry['p_vs_adpo']:.3g}"])
-    print(table(rows, ["estimator", "pass@1", "epochs", "update FLOPs", "peak saved MiB", "update s", "p vs adpo"]))
+    print(table(rows, ["estimator", "pass@1", "mask draws", "update FLOPs", "peak saved MiB", "update s", "p vs adpo"]))
     payload = {"estimators": out, "seeds": args.seeds, "overrides": overrides, "seconds": time.perf_counter() - t0,
                "eval_config": per_seed[0]["results"]["adpo"]["eval_config"], "sft_dir": args.sft_dir}
     print(f"wrote {write_result('estimators', payload)}")

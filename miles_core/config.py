@@ -141,6 +141,7 @@ class ADPOConfig:
     row_chunk: int = bounded(256, 1)                # rows per forward/backward (bounds peak memory)
     max_grad_norm: float = bounded(1.0, 1e-09)
     prompt_mask_prob: float = bounded(0.15, 0.0, 1.0)      # meanfield (d1): fraction of prompt tokens masked
+    mask_samples: int = bounded(1, 1, 64)  # meanfield / wd1 / coupled: Monte-Carlo mask draws per trajectory, each a row of weight 1/n
     max_staleness: int = bounded(4, 0)              # async: S
 
 

@@ -33,8 +33,9 @@ def test_coupled_rows_score_every_completion_token_exactly_once_per_pair():
     assert rows.step.tolist() == [0, 1] * len(batch) and torch.equal(rows.weight, torch.ones(2 * len(batch)))
     assert scorer.comp_masks is not None and not torch.equal(scorer.comp_masks[0], scorer.comp_masks[1])  # redrawn
     for epoch in range(2):
+        scorer.set_epoch(epoch)
         x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, "coupled",
-                                         comp_mask=scorer.comp_masks[epoch])
+                                         comp_mask=scorer.masks(rows.traj, rows.step)[1])
         pair = commit.view(len(batch), 2, -1)
         assert torch.equal(pair.sum(1), torch.ones_like(pair[:, 0], dtype=torch.long))  # once per pair
         state = x[:, width:]
@@ -58,7 +59,7 @@ def test_coupled_gradient_matches_a_brute_force_objective():
     engine = [p.grad.detach().clone() for p in params]
 
     model.zero_grad(set_to_none=True)
-    mask = scorer.comp_masks[0]  # the same draw: the generator is consumed in the same order
+    mask = scorer.comp_masks[0, 0]  # the same draw: the generator is consumed in the same order
     prompt, real = left_pad(batch.prompt_ids, TOK.pad_id)
     total = 0.0
     for half in (mask, ~mask):
@@ -131,7 +132,7 @@ def test_wd1_gradient_is_the_weighted_likelihood_and_has_no_ratio():
 
     model.zero_grad(set_to_none=True)
     prompt, real = left_pad(batch.prompt_ids, TOK.pad_id)
-    prompt = prompt.masked_fill(scorer.prompt_masks[0][:, -prompt.shape[1]:] & real, TOK.mask_id)
+    prompt = prompt.masked_fill(scorer.prompt_masks[0, 0][:, -prompt.shape[1]:] & real, TOK.mask_id)
     state = torch.full_like(batch.completion_ids, TOK.mask_id)
     out = denoise_step(model, torch.cat([prompt, state], 1), torch.cat([real, torch.ones_like(state, dtype=torch.bool)], 1),
                        prompt.shape[1], temperature=1.0, forbidden=TOK.forbidden_ids, tokens=batch.completion_ids)
@@ -143,3 +144,21 @@ def test_wd1_gradient_is_the_weighted_likelihood_and_has_no_ratio():
                         ADPOConfig(estimator="wd1", epochs=3, num_minibatches=2, row_chunk=5), TOK, 1.0,
                         torch.Generator().manual_seed(0))
     assert stats["approx_kl"] > 0 and stats["clip_frac"] == 0.0  # the policy moved; wd1 has no ratio to clip
+
+
+@pytest.mark.parametrize(("estimator", "per_sample"), [("meanfield", 1), ("wd1", 1), ("coupled", 2)])
+def test_mask_samples_are_rows_of_weight_one_over_n(estimator, per_sample):
+    """``adpo.mask_samples=n``: n Monte-Carlo mask draws per trajectory, each its own row(s) with
+    weight 1/n, so the objective is the average over draws."""
+    batch = scored_batch(lora_model())
+    rows1, _ = estimator_rows(batch, ADPOConfig(estimator=estimator), TOK, 1.0, torch.Generator().manual_seed(0))
+    rows, many = estimator_rows(batch, ADPOConfig(estimator=estimator, mask_samples=3), TOK, 1.0,
+                                torch.Generator().manual_seed(0))
+    b = len(batch)
+    assert rows.traj.numel() == 3 * per_sample * b and torch.allclose(rows.weight, torch.full_like(rows.weight, 1 / 3))
+    assert torch.equal(rows1.weight, torch.ones(per_sample * b))
+    for traj in range(b):  # each trajectory's rows carry distinct draws
+        mine = rows.traj == traj
+        pm, cm = many.masks(rows.traj[mine], rows.step[mine])
+        m = pm if estimator != "coupled" else cm
+        assert len({tuple(r.tolist()) for r in m}) > 1 or not m.any()

@@ -61,8 +61,8 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
 
     ``adpo``: the recorded state before step k (rebuilt from ``step_map``), scoring the tokens
     committed at k. ``meanfield``: the whole completion masked, every token scored, prompt tokens
-    masked where ``prompt_mask`` [B, P] says. ``coupled``: ``comp_mask`` [B, L] masked for step 0
-    and its complement for step 1, each row scoring the tokens it masks.
+    masked where ``prompt_mask`` [R, P] says (right-aligned). ``coupled``: the completion masked
+    where ``comp_mask`` [R, L] says, each row scoring the tokens it masks.
     """
     prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
     comp = batch.completion_ids[traj]
@@ -70,15 +70,14 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
         state = rebuild_state(comp, batch.step_map[traj], step, tok.mask_id)
         commit = batch.step_map[traj] == step[:, None]
     elif estimator == "coupled":
-        assert comp_mask is not None, "coupled rows need the pair's completion mask"
-        commit = comp_mask[traj] ^ (step[:, None] == 1)
+        assert comp_mask is not None, "coupled rows need their completion mask"
+        commit = comp_mask
         state = comp.masked_fill(commit, tok.mask_id)
     else:  # meanfield: everything masked, every token scored at once
         state = torch.full_like(comp, tok.mask_id)
         commit = torch.ones_like(comp, dtype=torch.bool)
         if prompt_mask is not None:
-            pm = prompt_mask[traj][:, -prompt.shape[1]:] & real
-            prompt = prompt.masked_fill(pm, tok.mask_id)
+            prompt = prompt.masked_fill(prompt_mask[:, -prompt.shape[1]:] & real, tok.mask_id)
     x = torch.cat([prompt, state], dim=1)
     attn = torch.cat([real, torch.ones_like(state, dtype=torch.bool)], dim=1)
     return x, attn, prompt.shape[1], commit
@@ -197,12 +196,13 @@ class MaskedStepRows:
     * ``meanfield``: d1 / diffu-GRPO (Zhao et al., 2025, arXiv:2504.12216): one row per
       trajectory, the completion fully masked and a random fraction ``adpo.prompt_mask_prob`` of
       the prompt masked, every token scored in one pass; a fresh prompt mask at every inner
-      iteration (epoch), as d1 draws one per iteration.
+      iteration (epoch), as d1 draws one per iteration; ``adpo.mask_samples`` draws per trajectory.
     * ``wd1`` (set up in :func:`adpo_update`): d1's rows, each trajectory weighted by
       softmax(A) - softmax(-A) in its group, with a ratio-free loss -w log p (arXiv:2507.08838).
     * ``coupled``: DiffuCoder's coupled-GRPO (Gong et al., 2025, arXiv:2506.20639): two rows per
       trajectory, a random mask M (each token masked with probability t ~ U(0, 1)) and its
-      complement, so every completion token is scored exactly once per pair; redrawn every epoch.
+      complement, so every completion token is scored exactly once per pair; redrawn every epoch,
+      ``adpo.mask_samples`` pairs per trajectory.
 
     ``meanfield`` and ``coupled`` score tokens outside any recorded state, so their ratio is
     against the policy before the update and there is no importance weight (behaviour = prox).
@@ -212,8 +212,8 @@ class MaskedStepRows:
     tok: CharTokenizer
     temperature: float
     estimator: str
-    prompt_masks: Tensor | None = None  # [E, B, P]: meanfield's prompt mask per epoch
-    comp_masks: Tensor | None = None    # [E, B, L]: coupled's mask M per epoch (its pair is ~M)
+    prompt_masks: Tensor | None = None  # [E, n, B, P]: meanfield's n prompt masks per epoch
+    comp_masks: Tensor | None = None    # [E, n, B, L]: coupled's n masks M per epoch (each pair: M, ~M)
     epoch: int = 0
 
     @property
@@ -228,9 +228,17 @@ class MaskedStepRows:
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
+    def masks(self, traj: Tensor, step: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        """This epoch's prompt mask [R, P] and completion mask [R, L] of rows (traj, step): a
+        meanfield row's step is its mask sample; a coupled row's is 2 x sample + (0: M, 1: ~M)."""
+        pm = self.prompt_masks[self.epoch][step, traj] if self.prompt_masks is not None else None
+        cm = None
+        if self.comp_masks is not None:
+            cm = self.comp_masks[self.epoch][step // 2, traj] ^ (step % 2 == 1)[:, None]
+        return pm, cm
+
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
-        pm = self.prompt_masks[self.epoch] if self.prompt_masks is not None else None
-        cm = self.comp_masks[self.epoch] if self.comp_masks is not None else None
+        pm, cm = self.masks(traj, step)
         return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.estimator, pm, cm)
 
     def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
@@ -247,13 +255,14 @@ def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, te
         rows = build_rows(sub, cfg.step_fraction, generator)
         torch.rand(b, prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
         return rows, MaskedStepRows(sub, tok, temperature, "adpo")
+    n = cfg.mask_samples  # Monte-Carlo mask draws per trajectory, each row weighted 1/n
     if cfg.estimator in ("meanfield", "wd1"):  # wd1 scores d1's rows; its weights and loss differ
-        rows = Rows(torch.arange(b), torch.zeros(b, dtype=torch.long), torch.ones(b))
-        masks = torch.rand(epochs, b, prompt_width, generator=generator) < cfg.prompt_mask_prob
+        rows = Rows(torch.arange(b).repeat_interleave(n), torch.arange(n).repeat(b), torch.full((b * n,), 1 / n))
+        masks = torch.rand(epochs, n, b, prompt_width, generator=generator) < cfg.prompt_mask_prob
         return rows, MaskedStepRows(sub, tok, temperature, "meanfield", prompt_masks=masks)
-    t = torch.rand(epochs, b, 1, generator=generator)
-    comp = torch.rand(epochs, b, sub.completion_len, generator=generator) < t
-    rows = Rows(torch.arange(b).repeat_interleave(2), torch.tensor([0, 1]).repeat(b), torch.ones(2 * b))
+    t = torch.rand(epochs, n, b, 1, generator=generator)
+    comp = torch.rand(epochs, n, b, sub.completion_len, generator=generator) < t
+    rows = Rows(torch.arange(b).repeat_interleave(2 * n), torch.arange(2 * n).repeat(b), torch.full((2 * b * n,), 1 / n))
     return rows, MaskedStepRows(sub, tok, temperature, "coupled", comp_masks=comp)
 
 

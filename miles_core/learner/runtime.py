@@ -177,15 +177,19 @@ def write_pointer(run_dir: str | os.PathLike[str], run: LearnerRun, **extra: Any
     return meta
 
 
+def _step_run(run_dir: str | os.PathLike[str], store_uri: str, cfg: RecipeConfig) -> LearnerRun:
+    """A run as the synchronous flow drives it: one checkpoint per update, the LR schedule over
+    ``train.iterations``, the base cached under ``run_dir/.cache``."""
+    return LearnerRun(store_uri, str(Path(run_dir) / ".cache"), cfg=cfg, total_updates=cfg.train.iterations,
+                      checkpoint_every=1)
+
+
 def open_step_run(run_dir: str | os.PathLike[str]) -> LearnerRun:
-    """The run ``run_dir`` points at, as the synchronous flow drives it: one checkpoint per update,
-    the LR schedule over ``train.iterations``, the base cached under ``run_dir/.cache``."""
+    """The run ``run_dir`` points at (see :func:`start_step_run`)."""
     meta = read_pointer(run_dir)
     if meta is None:
         raise FileNotFoundError(f"no learner in {run_dir}; start the run first")
-    cfg = load_recipe(meta["cfg"])
-    return LearnerRun(meta["store_uri"], str(Path(run_dir) / ".cache"), cfg=cfg, total_updates=cfg.train.iterations,
-                      checkpoint_every=1)
+    return _step_run(run_dir, meta["store_uri"], load_recipe(meta["cfg"]))
 
 
 def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_uri: str,
@@ -212,11 +216,8 @@ def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_
     prepare_run(store_uri, cfg, base_checkpoint, resumable=RESUMABLE)  # a changed setting fails, naming it
     fresh = {"run_key": uuid.uuid4().hex[:12], "base_checkpoint": str(Path(base_checkpoint).resolve()),
              "store_uri": store_uri}
-    pointer = {**fresh, **(meta or {}), "cfg": cfg.to_dict()}
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    (Path(run_dir) / POINTER).write_text(json.dumps(pointer, indent=1, default=str))
-    run = open_step_run(run_dir)
-    write_pointer(run_dir, run)
+    run = _step_run(run_dir, store_uri, cfg)  # the pointer is written only once the run opened
+    write_pointer(run_dir, run, **{**fresh, **(meta or {}), "cfg": cfg.to_dict()})
     return run, meta is not None
 
 
