@@ -35,6 +35,7 @@ import torch
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.learner.policy import Learner
 from miles_core.storage import CorruptBatchError
+from miles_core.storage import uri as U
 from miles_core.storage.run import RunStore, changed_settings, prepare_run
 
 log = logging.getLogger(__name__)
@@ -169,11 +170,8 @@ def write_pointer(run_dir: str | os.PathLike[str], run: LearnerRun, **extra: Any
     """Record where ``run_dir``'s run lives and how far it got (atomic; the store stays the truth)."""
     meta = {**(read_pointer(run_dir) or {}), **extra, "iteration": len(run.handled()),
             "version": run.learner.version, "consumed": [e["id"] for e in run.ledger["consumed"]]}
-    path = Path(run_dir) / POINTER
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{POINTER}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.write_text(json.dumps(meta, indent=1, default=str))
-    os.replace(tmp, path)
+    fs, root = U.resolve(str(run_dir))
+    U.write_bytes_atomic(fs, U.join(root, POINTER), json.dumps(meta, indent=1, default=str).encode())
     return meta
 
 
