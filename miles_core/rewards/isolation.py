@@ -282,9 +282,13 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
 
 
 def harness_source() -> str:
-    from miles_core.rewards import sandbox
+    """What the sandbox interpreter runs: sandbox.py, then sandbox_tests.py (the two-process test
+    harness, which uses sandbox.py's helpers), then the worker's entry point. One text, because
+    ``python -I`` puts no directory of ours on sys.path."""
+    from miles_core.rewards import sandbox, sandbox_tests
 
-    return Path(sandbox.__file__).read_text()
+    return (Path(sandbox.__file__).read_text() + "\n" + Path(sandbox_tests.__file__).read_text()
+            + '\n\nif __name__ == "__main__":\n    main()\n')
 
 
 def compile_harness(exe: str) -> bytes:

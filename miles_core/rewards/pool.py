@@ -60,6 +60,9 @@ class Job:
     entry: str = "f"
     params: str = "x"
     kind: str = "auto"                # "expression" | "module" | "auto" (expression if it parses as one)
+    #                                   | "tests": run ``tests`` against ``entry`` (sandbox_tests.py)
+    tests: Sequence[str] = ()         # tests: trusted snippets, each passing unless it raises
+    setup: str = ""                   # tests: trusted code the tester runs first (helpers, imports)
 
 
 @dataclass
@@ -379,8 +382,15 @@ _ISOLATION: list[Mode] = ["bwrap"]
 def _job_message(job: Job, k: int) -> dict:
     if not isinstance(job, Job) or not isinstance(job.source, str):
         raise TypeError(f"SandboxPool: jobs[{k}] must be a Job with a str source, got {type(job).__name__}")
-    if job.kind not in ("expression", "module", "auto"):
-        raise ValueError(f"SandboxPool: jobs[{k}].kind must be 'expression', 'module' or 'auto', got {job.kind!r}")
+    if job.kind not in ("expression", "module", "auto", "tests"):
+        raise ValueError(f"SandboxPool: jobs[{k}].kind must be 'expression', 'module', 'auto' or 'tests', "
+                         f"got {job.kind!r}")
+    if job.kind == "tests":
+        if not job.tests or not all(isinstance(t, str) for t in job.tests) or not isinstance(job.setup, str):
+            raise ValueError(f"SandboxPool: jobs[{k}] of kind 'tests' needs tests (non-empty list of str) "
+                             "and a str setup")
+        return {"source": job.source, "inputs": [], "entry": job.entry, "params": job.params, "kind": "module",
+                "tests": list(job.tests), "setup": job.setup, "run": "tests"}
     if not job.entry.isidentifier():
         raise ValueError(f"SandboxPool: jobs[{k}].entry must be an identifier, got {job.entry!r}")
     msg = {"source": job.source, "inputs": [list(a) for a in job.inputs], "entry": job.entry, "params": job.params,

@@ -140,13 +140,11 @@ def _fatal(e: BaseException, where: str) -> dict | None:
     return None
 
 
-def _harness(job: dict, out_fd: int) -> None:
-    """Define the function from the completion, call it on each input, report, exit."""
+def _define(job: dict, report: "Callable[[dict], None]") -> "Callable[..., Any]":
+    """The completion's function (an expression's lambda or a module's ``entry``); ``report`` ends
+    the run with the reason when there is none."""
     import builtins
 
-    def report(msg: dict) -> None:
-        send_msg(out_fd, msg)
-        os._exit(0)
     src, kind, entry, params = job["source"], job["kind"], job["entry"], job["params"]
     try:
         is_expr = kind == "expression"
@@ -168,6 +166,15 @@ def _harness(job: dict, out_fd: int) -> None:
                or {"status": "definition_error", "reason": f"defining the function raised {type(e).__name__}"})
     if not callable(fn):
         report({"status": "definition_error", "reason": f"the completion defines no function {entry!r}"})
+    return fn
+
+
+def _harness(job: dict, out_fd: int) -> None:
+    """Define the function from the completion, call it on each input, report, exit."""
+    def report(msg: dict) -> None:
+        send_msg(out_fd, msg)
+        os._exit(0)
+    fn, entry = _define(job, report), job["entry"]
     outputs: list[Any] = []
     errors: list[str | None] = []
     for args in job["inputs"]:
@@ -250,17 +257,21 @@ def _load_filter(module_path: str, syscalls: list[str]) -> Any:
     return f
 
 
-def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any) -> None:
-    """Between fork and the completion: limits, filter, environment, hook; then the harness."""
+def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any,
+           harness: "Callable[..., None] | None" = None, extra: "tuple[int, ...]" = ()) -> None:
+    """Between fork and the completion: limits, filter, environment, hook; then ``harness``
+    (default: :func:`_harness`) with fd 3 for its report and ``extra`` pipes as fds 4, 5, ..."""
     import resource
 
     os.setsid()
     null = os.open(os.devnull, os.O_RDONLY)
+    keep = [os.dup(fd) for fd in (wfd, *extra)]  # out of the way of the numbers they move to
     os.dup2(null, 0)
     os.dup2(out, 1)
     os.dup2(out, 2)
-    os.dup2(wfd, 3)
-    os.closerange(4, 1 << 16)
+    for i, fd in enumerate(keep):
+        os.dup2(fd, 3 + i)
+    os.closerange(3 + len(keep), 1 << 16)
     os.chdir(job_dir)
     lim = opts["limits"]
     for res, val in ((resource.RLIMIT_CORE, (0, 0)), (resource.RLIMIT_CPU, (lim["cpu_s"], lim["cpu_s"] + 1)),
@@ -277,7 +288,7 @@ def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any
     if opts["audit_hook"]:
         sys.addaudithook(_audit_hook(os.path.realpath(job_dir), tuple(opts["read_roots"]),
                                      frozenset(opts["importable"]), 3))
-    _harness(job, 3)
+    (harness or _harness)(job, *range(3, 3 + len(keep)))
 
 
 _KEEP = frozenset({"sys", "builtins", "os", "posix", "posixpath", "os.path", "io", "abc", "codecs", "encodings",
@@ -289,6 +300,8 @@ _KEEP = frozenset({"sys", "builtins", "os", "posix", "posixpath", "os.path", "io
 def _run_job(job: dict, opts: dict, base: str, n: int, seccomp: Any) -> dict:
     """Fork one child for ``job``, wait for its report or the deadline, kill it, wipe ``base``.
     The report goes back raw (the pool parses it: this worker imports no JSON decoder)."""
+    if job.get("run") == "tests":
+        return _run_tests_job(job, opts, base, n, seccomp)  # noqa: F821 - sandbox_tests.py, appended
     lim = opts["limits"]
     job_dir = os.path.join(base, f"run{n}")
     os.mkdir(job_dir, 0o700)
@@ -399,5 +412,3 @@ def main() -> None:
         send_msg(proto_out, res)
 
 
-if __name__ == "__main__":
-    main()
