@@ -65,7 +65,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class TaskConfig:
-    name: Literal["arith", "countdown", "code"] = "arith"
+    # arith, countdown, code: procedural (countdown reads d1's files when test_path is set); the
+    # field's benchmarks read files (data/filetask.py): path = train split, test_path = eval split.
+    name: Literal["arith", "countdown", "code", "gsm8k", "math", "math500", "sudoku", "humaneval", "mbpp"] = "arith"
+    path: str = ""          # train file (SFT demonstrations and RL prompts): a local path or fsspec URI
+    test_path: str = ""     # evaluation file (what results are reported on); never sampled for RL
     min_ops: int = bounded(2, 1, 16)
     max_ops: int = bounded(3, 1, 16)
     max_digits: int = bounded(2, 1, 9)
@@ -192,6 +196,9 @@ class GuardSettings:
 
 @dataclass(frozen=True)
 class EvalSettings:
+    # A named preset (eval/presets.py: d1_128, d1, d1_512, dare) replaces completion length, steps,
+    # block size, temperature and remasking with the values the field's tables used, recorded.
+    preset: Literal["", "d1_128", "d1", "d1_512", "dare"] = ""
     num_problems: int = bounded(500, 1)
     steps: int = bounded(16, 1)
     block_size: int = bounded(0, 0)

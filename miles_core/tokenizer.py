@@ -15,6 +15,10 @@ DEFAULT_CHARS = "0123456789+-*/=;()#.,:? abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLM
 SPECIALS = ("[PAD]", "[MASK]", "[EOS]", "[UNK]")
 
 
+# What a chat prompt of a task ends with after the generation prompt: d1 prefills "<reasoning>"
+# for its math evaluations (dllm-reasoning/d1 eval/eval.py, add_reasoning=True "for all models").
+PROMPT_PREFILL = {"gsm8k": "<reasoning>", "math": "<reasoning>", "math500": "<reasoning>"}
+
 class CharTokenizer:
     """One id per character plus four specials.
 

@@ -12,13 +12,23 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from miles_core.config import ConfigError, RecipeConfig
-from miles_core.data import arith, code, countdown
+from miles_core.config import ConfigError, RecipeConfig, TaskConfig
+from miles_core.data import arith, code, countdown, filetask
 from miles_core.data.arith import Problem
 from miles_core.data.spec import TaskSpec
 
-TASKS: dict[str, TaskSpec] = {s.name: s for s in (arith.SPEC, countdown.SPEC, code.SPEC)}
-TASK_CHECK = {name: s.check_reward for name, s in TASKS.items()}  # the reward pass@1 counts, per task
+TASKS: dict[str, TaskSpec] = {s.name: s for s in (arith.SPEC, countdown.SPEC, code.SPEC, *filetask.SPECS)}
+
+
+def spec_for(t: TaskConfig) -> TaskSpec:
+    """The spec a recipe's task section means: countdown with files set is d1's Countdown."""
+    spec = task_spec(t.name)
+    return filetask.COUNTDOWN_FILES if t.name == "countdown" and (t.test_path or t.path) else spec
+
+
+def check_reward(t: TaskConfig) -> str:
+    """The reward pass@1 counts for this task (rewards/registry.py)."""
+    return spec_for(t).check_reward
 
 
 def task_spec(name: str) -> TaskSpec:
@@ -57,9 +67,11 @@ class TaskData:
 
 def build_task(cfg: RecipeConfig) -> TaskData:
     """The recipe's task and its train / test / val splits; bad task settings raise ConfigError."""
-    spec = task_spec(cfg.task.name)
+    spec = spec_for(cfg.task)
     try:
         task, need = spec.build(cfg.task)
+    except ConfigError:
+        raise
     except ValueError as e:
         raise ConfigError(f"task: {e}") from None
     if cfg.task.completion_len < need:

@@ -12,12 +12,13 @@ from typing import Callable, Sequence
 import torch
 
 from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
-from miles_core.data.registry import TASK_CHECK, TaskData
+from miles_core.data.registry import TaskData, check_reward
 from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
+from miles_core.eval.presets import preset_values
 from miles_core.progress import track
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.samplers.sampler import sample
-from miles_core.tokenizer import CharTokenizer
+from miles_core.tokenizer import PROMPT_PREFILL, CharTokenizer
 
 
 def sampler_for(ec: EvalConfig) -> SamplerConfig:
@@ -39,7 +40,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     gen = torch.Generator().manual_seed(ec.seed)
     correct: list[list[bool]] = [[] for _ in prompts]
     samples: list[dict] = []
-    nfe_total, tokens, t0 = 0, 0, time.perf_counter()
+    nfe_total, tokens, reward_sum, t0 = 0, 0, 0.0, time.perf_counter()
     order = [(i, s) for s in range(ec.n_samples) for i in range(len(prompts))]
     chunks = track(range(0, len(order), batch_size), -(-len(order) // batch_size), "eval", enabled=progress)
     for start in chunks:
@@ -48,6 +49,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
         rewards = reward_fn([prompts[i] for i, _ in part], batch.completions, answer=[answers[i] for i, _ in part])
         for (i, s), c, r in zip(part, batch.completions, rewards):
             ok = r is not None and r >= 1.0
+            reward_sum += float(r or 0.0)  # d1's Sudoku metric is this mean (cells), not pass@1 (grids)
             correct[i].append(ok)
             if len(samples) < 20 and s == 0:
                 samples.append({"prompt": prompts[i], "completion": c, "answer": answers[i], "correct": ok})
@@ -56,7 +58,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     seconds = time.perf_counter() - t0
     pass_at = aggregate_pass_at_k(correct, ec.ks)
     metrics = {"nfe_mean": nfe_total / max(len(order), 1), "tokens_per_s": tokens / max(seconds, 1e-9),
-               "seconds": seconds}
+               "seconds": seconds, "reward_mean": reward_sum / max(len(order), 1)}
     return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics,
                       correct=correct)
 
@@ -66,13 +68,22 @@ def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: Sam
     """The recipe's eval settings (or ``sampler``'s, to evaluate the way a run samples) as an EvalConfig."""
     e = cfg.eval
     s = sampler
-    return EvalConfig(num_problems=num_problems or e.num_problems, completion_len=cfg.task.completion_len,
-                      steps=s.steps if s else e.steps, block_size=(s.block_size if s else e.block_size) or cfg.task.completion_len,
-                      temperature=s.temperature if s else e.temperature,
-                      remasking=s.remasking if s else e.remasking, sampler=s.kind if s else "static",
-                      threshold=s.threshold if s and s.kind == "nsd" else None, n_samples=e.n_samples,
-                      ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed, split=split,
-                      prompt_template=cfg.task.prompt_template)
+    length = cfg.task.completion_len
+    values = dict(steps=s.steps if s else e.steps, block_size=(s.block_size if s else e.block_size) or length,
+                  temperature=s.temperature if s else e.temperature, remasking=s.remasking if s else e.remasking)
+    if e.preset and not s:
+        try:
+            p = preset_values(e.preset, cfg.task.name)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        length = p.pop("completion_len")
+        values.update(p)
+    return EvalConfig(num_problems=num_problems or e.num_problems, completion_len=length, **values,
+                      sampler=s.kind if s else "static", threshold=s.threshold if s and s.kind == "nsd" else None,
+                      n_samples=e.n_samples, ks=(1,) if e.n_samples == 1 else (1, e.n_samples), seed=e.seed,
+                      split=split, task=cfg.task.name, prompt_template=cfg.task.prompt_template,
+                      prompt_prefill=PROMPT_PREFILL.get(cfg.task.name, "") if cfg.task.prompt_template == "chat" else "",
+                      preset="" if s else e.preset)
 
 
 def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_problems: int | None = None,
@@ -85,6 +96,6 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
         raise ConfigError(f"run_eval: the {split!r} split is empty; set task.num_{split} > 0")
     ec = eval_config(cfg, min(num_problems or cfg.eval.num_problems, len(pool)), sampler, split)
     probs = pool[:ec.num_problems]
-    reward = reward_for_recipe(cfg, TASK_CHECK[cfg.task.name])
+    reward = reward_for_recipe(cfg, check_reward(cfg.task))
     return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, reward,
                     batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler)

@@ -79,6 +79,8 @@ class EvalConfig:
     split: str = "test"
     task: str = "arith"
     prompt_template: str = "plain"  # task.prompt_template: plain, or the model's chat template
+    prompt_prefill: str = ""        # chat: what follows the generation prompt (d1 math: "<reasoning>")
+    preset: str = ""                # eval.preset these sampling values came from (eval/presets.py), if any
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ks", tuple(int(k) for k in self.ks))

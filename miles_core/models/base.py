@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from miles_core.config import ConfigError
-from miles_core.tokenizer import CharTokenizer
+from miles_core.tokenizer import PROMPT_PREFILL, CharTokenizer
 
 if TYPE_CHECKING:
     from miles_core.config import RecipeConfig
@@ -131,7 +131,13 @@ def load_base(cfg: "RecipeConfig", directory: str | Path) -> tuple[nn.Module, An
             raise ConfigError(f"task.prompt_template={cfg.task.prompt_template!r}: the tokenizer of {directory} "
                               "has no chat template")
         tok.prompt_template = cfg.task.prompt_template
+        tok.prompt_prefill = prompt_prefill(cfg.task.name)
     return model, tok
+
+
+def prompt_prefill(task: str) -> str:
+    """What a chat prompt of ``task`` ends with after the generation prompt (d1: ``<reasoning>``)."""
+    return PROMPT_PREFILL.get(task, "")
 
 
 def base_identity(directory: str | Path) -> dict[str, str]:

@@ -53,6 +53,7 @@ class HFTokenizer:
         self.pad_id = int(pad) if pad is not None and pad != self.eos_id else self.mask_id
         self.unk_id: int | None = int(tokenizer.unk_token_id) if tokenizer.unk_token_id is not None else None
         self.prompt_template = "plain"  # or "chat": set from task.prompt_template by models.base.load_base
+        self.prompt_prefill = ""        # chat only: the start of the answer (d1 prefills "<reasoning>")
 
     @property
     def vocab_size(self) -> int:
@@ -87,13 +88,14 @@ class HFTokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         """A task prompt's ids: as they are (``prompt_template`` plain), or as one user turn of the
-        tokenizer's chat template with the generation prompt appended (chat; instruct models)."""
+        tokenizer's chat template with the generation prompt and ``prompt_prefill`` appended (chat;
+        instruct models)."""
         if self.prompt_template == "plain":
             return self.encode(text)
         out = self.hf.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                           tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        return [int(i) for i in ids]
+        return [int(i) for i in ids] + (self.encode(self.prompt_prefill) if self.prompt_prefill else [])
 
     def encode_completion(self, text: str, length: int) -> list[int]:
         """Target completion: the text, then EOS up to ``length`` (raises if it does not fit)."""

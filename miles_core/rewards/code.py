@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Sequence
 
 from miles_core.data.code import decode_answer
+from miles_core.data.codesets import program
 from miles_core.rewards.pool import ExecResult, Job, SandboxPool, shared_pool
 
 log = logging.getLogger("miles.rewards.code")
@@ -74,22 +75,40 @@ def _prepare(completions: Sequence[Any], answers: Sequence[Any]) -> tuple[list[J
     plan: list[Job | Score | None] = []
     expected: list[list] = []
     for comp, ans in zip(completions, answers):
+        bench = benchmark_tests(ans)
         try:
-            spec = decode_answer(ans)
+            spec = bench or decode_answer(ans)
         except ValueError:
             plan.append(None)
             expected.append([])
             continue
         tests = spec["tests"]
-        expected.append([t[1] for t in tests])
+        expected.append([True] * len(tests) if bench else [t[1] for t in tests])
         text = completion_text(comp).strip()
         if not text:
             plan.append(Score(0.0, "empty completion", 0, len(tests), "empty"))
         elif len(text) > MAX_COMPLETION_CHARS:
             plan.append(Score(0.0, f"completion longer than {MAX_COMPLETION_CHARS} characters", 0, len(tests), "too_long"))
+        elif bench:  # a benchmark's own test code (HumanEval, MBPP): the two-process harness
+            plan.append(Job(program(bench, completion_text(comp)), [], bench["entry"], kind="tests",
+                            tests=bench["tests"], setup=bench["setup"]))
         else:
             plan.append(Job(text, [t[0] for t in tests], spec["entry"], spec["params"], "auto"))
     return plan, expected
+
+
+def benchmark_tests(answer: Any) -> dict | None:
+    """The spec of a benchmark-tests answer (data/codesets.py tests_answer), else None."""
+    if not isinstance(answer, str) or '"kind": "tests"' not in answer[:20]:
+        return None
+    try:
+        spec = json.loads(answer)
+    except ValueError:
+        return None
+    ok = (isinstance(spec, dict) and isinstance(spec.get("entry"), str) and spec["entry"].isidentifier()
+          and isinstance(spec.get("tests"), list) and spec["tests"] and all(isinstance(t, str) for t in spec["tests"])
+          and isinstance(spec.get("setup"), str) and isinstance(spec.get("prefix", ""), str))
+    return spec if ok else None
 
 
 def submit_scores(completions: Sequence[Any], answers: Sequence[Any],

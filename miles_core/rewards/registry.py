@@ -14,7 +14,9 @@ from typing import Any, Sequence
 from miles_core.config import RecipeConfig
 from miles_core.rewards.code import code_pass_reward, code_tests_reward
 from miles_core.rewards.math import RewardFn, format_reward, math_exact_reward, nonempty_reward
+from miles_core.rewards.mathverify import math_verify_reward
 from miles_core.rewards.pool import set_isolation
+from miles_core.rewards.puzzles import countdown_d1_reward, sudoku_reward
 from miles_core.rewards.reasoning_gym import reasoning_gym_reward
 from miles_core.rewards.verifiers import arith_digits_reward, arith_steps_reward, countdown_reward
 
@@ -28,6 +30,9 @@ REWARDS: dict[str, RewardFn] = {
     "format": format_reward,
     "nonempty": nonempty_reward,
     "reasoning_gym": reasoning_gym_reward,
+    "math_verify": math_verify_reward,
+    "countdown_d1": countdown_d1_reward,
+    "sudoku": sudoku_reward,
 }
 
 

@@ -1,0 +1,103 @@
+"""HumanEval and MBPP rows as Problems whose answer is the benchmark's own test code.
+
+Formats, as their authors publish them:
+
+* HumanEval (openai/human-eval ``data/HumanEval.jsonl.gz``): ``task_id``, ``prompt`` (imports,
+  a signature and its docstring), ``canonical_solution``, ``test`` (``def check(candidate)``),
+  ``entry_point``. The harness runs ``prompt + completion + test + check(entry_point)``.
+* MBPP (google-research ``mbpp/mbpp.jsonl``; the HF "sanitized" config too): ``text`` (or
+  ``prompt``), ``code``, ``task_id``, ``test_list`` (assert lines), ``test_setup_code``,
+  ``challenge_test_list`` (not used), ``test_imports`` (sanitized). Its README fixes the splits by
+  task id: 11-510 test, 1-10 few-shot prompts, 511-600 validation, 601-974 train.
+
+Prompts: HumanEval's is DARE's ("Complete the following python code:" and the prompt); MBPP's is
+its paper's, the task text followed by its tests, zero-shot. The answer is JSON for
+``rewards/code.py``: the tests run in the sandbox's two-process harness (sandbox_tests.py), each
+assert of MBPP scored apart, HumanEval's ``check`` as one.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from miles_core.data.arith import Problem
+from miles_core.data.public import RowError, need_list, need_str
+
+MBPP_SPLITS = {"test": range(11, 511), "prompt": range(1, 11), "validation": range(511, 601),
+               "train": range(601, 975)}
+_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+_BEGIN = re.compile(r"\[BEGIN\]\s*(.*?)\s*(?:\[DONE\]|$)", re.DOTALL)
+_ENTRY = re.compile(r"^\s*assert\s+(?:not\s+)?\(?\s*(?:set\(|math\.isclose\()?\s*([A-Za-z_]\w*)\s*\(")
+
+
+def tests_answer(entry: str, tests: list[str], setup: str = "", prefix: str = "") -> str:
+    """The JSON the code reward reads: run ``tests`` (after ``setup``) against ``entry``, defined by
+    ``prefix`` + the completion's code."""
+    return json.dumps({"kind": "tests", "entry": entry, "tests": tests, "setup": setup, "prefix": prefix})
+
+
+def extract_code(text: str, entry: str) -> str:
+    """The code in a completion: a fenced block (the first that defines ``entry``, else the first),
+    an MBPP ``[BEGIN] ... [DONE]`` span, or the text itself (a base model continuing the prompt)."""
+    blocks = _FENCE.findall(text)
+    if blocks:
+        return next((b for b in blocks if re.search(rf"def\s+{re.escape(entry)}\s*\(", b)), blocks[0])
+    m = _BEGIN.search(text)
+    return m.group(1) if m else text
+
+
+def program(spec: dict[str, Any], completion: str) -> str:
+    """What the sandbox's program process runs: the prompt's code, then the completion's. A
+    completion that writes the whole function redefines the prompt's stub; one that continues the
+    prompt (HumanEval's base-model convention) supplies the body."""
+    code = extract_code(completion, spec["entry"])
+    prefix = spec.get("prefix", "")
+    if re.search(rf"^\s*def\s+{re.escape(spec['entry'])}\s*\(", code, re.MULTILINE):
+        return prefix + "\n" + code
+    return prefix + code
+
+
+def parse_humaneval(row: dict) -> Problem:
+    task_id, prompt = need_str(row, "task_id"), need_str(row, "prompt")
+    solution, test, entry = need_str(row, "canonical_solution"), need_str(row, "test"), need_str(row, "entry_point")
+    if not entry.isidentifier():
+        raise RowError(f"field 'entry_point' must be a Python identifier, got {entry[:40]!r}")
+    if "def check" not in test:
+        raise RowError("field 'test' defines no check(candidate) function")
+    answer = tests_answer(entry, [f"{test}\n\ncheck({entry})\n"], setup=prompt, prefix=prompt)
+    return Problem(prompt=f"Complete the following python code:\n{prompt}", target=solution, answer=answer,
+                   meta={"task": "humaneval", "task_id": task_id, "entry_point": entry})
+
+
+def mbpp_split(row: dict) -> str:
+    """Which MBPP split a row's task id belongs to (README), or '' when it has none."""
+    tid = row.get("task_id")
+    if isinstance(tid, int) and not isinstance(tid, bool):
+        return next((name for name, ids in MBPP_SPLITS.items() if tid in ids), "")
+    return ""
+
+
+def parse_mbpp(row: dict) -> Problem:
+    text = need_str(row, "text" if "text" in row or "prompt" not in row else "prompt")
+    code = need_str(row, "code")
+    tests = need_list(row, "test_list", str)
+    if any(not t.strip() for t in tests):
+        raise RowError("field 'test_list' holds an empty test")
+    m = _ENTRY.match(tests[0])
+    if not m:
+        raise RowError(f"field 'test_list': cannot find the function the first test calls ({tests[0][:50]!r})")
+    setup = row.get("test_setup_code") or ""
+    if not isinstance(setup, str):
+        raise RowError(f"field 'test_setup_code' must be a string, got {type(setup).__name__}")
+    imports = row.get("test_imports") or []
+    if not isinstance(imports, list) or not all(isinstance(x, str) for x in imports):
+        raise RowError("field 'test_imports' must be a list of strings")
+    head = "\n".join(imports)
+    listed = "\n".join(tests)
+    prompt = (f"You are an expert Python programmer, and here is your task: {text.strip()} "
+              f"Your code should pass these tests:\n\n{listed}\n")
+    answer = tests_answer(m.group(1), tests, setup=f"{head}\n{setup}".strip() + "\n", prefix=head + "\n" if head else "")
+    return Problem(prompt=prompt, target=code.replace("\r\n", "\n"), answer=answer,
+                   meta={"task": "mbpp", "task_id": row.get("task_id"), "entry_point": m.group(1)})

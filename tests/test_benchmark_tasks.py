@@ -1,0 +1,107 @@
+"""The field's six benchmarks as tasks, on files the tests write in each public format: rows loaded
+and skipped are counted (with line and field), gold answers score 1 and corrupted ones 0,
+canonical solutions pass and mutated ones fail, train and test prompts are provably disjoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks.sample_files import corrupt_completion, gold_completion, write_samples
+from miles_core.config import ConfigError, load_recipe
+from miles_core.data.filetask import PARSERS, FileTask, prompt_key
+from miles_core.data.public import DataFileError, load_file
+from miles_core.data.registry import build_task, check_reward
+from miles_core.eval.evaluate import eval_config
+from miles_core.rewards.registry import get_reward
+
+TASKS = ("gsm8k", "math", "math500", "countdown", "sudoku", "humaneval", "mbpp")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    return write_samples(tmp_path_factory.mktemp("bench"))
+
+
+def _recipe(task: str, f: dict, *extra: str):
+    over = [f"task.name={task}", f"task.test_path={f['test']}", "sandbox.isolation=bwrap_shared", *extra]
+    if f["train"]:
+        over.append(f"task.path={f['train']}")
+    return load_recipe("arith", over)
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_rows_loaded_and_skipped_are_counted(task: str, files: dict) -> None:
+    f = files[task]
+    ft = FileTask(task, PARSERS[task], str(f["train"] or ""), str(f["test"]),
+                  None if task != "mbpp" else __import__("miles_core.data.filetask", fromlist=["x"])._mbpp_keep)
+    rep = ft.test_report
+    assert rep.skipped == f["bad"], rep.errors
+    assert all(str(f["test"]) in e and ("line " in e or "item " in e) for e in rep.errors)
+    assert len(rep.problems) >= 2
+
+
+def test_error_messages_name_the_line_and_field(files: dict) -> None:
+    rep = load_file(str(files["gsm8k"]["test"]), PARSERS["gsm8k"])
+    text = "\n".join(rep.errors)
+    assert "line 5: missing field 'answer'" in text
+    assert "line 6: field 'answer' must be a string, got int" in text
+    assert "line 7: expected a JSON object, got list" in text
+    assert "line 8: not UTF-8 (byte 0xe9" in text
+    assert "line 9: field 'answer' has no '#### <final answer>' marker" in text
+    assert "line 10: invalid JSON" in text and "truncated" in text
+
+
+def test_unusable_files_are_errors_naming_the_file(tmp_path: Path) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(DataFileError, match="empty.jsonl: the file is empty"):
+        load_file(str(empty), PARSERS["gsm8k"])
+    with pytest.raises(DataFileError, match="missing.jsonl: file not found"):
+        load_file(str(tmp_path / "missing.jsonl"), PARSERS["gsm8k"])
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text('{"question": "q"}\n')
+    with pytest.raises(DataFileError, match="junk.jsonl: no valid rows .1 skipped.; first problem: .*'answer'"):
+        load_file(str(junk), PARSERS["gsm8k"])
+    with pytest.raises(ConfigError, match="task.test_path"):
+        build_task(load_recipe("arith", ["task.name=gsm8k"]))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_gold_scores_one_and_corrupted_zero(task: str, files: dict) -> None:
+    cfg = _recipe(task, files[task])
+    data = build_task(cfg)
+    probs = data.test
+    reward = get_reward(check_reward(cfg.task))
+    answers = [p.answer for p in probs]
+    gold = reward([p.prompt for p in probs], [gold_completion(task, p) for p in probs], answer=answers)
+    bad = reward([p.prompt for p in probs], [corrupt_completion(task, p) for p in probs], answer=answers)
+    assert gold == [1.0] * len(probs), gold
+    assert all(b is not None and b < 1.0 for b in bad), bad
+    if task not in ("sudoku", "mbpp"):  # cell and per-assert fractions may be partial
+        assert bad == [0.0] * len(probs)
+
+
+@pytest.mark.parametrize("task", [t for t in TASKS if t != "math500" and t != "sudoku" and t != "humaneval"])
+def test_train_and_test_prompts_are_disjoint(task: str, files: dict) -> None:
+    data = build_task(_recipe(task, files[task]))
+    train = {prompt_key(p.prompt) for p in data.task.train}
+    test = {prompt_key(p.prompt) for p in data.test}
+    assert train and test and not train & test
+    assert not {prompt_key(p.prompt) for p in data.val} & test  # model selection never sees a test problem
+    if task == "gsm8k":  # the sample train file repeats two test questions: both dropped, counted
+        assert data.task.overlap == 2
+    if task == "mbpp":  # one file, cut by the README's task-id ranges
+        assert [p.meta["task_id"] for p in data.test] == [11, 12]
+        assert [p.meta["task_id"] for p in data.task.train] == [700]
+
+
+def test_presets_are_recorded_in_the_eval_config(files: dict) -> None:
+    ec = eval_config(_recipe("gsm8k", files["gsm8k"], "eval.preset=d1", "task.prompt_template=chat"))
+    assert (ec.completion_len, ec.steps, ec.block_size, ec.temperature, ec.remasking) == (256, 128, 32, 0.0,
+                                                                                            "low_confidence")
+    assert (ec.preset, ec.task, ec.prompt_prefill) == ("d1", "gsm8k", "<reasoning>")
+    dare = eval_config(_recipe("sudoku", files["sudoku"], "eval.preset=dare"))
+    assert (dare.completion_len, dare.steps) == (256, 256)
+    assert ec.fingerprint() != eval_config(_recipe("gsm8k", files["gsm8k"], "eval.preset=d1_512")).fingerprint()
