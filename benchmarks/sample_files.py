@@ -112,21 +112,22 @@ def _jsonl(path: Path, rows: list[dict], bad: list[bytes], gz: bool = False) -> 
 
 def write_samples(root: Path) -> dict[str, dict]:
     """Every task's sample files under ``root``: ``{task: {"test": path, "train": path|None, "bad": n}}``,
-    where ``bad`` is the number of malformed rows each test file holds on purpose."""
+    where ``bad`` is the number of malformed rows each test file holds on purpose. Test files are
+    named as ``miles eval --data-dir`` looks for them (TASK.jsonl, sudoku.csv, humaneval.jsonl.gz)."""
     root.mkdir(parents=True, exist_ok=True)
     out: dict[str, dict] = {}
     bad_math = [b'{"problem": "no answer", "solution": "none"}', b'{"problem": "", "answer": "1"}',
                 b'{"problem": "typed", "answer": 3}', b'\xff\xfe not utf-8']
-    out["gsm8k"] = {"test": _jsonl(root / "gsm8k_test.jsonl", GSM8K, BAD_JSONL + [b'{"question": "q", "answer": "no marker"}']),
+    out["gsm8k"] = {"test": _jsonl(root / "gsm8k.jsonl", GSM8K, BAD_JSONL + [b'{"question": "q", "answer": "no marker"}']),
                     "train": _jsonl(root / "gsm8k_train.jsonl", GSM8K[:2] + [
                         {"question": "What is 6 times 7?", "answer": "6*7=42\n#### 42"}], []), "bad": 6}
-    out["math500"] = {"test": _jsonl(root / "math500_test.jsonl", MATH, bad_math), "train": None, "bad": 5}
-    out["math"] = {"test": _jsonl(root / "math500_test2.jsonl", MATH, bad_math),
+    out["math500"] = {"test": _jsonl(root / "math500.jsonl", MATH, bad_math), "train": None, "bad": 5}
+    out["math"] = {"test": _jsonl(root / "math.jsonl", MATH, bad_math),
                    "train": _jsonl(root / "math_train.jsonl", MATH_TRAIN, []), "bad": 5}
-    out["countdown"] = {"test": _jsonl(root / "countdown_cd3_test.jsonl", COUNTDOWN, [
+    out["countdown"] = {"test": _jsonl(root / "countdown.jsonl", COUNTDOWN, [
         b'{"input": "1,x,3", "output": "4"}', b'{"input": "1,2,3"}', b'{"nums": [1, 2], "target": "big"}']),
         "train": _jsonl(root / "countdown_train.jsonl", COUNTDOWN_TRAIN, []), "bad": 4}
-    sud = root / "4x4_test_sudoku.csv"
+    sud = root / "sudoku.csv"
     with open(sud, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["Puzzle", "Solution"])
@@ -134,7 +135,7 @@ def write_samples(root: Path) -> dict[str, dict]:
         w.writerows([("310220000210032", "3142243142131324"), ("3102200002100320", "3142243142131323"),
                      ("3102200002100320", "3142243142131342"), ("only one column",)])
     out["sudoku"] = {"test": sud, "train": None, "bad": 4}
-    out["humaneval"] = {"test": _jsonl(root / "HumanEval.jsonl.gz", HUMANEVAL, [
+    out["humaneval"] = {"test": _jsonl(root / "humaneval.jsonl.gz", HUMANEVAL, [
         b'{"task_id": "HumanEval/9", "prompt": "def f():\\n", "test": "", "entry_point": "f", "canonical_solution": "x"}',
         b'{"task_id": "HumanEval/10", "prompt": "def f():\\n", "test": "def check(c): pass", "entry_point": "not valid",'
         b' "canonical_solution": "x"}'], gz=True), "train": None, "bad": 3}

@@ -125,6 +125,21 @@ class EvalParams(FlowParams):
     adapter: str | None = Field(None, description="PEFT adapter folder or <store_uri>/adapters/vNNNNNN (needs base_checkpoint)")
     base_checkpoint: str | None = Field(None, description="SFT checkpoint folder (for adapter, or alone to evaluate the base)", json_schema_extra=ALIAS("--base"))
     num_problems: int | None = Field(None, ge=1, description="held-out problems (overrides eval.num_problems)")
+    tasks: str | None = Field(None, pattern=r"^[a-z0-9_]+(,[a-z0-9_]+)*$", description="benchmarks to evaluate, comma-separated (gsm8k,math500,countdown,sudoku,humaneval,mbpp); their test files come from data_dir")
+    data_dir: str | None = Field(None, description="folder (or fsspec URI) with one test file per task: TASK.jsonl, TASK.jsonl.gz, TASK.csv, TASK.parquet or TASK/test.*")
+    preset: str | None = Field(None, description="named sampling settings (d1_128, d1, d1_512, dare), recorded with every number (eval.preset)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _folder_as_model(cls, values: Any) -> Any:
+        """``--model DIR``: a local model folder is the base checkpoint (URIs stay URIs)."""
+        m = values.get("model_uri") if isinstance(values, dict) else None
+        if m and not re.match(r"^[a-z]+:/", m) and Path(m).expanduser().is_dir() and not values.get("base_checkpoint"):
+            values = {**values, "model_uri": None, "base_checkpoint": str(Path(m).expanduser())}
+        return values
+
+    def recipe_overrides(self) -> list[str]:
+        return [*self.overrides, *([f"eval.preset={self.preset}"] if self.preset else [])]
 
     @model_validator(mode="after")
     def _one_source(self) -> "EvalParams":
@@ -134,6 +149,8 @@ class EvalParams(FlowParams):
             raise ValueError("base_checkpoint goes with adapter (or alone, to evaluate the base), not with model_uri")
         if not self.model_uri and not self.base_checkpoint:
             raise ValueError("base_checkpoint is required unless model_uri is given")
+        if self.tasks and not self.data_dir:
+            raise ValueError("tasks needs data_dir, the folder holding each task's test file")
         return self
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from flows import params as P
 from miles import __version__
-from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, call_flow, cmd_demo, cmd_generate, cmd_models,
+from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, call_flow, cmd_data, cmd_demo, cmd_generate, cmd_models,
                             cmd_recipes, cmd_serve, print_result, validate_recipe)
 
 EXIT_RUN_FAILED = 1
@@ -118,6 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
     _tracking(p)
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="show progress bars")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("data", help="check a benchmark file (rows loaded, rows skipped and why)",
+                       description="miles data check PATH --task T: load a GSM8K / MATH / MATH-500 / Countdown / "
+                                   "Sudoku / HumanEval / MBPP file (local path or fsspec URI) as training and "
+                                   "evaluation do, and report every skipped row by line and field.")
+    p.add_argument("action", choices=["check"])
+    p.add_argument("path", help="the file: .jsonl, .jsonl.gz, .json, .csv or .parquet")
+    p.add_argument("--task", required=True, help="gsm8k, math, math500, countdown, sudoku, humaneval or mbpp")
+    p.add_argument("--show", type=int, default=20, help="skipped rows to list (default 20)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--strict", action="store_true", help="exit 1 when any row was skipped")
+    p.set_defaults(func=cmd_data)
 
     p = sub.add_parser("recipes", help="list built-in recipes", description="List built-in recipes.")
     p.set_defaults(func=cmd_recipes)

@@ -19,12 +19,13 @@ from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 from miles_core.eval.evaluate import run_eval
 from miles_core.learner.baseline import train_baseline
-from miles_core.models.base import load_base
+from miles_core.models.base import load_base, set_prompt_format
 from miles_core.models.lora import load_adapter
 from miles_core.storage import AdapterRegistry
 from miles import tracking
 from tasks.common import LIGHT, STORAGE, eval_summary, retry_transient
 
+_LOADED: dict[tuple, tuple[Any, Any]] = {}  # the last (base, adapter, model settings) evaluated here
 _ADAPTER_URI = re.compile(r"^(?P<root>.+)/adapters/v(?P<version>\d+)/?$")
 
 
@@ -40,6 +41,30 @@ def fetch_adapter(adapter: str, dest: str) -> str:
     return str(AdapterRegistry(m["root"]).fetch(int(m["version"]), dest))
 
 
+TEST_FILE_NAMES = ("{t}.jsonl", "{t}.jsonl.gz", "{t}.json", "{t}.csv", "{t}.parquet", "{t}/test.jsonl",
+                   "{t}/test.jsonl.gz", "{t}/test.csv", "{t}/test.parquet")
+
+
+def find_test_file(data_dir: str, name: str) -> str:
+    """``name``'s test file in ``data_dir`` (a folder or fsspec URI), by the names TEST_FILE_NAMES lists."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(data_dir)
+    for pattern in TEST_FILE_NAMES:
+        path = f"{root.rstrip('/')}/{pattern.format(t=name)}"
+        if fs.exists(path):
+            return path if "://" not in data_dir else f"{data_dir.split('://')[0]}://{path}"
+    raise FileNotFoundError(f"data_dir {data_dir}: no test file for task {name!r}; looked for "
+                            + ", ".join(p.format(t=name) for p in TEST_FILE_NAMES))
+
+
+def _mtimes(folder: str | None) -> tuple:
+    """When each file of ``folder`` last changed: a rewritten checkpoint is never served from the cache."""
+    if folder is None:
+        return ()
+    return tuple(sorted((p.name, p.stat().st_mtime_ns) for p in Path(folder).iterdir() if p.is_file()))
+
+
 @task(name="evaluate-checkpoint", **LIGHT)
 def evaluate_checkpoint(base_checkpoint: str, adapter_dir: str | None, cfg: dict[str, Any], out_path: str,
                         progress: bool = False) -> dict[str, Any]:
@@ -47,9 +72,14 @@ def evaluate_checkpoint(base_checkpoint: str, adapter_dir: str | None, cfg: dict
     rc = load_recipe(cfg)
     if rc.torch_threads > 0:
         torch.set_num_threads(rc.torch_threads)
-    model, tok = load_base(rc, base_checkpoint)
-    if adapter_dir is not None:
-        model = load_adapter(model, adapter_dir)
+    key = (str(Path(base_checkpoint).resolve()), adapter_dir, repr(rc.model), _mtimes(base_checkpoint),
+           _mtimes(adapter_dir))
+    if key not in _LOADED:  # one model, several benchmarks: load it once per process
+        _LOADED.clear()
+        model, tok = load_base(rc, base_checkpoint)
+        _LOADED[key] = (load_adapter(model, adapter_dir) if adapter_dir is not None else model, tok)
+    model, tok = _LOADED[key]
+    set_prompt_format(tok, rc, base_checkpoint)
     res = run_eval(model, tok, rc, build_task(rc), progress=progress)
     return eval_summary(res, Path(out_path))
 

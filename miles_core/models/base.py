@@ -126,13 +126,19 @@ def load_base(cfg: "RecipeConfig", directory: str | Path) -> tuple[nn.Module, An
     a base, so all of them encode prompts alike."""
     model, tok = load_checkpoint(directory, mask_token=cfg.model.mask_token or None, family=cfg.model.family,
                                  trust_remote_code=cfg.model.trust_remote_code)
+    set_prompt_format(tok, cfg, directory)
+    return model, tok
+
+
+def set_prompt_format(tok: AnyTokenizer, cfg: "RecipeConfig", directory: str | Path) -> None:
+    """The recipe's prompt template (and the task's prefill) on a loaded tokenizer."""
     if cfg.task.prompt_template != "plain":
         if not hasattr(tok, "hf") or not getattr(tok.hf, "chat_template", None):
             raise ConfigError(f"task.prompt_template={cfg.task.prompt_template!r}: the tokenizer of {directory} "
                               "has no chat template")
+    if hasattr(tok, "prompt_prefill"):
         tok.prompt_template = cfg.task.prompt_template
-        tok.prompt_prefill = prompt_prefill(cfg.task.name)
-    return model, tok
+        tok.prompt_prefill = prompt_prefill(cfg.task.name) if cfg.task.prompt_template == "chat" else ""
 
 
 def prompt_prefill(task: str) -> str:

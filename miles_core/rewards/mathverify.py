@@ -26,9 +26,10 @@ import re
 from functools import lru_cache
 from typing import Any, Sequence
 
-from miles_core.data.answers import HASH_RE, answers_match, extract_answer, last_boxed, reference_answer
+from miles_core.data.answers import HASH_RE, answers_match, extract_answer, reference_answer
 from miles_core.rewards.text import completion_text
 
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+?)\$?\s*(?:\.\s|\.$|$|\n)", re.IGNORECASE)
 _TOWER = re.compile(r"\^\s*\{[^}]*\^|\^\s*\(?[\w.]+\)?\s*\^")  # a power inside an exponent
@@ -41,9 +42,9 @@ def final_answer_span(text: str) -> str | None:
     """The part of a completion that states its final answer (module docstring), or None."""
     if not isinstance(text, str) or not text.strip():
         return None
-    boxed = last_boxed(text)
+    boxed = _last_outer_boxed(text)
     if boxed is not None and boxed.strip():
-        return boxed.strip()
+        return _BOX.sub("{", boxed).strip()  # a box inside the answer is only emphasis
     tags = _ANSWER_TAG.findall(text)
     if tags and tags[-1].strip():
         return tags[-1].strip()
@@ -55,6 +56,20 @@ def final_answer_span(text: str) -> str | None:
         return hashes[-1].strip()
     nums = _NUMBER.findall(text)
     return nums[-1] if nums else None
+
+
+def _last_outer_boxed(text: str) -> str | None:
+    """Content of the box that closes last (the outermost one when boxes nest:
+    ``\\boxed{\\frac{\\boxed{3}}{4}}`` answers 3/4, not 3)."""
+    best: tuple[int, int] | None = None
+    for m in list(_BOX.finditer(text))[-16:]:  # bounded, like data.answers.last_boxed
+        depth, i = 1, m.end()
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0 and (best is None or i > best[1]):
+            best = (m.end(), i)
+    return text[best[0]:best[1] - 1] if best else None
 
 
 def _tame(s: str, max_len: int = 300) -> bool:
