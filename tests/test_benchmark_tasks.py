@@ -143,3 +143,21 @@ def test_miles_eval_prints_a_table_per_task_and_logs_fingerprints(files: dict, t
     assert run.data.tags["miles.eval_fingerprint.sudoku"] == cells["sudoku"]["fingerprint"]
     assert "gsm8k/pass1" in run.data.metrics
     assert main(["eval", "--model", str(model), "--tasks", "gsm8k", "--data-dir", str(tmp_path)]) == 1
+
+
+def test_benchmark_tasks_is_all_ok_and_the_checkers_agree_where_they_should(tmp_path: Path) -> None:
+    from benchmarks.tasks import agreement, task_rows
+
+    rows = task_rows(tmp_path)
+    assert [r["name"] for r in rows if not r["ok"]] == []
+    agree = agreement(300)
+    assert agree["n"] >= 300 and agree["ours_correct"] == 1.0 and agree["agree_where_not_on_purpose"] == 1.0
+    assert agree["by_template"]["last_of_two_boxes"]["alone_correct"] < 1.0  # the documented difference
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "math", "countdown_d1", "sudoku", "mbpp"])
+def test_recipes_pair_a_train_source_with_a_test_source(name: str) -> None:
+    cfg = load_recipe(name)
+    assert cfg.task.path and cfg.task.test_path and cfg.task.prompt_template == "chat"
+    assert cfg.eval.preset == "d1" and check_reward(cfg.task) in ("math_verify", "countdown_d1", "sudoku", "code_pass")
+    assert (cfg.task.path == cfg.task.test_path) == (name == "mbpp")  # MBPP: one file, cut by task id

@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from miles_core.algo.sft import train_sft
-from miles_core.config import RecipeConfig
+from miles_core.config import ConfigError, RecipeConfig
 from miles_core.data.registry import TaskData
 from miles_core.eval.evaluate import run_eval
 from miles_core.models.base import load_base, resolve_device, save_checkpoint
@@ -49,6 +49,10 @@ def train_baseline(cfg: RecipeConfig, data: TaskData, out_dir: str | Path, seed:
     same interface (models/hf_tokenizer.py)."""
     s = cfg.sft
     seed = s.seed if seed is None else seed
+    if not data.train:
+        raise ConfigError(f"task: the {cfg.task.name} task has no SFT demonstrations (rows with a worked "
+                          "solution in task.path); start RL from a model that already follows the prompt "
+                          "(an instruct checkpoint) with --base-checkpoint DIR")
     if cfg.model.path:  # a local checkpoint to start from: a Llama, or a published family's folder
         model, tok = load_base(cfg, cfg.model.path)
     elif cfg.model.backend == "llama":  # toy Llama-Diffusion: character tokenizer, random weights
