@@ -111,40 +111,6 @@ def test_presets_are_recorded_in_the_eval_config(files: dict) -> None:
     assert p.recipe_overrides() == ["eval.seed=3", "eval.preset=d1"]
 
 
-def test_miles_eval_prints_a_table_per_task_and_logs_fingerprints(files: dict, tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture) -> None:
-    """`miles eval --model DIR --tasks ... --preset ...` on a tiny LLaDA-layout checkpoint with
-    its chat template: one row per task, JSON with the config per cell, an MLflow run."""
-    import json
-
-    import mlflow
-
-    from miles.cli import main
-    from miles_core.models.hf import init_tiny
-
-    model = init_tiny("llada", tmp_path / "llada", seed=1)
-    data_dir = Path(files["gsm8k"]["test"]).parent
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    # CPU-sized: 16 tokens in 4 steps instead of a preset (test_presets_are_recorded covers those)
-    rc = main(["eval", "eval.preset=", "eval.steps=4", "task.completion_len=16", "--model", str(model), "--tasks",
-               "gsm8k,sudoku,mbpp", "--data-dir", str(data_dir), "--num-problems", "2", "--run-dir",
-               str(tmp_path / "run"), "--tracking-uri", uri])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    for task in ("gsm8k", "sudoku", "mbpp"):
-        assert f"| {task}" in out
-    res = json.loads((tmp_path / "run" / "benchmarks.json").read_text())
-    cells = {c["task"]: c for c in res["cells"]}
-    assert (cells["gsm8k"]["config"]["completion_len"], cells["gsm8k"]["config"]["steps"]) == (16, 4)
-    assert cells["gsm8k"]["config"]["prompt_template"] == "chat" and cells["gsm8k"]["config"]["prompt_prefill"]
-    assert cells["sudoku"]["config"]["prompt_prefill"] == "" and cells["mbpp"]["num_problems"] == 2
-    mlflow.set_tracking_uri(uri)
-    run = mlflow.get_run(json.loads(out[out.index("{"):])["mlflow_run_id"])
-    assert run.data.tags["miles.eval_fingerprint.sudoku"] == cells["sudoku"]["fingerprint"]
-    assert "gsm8k/pass1" in run.data.metrics
-    assert main(["eval", "--model", str(model), "--tasks", "gsm8k", "--data-dir", str(tmp_path)]) == 1
-
-
 def test_benchmark_tasks_is_all_ok_and_the_checkers_agree_where_they_should(tmp_path: Path) -> None:
     from benchmarks.tasks import agreement, task_rows
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve"]
+COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve", "data"]
 FLOW_STARTED = ("Beginning flow run", "Starting temporary server")
 
 
@@ -173,3 +173,54 @@ def test_a_missing_gpu_is_refused_before_any_flow_starts() -> None:
     r = miles("sft", "tiny", "model.device=cuda")
     assert r.returncode == 2 and "model.device" in r.stderr and "sees no CUDA device" in r.stderr, r.stderr
     assert not any(s in r.stdout + r.stderr for s in FLOW_STARTED)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    from benchmarks.sample_files import write_samples
+
+    return write_samples(tmp_path_factory.mktemp("bench"))
+
+
+def test_miles_eval_prints_a_table_per_task_and_logs_fingerprints(files: dict, tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture) -> None:
+    """`miles eval --model DIR --tasks ... --preset ...` on a tiny LLaDA-layout checkpoint with
+    its chat template: one row per task, JSON with the config per cell, an MLflow run."""
+    import json
+
+    import mlflow
+
+    from miles.cli import main
+    from miles_core.models.hf import init_tiny
+
+    model = init_tiny("llada", tmp_path / "llada", seed=1)
+    data_dir = Path(files["gsm8k"]["test"]).parent
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # CPU-sized: 16 tokens in 4 steps instead of a preset (test_presets_are_recorded covers those)
+    rc = main(["eval", "eval.preset=", "eval.steps=4", "task.completion_len=16", "--model", str(model), "--tasks",
+               "gsm8k,sudoku,mbpp", "--data-dir", str(data_dir), "--num-problems", "2", "--run-dir",
+               str(tmp_path / "run"), "--tracking-uri", uri])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    for task in ("gsm8k", "sudoku", "mbpp"):
+        assert f"| {task}" in out
+    res = json.loads((tmp_path / "run" / "benchmarks.json").read_text())
+    cells = {c["task"]: c for c in res["cells"]}
+    assert (cells["gsm8k"]["config"]["completion_len"], cells["gsm8k"]["config"]["steps"]) == (16, 4)
+    assert cells["gsm8k"]["config"]["prompt_template"] == "chat" and cells["gsm8k"]["config"]["prompt_prefill"]
+    assert cells["sudoku"]["config"]["prompt_prefill"] == "" and cells["mbpp"]["num_problems"] == 2
+    mlflow.set_tracking_uri(uri)
+    run = mlflow.get_run(json.loads(out[out.index("{"):])["mlflow_run_id"])
+    assert run.data.tags["miles.eval_fingerprint.sudoku"] == cells["sudoku"]["fingerprint"]
+    assert "gsm8k/pass1" in run.data.metrics
+    assert main(["eval", "--model", str(model), "--tasks", "gsm8k", "--data-dir", str(tmp_path)]) == 1
+
+
+def test_data_check_reports_skipped_rows_and_exit_codes(files: dict, tmp_path: Path) -> None:
+    r = miles("data", "check", str(files["gsm8k"]["test"]), "--task", "gsm8k")
+    assert r.returncode == 0 and "4 gsm8k rows loaded, 6 skipped" in r.stdout
+    assert "skipped line 9: field 'answer' has no '#### <final answer>' marker" in r.stdout
+    assert miles("data", "check", str(files["sudoku"]["test"]), "--task", "sudoku", "--strict").returncode == 1
+    gone = miles("data", "check", str(tmp_path / "none.jsonl"), "--task", "gsm8k")
+    assert gone.returncode == 2 and "none.jsonl: file not found" in gone.stderr
+    assert "unknown task 'gsm9k'" in miles("data", "check", "x", "--task", "gsm9k").stderr
