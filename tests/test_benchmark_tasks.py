@@ -127,3 +127,18 @@ def test_recipes_pair_a_train_source_with_a_test_source(name: str) -> None:
     assert cfg.task.path and cfg.task.test_path and cfg.task.prompt_template == "chat"
     assert cfg.eval.preset == "d1" and check_reward(cfg.task) in ("math_verify", "countdown_d1", "sudoku", "code_pass")
     assert (cfg.task.path == cfg.task.test_path) == (name == "mbpp")  # MBPP: one file, cut by task id
+
+
+def test_math_reads_its_published_folder_of_one_json_per_problem(tmp_path: Path) -> None:
+    import json
+
+    from benchmarks.sample_files import MATH_TRAIN
+
+    for i, row in enumerate(MATH_TRAIN):
+        d = tmp_path / "MATH" / "train" / row["type"].lower()
+        d.mkdir(parents=True, exist_ok=True)
+        (d / f"{i}.json").write_text(json.dumps(row))
+    (tmp_path / "MATH" / "train" / "bad.json").write_text("[1]")
+    rep = load_file(str(tmp_path / "MATH" / "train"), PARSERS["math"])
+    assert [p.answer for p in rep.problems] == ["5", "42"] and rep.skipped == 1
+    assert rep.errors == [f"{tmp_path / 'MATH' / 'train'}: bad.json: expected a JSON object, got list"]

@@ -11,7 +11,7 @@ from miles_core.config import ConfigError, load_recipe
 from miles_core.data.arith import is_test_prompt
 from miles_core.data.countdown import CountdownConfig, CountdownTask, check, max_target_len, parse_prompt
 from miles_core.rewards.registry import get_reward
-from miles_core.data.registry import build_task, TASK_CHECK
+from miles_core.data.registry import build_task, check_reward
 
 
 @pytest.mark.parametrize("completion, ok, why", [
@@ -67,7 +67,7 @@ def test_recipe_splits_disjoint_and_pass1_uses_the_verifier() -> None:
     train, test, val = ({p.prompt for p in s} for s in (data.train, data.test, data.val))
     assert len(train) == 1000 and len(test) == 500 and len(val) == 200
     assert not (train & test) and not (val & test) and not (train & val)
-    assert TASK_CHECK["countdown"] == "countdown"
+    assert check_reward(cfg.task) == "countdown"  # procedural; with task.test_path set, d1's countdown_d1
     with pytest.raises(ConfigError, match="task.completion_len"):
         build_task(load_recipe("countdown", ["task.completion_len=12"]))
     with pytest.raises(ConfigError, match="task: CountdownConfig: numbers"):

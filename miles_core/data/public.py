@@ -1,5 +1,6 @@
-"""Reading a public benchmark file: JSONL (optionally .gz), a JSON list, CSV or Parquet, from a
-local path or any fsspec URI, one row at a time, never downloading anything.
+"""Reading a public benchmark file: JSONL (optionally .gz), a JSON list, CSV, Parquet, or a folder
+of one JSON object per problem (hendrycks/math), from a local path or any fsspec URI, one row at a
+time, never downloading anything.
 
 Why rows are skipped and counted rather than raised: a public file with a few malformed rows
 (a truncated last line, a row with an empty answer, bytes that are not UTF-8) should still load,
@@ -82,6 +83,23 @@ def _read_bytes(uri: str, storage_options: dict | None) -> bytes:
 def iter_rows(uri: str, report: LoadReport, storage_options: dict | None = None) -> Iterator[tuple[str, dict]]:
     """``(where, row)`` for every row that is a JSON object / CSV record; other rows are skipped
     into ``report`` (invalid JSON, not an object, not UTF-8)."""
+    fs, root = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    if fs.isdir(root):  # hendrycks/math ships one JSON object per problem: data/train/<subject>/N.json
+        files = sorted(p for p in fs.find(root) if p.endswith(".json"))
+        if not files:
+            raise DataFileError(f"{uri}: a folder without .json files")
+        for path in files:
+            rel = path[len(root):].lstrip("/")
+            try:
+                row = json.loads(fs.cat_file(path).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError) as e:
+                report.skip(rel, f"not a JSON object ({type(e).__name__})")
+                continue
+            if isinstance(row, dict):
+                yield rel, row
+            else:
+                report.skip(rel, f"expected a JSON object, got {type(row).__name__}")
+        return
     fmt, _ = _fmt(uri)
     if fmt == "parquet":
         import pyarrow.parquet as pq
