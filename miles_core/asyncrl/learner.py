@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from miles_core.algo.rl import batch_id, batch_seq, sample_batch
-from miles_core.asyncrl.sampler import SlotClaims
+from miles_core.asyncrl.sampler import SlotClaims, poll_intervals
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 from miles_core.learner.runtime import LearnerRun
@@ -112,6 +112,7 @@ class AsyncLearner(LearnerRun):
     def run(self) -> dict[str, Any]:
         a, rs = self.cfg.async_rl, self.rs
         start, updates_here = time.perf_counter(), 0
+        waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)
         last = start
         stopped = False
         while len(handled := self.handled()) < self.expected:
@@ -128,7 +129,7 @@ class AsyncLearner(LearnerRun):
             if not pending and self.sample_self():
                 continue  # its time is counted as wall (not idle) at the top of the next pass
             if not pending:
-                time.sleep(a.poll_interval)
+                time.sleep(next(waits))
                 waited = time.perf_counter() - last
                 self.totals["idle_s"] += waited
                 self.totals["wall_s"] += waited
@@ -136,6 +137,7 @@ class AsyncLearner(LearnerRun):
                     self.totals["fill_s"] = self.totals.get("fill_s", 0.0) + waited
                 last = time.perf_counter()
                 continue
+            waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # a batch came: poll fast again
             outcome, _ = self.consume(pending[0])
             updates_here += outcome == "consumed"
             rs.write_json(self.status(), "learner", "status.json")

@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from peft import set_peft_model_state_dict
@@ -37,6 +37,14 @@ from miles_core.storage import uri as U
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
+
+
+def poll_intervals(first: float, backoff: float, cap: float) -> Iterator[float]:
+    """Waits between polls: ``first``, then times ``backoff`` each, never above ``max(cap, first)``."""
+    interval = first
+    while True:
+        yield interval
+        interval = min(interval * backoff, max(cap, first))
 
 
 class SlotClaims:
@@ -159,13 +167,17 @@ class SamplerWorker:
         return committed - int(status.get("consumed", 0)) - int(status.get("dropped", 0))
 
     def _wait(self, cond, poll: float) -> bool:
-        """Sleep until ``cond()``; False if a stop was requested meanwhile."""
+        """Sleep until ``cond()``, each empty poll waiting ``async_rl.poll_backoff`` times longer (up
+        to ``poll_max_interval``); False if a stop was requested meanwhile."""
+        a = self.cfg.async_rl
         t0 = time.perf_counter()
         try:
-            while not cond():
+            for interval in poll_intervals(poll, a.poll_backoff, a.poll_max_interval):
+                if cond():
+                    return True
                 if self.run_store.stop_requested():
                     return False
-                time.sleep(poll)
+                time.sleep(interval)
             return True
         finally:
             self.stats["wait_s"] += time.perf_counter() - t0

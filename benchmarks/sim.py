@@ -1,0 +1,290 @@
+"""A discrete-event model of an asynchronous Miles run (SimPy), for scales this machine cannot reach.
+
+What it models, and how each part maps to the code:
+
+* **Samplers** (``asyncrl/sampler.py``): wait for the first adapter; before each batch, poll the
+  back-pressure count (one LIST of ``trajectories/`` plus a GET of ``learner/status.json``) until
+  fewer than ``max_pending`` batches wait; GET the adapter pointer and, when it moved, the adapter;
+  roll out (a lognormal time: rollout times vary with completion lengths and NSD); PUT the Parquet
+  batch and its commit marker. With ``shared_budget`` every batch first claims a slot (one PUT).
+* **The learner** (``asyncrl/learner.py``): D data-parallel ranks acting as one. It LISTs the
+  committed batches; with none waiting it samples a batch itself (``learner_samples``) or sleeps a
+  poll interval; else it GETs the oldest batch, drops it when older than ``max_staleness``
+  versions, updates (the per-rank share of the batch plus a ring all-reduce of the adapter's
+  gradient), PUTs a checkpoint every ``checkpoint_every`` updates and publishes the adapter (PUT
+  adapter, PUT pointer).
+* **The store as a service** (:class:`Store`): every request waits for a rate slot of its prefix
+  and class, then takes a latency plus its bytes over the per-connection bandwidth. Rate limits are
+  S3's documented per-prefix rates (3,500 PUT/COPY/POST/DELETE and 5,500 GET/HEAD per second per
+  partitioned prefix, "Best practices design patterns: optimizing Amazon S3 performance"); LIST
+  is counted with GET. ``prefixes`` spreads keys over that many prefixes (1: Miles' layout today).
+* **Design changes** the scale model evaluates: ``batches_per_update`` (the learner merges waiting
+  batches into one update: sharded ingest), ``adapter_share`` (one adapter fetch per node,
+  hierarchical fan-out), ``prefixes`` (object names spread over prefixes), ``push`` (the store
+  notifies instead of being polled) and poll back-off.
+* **Polling** every ``poll_s``, growing by ``poll_backoff`` per empty poll up to ``poll_max_s``
+  (``async_rl.poll_backoff`` / ``poll_max_interval``; 1.0 = no back-off, today's default).
+
+The building blocks are checked against closed forms (tests/test_scale_model.py: an M/M/1 queue,
+a pipeline without contention) before any prediction is read. benchmarks/scale_model.py runs it.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Generator
+
+import simpy
+
+S3_PUT_PER_PREFIX = 3500.0   # requests/s (AWS S3 user guide, optimizing performance)
+S3_GET_PER_PREFIX = 5500.0
+
+
+@dataclass(frozen=True)
+class Params:
+    """One configuration; times in seconds, sizes in bytes."""
+
+    samplers: int = 1
+    learner_ranks: int = 1
+    batches: int = 150                 # the run's budget (shared_budget: claimed by any sampler)
+    completions_per_batch: int = 128
+    rollout_s: float = 0.25            # one sampler's rollout + reward per batch (mean)
+    rollout_cv: float = 0.1            # coefficient of variation of the rollout time (lognormal)
+    update_s: float = 0.18             # one learner rank's update of a whole batch
+    min_update_s: float = 0.0          # floor per update however many ranks share it (kernel launches, ...)
+    allreduce_bytes: float = 0.0       # gradient bytes all-reduced per update (the adapter's)
+    link_bytes_s: float = 25e9         # all-reduce bus bandwidth per rank (NCCL busbw)
+    link_latency_s: float = 10e-6      # per ring step
+    batch_bytes: float = 200e3
+    adapter_bytes: float = 9e3
+    checkpoint_every: int = 10
+    checkpoint_bytes: float = 0.0      # adapter + optimizer state per checkpoint
+    store_latency_s: float = 0.001     # per request, first byte
+    store_bytes_s: float = 1e9         # per connection
+    put_rate: float = S3_PUT_PER_PREFIX
+    get_rate: float = S3_GET_PER_PREFIX
+    prefixes: int = 1
+    poll_s: float = 0.05
+    poll_backoff: float = 1.0
+    poll_max_s: float = 1.0
+    max_pending: int = 3
+    max_staleness: int = 5
+    learner_samples: bool = True       # the learner samples a batch itself when none waits
+    shared_budget: bool = True
+    batches_per_update: int = 1        # the learner takes up to this many waiting batches per update (Miles: 1)
+    adapter_share: int = 1             # samplers per node sharing one adapter fetch (hierarchical fan-out; Miles: 1)
+    push: bool = False                 # notifications instead of polling: waits cost no requests
+    seed: int = 0
+    service: str = "deterministic"     # rate-slot service times: deterministic, or "exponential" (M/M/1 tests)
+
+
+class Store:
+    """Object store: a rate slot per (prefix, class), then latency + bytes / bandwidth."""
+
+    def __init__(self, env: simpy.Environment, p: Params, rng: random.Random) -> None:
+        self.env, self.p, self.rng = env, p, rng
+        self.slots: dict[tuple[int, str], simpy.Resource] = {}
+        self.counts: dict[str, int] = {"put": 0, "get": 0}
+        self.busy: dict[tuple[int, str], float] = {}
+
+    def request(self, kind: str, key: str, nbytes: float = 0.0) -> Generator:
+        """One request of class ``kind`` ("put" or "get") for ``key``."""
+        prefix = zlib.crc32(key.encode()) % self.p.prefixes if self.p.prefixes > 1 else 0
+        slot = self.slots.setdefault((prefix, kind), simpy.Resource(self.env, capacity=1))
+        rate = self.p.put_rate if kind == "put" else self.p.get_rate
+        self.counts[kind] += 1
+        with slot.request() as r:
+            yield r
+            hold = self.rng.expovariate(rate) if self.p.service == "exponential" else 1.0 / rate
+            self.busy[(prefix, kind)] = self.busy.get((prefix, kind), 0.0) + hold
+            yield self.env.timeout(hold)
+        yield self.env.timeout(self.p.store_latency_s + nbytes / self.p.store_bytes_s)
+
+    def max_utilisation(self, wall: float) -> tuple[float, str]:
+        """The busiest prefix's rate-slot utilisation and which class it is."""
+        if not self.busy or wall <= 0:
+            return 0.0, ""
+        (prefix, kind), busy = max(self.busy.items(), key=lambda kv: kv[1])
+        return busy / wall, f"store {kind.upper()} rate, prefix {prefix}"
+
+
+@dataclass
+class Run:
+    """What happened: the counters scale_model.py reports."""
+
+    consumed: int = 0
+    dropped: int = 0
+    committed: int = 0
+    self_sampled: int = 0
+    claimed: int = 0
+    version: int = 0
+    learner_busy_s: float = 0.0
+    learner_compute_s: float = 0.0     # updates and its own rollouts (busy_s adds store requests)
+    sampler_compute_s: float = 0.0     # rollouts
+    learner_idle_s: float = 0.0
+    sampler_busy_s: float = 0.0
+    sampler_wait_s: float = 0.0
+    end_s: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+    waiting: list[tuple[int, int]] = field(default_factory=list)  # committed (seq, version), oldest first
+
+
+def _rollout(p: Params, rng: random.Random) -> float:
+    if p.rollout_cv <= 0:
+        return p.rollout_s
+    s2 = math.log(1 + p.rollout_cv ** 2)
+    return rng.lognormvariate(math.log(p.rollout_s) - s2 / 2, math.sqrt(s2))
+
+
+def allreduce_s(p: Params) -> float:
+    """Ring all-reduce: 2 (D-1) steps, each moving bytes / D (NCCL's bus-bandwidth model)."""
+    d = p.learner_ranks
+    if d <= 1 or p.allreduce_bytes <= 0:
+        return 0.0
+    return 2 * (d - 1) * (p.link_latency_s + p.allreduce_bytes / d / p.link_bytes_s)
+
+
+def update_time(p: Params, batches: int = 1) -> float:
+    """One update of ``batches`` batches split over the ranks, plus the gradient all-reduce."""
+    return max(batches * p.update_s / p.learner_ranks, p.min_update_s) + allreduce_s(p)
+
+
+def _wait(env: simpy.Environment, p: Params, cond, poll) -> Generator:
+    """Poll ``cond`` (each poll costs the requests ``poll`` makes) with back-off until it holds."""
+    interval = p.poll_s
+    while True:
+        if not p.push:
+            yield from poll()
+        if cond():
+            return
+        yield env.timeout(interval)
+        interval = min(interval * p.poll_backoff, max(p.poll_max_s, p.poll_s))
+
+
+def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, rng: random.Random) -> Generator:
+    version = -1
+    yield from _wait(env, p, lambda: run.version >= 0, lambda: store.request("get", "adapters/LATEST"))
+    seq = 0
+    while True:
+        if p.shared_budget:
+            if run.claimed >= p.batches:
+                return
+            run.claimed += 1
+            yield from store.request("put", f"claims/{i}-{seq}")
+        elif seq >= p.batches // p.samplers:
+            return
+        t0 = env.now
+
+        def poll() -> Generator:
+            yield from store.request("get", "trajectories/")
+            yield from store.request("get", "learner/status.json")
+        yield from _wait(env, p, lambda: len(run.waiting) < p.max_pending, poll)
+        t1 = env.now
+        if not p.push:
+            yield from store.request("get", "adapters/LATEST")
+        if run.version != version:
+            version = run.version
+            if i % p.adapter_share == 0:  # the node's fetcher; the others read its local copy
+                yield from store.request("get", f"adapters/v{version}", p.adapter_bytes)
+        t2 = env.now
+        yield env.timeout(_rollout(p, rng))
+        run.sampler_compute_s += env.now - t2
+        yield from store.request("put", f"trajectories/{i}-{seq}", p.batch_bytes)
+        yield from store.request("put", f"trajectories/{i}-{seq}.ok")
+        run.waiting.append((seq, version))
+        run.committed += 1
+        run.sampler_wait_s += t1 - t0
+        run.sampler_busy_s += env.now - t1
+        seq += 1
+
+
+def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: random.Random) -> Generator:
+    yield from store.request("put", "adapters/v0", p.adapter_bytes)
+    run.version = 0
+    interval = p.poll_s
+    while run.consumed + run.dropped < p.batches:
+        t0 = env.now
+        yield from store.request("get", "trajectories/")
+        if not run.waiting:
+            if p.learner_samples and run.claimed < p.batches:
+                run.claimed += 1
+                run.self_sampled += 1
+                t1 = env.now
+                yield env.timeout(_rollout(p, rng))
+                run.learner_compute_s += env.now - t1
+                run.waiting.append((-1, run.version))
+                run.learner_busy_s += env.now - t0
+                continue
+            yield env.timeout(interval)
+            interval = min(interval * p.poll_backoff, max(p.poll_max_s, p.poll_s))
+            run.learner_idle_s += env.now - t0
+            continue
+        interval = p.poll_s
+        taken = [run.waiting.pop(0) for _ in range(min(p.batches_per_update, len(run.waiting)))]
+        fresh = []
+
+        def ingest() -> Generator:  # claim and read one batch
+            yield from store.request("put", "learner/claim")
+            yield from store.request("get", "trajectories/batch", p.batch_bytes)
+        for k in range(0, len(taken), p.learner_ranks):  # a merged update: each rank reads its share at once
+            yield simpy.AllOf(env, [env.process(ingest()) for _ in taken[k:k + p.learner_ranks]])
+        for _, version in taken:
+            if run.version - version > p.max_staleness:
+                run.dropped += 1
+            else:
+                fresh.append(run.version - version)
+        if not fresh:
+            run.learner_busy_s += env.now - t0
+            continue
+        run.staleness.extend(fresh)
+        t1 = env.now
+        yield env.timeout(update_time(p, len(fresh)))
+        run.learner_compute_s += env.now - t1
+        run.version += 1
+        before = run.consumed
+        run.consumed += len(fresh)
+        if p.checkpoint_every and run.consumed // p.checkpoint_every > before // p.checkpoint_every:
+            yield from store.request("put", "learner/checkpoint", p.checkpoint_bytes)
+        yield from store.request("put", f"adapters/v{run.version}", p.adapter_bytes)
+        yield from store.request("put", "adapters/LATEST")
+        run.learner_busy_s += env.now - t0
+    run.end_s = env.now
+
+
+def simulate(p: Params, horizon_s: float = 1e7) -> dict[str, Any]:
+    """Run one configuration to the end of its budget or ``horizon_s`` of simulated time (then the
+    rates are those of the horizon: a steady-state estimate); the summary scale_model.py prints."""
+    rng = random.Random(p.seed)
+    env = simpy.Environment()
+    store, run = Store(env, p, rng), Run()
+    done = env.process(learner(env, p, store, run, random.Random(rng.random())))
+    for i in range(p.samplers):
+        env.process(sampler(env, p, store, run, i, random.Random(rng.random())))
+    env.run(until=simpy.AnyOf(env, [done, env.timeout(horizon_s)]))
+    wall = run.end_s or env.now
+    util, where = store.max_utilisation(wall)
+    learner_util = run.learner_busy_s / wall if wall else 0.0
+    sampler_util = run.sampler_busy_s / (wall * p.samplers) if wall and p.samplers else 0.0
+    learner_compute = run.learner_compute_s / wall if wall else 0.0
+    sampler_compute = run.sampler_compute_s / (wall * p.samplers) if wall and p.samplers else 0.0
+    hist: dict[int, int] = {}
+    for s in run.staleness:
+        hist[s] = hist.get(s, 0) + 1
+    bottleneck = first_saturated([(util, where), (learner_util, "learner ingest (updates + reads)"),
+                                  (sampler_compute, "sampler rollouts")])
+    return {"seconds": wall, "completions_per_s": run.consumed * p.completions_per_batch / wall if wall else 0.0,
+            "consumed": run.consumed, "dropped": run.dropped, "self_sampled": run.self_sampled,
+            "learner_idle_fraction": 1 - learner_util, "sampler_idle_fraction": 1 - sampler_util,
+            "staleness_hist": hist, "store_requests_per_s": {k: v / wall for k, v in store.counts.items()},
+            "store_max_utilisation": util, "learner_compute_fraction": learner_compute,
+            "sampler_compute_fraction": sampler_compute, "bottleneck": bottleneck, "update_s": update_time(p),
+            "finished": bool(run.end_s)}
+
+
+def first_saturated(loads: list[tuple[float, str]], at: float = 0.9) -> str:
+    """The first resource (in the order given: store, learner, samplers) busy at least ``at`` of
+    the time; else the busiest. A saturated store slows everything behind it, so it is named first."""
+    return next((name for u, name in loads if u >= at), max(loads)[1])

@@ -1,0 +1,82 @@
+"""The scale model's building blocks against closed forms, before any of its predictions is read:
+the store's rate slot is an M/M/1 queue when service is exponential, a run without contention is
+a pipeline whose time is fill + n x the slowest stage, and the ring all-reduce is NCCL's formula."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import simpy
+
+from benchmarks.sim import Params, Store, allreduce_s, simulate, update_time
+
+FAST_STORE = dict(store_latency_s=0.0, store_bytes_s=1e18, put_rate=1e12, get_rate=1e12, poll_s=1e-5)
+
+
+def test_store_rate_slot_is_an_m_m_1_queue() -> None:
+    mu, lam, n = 100.0, 70.0, 40_000
+    p = Params(get_rate=mu, store_latency_s=0.0, store_bytes_s=1e18, service="exponential")
+    env, rng = simpy.Environment(), random.Random(1)
+    store, times = Store(env, p, rng), []
+
+    def one() -> object:
+        t0 = env.now
+        yield from store.request("get", "k")
+        times.append(env.now - t0)
+
+    def arrivals() -> object:
+        for _ in range(n):
+            env.process(one())
+            yield env.timeout(rng.expovariate(lam))
+    env.process(arrivals())
+    env.run()
+    w = sum(times) / len(times)
+    assert w == pytest.approx(1 / (mu - lam), rel=0.06)          # mean time in system of M/M/1
+    assert store.max_utilisation(env.now)[0] == pytest.approx(lam / mu, rel=0.03)
+
+
+@pytest.mark.parametrize("rollout,update", [(0.2, 0.05), (0.05, 0.2)])
+def test_one_sampler_without_contention_is_a_pipeline(rollout: float, update: float) -> None:
+    b = 40
+    p = Params(samplers=1, batches=b, rollout_s=rollout, rollout_cv=0.0, update_s=update, max_pending=10_000,
+               learner_samples=False, shared_budget=False, checkpoint_every=0, max_staleness=10_000, **FAST_STORE)
+    r = simulate(p)
+    expected = rollout + update + (b - 1) * max(rollout, update)  # fill, then the slowest stage per batch
+    assert r["seconds"] == pytest.approx(expected, rel=1e-3)
+    assert r["consumed"] == b and r["dropped"] == 0
+    assert r["bottleneck"] == ("sampler rollouts" if rollout > update else "learner ingest (updates + reads)")
+
+
+def test_ring_allreduce_and_rank_split() -> None:
+    p = Params(learner_ranks=8, allreduce_bytes=8e6, link_bytes_s=1e9, link_latency_s=1e-5, update_s=1.6,
+               min_update_s=0.1)
+    assert allreduce_s(p) == pytest.approx(2 * 7 * (1e-5 + 1e6 / 1e9))
+    assert update_time(p) == pytest.approx(0.2 + allreduce_s(p))
+    assert update_time(Params(learner_ranks=64, update_s=1.6, min_update_s=0.1)) == pytest.approx(0.1)
+
+
+def test_staleness_bound_drops_and_back_off_cuts_polls() -> None:
+    base = Params(samplers=16, batches=200, rollout_s=0.2, update_s=0.05, max_pending=64, max_staleness=2,
+                  learner_samples=False, **{**FAST_STORE, "poll_s": 0.01})
+    r = simulate(base)
+    assert r["dropped"] > 0 and max(r["staleness_hist"]) <= 2
+    slow = Params(**{**base.__dict__, "update_s": 0.5, "max_staleness": 1000, "max_pending": 2})
+    plain, backed = simulate(slow), simulate(Params(**{**slow.__dict__, "poll_backoff": 2.0, "poll_max_s": 0.5}))
+    assert backed["store_requests_per_s"]["get"] < plain["store_requests_per_s"]["get"] / 3
+
+
+def test_poll_back_off_in_the_async_workers() -> None:
+    """What the scale model's back-off change runs: each empty poll waits longer, up to the cap;
+    1.0 (the default) keeps today's fixed interval."""
+    import itertools
+
+    from miles_core.asyncrl.sampler import poll_intervals
+    from miles_core.config import ConfigError, load_recipe
+
+    assert list(itertools.islice(poll_intervals(0.05, 2.0, 0.3), 5)) == [0.05, 0.1, 0.2, 0.3, 0.3]
+    assert list(itertools.islice(poll_intervals(0.05, 1.0, 1.0), 3)) == [0.05, 0.05, 0.05]
+    assert list(itertools.islice(poll_intervals(0.5, 3.0, 0.1), 2)) == [0.5, 0.5]  # a cap below the first poll
+    assert load_recipe("arith", ["async_rl.poll_backoff=2", "async_rl.poll_max_interval=1"]).async_rl.poll_backoff == 2
+    with pytest.raises(ConfigError, match="async_rl.poll_backoff"):
+        load_recipe("arith", ["async_rl.poll_backoff=0.5"])
