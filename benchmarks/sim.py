@@ -273,7 +273,9 @@ def simulate(p: Params, horizon_s: float = 1e7) -> dict[str, Any]:
     hist: dict[int, int] = {}
     for s in run.staleness:
         hist[s] = hist.get(s, 0) + 1
-    bottleneck = first_saturated([(util, where), (learner_util, "learner ingest (updates + reads)"),
+    drop_share = run.dropped / max(run.dropped + run.consumed, 1)
+    bottleneck = first_saturated([(util, where), (drop_share / 0.2 * 0.9, "staleness bound (batches dropped)"),
+                                  (learner_util, "learner ingest (updates + reads)"),
                                   (sampler_compute, "sampler rollouts")])
     return {"seconds": wall, "completions_per_s": run.consumed * p.completions_per_batch / wall if wall else 0.0,
             "consumed": run.consumed, "dropped": run.dropped, "self_sampled": run.self_sampled,
@@ -285,6 +287,7 @@ def simulate(p: Params, horizon_s: float = 1e7) -> dict[str, Any]:
 
 
 def first_saturated(loads: list[tuple[float, str]], at: float = 0.9) -> str:
-    """The first resource (in the order given: store, learner, samplers) busy at least ``at`` of
-    the time; else the busiest. A saturated store slows everything behind it, so it is named first."""
+    """The first resource (in the order given: store, staleness drops, learner, samplers) busy at
+    least ``at`` of the time (drops: a fifth of all batches counts as saturated); else the busiest.
+    A saturated store slows everything behind it, so it is named first."""
     return next((name for u, name in loads if u >= at), max(loads)[1])
