@@ -27,10 +27,10 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from miles_core.data.answers import HASH_RE, answers_match, extract_answer, reference_answer
+from miles_core.rewards.puzzles import last_answer_tag
 from miles_core.rewards.text import completion_text
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_ANSWER_TAG = re.compile(r"<answer>(.*?)(?:</answer>|$)", re.DOTALL)
 _ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+?)\$?\s*(?:\.\s|\.$|$|\n)", re.IGNORECASE)
 _TOWER = re.compile(r"\^\s*\{[^}]*\^|\^\s*\(?[\w.]+\)?\s*\^")  # a power inside an exponent
 _BIG_POWER = re.compile(r"(?:\^|\*\*)\s*[{(]?\s*-?\d{4,}")           # an exponent of 1000 or more
@@ -45,9 +45,9 @@ def final_answer_span(text: str) -> str | None:
     boxed = _last_outer_boxed(text)
     if boxed is not None and boxed.strip():
         return _BOX.sub("{", boxed).strip()  # a box inside the answer is only emphasis
-    tags = _ANSWER_TAG.findall(text)
-    if tags and tags[-1].strip():
-        return tags[-1].strip()
+    tag = last_answer_tag(text)
+    if tag:
+        return tag
     said = _ANSWER_IS.findall(text)
     if said:
         return said[-1].strip()

@@ -27,7 +27,8 @@ _ALLOWED = re.compile(r"^[\d+\-*/().\s]+$")
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
 
 
-def _last_answer_tag(text: str) -> str | None:
+def last_answer_tag(text: str) -> str | None:
+    """Content of the last ``<answer>`` (d1's answer tag; an unclosed last tag runs to the end)."""
     found = _ANSWER.findall(text)
     return found[-1].strip() if found else None
 
@@ -52,7 +53,7 @@ def countdown_expression(text: str) -> str | None:
     """The final expression of a completion, as d1 reads it."""
     eq = last_boxed(text)
     if eq is None:
-        eq = _last_answer_tag(text)
+        eq = last_answer_tag(text)
         if eq is not None and last_boxed(eq) is not None:
             eq = last_boxed(eq)
     if eq is None:
@@ -95,7 +96,7 @@ def countdown_d1_reward(prompts: Sequence[str], completions: Sequence[Any], answ
 
 def sudoku_grid(text: str) -> str | None:
     """The 16-character grid a completion answers with (d1's extraction, padded or cut to 16)."""
-    tag = _last_answer_tag(text)
+    tag = last_answer_tag(text)
     digits = "".join(c for c in tag if c.isdigit()) if tag is not None else ""
     if not digits:
         runs = re.findall(r"(?<!\d)(\d{16})(?!\d)", text)
