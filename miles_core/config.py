@@ -110,7 +110,9 @@ class SamplerConfig:
     threshold: float = bounded(0.9, 1e-09, 1.0)              # nsd: commit every position with confidence >= threshold
     max_per_step: int = bounded(8, 1)               # nsd: cap on positions committed in one step
     min_per_step: int = bounded(1, 1)               # nsd: always commit at least this many
-    block_cache: bool = False           # reuse prompt + finished blocks' keys/values (approximate)
+    cache: Literal["none", "prefix", "dual"] = "none"  # KV cache (models/window.py): prompt + finished blocks, + suffix
+    sync_every: int = bounded(4, 1)                 # nsd: steps between the host's checks for finished rows
+    eos_stop: bool = False              # a row whose finished blocks hold EOS skips its later blocks (all EOS)
 
     def hash(self, completion_len: int) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "completion_len": completion_len}, sort_keys=True)

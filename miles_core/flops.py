@@ -49,13 +49,16 @@ class FlopMeter:
         return sum(self.totals.values())
 
 
-def tiny_forward_flops(d_model: int, n_layers: int, d_ff: int, vocab: int, batch: int, seq_len: int) -> int:
+def tiny_forward_flops(d_model: int, n_layers: int, d_ff: int, vocab: int, batch: int, seq_len: int,
+                       head_positions: int | None = None) -> int:
     """Analytic forward FLOPs of TinyDenoiser on [batch, seq_len] (2 per multiply-add).
 
     Per layer: q,k,v,o projections 4*2*T*D*D, MLP 2*2*T*D*F, attention scores and weighted sum
-    2*2*T*T*D; plus the LM head 2*T*D*V. Layer norms, GELU and softmax are not matmuls and
-    FlopCounterMode does not count them either.
+    2*2*T*T*D; plus the LM head 2*H*D*V over the H = ``head_positions`` positions whose logits are
+    asked for (default all T; a sampler step asks for its block only). Layer norms, GELU and
+    softmax are not matmuls and FlopCounterMode does not count them either.
     """
     t, d = seq_len, d_model
+    h = t if head_positions is None else head_positions
     per_layer = 8 * t * d * d + 4 * t * d * d_ff + 4 * t * t * d
-    return batch * (n_layers * per_layer + 2 * t * d * vocab)
+    return batch * (n_layers * per_layer + 2 * h * d * vocab)

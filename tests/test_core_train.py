@@ -234,8 +234,8 @@ def test_a_rows_logits_and_greedy_completion_do_not_depend_on_its_batch():
     with torch.no_grad():
         alone = model(ids)[0]
         assert torch.allclose(alone, model(padded, attn)[0, 5:], atol=1e-5)
-        _, cache = model.forward_cached(padded, attn, build_upto=8)           # pads + prompt cached
-        tail, _ = model.forward_cached(padded[:, 8:], attn, cache=cache)
+        _, cache = model.window(padded, attn, (0, 12), (0, 12), keep=((0, 8),))   # pads + prompt cached
+        tail, _ = model.window(padded, attn, (8, 12), (8, 12), cache=cache)
         assert torch.allclose(alone[3:], tail[0], atol=1e-5)
     greedy = SamplerConfig(steps=4, temperature=0.0)
     one = sample(model, TOK, [TOK.encode("1+2")], greedy, 6, torch.Generator().manual_seed(0))

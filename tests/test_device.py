@@ -59,7 +59,7 @@ def test_the_loop_runs_on_the_gpu_and_matches_the_cpu(tmp_path):
     assert out.device.type == "cpu"  # logits come back where the inputs are
     torch.testing.assert_close(out, cpu_model(ids, mask), atol=1e-4, rtol=1e-4)
     prompts = [TOK.encode(p) for p in ("1+2", "3*4")]
-    s = SamplerConfig(steps=4, block_size=4, block_cache=True, temperature=0.0)
+    s = SamplerConfig(steps=4, block_size=4, cache="prefix", temperature=0.0)
     b_gpu = sample(gpu_model, TOK, prompts, s, 8, torch.Generator().manual_seed(0), torch.arange(2))
     b_cpu = sample(cpu_model, TOK, prompts, s, 8, torch.Generator().manual_seed(0), torch.arange(2))
     assert torch.equal(b_gpu.completion_ids, b_cpu.completion_ids) and torch.equal(b_gpu.step_map, b_cpu.step_map)

@@ -75,13 +75,13 @@ def test_nsd_flops_scale_with_realised_steps():
     m = model()
     meters = {}
     for name, cfg in {"static": SamplerConfig(kind="static", steps=12), "nsd": SamplerConfig(kind="nsd", threshold=0.05,
-                                                                                              max_per_step=6)}.items():
+                                                                                              max_per_step=6, sync_every=1)}.items():
         meter = FlopMeter()
         with meter.measure("s"):
             out = sample(m, TOK, PROMPTS, cfg, 12, torch.Generator().manual_seed(0))
         meters[name] = (meter.total, int(out.nfe.sum()))
     width = max(len(p) for p in PROMPTS)
-    per_row_call = tiny_forward_flops(32, 2, 64, TOK.vocab_size, 1, width + 12)
+    per_row_call = tiny_forward_flops(32, 2, 64, TOK.vocab_size, 1, width + 12, head_positions=12)  # the block's logits
     for total, nfe in meters.values():
         assert total == nfe * per_row_call
 
@@ -90,7 +90,8 @@ def test_block_cache_saves_flops_and_is_exact_for_the_first_step_of_each_block()
     m = model()
     outs, flops = {}, {}
     for cache in (False, True):
-        cfg = SamplerConfig(kind="nsd", threshold=0.5, max_per_step=3, block_size=4, temperature=0.0, block_cache=cache)
+        cfg = SamplerConfig(kind="nsd", threshold=0.5, max_per_step=3, block_size=4, temperature=0.0,
+                            cache="prefix" if cache else "none")
         meter = FlopMeter()
         with meter.measure("s"):
             outs[cache] = sample(m, TOK, PROMPTS, cfg, 12, torch.Generator().manual_seed(0))
@@ -110,6 +111,6 @@ def test_prefix_cache_is_exact_when_the_suffix_is_unchanged():
     m = model()
     x = torch.randint(4, 20, (2, 14))
     attn = torch.ones_like(x, dtype=torch.bool)
-    full, cache = m.forward_cached(x, attn, build_upto=6)
-    part, _ = m.forward_cached(x[:, 6:], attn, cache)
+    full, cache = m.window(x, attn, (0, 14), (0, 14), keep=((0, 6),))
+    part, _ = m.window(x, attn, (6, 14), (6, 14), cache)
     assert torch.allclose(full[:, 6:], part, atol=1e-5)

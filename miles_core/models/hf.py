@@ -33,6 +33,7 @@ from miles_core.config import ConfigError
 from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.hf_tokenizer import HFTokenizer
 from miles_core.models.llama import make_bidirectional, model_inputs
+from miles_core.models.window import KVCache, Span, hf_window
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -57,27 +58,28 @@ class HFDiffusion(nn.Module):
         if spec.attention == "full":
             make_bidirectional(lm)
 
-    def block_mask(self, mask: Tensor, pos: Tensor) -> Tensor:
-        """[B, 1, T, T] bool: key is real and in the query's block or an earlier one; a padded
-        query sees itself only (keeps SDPA finite; its output is never read)."""
-        blk = pos // self.block_size                                                     # [B, T]
-        allowed = (blk[:, :, None] >= blk[:, None, :]) & mask[:, None, :]                # [B, Tq, Tk]
-        eye = torch.eye(mask.shape[1], dtype=torch.bool, device=mask.device)[None]
-        allowed = torch.where(mask[:, :, None], allowed, eye)
-        return allowed[:, None]
+    @property
+    def kv_cache(self) -> bool:
+        return self.spec.native != "modernbert"
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        ids, mask, pos = model_inputs(self.lm, input_ids, attention_mask)
-        if self.spec.attention == "block":
-            logits = self.lm(input_ids=ids, attention_mask=self.block_mask(mask, pos), position_ids=pos,
-                             use_cache=False).logits
-        else:
-            logits = self.lm(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False,
-                             is_causal=False).logits
-        if self.spec.logit_shift:  # i reads i - 1; a row's first real token (Dream: position 0) reads itself
-            first = mask & ~torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :-1]], dim=1)   # [B, T]
-            logits = torch.where(first[..., None], logits, torch.cat([logits[:, :1], logits[:, :-1]], dim=1))
-        return logits.to(input_ids.device)                                              # [B, T, V]
+        if self.spec.native == "modernbert":  # natively bidirectional, its own masked-LM head
+            ids, mask, pos = model_inputs(self.lm, input_ids, attention_mask)
+            return self.lm(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False,
+                           is_causal=False).logits.to(input_ids.device)
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        t = input_ids.shape[1]
+        return self.window(input_ids, mask, (0, t), (0, t))[0].to(input_ids.device)       # [B, T, V]
+
+    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Span, cache: KVCache | None = None,
+               keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
+        """models/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
+        if self.spec.native == "modernbert":
+            if cache is not None or keep:
+                raise ValueError("modernbert has no KV cache here: use sampler.cache=none")
+            return self.forward(ids, mask)[:, out[0]:out[1]], None
+        bs = self.block_size if self.spec.attention == "block" else 0
+        return hf_window(self.lm, ids, mask, query, out, cache, keep, block_size=bs, shift=self.spec.logit_shift)
 
     def published_state_dict(self) -> dict[str, Tensor]:
         out = {}

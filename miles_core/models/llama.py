@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -37,6 +37,9 @@ from transformers.utils import logging as hf_logging
 
 from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
 from miles_core.models.lora import TARGETS_BY_MODEL_TYPE
+
+if TYPE_CHECKING:
+    from miles_core.models.window import KVCache
 
 # peft LoRA targets: attention and MLP projections of every decoder layer.
 LLAMA_LORA_TARGETS = TARGETS_BY_MODEL_TYPE["llama"]
@@ -95,9 +98,16 @@ class LlamaDiffusion(nn.Module):
         self.config = lm.config  # peft reads model.config (model_type 'llama' picks the LoRA targets)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        ids, mask, pos = model_inputs(self.lm, input_ids, attention_mask)
-        logits = self.lm(input_ids=ids, attention_mask=mask.long(), position_ids=pos, use_cache=False).logits
-        return logits.to(input_ids.device)                                              # [B, T, V]
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        t = input_ids.shape[1]
+        return self.window(input_ids, mask, (0, t), (0, t))[0].to(input_ids.device)       # [B, T, V]
+
+    def window(self, ids: Tensor, mask: Tensor, query: tuple[int, int], out: tuple[int, int],
+               cache: "KVCache | None" = None, keep: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor, "KVCache | None"]:
+        """models/window.py: logits of ``out`` from a bidirectional pass over ``query``."""
+        from miles_core.models.window import hf_window
+
+        return hf_window(self.lm, ids, mask, query, out, cache, keep)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """A standard Hugging Face folder (config.json + model.safetensors), loadable by transformers."""

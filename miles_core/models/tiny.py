@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles_core.models.checkpoint import load_module, save_module
+from miles_core.models.window import KVCache, Span, key_mask
 
 
 @dataclass
@@ -66,23 +67,6 @@ class Block(nn.Module):
         return h + self.fc2(F.gelu(self.fc1(self.ln2(h)))), (k, v)
 
 
-@dataclass
-class PrefixCache:
-    """Keys/values of positions [0, length) for every layer: [B, H, length, D/H] each.
-
-    Approximate by design (Fast-dLLM's prefix cache): in a bidirectional model the prefix's
-    keys would change as later positions get unmasked; the cache freezes them as they were when
-    it was built (at the start of a block). Exact only while the suffix is unchanged.
-    """
-
-    length: int
-    kv: list[tuple[Tensor, Tensor]]
-
-    def select(self, idx: Tensor) -> "PrefixCache":
-        idx = idx.to(self.kv[0][0].device) if self.kv else idx  # the sampler's row mask lives on the CPU
-        return PrefixCache(self.length, [(k[idx], v[idx]) for k, v in self.kv])
-
-
 class TinyDenoiser(nn.Module):
     """logits = model(input_ids [B, T], attention_mask [B, T] bool) -> [B, T, V]."""
 
@@ -111,41 +95,38 @@ class TinyDenoiser(nn.Module):
         return bias.masked_fill(~attention_mask.bool()[:, None, None, :], float("-inf"))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
-        return self.forward_cached(input_ids, attention_mask)[0]
+        t = input_ids.shape[1]
+        mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        return self.window(input_ids, mask, (0, t), (0, t))[0].to(input_ids.device)         # [B, T, V]
 
-    def forward_cached(self, input_ids: Tensor, attention_mask: Tensor | None = None, cache: PrefixCache | None = None,
-                       build_upto: int = 0) -> tuple[Tensor, PrefixCache | None]:
-        """Logits for ``input_ids`` (the positions after ``cache.length`` when a cache is given).
-
-        attention_mask covers the whole sequence [B, cache.length + T]. ``build_upto = s > 0``
-        also returns a cache of positions [0, s) for later calls (semi-AR blocks: the prompt and
-        finished blocks are then not recomputed).
-        """
-        out_dev = input_ids.device  # samplers build CPU tensors; the weights may live on a GPU (model.device)
-        dev = self.lm_head.weight.device
-        input_ids = input_ids.to(dev)
-        attention_mask = attention_mask.to(dev) if attention_mask is not None else None
-        b, t = input_ids.shape
-        start = cache.length if cache is not None else 0
-        if start + t > self.config.max_len:
-            raise ValueError(f"sequence length {start + t} exceeds max_len={self.config.max_len}")
+    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Span, cache: KVCache | None = None,
+               keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
+        """models/window.py: logits of ``out`` from a pass over ``query`` attending to ``cache`` too."""
+        dev = self.lm_head.weight.device  # samplers may hand CPU tensors to a model on a GPU
+        ids, mask = ids.to(dev), mask.to(dev).bool()
+        b, total = ids.shape
+        if total > self.config.max_len:
+            raise ValueError(f"sequence length {total} exceeds max_len={self.config.max_len}")
+        q0, q1 = query
         # positions are right-aligned: the last position of the sequence is always max_len - 1, so the
         # completion (a fixed completion_len at the end) sits at the same positions whatever the
         # prompt's length, and a left-padded row gets exactly the positions it would get alone (the pad
         # width its batch's longest prompt sets does not move it; measured on the code task, where one
         # 28-character prompt made a whole RL batch decode empty).
-        total = attention_mask.shape[1] if attention_mask is not None else start + t
-        pos = torch.arange(start, start + t, device=input_ids.device) + (self.config.max_len - total)   # [T]
-        h = self.tok_emb(input_ids) + self.pos_emb(pos)[None]
-        bias = self._bias(attention_mask, b, h.dtype)
+        pos = torch.arange(q0, q1, device=dev) + (self.config.max_len - total)           # [Tq]
+        h = self.tok_emb(ids[:, q0:q1]) + self.pos_emb(pos)[None]
+        _, kreal = key_mask(mask, query, cache)                                         # [B, Tk]
+        bias = torch.zeros(b, 1, 1, kreal.shape[1], dtype=h.dtype, device=dev)          # padded keys: -inf
+        bias = bias.masked_fill(~kreal[:, None, None, :], float("-inf"))
         kvs = []
         for i, blk in enumerate(self.blocks):
-            h, kv = blk(h, bias, cache.kv[i] if cache is not None else None)
+            h, kv = blk(h, bias, cache.layers[i] if cache is not None else None)
             kvs.append(kv)
-        new_cache = None
-        if build_upto > 0:
-            new_cache = PrefixCache(build_upto, [(k[:, :, :build_upto], v[:, :, :build_upto]) for k, v in kvs])
-        return self.lm_head(self.ln_f(h)).to(out_dev), new_cache              # [B, T, V] on the inputs' device
+        new = None
+        if keep:
+            new = KVCache(tuple(keep), [(torch.cat([k[:, :, a - q0:e - q0] for a, e in keep], 2),
+                                         torch.cat([v[:, :, a - q0:e - q0] for a, e in keep], 2)) for k, v in kvs])
+        return self.lm_head(self.ln_f(h[:, out[0] - q0:out[1] - q0])), new               # [B, o1 - o0, V]
 
     def save_pretrained(self, directory: str | Path) -> None:
         save_module(self, self.config.to_dict(), directory)

@@ -1,12 +1,24 @@
-"""Masked-diffusion samplers that record trajectories.
+"""Masked-diffusion samplers that record trajectories, on the model's device.
 
-One loop serves every schedule: a step runs ``denoise_step`` on the rows that still have masked
+One loop serves every schedule: a step runs the denoiser on the rows that still have masked
 positions in their current block, and a commit rule picks which positions to reveal:
   * static: a fixed number per step (LLaDA ``get_num_transfer_tokens``), ranked by confidence
     (``low_confidence``) or at random (``random``);
   * nsd: every position whose confidence passes a threshold, at least ``min_per_step`` and at
     most ``max_per_step`` (Native Speculative Denoising).
-Rows that finish stop costing denoiser calls, so NFE is counted per sequence.
+
+Everything lives on the model's device: state, seeded noise, commit rules. Logits are computed
+for the current block only (models/window.py) and never leave the device; what comes back to the
+host is the final tokens, ``step_map``, log-probs and NFE. The host reads the device once per
+block (which rows have work) and, under NSD, one [B] flag every ``sampler.sync_every`` steps
+(which rows finished); a static block has a known number of steps and no read at all, so a GPU
+queue is never drained inside the step loop. Rows that finish stop costing denoiser calls at the
+next such read; NFE is counted per sequence (steps in which it had a position to decide).
+
+``sampler.cache`` (prefix / dual, Fast-dLLM) reuses keys/values inside a block; the recorded
+log-probs are those of the distribution actually sampled from. ``sampler.eos_stop``: a row whose
+finished blocks contain EOS skips its later blocks, filled with EOS and marked ``step_map = -1``
+(never revealed in a recorded state, never scored: no denoiser saw them).
 """
 
 from __future__ import annotations
@@ -14,7 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from miles_core.config import SamplerConfig
+from miles_core.config import ConfigError, SamplerConfig
+from miles_core.models.window import KVCache, model_device, supports_cache, window_logits
 from miles_core.samplers.step import left_pad, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -58,67 +71,101 @@ def nsd_commit(conf: Tensor, eligible: Tensor, threshold: float, lo: int, hi: in
     return topk_commit(conf, eligible, n)
 
 
+def device_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:
+    """The caller's seeded CPU generator, or (model on a GPU) a generator there seeded from one draw
+    of it, so the noise is drawn where it is used and a run stays reproducible from its seed."""
+    if generator.device == device or device.type == "cpu":
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def block_logits(model, x: Tensor, attn: Tensor, lo: int, hi: int, mode: str, cache: KVCache | None
+                 ) -> tuple[Tensor, KVCache | None]:
+    """Logits [A, hi - lo, V] of block [lo, hi) (absolute positions) of states x [A, T].
+
+    mode ``none``: a full pass each step. ``prefix`` / ``dual`` with ``cache=None`` (a block's first
+    step): a full pass that keeps keys/values of [0, lo) (dual: and [hi, T)); with a cache: a
+    pass over [lo, T) (prefix) or [lo, hi) (dual) only."""
+    t = x.shape[1]
+    if mode == "none":
+        return window_logits(model, x, attn, (0, t), (lo, hi))
+    if cache is None:
+        keep = ((0, lo),) if mode == "prefix" else ((0, lo), (hi, t))
+        keep = tuple((a, b) for a, b in keep if b > a)
+        logits, cache = window_logits(model, x, attn, (0, t), (lo, hi), keep=keep)
+        return logits, cache
+    query = (lo, t) if mode == "prefix" else (lo, hi)
+    return window_logits(model, x, attn, query, (lo, hi), cache=cache)[0], cache
+
+
 @torch.no_grad()
 def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerConfig, completion_len: int,
            generator: torch.Generator, group_id: Tensor | None = None, policy_version: int = 0,
            threshold: float | None = None) -> TrajectoryBatch:
     """Sample completions for ``prompt_ids`` and record each trajectory (step_map, logp, NFE)."""
+    dev = model_device(model)
+    gen = device_generator(generator, dev)
     b, length = len(prompt_ids), completion_len
     prompt, real = left_pad(prompt_ids, tok.pad_id)
     width = prompt.shape[1]
-    x = torch.cat([prompt, torch.full((b, length), tok.mask_id, dtype=torch.long)], dim=1)  # [B, T]
-    attn = torch.cat([real, torch.ones(b, length, dtype=torch.bool)], dim=1)
-    step_map = torch.full((b, length), -1, dtype=torch.long)
-    logp = torch.zeros(b, length)
-    nfe = torch.zeros(b, dtype=torch.long)
+    x = torch.cat([prompt, torch.full((b, length), tok.mask_id, dtype=torch.long)], dim=1).to(dev)   # [B, T]
+    attn = torch.cat([real, torch.ones(b, length, dtype=torch.bool)], dim=1).to(dev)                 # [B, T]
+    step_map = torch.full((b, length), -1, dtype=torch.long, device=dev)
+    logp = torch.zeros(b, length, device=dev)
+    nfe = torch.zeros(b, dtype=torch.long, device=dev)
     blocks = block_ranges(length, cfg.block_size)
     if cfg.kind == "static" and cfg.steps % len(blocks) != 0:
         raise ValueError(f"sampler.steps={cfg.steps} must be a multiple of the number of blocks ({len(blocks)})")
+    if cfg.cache != "none" and not supports_cache(model):
+        raise ConfigError(f"sampler.cache={cfg.cache!r}: {type(model).__name__} has no KV cache; use sampler.cache=none")
     thr = cfg.threshold if threshold is None else threshold
-    use_cache = cfg.block_cache and hasattr(model, "forward_cached")
-    cache = None
+    stopped = torch.zeros(b, dtype=torch.bool, device=dev)
     for lo, hi in blocks:
-        in_block = torch.zeros(length, dtype=torch.bool)
-        in_block[lo:hi] = True
+        a, e = width + lo, width + hi
+        todo = (x[:, a:e] == tok.mask_id).any(1) & ~stopped
+        rows = todo.nonzero().squeeze(1)              # the block's one host read: rows with work in it
+        if rows.numel() == 0:
+            continue
         counts = static_counts(hi - lo, cfg.steps // len(blocks)) if cfg.kind == "static" else []
+        cache: KVCache | None = None
         j = 0
         while True:
-            masked = x[:, width:] == tok.mask_id                       # [B, L]
-            eligible_all = masked & in_block[None]
-            active = eligible_all.any(1).nonzero().squeeze(1)          # rows with work in this block
-            if active.numel() == 0:
-                break
-            if not use_cache:
-                logits = model(x[active], attn[active])[:, width:]                      # [A, L, V]
-            elif j == 0:  # block start: one full pass, which also caches prompt + finished blocks
-                assert active.numel() == b, "every row has work at the start of a block"
-                full, cache = model.forward_cached(x, attn, build_upto=width + lo)
-                logits = full[:, width:]
-            else:  # only the current block and what follows are recomputed
-                part, _ = model.forward_cached(x[active, width + lo:], attn[active], cache.select(active))
-                logits = torch.cat([part.new_zeros(active.numel(), lo, part.shape[-1]), part], dim=1)
+            xs = x[rows]                                                             # [A, T]
+            logits, cache = block_logits(model, xs, attn[rows], a, e, cfg.cache, cache)   # [A, Lb, V]
             out = step_from_logits(logits, temperature=cfg.temperature, forbidden=tok.forbidden_ids,
-                                   generator=generator)
-            eligible = eligible_all[active]
+                                   generator=gen)
+            eligible = xs[:, a:e] == tok.mask_id                                     # [A, Lb]
             if cfg.kind == "static":
-                n = torch.full((active.numel(),), counts[j], dtype=torch.long)
+                n = torch.full((rows.numel(),), counts[j], dtype=torch.long, device=dev)
                 score = out.confidence if cfg.remasking == "low_confidence" else torch.rand(
-                    out.confidence.shape, generator=generator)
+                    out.confidence.shape, generator=gen, device=dev)
                 commit = topk_commit(score, eligible, n)
             else:
                 commit = nsd_commit(out.confidence, eligible, thr, cfg.min_per_step, cfg.max_per_step)
-            comp = x[active, width:]
-            x[active, width:] = torch.where(commit, out.tokens, comp)
-            step_map[active] = torch.where(commit, nfe[active, None], step_map[active])
-            logp[active] = torch.where(commit, out.logp, logp[active])
-            nfe[active] += 1
+            x[rows, a:e] = torch.where(commit, out.tokens, xs[:, a:e])
+            step_map[rows, lo:hi] = torch.where(commit, nfe[rows, None], step_map[rows, lo:hi])
+            logp[rows, lo:hi] = torch.where(commit, out.logp, logp[rows, lo:hi])
+            nfe[rows] += eligible.any(1).long()
             j += 1
-    completion = x[:, width:].clone()
+            if cfg.kind == "static":
+                if j == len(counts):                 # a static block ends after its steps: no host read
+                    break
+            elif j % cfg.sync_every == 0:
+                left = (x[rows, a:e] == tok.mask_id).any(1).nonzero().squeeze(1)   # NSD's read: one [A] flag
+                if left.numel() == 0:
+                    break
+                rows, cache = rows[left], cache.select(left) if cache is not None else None
+        if cfg.eos_stop:
+            stopped |= (x[:, width:e] == tok.eos_id).any(1)
+    if cfg.eos_stop:  # skipped blocks: EOS, never revealed in a recorded state (step_map -1)
+        x[:, width:] = x[:, width:].masked_fill(x[:, width:] == tok.mask_id, tok.eos_id)
+    completion = x[:, width:].cpu()
     gid = group_id if group_id is not None else torch.arange(b)
     return TrajectoryBatch(
-        prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion, step_map=step_map, logp=logp,
-        nfe=nfe, group_id=gid.long(), policy_version=torch.full((b,), policy_version, dtype=torch.long),
+        prompt_ids=[list(p) for p in prompt_ids], completion_ids=completion, step_map=step_map.cpu(),
+        logp=logp.cpu(), nfe=nfe.cpu(), group_id=gid.long(),
+        policy_version=torch.full((b,), policy_version, dtype=torch.long),
         prompts=[tok.decode(p) for p in prompt_ids], completions=[tok.decode(c.tolist()) for c in completion],
         meta=[{} for _ in range(b)], sampler_hash=cfg.hash(completion_len),
     )
-

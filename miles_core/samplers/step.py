@@ -70,11 +70,13 @@ def step_from_logits(logits: Tensor, *, temperature: float, forbidden: list[int]
 
 
 def rebuild_state(completion: Tensor, step_map: Tensor, step: Tensor, mask_id: int) -> Tensor:
-    """State before step k: positions committed at steps < k are revealed, the rest masked.
+    """State before step k: positions committed at steps < k are revealed, the rest masked
+    (``step_map = -1``, filled without a denoiser call by ``sampler.eos_stop``, is never revealed).
 
     completion [R, L], step_map [R, L], step [R] -> [R, L]. This is why a trajectory is O(L).
     """
-    return torch.where(step_map < step[:, None], completion, torch.full_like(completion, mask_id))
+    seen = (step_map >= 0) & (step_map < step[:, None])
+    return torch.where(seen, completion, torch.full_like(completion, mask_id))
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,143 @@
+"""The engine's model call: logits for a window of positions, with optional KV caches.
+
+A sampler step only decides the positions of the current block, so it asks for logits there
+and nowhere else: at LLaDA's vocabulary (126,464 rows) the LM head over a whole 64 x 300 batch is
+~10 GB of float32 per step, over a 32-position block about a ninth of that. :func:`window_logits`
+runs the backbone on the *query* positions ``[q0, q1)`` (attending to the cached keys too) and the
+LM head on ``out = [o0, o1)`` only.
+
+Caches (Fast-dLLM, Wu et al. 2025, arXiv:2505.22618, ``llada/generate.py``):
+* ``prefix``: at a block start one full pass; keys/values of the prompt and finished blocks are
+  kept and later steps of the block run only the block and what follows;
+* ``dual``: the suffix after the block is kept too, so later steps run the block alone.
+In a bidirectional model both are approximations (cached keys are not refreshed as later tokens
+are revealed); in a block-causal one (SDAR) the prefix is exact when blocks align. The sampler
+records the log-probs of the distribution it actually sampled from, cached or not, and the learner
+scores without a cache: the importance weight corrects the gap (benchmarks/rollout.py measures it).
+
+Every backend implements ``window(ids, mask, query, out, cache, keep)`` (tiny, the Llama and the
+family classes); anything else (ModernBERT, remote code) gets a full forward sliced to ``out``
+and no cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Span = tuple[int, int]
+
+
+@dataclass
+class KVCache:
+    """Keys/values of the absolute positions ``spans`` (in key order) for every layer.
+
+    ``layers[i] = (k, v)``, each [B, H, N, Dh] with N the spans' total length."""
+
+    spans: tuple[Span, ...]
+    layers: list[tuple[Tensor, Tensor]]
+
+    def index(self, device: torch.device) -> Tensor:
+        """[N] the absolute positions of the cached keys, in their order."""
+        return torch.cat([torch.arange(a, b, device=device) for a, b in self.spans])
+
+    @property
+    def length(self) -> int:
+        return sum(b - a for a, b in self.spans)
+
+    def select(self, rows: Tensor) -> "KVCache":
+        """The cache of some rows (the sampler drops finished rows)."""
+        return KVCache(self.spans, [(k[rows], v[rows]) for k, v in self.layers])
+
+
+def inner(model: nn.Module) -> nn.Module:
+    """The denoiser under a peft wrapper (its LoRA layers are injected in place, so calls through
+    it train and sample the adapted policy)."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def supports_cache(model: nn.Module) -> bool:
+    return hasattr(inner(model), "window") and getattr(inner(model), "kv_cache", True)
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Where the weights are (the sampler builds every tensor there)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def window_logits(model: nn.Module, ids: Tensor, mask: Tensor, query: Span, out: Span,
+                  cache: KVCache | None = None, keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
+    """Logits [B, o1 - o0, V] of positions ``out`` from a pass over ``query`` (plus ``cache``'s keys).
+
+    ids, mask [B, T] are the whole sequence (mask: real tokens). ``keep``: spans inside ``query``
+    whose keys/values this pass returns as a new cache (None when empty)."""
+    m = inner(model)
+    if hasattr(m, "window"):
+        return m.window(ids, mask, query, out, cache, keep)
+    if cache is not None or keep:
+        raise ValueError(f"{type(m).__name__} has no KV cache: use sampler.cache=none")
+    return model(ids, mask)[:, out[0]:out[1]], None
+
+
+def key_mask(mask: Tensor, query: Span, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+    """-> (key positions [Tk] in key order, [B, Tk] real keys): cached keys first, then the query's."""
+    q = torch.arange(query[0], query[1], device=mask.device)
+    idx = torch.cat([cache.index(mask.device), q]) if cache is not None else q
+    return idx, mask[:, idx]
+
+
+def hf_window(lm: Any, ids: Tensor, mask: Tensor, query: Span, out: Span, cache: KVCache | None,
+              keep: tuple[Span, ...], block_size: int = 0, shift: bool = False) -> tuple[Tensor, KVCache | None]:
+    """:func:`window_logits` for a transformers ``*ForCausalLM`` run bidirectionally (or block-causal
+    with ``block_size`` > 0, Dream's logit ``shift``). Positions count real tokens only, as in the
+    full forward, so a cached step sees the same rotary positions as an uncached one."""
+    from transformers import DynamicCache
+
+    dev = lm.get_input_embeddings().weight.device
+    ids, mask = ids.to(dev), mask.to(dev).bool()
+    q0, q1 = query
+    pos = (mask.long().cumsum(1) - 1).clamp_min(0)                                     # [B, T]
+    kidx, kreal = key_mask(mask, query, cache)                                          # [Tk], [B, Tk]
+    c = cache.length if cache is not None else 0
+    tq = q1 - q0
+    allowed = kreal[:, None, :].expand(-1, tq, -1)                                      # [B, Tq, Tk]
+    if block_size > 0:  # key in the query's block or an earlier one
+        qb, kb = pos[:, q0:q1] // block_size, pos[:, kidx] // block_size
+        allowed = allowed & (qb[:, :, None] >= kb[:, None, :])
+    own = torch.zeros(tq, c + tq, dtype=torch.bool, device=dev)
+    own[:, c:] = torch.eye(tq, dtype=torch.bool, device=dev)
+    allowed = torch.where(mask[:, q0:q1, None], allowed, own[None])   # a padded query sees itself only
+    past = DynamicCache(ddp_cache_data=cache.layers) if cache is not None else None
+    res = lm.model(input_ids=ids[:, q0:q1], attention_mask=allowed[:, None], position_ids=pos[:, q0:q1],
+                   cache=past, use_cache=past is not None or bool(keep))
+    h = res.last_hidden_state                                                           # [B, Tq, D]
+    logits = shifted_head(lm.lm_head, h, mask, query, out) if shift else lm.lm_head(h[:, out[0] - q0:out[1] - q0])
+    new = None
+    if keep:
+        layers = res.cache.layers
+        new = KVCache(tuple(keep), [(torch.cat([lay.keys[:, :, c + a - q0:c + b - q0] for a, b in keep], 2),
+                                     torch.cat([lay.values[:, :, c + a - q0:c + b - q0] for a, b in keep], 2))
+                                    for lay in layers])
+    return logits, new
+
+
+def shifted_head(head: nn.Module, h: Tensor, mask: Tensor, query: Span, out: Span) -> Tensor:
+    """Dream's shift on a window: position i reads the hidden state at i - 1, except a row's first
+    real token, which reads its own (Dream's ``cat([logits[:, :1], logits[:, :-1]])`` at position 0)."""
+    q0 = query[0]
+    o0, o1 = out
+    if o0 == q0 > 0:
+        raise ValueError(f"a shifted window needs position {o0 - 1} in its query {query}")
+    a = max(o0 - 1, q0)
+    z = head(h[:, a - q0:o1 - q0])                                     # [B, o1 - a, V]
+    own = z[:, o0 - a:]                                                # logits read at i
+    prev = z[:, :o1 - o0] if o0 > q0 else torch.cat([z[:, :1], z[:, :o1 - o0 - 1]], 1)   # read at i - 1
+    before = mask[:, o0 - 1:o1 - 1] if o0 > 0 else torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :o1 - 1]], 1)
+    first = mask[:, o0:o1] & ~before                                   # [B, L] a row's first real token
+    return torch.where(first[..., None], own, prev)
