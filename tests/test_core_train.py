@@ -141,8 +141,9 @@ def test_update_graph_covers_one_step_per_row():
     grads = {}
     for chunk in (1, 10_000):
         forwards, backwards = [], []
-        h1 = model.base_model.model.register_forward_hook(lambda m, i, o: forwards.append(i[0].shape[0]))
-        h2 = model.base_model.model.register_full_backward_hook(lambda m, gi, go: backwards.append(len(forwards)))
+        head = model.base_model.model.lm_head  # every pass ends here (the engine calls window(), not forward())
+        h1 = head.register_forward_hook(lambda m, i, o: forwards.append(i[0].shape[0]))
+        h2 = head.register_full_backward_hook(lambda m, gi, go: backwards.append(len(forwards)))
         opt = torch.optim.SGD(params, lr=0.0)  # lr 0: keep weights, read accumulated grads
         adpo_update(model, opt, batch, ADPOConfig(row_chunk=chunk, max_grad_norm=1e9), TOK, 1.0,
                     torch.Generator().manual_seed(0))

@@ -33,7 +33,7 @@ from miles_core.config import ConfigError
 from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.hf_tokenizer import HFTokenizer
 from miles_core.models.llama import make_bidirectional, model_inputs
-from miles_core.models.window import KVCache, Span, hf_window
+from miles_core.window import KVCache, Span, hf_window
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -59,6 +59,10 @@ class HFDiffusion(nn.Module):
             make_bidirectional(lm)
 
     @property
+    def logit_shift(self) -> bool:
+        return self.spec.logit_shift
+
+    @property
     def kv_cache(self) -> bool:
         return self.spec.native != "modernbert"
 
@@ -73,7 +77,7 @@ class HFDiffusion(nn.Module):
 
     def window(self, ids: Tensor, mask: Tensor, query: Span, out: Span, cache: KVCache | None = None,
                keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
-        """models/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
+        """miles_core/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
         if self.spec.native == "modernbert":
             if cache is not None or keep:
                 raise ValueError("modernbert has no KV cache here: use sampler.cache=none")
@@ -233,9 +237,10 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num
 VOCAB = {"llada": 126464, "dream": 152064, "sdar": 151936, "bidir_qwen3": 151936, "modernbert": 50368}
 
 
-def init_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
+def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, Any] | None = None) -> Path:
     """Write a tiny random-init checkpoint in ``family``'s published layout: its config.json field
-    names, its safetensors tensor names, and a tokenizer with its special tokens at their ids."""
+    names, its safetensors tensor names, and a tokenizer with its special tokens at their ids.
+    ``size`` overrides the tiny dimensions (native config field names; benchmarks/rollout.py)."""
     if family not in VOCAB:
         raise ConfigError(f"--family: {family!r} has no tiny layout; one of {', '.join(VOCAB)}")
     spec = SPECS[family]
@@ -246,7 +251,7 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0) -> Path:
     else:
         extra = {"tie_word_embeddings": False, "eos_token_id": spec.eos_id, "pad_token_id": spec.eos_id,
                  "bos_token_id": None, "num_key_value_heads": 2, **({"head_dim": 8} if spec.native == "qwen3" else {})}
-    config = cfg_cls(vocab_size=VOCAB[family], **TINY, **extra)
+    config = cfg_cls(vocab_size=VOCAB[family], **{**TINY, **extra, **(size or {})})
     if spec.native == "llama":
         config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
     torch.manual_seed(seed)

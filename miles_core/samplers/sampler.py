@@ -8,7 +8,7 @@ positions in their current block, and a commit rule picks which positions to rev
     most ``max_per_step`` (Native Speculative Denoising).
 
 Everything lives on the model's device: state, seeded noise, commit rules. Logits are computed
-for the current block only (models/window.py) and never leave the device; what comes back to the
+for the current block only (miles_core/window.py) and never leave the device; what comes back to the
 host is the final tokens, ``step_map``, log-probs and NFE. The host reads the device once per
 block (which rows have work) and, under NSD, one [B] flag every ``sampler.sync_every`` steps
 (which rows finished); a static block has a known number of steps and no read at all, so a GPU
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from miles_core.config import ConfigError, SamplerConfig
-from miles_core.models.window import KVCache, model_device, supports_cache, window_logits
+from miles_core.window import KVCache, logit_shift, model_device, supports_cache, window_logits
 from miles_core.samplers.step import left_pad, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -85,17 +85,17 @@ def block_logits(model, x: Tensor, attn: Tensor, lo: int, hi: int, mode: str, ca
     """Logits [A, hi - lo, V] of block [lo, hi) (absolute positions) of states x [A, T].
 
     mode ``none``: a full pass each step. ``prefix`` / ``dual`` with ``cache=None`` (a block's first
-    step): a full pass that keeps keys/values of [0, lo) (dual: and [hi, T)); with a cache: a
-    pass over [lo, T) (prefix) or [lo, hi) (dual) only."""
+    step): a full pass that keeps keys/values of [0, s) (dual: and [hi, T)); with a cache: a pass
+    over [s, T) (prefix) or [s, hi) (dual) only. s = lo, or lo - 1 for Dream's shifted logits."""
     t = x.shape[1]
     if mode == "none":
         return window_logits(model, x, attn, (0, t), (lo, hi))
+    s = max(lo - logit_shift(model), 0)
     if cache is None:
-        keep = ((0, lo),) if mode == "prefix" else ((0, lo), (hi, t))
+        keep = ((0, s),) if mode == "prefix" else ((0, s), (hi, t))
         keep = tuple((a, b) for a, b in keep if b > a)
-        logits, cache = window_logits(model, x, attn, (0, t), (lo, hi), keep=keep)
-        return logits, cache
-    query = (lo, t) if mode == "prefix" else (lo, hi)
+        return window_logits(model, x, attn, (0, t), (lo, hi), keep=keep)
+    query = (s, t) if mode == "prefix" else (s, hi)
     return window_logits(model, x, attn, query, (lo, hi), cache=cache)[0], cache
 
 
@@ -134,7 +134,7 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             xs = x[rows]                                                             # [A, T]
             logits, cache = block_logits(model, xs, attn[rows], a, e, cfg.cache, cache)   # [A, Lb, V]
             out = step_from_logits(logits, temperature=cfg.temperature, forbidden=tok.forbidden_ids,
-                                   generator=gen)
+                                   generator=gen, entropy=False)
             eligible = xs[:, a:e] == tok.mask_id                                     # [A, Lb]
             if cfg.kind == "static":
                 n = torch.full((rows.numel(),), counts[j], dtype=torch.long, device=dev)

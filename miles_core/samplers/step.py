@@ -1,6 +1,6 @@
 """The one step function: it samples a denoising step, or scores a recorded one.
 
-Sampling and scoring share ``token_logprobs`` so a recorded behaviour log-prob and the
+Sampling and scoring share ``step_from_logits`` so a recorded behaviour log-prob and the
 learner's log-prob of the same step are computed by the same arithmetic (a test checks that
 scoring a recorded step reproduces its stored value exactly).
 """
@@ -15,29 +15,35 @@ from torch import Tensor
 
 @dataclass
 class StepOut:
-    tokens: Tensor      # [B, L] sampled (or given) token per completion position
-    logp: Tensor        # [B, L] log pi_T(token | state) per completion position
-    confidence: Tensor  # [B, L] probability of that token (what low_confidence / NSD rank by)
-    entropy: Tensor     # [B, L] entropy of pi_T at each completion position
+    tokens: Tensor              # [B, L] sampled (or given) token per completion position
+    logp: Tensor                # [B, L] log pi_T(token | state) per completion position
+    confidence: Tensor          # [B, L] probability of that token (what low_confidence / NSD rank by)
+    entropy: Tensor | None      # [B, L] entropy of pi_T at each position (None when not asked for)
+
+
+def tempered_logits(logits: Tensor, temperature: float, forbidden: list[int]) -> Tensor:
+    """logits/T in float32 with forbidden ids (mask, pad) at -inf (SUBS); T = 0 (greedy) reads T = 1.
+    One pass over the vocabulary, into a new tensor: the caller's logits are never written."""
+    t = temperature if temperature > 0 else 1.0
+    z = logits.float()
+    z = z / t if t != 1.0 else z
+    if forbidden:
+        idx = torch.tensor(forbidden, device=z.device)
+        return z.index_fill(-1, idx, float("-inf"))
+    return z.clone() if z is logits else z
 
 
 def tempered_log_softmax(logits: Tensor, temperature: float, forbidden: list[int]) -> Tensor:
-    """log pi_T over the vocabulary: logits/T with forbidden ids (mask, pad) at -inf (SUBS).
+    """log pi_T over the vocabulary (:func:`tempered_logits`, normalised).
 
     ``temperature == 0`` means greedy decoding; its log-probs are reported at T = 1.
     """
-    t = temperature if temperature > 0 else 1.0
-    z = logits.float() / t
-    if forbidden:
-        z = z.clone()
-        z[..., forbidden] = float("-inf")
-    return torch.log_softmax(z, dim=-1)
+    return torch.log_softmax(tempered_logits(logits, temperature, forbidden), dim=-1)
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, forbidden: list[int]) -> Tensor:
     """[..., V] logits, [...] tokens -> [...] log pi_T(tokens)."""
-    logp_all = tempered_log_softmax(logits, temperature, forbidden)
-    return logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return step_from_logits(logits, temperature=temperature, forbidden=forbidden, tokens=tokens, entropy=False).logp
 
 
 def denoise_step(model, x: Tensor, attn: Tensor, prompt_width: int, *, temperature: float,
@@ -45,28 +51,40 @@ def denoise_step(model, x: Tensor, attn: Tensor, prompt_width: int, *, temperatu
                  tokens: Tensor | None = None) -> StepOut:
     """Run the denoiser once on state x [B, T] and sample (tokens=None) or score tokens [B, L].
 
-    The completion occupies x[:, prompt_width:]. Sampling is Gumbel-max on pi_T with the given
-    seeded generator, so it is an exact draw and reproducible; temperature 0 is argmax.
+    The completion occupies x[:, prompt_width:]; only its logits are computed (miles_core/window.py).
+    Sampling is Gumbel-max on pi_T with the given seeded generator, so it is an exact draw and
+    reproducible; temperature 0 is argmax.
     """
-    logits = model(x, attn)[:, prompt_width:]                  # [B, L, V]
+    from miles_core.window import window_logits
+
+    t = x.shape[1]
+    logits, _ = window_logits(model, x, attn, (0, t), (prompt_width, t))   # [B, L, V]
     return step_from_logits(logits, temperature=temperature, forbidden=forbidden, generator=generator, tokens=tokens)
 
 
 def step_from_logits(logits: Tensor, *, temperature: float, forbidden: list[int],
-                     generator: torch.Generator | None = None, tokens: Tensor | None = None) -> StepOut:
-    """The sampling/scoring half of ``denoise_step`` for logits computed elsewhere (block cache)."""
-    logp_all = tempered_log_softmax(logits, temperature, forbidden)
-    if tokens is None:
+                     generator: torch.Generator | None = None, tokens: Tensor | None = None,
+                     entropy: bool = True) -> StepOut:
+    """The sampling/scoring half of ``denoise_step`` for logits computed elsewhere (the sampler's
+    block window). log pi_T(token) = z[token] - logsumexp(z) in sampling and scoring alike, so a
+    recorded log-prob and the learner's score of it are the same arithmetic; the full log-softmax
+    is never materialised (at a 126k vocabulary each pass over [B, L, V] counts). The entropy,
+    which only the learner reads, costs two more passes and is skipped with ``entropy=False``."""
+    z = tempered_logits(logits, temperature, forbidden)                       # [B, L, V] float32
+    lse = torch.logsumexp(z, dim=-1)                                          # [B, L]
+    if tokens is None:  # argmax of z: a normaliser's rounding could merge near-ties
         if temperature > 0:
-            u = torch.rand(logp_all.shape, generator=generator, device=logp_all.device)
+            u = torch.rand(z.shape, generator=generator, device=z.device)
             gumbel = -torch.log((-torch.log(u.clamp(1e-20, 1.0 - 1e-7))).clamp_min(1e-20))
-            tokens = (logp_all + gumbel).argmax(-1)
+            tokens = (z + gumbel).argmax(-1)
         else:
-            tokens = logp_all.argmax(-1)
-    logp = logp_all.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, L]
-    probs = logp_all.exp()
-    entropy = -(probs * logp_all.clamp_min(-1e30)).sum(-1)
-    return StepOut(tokens=tokens, logp=logp, confidence=logp.exp(), entropy=entropy)
+            tokens = z.argmax(-1)
+    logp = z.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse               # [B, L]
+    ent = None
+    if entropy:  # forbidden ids: p = 0 and log p = -inf, clamped so that 0 * log p = 0
+        logp_all = z - lse[..., None]
+        ent = -(logp_all.exp() * logp_all.clamp_min(-1e30)).sum(-1)
+    return StepOut(tokens=tokens, logp=logp, confidence=logp.exp(), entropy=ent)
 
 
 def rebuild_state(completion: Tensor, step_map: Tensor, step: Tensor, mask_id: int) -> Tensor:

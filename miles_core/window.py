@@ -64,6 +64,12 @@ def supports_cache(model: nn.Module) -> bool:
     return hasattr(inner(model), "window") and getattr(inner(model), "kv_cache", True)
 
 
+def logit_shift(model: nn.Module) -> int:
+    """1 when position i's logits are read from the hidden state at i - 1 (Dream), else 0: a cached
+    step's query must then start one position before the block."""
+    return int(bool(getattr(inner(model), "logit_shift", False)))
+
+
 def model_device(model: nn.Module) -> torch.device:
     """Where the weights are (the sampler builds every tensor there)."""
     for p in model.parameters():
@@ -105,16 +111,15 @@ def hf_window(lm: Any, ids: Tensor, mask: Tensor, query: Span, out: Span, cache:
     pos = (mask.long().cumsum(1) - 1).clamp_min(0)                                     # [B, T]
     kidx, kreal = key_mask(mask, query, cache)                                          # [Tk], [B, Tk]
     c = cache.length if cache is not None else 0
-    tq = q1 - q0
-    allowed = kreal[:, None, :].expand(-1, tq, -1)                                      # [B, Tq, Tk]
-    if block_size > 0:  # key in the query's block or an earlier one
+    if block_size > 0:  # key real and in the query's block or an earlier one: [B, 1, Tq, Tk]
         qb, kb = pos[:, q0:q1] // block_size, pos[:, kidx] // block_size
-        allowed = allowed & (qb[:, :, None] >= kb[:, None, :])
-    own = torch.zeros(tq, c + tq, dtype=torch.bool, device=dev)
-    own[:, c:] = torch.eye(tq, dtype=torch.bool, device=dev)
-    allowed = torch.where(mask[:, q0:q1, None], allowed, own[None])   # a padded query sees itself only
+        allowed = (kreal[:, None, :] & (qb[:, :, None] >= kb[:, None, :]))[:, None]
+    else:               # every real key: [B, 1, 1, Tk], broadcast over queries
+        allowed = kreal[:, None, None, :]
+    # a padded query (outputs never read) still sees the row's first real token (position 0,
+    # block 0), so no softmax row is empty
     past = DynamicCache(ddp_cache_data=cache.layers) if cache is not None else None
-    res = lm.model(input_ids=ids[:, q0:q1], attention_mask=allowed[:, None], position_ids=pos[:, q0:q1],
+    res = lm.model(input_ids=ids[:, q0:q1], attention_mask=allowed, position_ids=pos[:, q0:q1],
                    cache=past, use_cache=past is not None or bool(keep))
     h = res.last_hidden_state                                                           # [B, Tq, D]
     logits = shifted_head(lm.lm_head, h, mask, query, out) if shift else lm.lm_head(h[:, out[0] - q0:out[1] - q0])
