@@ -136,6 +136,7 @@ class ADPOConfig:
     clip_eps: float = bounded(0.2, 1e-09, 10.0)
     is_cap: float = bounded(2.0, 1.0)                 # C in w = min(pi_prox / mu, C)
     step_fraction: float = bounded(1.0, 1e-09, 1.0)          # rho: fraction of each trajectory's steps per update
+    step_merge: int = bounded(1, 1)                   # s: s consecutive steps scored as one state (TraceRL shrinkage)
     kl_coef: float = bounded(0.0, 0.0)                # KL to the reference (adapter disabled)
     entropy_floor: float = bounded(0.0, 0.0)          # penalise mean entropy below this (NSD guard)
     entropy_coef: float = bounded(0.0, 0.0)
@@ -145,6 +146,7 @@ class ADPOConfig:
     num_minibatches: int = bounded(1, 1)
     epochs: int = bounded(1, 1)
     row_chunk: int = bounded(256, 1)                # rows per forward/backward (bounds peak memory)
+    chunk_tokens: int = bounded(0, 0)               # > 0: rows per chunk = chunk_tokens // row length (a memory budget)
     max_grad_norm: float = bounded(1.0, 1e-09)
     prompt_mask_prob: float = bounded(0.15, 0.0, 1.0)      # meanfield (d1): fraction of prompt tokens masked
     mask_samples: int = bounded(1, 1, 64)  # meanfield / wd1 / coupled: Monte-Carlo mask draws per trajectory, each a row of weight 1/n

@@ -23,12 +23,13 @@ and no cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 import torch
 from torch import Tensor, nn
 
 Span = tuple[int, int]
+Out = Union[Span, Tensor]  # a span of positions, or [B, n] absolute positions per row
 
 
 @dataclass
@@ -77,9 +78,10 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def window_logits(model: nn.Module, ids: Tensor, mask: Tensor, query: Span, out: Span,
+def window_logits(model: nn.Module, ids: Tensor, mask: Tensor, query: Span, out: Out,
                   cache: KVCache | None = None, keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
-    """Logits [B, o1 - o0, V] of positions ``out`` from a pass over ``query`` (plus ``cache``'s keys).
+    """Logits [B, n, V] of positions ``out`` (a span [o0, o1), or [B, n] positions per row) from a
+    pass over ``query`` (plus ``cache``'s keys).
 
     ids, mask [B, T] are the whole sequence (mask: real tokens). ``keep``: spans inside ``query``
     whose keys/values this pass returns as a new cache (None when empty)."""
@@ -88,7 +90,10 @@ def window_logits(model: nn.Module, ids: Tensor, mask: Tensor, query: Span, out:
         return m.window(ids, mask, query, out, cache, keep)
     if cache is not None or keep:
         raise ValueError(f"{type(m).__name__} has no KV cache: use sampler.cache=none")
-    return model(ids, mask)[:, out[0]:out[1]], None
+    full = model(ids, mask)                                                             # [B, T, V]
+    if isinstance(out, Tensor):
+        return full.gather(1, out[..., None].expand(-1, -1, full.shape[-1])), None
+    return full[:, out[0]:out[1]], None
 
 
 def key_mask(mask: Tensor, query: Span, cache: KVCache | None) -> tuple[Tensor, Tensor]:
@@ -98,7 +103,7 @@ def key_mask(mask: Tensor, query: Span, cache: KVCache | None) -> tuple[Tensor, 
     return idx, mask[:, idx]
 
 
-def hf_window(lm: Any, ids: Tensor, mask: Tensor, query: Span, out: Span, cache: KVCache | None,
+def hf_window(lm: Any, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None,
               keep: tuple[Span, ...], block_size: int = 0, shift: bool = False) -> tuple[Tensor, KVCache | None]:
     """:func:`window_logits` for a transformers ``*ForCausalLM`` run bidirectionally (or block-causal
     with ``block_size`` > 0, Dream's logit ``shift``). Positions count real tokens only, as in the
@@ -122,7 +127,7 @@ def hf_window(lm: Any, ids: Tensor, mask: Tensor, query: Span, out: Span, cache:
     res = lm.model(input_ids=ids[:, q0:q1], attention_mask=allowed, position_ids=pos[:, q0:q1],
                    cache=past, use_cache=past is not None or bool(keep))
     h = res.last_hidden_state                                                           # [B, Tq, D]
-    logits = shifted_head(lm.lm_head, h, mask, query, out) if shift else lm.lm_head(h[:, out[0] - q0:out[1] - q0])
+    logits = lm.lm_head(out_hidden(h, mask, query, out, shift))                         # [B, n, V]
     new = None
     if keep:
         layers = res.cache.layers
@@ -132,17 +137,22 @@ def hf_window(lm: Any, ids: Tensor, mask: Tensor, query: Span, out: Span, cache:
     return logits, new
 
 
-def shifted_head(head: nn.Module, h: Tensor, mask: Tensor, query: Span, out: Span) -> Tensor:
-    """Dream's shift on a window: position i reads the hidden state at i - 1, except a row's first
-    real token, which reads its own (Dream's ``cat([logits[:, :1], logits[:, :-1]])`` at position 0)."""
+def out_hidden(h: Tensor, mask: Tensor, query: Span, out: Out, shift: bool = False) -> Tensor:
+    """The hidden states [B, n, D] that the logits of ``out`` are read from: a span [o0, o1) of
+    positions, or [B, n] absolute positions per row (the learner scores committed positions only).
+
+    Dream's ``shift``: position i reads the state at i - 1, except a row's first real token, which
+    reads its own (Dream's ``cat([logits[:, :1], logits[:, :-1]])`` at position 0)."""
     q0 = query[0]
-    o0, o1 = out
-    if o0 == q0 > 0:
-        raise ValueError(f"a shifted window needs position {o0 - 1} in its query {query}")
-    a = max(o0 - 1, q0)
-    z = head(h[:, a - q0:o1 - q0])                                     # [B, o1 - a, V]
-    own = z[:, o0 - a:]                                                # logits read at i
-    prev = z[:, :o1 - o0] if o0 > q0 else torch.cat([z[:, :1], z[:, :o1 - o0 - 1]], 1)   # read at i - 1
-    before = mask[:, o0 - 1:o1 - 1] if o0 > 0 else torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :o1 - 1]], 1)
-    first = mask[:, o0:o1] & ~before                                   # [B, L] a row's first real token
-    return torch.where(first[..., None], own, prev)
+    if not isinstance(out, Tensor):
+        if not shift:
+            return h[:, out[0] - q0:out[1] - q0]                                         # a view
+        if out[0] == q0 > 0:
+            raise ValueError(f"a shifted window needs position {out[0] - 1} in its query {query}")
+        out = torch.arange(out[0], out[1], device=h.device).expand(h.shape[0], -1)
+    idx = out
+    if shift:
+        before = torch.where(idx > 0, mask.gather(1, (idx - 1).clamp_min(0)), torch.zeros_like(idx, dtype=torch.bool))
+        first = mask.gather(1, idx) & ~before                                            # [B, n]
+        idx = torch.where(first, idx, (idx - 1).clamp_min(0))
+    return h.gather(1, (idx - q0)[..., None].expand(-1, -1, h.shape[-1]))              # [B, n, D]

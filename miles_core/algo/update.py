@@ -29,7 +29,8 @@ from miles_core.algo.loss import SUM_KEYS, ADPOLoss
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
 from miles_core.parallel import World
-from miles_core.samplers.step import denoise_step, left_pad, rebuild_state
+from miles_core.samplers.step import left_pad, rebuild_state, step_from_logits
+from miles_core.window import model_device, window_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -42,11 +43,12 @@ class Rows:
     weight: Tensor
 
 
-def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Generator) -> Rows:
+def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Generator, merge: int = 1) -> Rows:
     """All (b, k) rows, or a random fraction rho of each trajectory's steps reweighted by K_b/m_b
-    so that the subsampled objective is unbiased for the full one."""
+    so that the subsampled objective is unbiased for the full one. ``merge`` = s > 1: a row is a
+    group of s consecutive steps (ceil(K_b / s) rows per trajectory)."""
     trajs, steps, weights = [], [], []
-    for b, k_b in enumerate(batch.num_steps.tolist()):
+    for b, k_b in enumerate((-(-batch.num_steps // merge)).tolist()):
         m_b = k_b if step_fraction >= 1.0 else max(1, math.ceil(step_fraction * k_b))
         chosen = torch.randperm(k_b, generator=generator)[:m_b] if m_b < k_b else torch.arange(k_b)
         trajs.append(torch.full((m_b,), b))
@@ -56,19 +58,22 @@ def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Ge
 
 
 def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, estimator: str,
-               prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None) -> tuple[Tensor, Tensor, int, Tensor]:
+               prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
+               merge: int = 1) -> tuple[Tensor, Tensor, int, Tensor]:
     """-> x [R, T], attn [R, T], prompt width, commit [R, L] for the given rows.
 
     ``adpo``: the recorded state before step k (rebuilt from ``step_map``), scoring the tokens
-    committed at k. ``meanfield``: the whole completion masked, every token scored, prompt tokens
+    committed at k (``merge`` = s: row g is the state before step s*g, scoring the tokens of steps
+    s*g .. s*g + s - 1 at once, TraceRL's shrinkage). ``meanfield``: the whole completion masked, every token scored, prompt tokens
     masked where ``prompt_mask`` [R, P] says (right-aligned). ``coupled``: the completion masked
     where ``comp_mask`` [R, L] says, each row scoring the tokens it masks.
     """
     prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
     comp = batch.completion_ids[traj]
-    if estimator == "adpo":
-        state = rebuild_state(comp, batch.step_map[traj], step, tok.mask_id)
-        commit = batch.step_map[traj] == step[:, None]
+    if estimator == "adpo":  # merge = s: the state before step s*g, scoring steps s*g .. s*g + s - 1
+        sm, first = batch.step_map[traj], step * merge
+        state = rebuild_state(comp, sm, first, tok.mask_id)
+        commit = (sm >= first[:, None]) & (sm < (first + merge)[:, None])
     elif estimator == "coupled":
         assert comp_mask is not None, "coupled rows need their completion mask"
         commit = comp_mask
@@ -84,12 +89,26 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
 
 
 def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, temperature: float,
-               estimator: str = "adpo", prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None):
-    """Current-policy log-probs of the committed tokens of each row: logp, entropy, commit [R, L]."""
-    x, attn, width, commit = row_inputs(batch, traj, step, tok, estimator, prompt_mask, comp_mask)
-    out = denoise_step(model, x, attn, width, temperature=temperature, forbidden=tok.forbidden_ids,
-                       tokens=batch.completion_ids[traj])
-    return out.logp, out.entropy, commit
+               estimator: str = "adpo", prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
+               merge: int = 1):
+    """Current-policy log-probs of the committed tokens of each row: logp, entropy, commit [R, L].
+
+    Logits are computed at the committed positions only (an ADPO row commits a few of L tokens; at
+    a 126k vocabulary the whole completion's logits are the update's largest tensor): the n
+    positions of the widest row, other rows padded with uncommitted positions that are masked."""
+    x, attn, width, commit = row_inputs(batch, traj, step, tok, estimator, prompt_mask, comp_mask, merge)
+    n = max(int(commit.sum(1).max()), 1)                                    # the chunk's one host read
+    order = commit.long().argsort(dim=1, descending=True, stable=True)[:, :n]         # [R, n] committed first
+    take = commit.gather(1, order)
+    dev = model_device(model)
+    logits, _ = window_logits(model, x, attn, (0, x.shape[1]), (order + width).to(dev))   # [R, n, V]
+    out = step_from_logits(logits, temperature=temperature, forbidden=tok.forbidden_ids,
+                           tokens=batch.completion_ids[traj].gather(1, order).to(dev))
+    zeros = torch.zeros(commit.shape, device=out.logp.device)
+    order, take = order.to(dev), take.to(dev)
+    logp = zeros.scatter(1, order, torch.where(take, out.logp, 0.0))                    # [R, L]
+    ent = zeros.scatter(1, order, torch.where(take, out.entropy, 0.0))
+    return logp, ent, commit
 
 
 class RowScorer(Protocol):
@@ -113,7 +132,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``.
 
     ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update, so chunked
-    backward passes (``row_chunk`` rows each) add up to the full-batch gradient. ``world`` (data
+    backward passes (``row_chunk`` rows each, or as many as ``chunk_tokens`` positions allow) add up to
+    the full-batch gradient. ``world`` (data
     parallel): every rank holds the same rows and generator state and scores only ``world.shard``
     of every minibatch; gradients are summed over ranks before clipping and the step. Stats stay
     tensors (sums and counts) until one reduction and one host read at the end.
@@ -125,9 +145,14 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     device = params[0].device if params else torch.device("cpu")
     own = world.shard if world is not None else (lambda idx: idx)
 
+    # adpo.chunk_tokens: a budget in sequence positions per forward/backward, so a chunk's
+    # activations are the same size whatever the prompt and completion lengths
+    seq = getattr(scorer, "seq_len", 0)
+    per = max(1, cfg.chunk_tokens // seq) if cfg.chunk_tokens > 0 and seq > 0 else cfg.row_chunk
+
     def chunks(idx: Tensor):
-        for s in range(0, idx.numel(), cfg.row_chunk):
-            yield idx[s:s + cfg.row_chunk]
+        for s in range(0, idx.numel(), per):
+            yield idx[s:s + per]
 
     per_epoch = getattr(scorer, "per_epoch", False)  # rows redrawn each epoch (fresh masks)
     proxes: list[Tensor] = []
@@ -193,6 +218,8 @@ class MaskedStepRows:
 
     * ``adpo``: every recorded step (b, k), its state rebuilt from ``step_map``, scoring the
       tokens committed at k against their stored behaviour log-probs (the recorded trajectory).
+      ``adpo.step_merge`` = s > 1 is TraceRL's shrinkage (Wang et al., 2025, arXiv:2509.06949):
+      s consecutive steps form one row scored at the first one's state, s times fewer forwards.
     * ``meanfield``: d1 / diffu-GRPO (Zhao et al., 2025, arXiv:2504.12216): one row per
       trajectory, the completion fully masked and a random fraction ``adpo.prompt_mask_prob`` of
       the prompt masked, every token scored in one pass; a fresh prompt mask at every inner
@@ -214,11 +241,17 @@ class MaskedStepRows:
     estimator: str
     prompt_masks: Tensor | None = None  # [E, n, B, P]: meanfield's n prompt masks per epoch
     comp_masks: Tensor | None = None    # [E, n, B, L]: coupled's n masks M per epoch (each pair: M, ~M)
+    merge: int = 1                      # adpo: s steps per row (adpo.step_merge)
     epoch: int = 0
 
     @property
     def width(self) -> int:
         return self.batch.completion_len
+
+    @property
+    def seq_len(self) -> int:
+        """Positions of one row's forward: the longest prompt plus the completion."""
+        return max(len(p) for p in self.batch.prompt_ids) + self.batch.completion_len
 
     @property
     def per_epoch(self) -> bool:
@@ -239,10 +272,13 @@ class MaskedStepRows:
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         pm, cm = self.masks(traj, step)
-        return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.estimator, pm, cm)
+        return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.estimator, pm, cm,
+                          self.merge)
 
     def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
-        return self.batch.logp[traj] if self.estimator == "adpo" else None
+        """The recorded mu of each token; a merged row (s > 1) scores tokens at an earlier state than
+        the one they were sampled from, so its ratio is against the proximal policy (TraceRL)."""
+        return self.batch.logp[traj] if self.estimator == "adpo" and self.merge == 1 else None
 
 
 def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
@@ -252,9 +288,9 @@ def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, te
     b, epochs = len(sub), cfg.epochs
     prompt_width = max(len(p) for p in sub.prompt_ids)
     if cfg.estimator == "adpo":
-        rows = build_rows(sub, cfg.step_fraction, generator)
+        rows = build_rows(sub, cfg.step_fraction, generator, cfg.step_merge)
         torch.rand(b, prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
-        return rows, MaskedStepRows(sub, tok, temperature, "adpo")
+        return rows, MaskedStepRows(sub, tok, temperature, "adpo", merge=cfg.step_merge)
     n = cfg.mask_samples  # Monte-Carlo mask draws per trajectory, each row weighted 1/n
     if cfg.estimator in ("meanfield", "wd1"):  # wd1 scores d1's rows; its weights and loss differ
         rows = Rows(torch.arange(b).repeat_interleave(n), torch.arange(n).repeat(b), torch.full((b * n,), 1 / n))

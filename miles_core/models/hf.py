@@ -33,7 +33,7 @@ from miles_core.config import ConfigError
 from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.hf_tokenizer import HFTokenizer
 from miles_core.models.llama import make_bidirectional, model_inputs
-from miles_core.window import KVCache, Span, hf_window
+from miles_core.window import KVCache, Out, Span, hf_window
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -75,13 +75,16 @@ class HFDiffusion(nn.Module):
         t = input_ids.shape[1]
         return self.window(input_ids, mask, (0, t), (0, t))[0].to(input_ids.device)       # [B, T, V]
 
-    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Span, cache: KVCache | None = None,
+    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
                keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
         """miles_core/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
         if self.spec.native == "modernbert":
             if cache is not None or keep:
                 raise ValueError("modernbert has no KV cache here: use sampler.cache=none")
-            return self.forward(ids, mask)[:, out[0]:out[1]], None
+            full = self.forward(ids, mask)
+            if isinstance(out, Tensor):
+                return full.gather(1, out[..., None].expand(-1, -1, full.shape[-1])), None
+            return full[:, out[0]:out[1]], None
         bs = self.block_size if self.spec.attention == "block" else 0
         return hf_window(self.lm, ids, mask, query, out, cache, keep, block_size=bs, shift=self.spec.logit_shift)
 

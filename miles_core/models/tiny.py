@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles_core.models.checkpoint import load_module, save_module
-from miles_core.window import KVCache, Span, key_mask
+from miles_core.window import KVCache, Out, Span, key_mask, out_hidden
 
 
 @dataclass
@@ -99,7 +99,7 @@ class TinyDenoiser(nn.Module):
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         return self.window(input_ids, mask, (0, t), (0, t))[0].to(input_ids.device)         # [B, T, V]
 
-    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Span, cache: KVCache | None = None,
+    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
                keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
         """miles_core/window.py: logits of ``out`` from a pass over ``query`` attending to ``cache`` too."""
         dev = self.lm_head.weight.device  # samplers may hand CPU tensors to a model on a GPU
@@ -126,7 +126,7 @@ class TinyDenoiser(nn.Module):
         if keep:
             new = KVCache(tuple(keep), [(torch.cat([k[:, :, a - q0:e - q0] for a, e in keep], 2),
                                          torch.cat([v[:, :, a - q0:e - q0] for a, e in keep], 2)) for k, v in kvs])
-        return self.lm_head(self.ln_f(h[:, out[0] - q0:out[1] - q0])), new               # [B, o1 - o0, V]
+        return self.lm_head(self.ln_f(out_hidden(h, mask, query, out))), new               # [B, n, V]
 
     def save_pretrained(self, directory: str | Path) -> None:
         save_module(self, self.config.to_dict(), directory)

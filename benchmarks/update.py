@@ -1,0 +1,124 @@
+"""One ADPO update as the number of denoising steps K and the step merge s vary, against backprop
+through the chain, side by side in one run: tokens/s and peak memory.
+
+The model is the rollout benchmark's bidirectional Qwen3 (~41M parameters, vocab 151,936) with a
+LoRA adapter (r 16); ``--batch`` trajectories of ``--completion`` tokens, each committed over K
+steps (K/L tokens per step, a random order, as a static schedule records them). Trajectories are
+synthetic because an update's cost depends only on their shapes: step_map, behaviour log-probs and
+advantages are drawn, then one update runs through the production engine (algo/update.py).
+
+* ``adpo`` (Miles): every (trajectory, step) row scored and backpropagated in chunks of
+  ``--chunk-tokens`` positions (``adpo.chunk_tokens``), logits at committed positions only;
+  ``s`` > 1 scores s consecutive steps as one state (``adpo.step_merge``, TraceRL).
+* ``chain``: the same rows in one chunk, so every step's graph is alive at the one backward, the
+  memory profile of backpropagating through the denoising chain.
+
+Each configuration runs in a fresh process; peak memory is the growth of its peak resident set
+during the update (ru_maxrss, after the model is loaded and warmed up).
+Run: python -m benchmarks.update [--ks 8 32 128 256] [--merges 1 4 16] [--batch 2] [--completion 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import resource
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import table, write_result
+
+
+def synthetic_batch(tok, batch: int, prompt_len: int, length: int, k: int, seed: int):
+    """B trajectories of L tokens committed over K steps (L/K per step, random order)."""
+    from miles_core.types import TrajectoryBatch
+
+    g = torch.Generator().manual_seed(seed)
+    comp = torch.randint(200, 100_000, (batch, length), generator=g)
+    step_map = torch.stack([torch.randperm(length, generator=g) * k // length for _ in range(batch)])   # [B, L]
+    b = TrajectoryBatch(prompt_ids=[torch.randint(200, 100_000, (prompt_len,), generator=g).tolist()
+                                    for _ in range(batch)],
+                        completion_ids=comp, step_map=step_map, logp=-12.0 + 0.1 * torch.randn(batch, length, generator=g),
+                        nfe=torch.full((batch,), k), group_id=torch.zeros(batch, dtype=torch.long),
+                        policy_version=torch.zeros(batch, dtype=torch.long))
+    b.advantage = torch.tensor([1.0, -1.0] * (batch // 2) + [1.0] * (batch % 2))
+    return b
+
+
+def run_one(job: tuple) -> dict:
+    """One update in this (fresh) process: seconds and peak-memory growth."""
+    folder, arm, k, s, args = job
+    torch.set_num_threads(args["threads"])
+    from miles_core.algo.update import adpo_update
+    from miles_core.config import ADPOConfig
+    from miles_core.models.base import load_checkpoint
+    from miles_core.models.lora import add_lora
+
+    base, tok = load_checkpoint(folder)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(0)
+    model = add_lora(base, r=16, alpha=32)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    batch = synthetic_batch(tok, args["batch"], args["prompt_len"], args["completion"], k, seed=k)
+    rows = args["batch"] * -(-k // s)
+    seq = args["prompt_len"] + args["completion"]
+    chunk = rows * seq if arm == "chain" else args["chunk_tokens"]
+    cfg = ADPOConfig(estimator="adpo", step_fraction=1.0, step_merge=s, chunk_tokens=chunk, num_minibatches=1,
+                     epochs=1, skip_zero_variance=False)
+    warm = synthetic_batch(tok, 1, args["prompt_len"], args["completion"], 2, seed=99)
+    warm.advantage = torch.ones(1)
+    adpo_update(model, opt, warm, cfg, tok, 1.0, torch.Generator().manual_seed(0))   # allocator and kernels warm
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    t0 = time.perf_counter()
+    stats = adpo_update(model, opt, batch, cfg, tok, 1.0, torch.Generator().manual_seed(0))
+    sec = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    tokens = args["batch"] * args["completion"]
+    return {"arm": arm, "K": k, "s": s, "rows": rows, "seconds": sec, "tokens_per_s": tokens / sec,
+            "peak_mb": (peak - before) / 1024, "loss": stats.get("loss", 0.0)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128, 256])
+    ap.add_argument("--merges", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--chain-ks", type=int, nargs="+", default=[8, 32, 128],
+                    help="K values for backprop through the chain (its memory grows with K)")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--completion", type=int, default=256)
+    ap.add_argument("--chunk-tokens", type=int, default=8192, help="adpo.chunk_tokens of the Miles arm")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from benchmarks.rollout import SPEED_SIZE
+    from miles_core.models.hf import init_tiny
+
+    t_all = time.perf_counter()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="miles-update-") as d:
+        folder = str(init_tiny("bidir_qwen3", Path(d) / "m", seed=0, size=SPEED_SIZE))
+        jobs = [(folder, "adpo", k, s, vars(args)) for s in args.merges for k in args.ks if s <= k]
+        jobs += [(folder, "chain", k, 1, vars(args)) for k in args.chain_ks]
+        ctx = mp.get_context("spawn")
+        for job in jobs:  # one at a time: each owns the CPUs and its own peak memory
+            with ctx.Pool(1) as pool:
+                r = pool.apply(run_one, (job,))
+            results.append(r)
+            print(f"  {r['arm']:5s} K={r['K']:3d} s={r['s']:2d}: {r['tokens_per_s']:.1f} tokens/s, "
+                  f"peak +{r['peak_mb']:.0f} MB, {r['rows']} rows in {r['seconds']:.1f}s", flush=True)
+    print(table([[r["arm"], r["K"], r["s"], r["rows"], r["tokens_per_s"], r["peak_mb"]] for r in results],
+                ["arm", "K", "s", "rows", "tokens/s", "peak MB"]))
+    adpo1 = [r for r in results if r["arm"] == "adpo" and r["s"] == 1]
+    flat = max(r["peak_mb"] for r in adpo1) / max(min(r["peak_mb"] for r in adpo1), 1.0) if adpo1 else float("nan")
+    payload = {"results": results, "settings": vars(args), "adpo_s1_peak_ratio_max_over_min": flat,
+               "seconds": time.perf_counter() - t_all}
+    print(f"ADPO (s=1) peak memory, largest K over smallest: {flat:.2f}x")
+    print(f"wrote {write_result('update', payload)} in {payload['seconds']:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
