@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--completion", type=int, default=256)
-    ap.add_argument("--chunk-tokens", type=int, default=8192, help="adpo.chunk_tokens of the Miles arm")
+    ap.add_argument("--chunk-tokens", type=int, default=4096, help="adpo.chunk_tokens of the Miles arm")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     from benchmarks.rollout import SPEED_SIZE

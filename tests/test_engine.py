@@ -262,3 +262,17 @@ def test_scoring_at_committed_positions_equals_scoring_the_whole_completion(mode
     torch.testing.assert_close(lp[commit], full.logp[commit], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent[commit], full.entropy[commit], atol=1e-4, rtol=1e-4)
     assert (lp[~commit] == 0).all()
+
+
+def test_the_gpu_check_runs_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/gpu_check.py is the script a lent GPU runs once: its code path runs here."""
+    import json
+
+    from benchmarks.gpu_check import main
+
+    out = main(["--cpu", "--out", str(tmp_path / "gpu_check.json")])
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["models"].keys() == {"llada_8b", "sdar_4b"}
+    for entry in out["models"].values():
+        assert [r["batch"] for r in entry["rollouts"]] == [1, 4]
+        assert all(r["miles_tokens_per_s"] > 0 and r["reference_steps_timed"] > 0 for r in entry["rollouts"])
+    assert out["models"]["llada_8b"]["update"]["rows"] == 4 * 16

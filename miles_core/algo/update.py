@@ -30,7 +30,7 @@ from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
 from miles_core.parallel import World
 from miles_core.samplers.step import left_pad, rebuild_state, step_from_logits
-from miles_core.window import model_device, window_logits
+from miles_core.window import head_weight, model_device, window_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -145,14 +145,21 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     device = params[0].device if params else torch.device("cpu")
     own = world.shard if world is not None else (lambda idx: idx)
 
-    # adpo.chunk_tokens: a budget in sequence positions per forward/backward, so a chunk's
-    # activations are the same size whatever the prompt and completion lengths
-    seq = getattr(scorer, "seq_len", 0)
-    per = max(1, cfg.chunk_tokens // seq) if cfg.chunk_tokens > 0 and seq > 0 else cfg.row_chunk
+    # adpo.chunk_tokens: a memory budget in positions per forward/backward. A row costs its sequence
+    # positions plus its scored positions weighted by what their logits hold (window.head_weight), so
+    # a chunk's activations are the same size whatever K, the prompt and the completion lengths.
+    cost = scorer.row_cost(rows.traj, rows.step, head_weight(model)) if cfg.chunk_tokens > 0 and \
+        hasattr(scorer, "row_cost") else None
 
     def chunks(idx: Tensor):
-        for s in range(0, idx.numel(), per):
-            yield idx[s:s + per]
+        if cost is None:
+            for s in range(0, idx.numel(), cfg.row_chunk):
+                yield idx[s:s + cfg.row_chunk]
+            return
+        c = cost[idx]
+        group = ((c.cumsum(0) - c) // cfg.chunk_tokens).long()           # rows starting in one budget
+        for g in group.unique_consecutive().tolist():
+            yield idx[group == g]
 
     per_epoch = getattr(scorer, "per_epoch", False)  # rows redrawn each epoch (fresh masks)
     proxes: list[Tensor] = []
@@ -252,6 +259,17 @@ class MaskedStepRows:
     def seq_len(self) -> int:
         """Positions of one row's forward: the longest prompt plus the completion."""
         return max(len(p) for p in self.batch.prompt_ids) + self.batch.completion_len
+
+    def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor:
+        """[R] memory of each row in positions: its forward's plus ``head`` per scored position."""
+        if self.estimator == "adpo":
+            sm, first = self.batch.step_map[traj], step * self.merge
+            scored = ((sm >= first[:, None]) & (sm < (first + self.merge)[:, None])).sum(1)
+        elif self.estimator == "coupled":  # a mask and its complement: half the completion on average
+            scored = torch.full_like(traj, self.batch.completion_len // 2)
+        else:
+            scored = torch.full_like(traj, self.batch.completion_len)
+        return self.seq_len + head * scored.float()
 
     @property
     def per_epoch(self) -> bool:

@@ -1,0 +1,174 @@
+"""The prepared check for a lent GPU (issue 28): rollouts and one ADPO update at real-model shapes,
+written to one JSON. Run it through ``benchmarks/gpu_check.sh`` (under 8 minutes on an H200).
+
+Models, random-init in bf16 directly on the device (nothing is downloaded):
+* LLaDA-8B's shape (32 layers, hidden 4096, 32 heads, MLP 12288, vocab 126,464), bidirectional;
+* SDAR-4B's shape (36 layers, hidden 2560, 32 heads / 8 KV heads, head 128, MLP 9728, vocab
+  151,936), block-causal with blocks of 4.
+For each, at batch 1 and ``--batch``: the LLaDA-style reference (benchmarks/rollout.py: a full
+forward and the whole sequence's logits every step, timed over its first steps, each of which costs
+the same) against Miles' sampler (NSD + dual cache for LLaDA, NSD + prefix cache, exact for
+block-causal attention when blocks align, for SDAR), whole rollouts, completion 256, block 32.
+Random weights are never confident, so NSD commits one token per step here: the figures are the
+engine's, at the reference's number of steps. Host reads in Miles' rollout are counted on the
+device (HostReads sees the real device-to-host copies there).
+One ADPO update on the LLaDA shape: ``--batch`` completions of 256 tokens over 16 steps, LoRA
+r=64 (fp32 adapters on the bf16 base), ``adpo.chunk_tokens`` 32768: seconds and peak memory.
+Not covered yet: async against sync at this size (two processes sharing the GPU).
+
+``--cpu`` runs the same code at toy sizes (a test does, so the script cannot rot unseen).
+Run: python -m benchmarks.gpu_check [--cpu] [--batch 64] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.rollout import reference_generate
+from benchmarks.update import synthetic_batch
+from miles_core.config import ADPOConfig, SamplerConfig
+from miles_core.models.families import SPECS
+from miles_core.models.hf import HFDiffusion, native_classes, tiny_tokenizer
+from miles_core.models.hf_tokenizer import HFTokenizer
+from miles_core.samplers.hostreads import HostReads
+from miles_core.samplers.sampler import sample
+
+SHAPES = {
+    "llada_8b": ("llada", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+                           "num_key_value_heads": 32, "intermediate_size": 12288, "vocab_size": 126464}),
+    "sdar_4b": ("sdar", {"hidden_size": 2560, "num_hidden_layers": 36, "num_attention_heads": 32,
+                         "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 9728, "vocab_size": 151936}),
+}
+TOY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
+       "intermediate_size": 128, "head_dim": 16}
+
+
+def build(name: str, device: torch.device, dtype: torch.dtype, toy: bool) -> tuple[HFDiffusion, HFTokenizer]:
+    """A random-init model of ``name``'s shape, built on the device in ``dtype``."""
+    family, dims = SHAPES[name]
+    spec = SPECS[family]
+    cfg_cls, lm_cls = native_classes(spec)
+    dims = {**dims, **(TOY if toy else {})}
+    if spec.native == "llama":
+        dims.pop("head_dim", None)
+    config = cfg_cls(**dims, max_position_embeddings=1024, tie_word_embeddings=False, eos_token_id=spec.eos_id,
+                     pad_token_id=spec.eos_id, bos_token_id=None)
+    config._attn_implementation = "sdpa"
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            torch.manual_seed(0)
+            lm = lm_cls(config)
+    finally:
+        torch.set_default_dtype(old)
+    model = HFDiffusion(lm.eval(), spec, block_size=4)
+    return model, HFTokenizer(tiny_tokenizer(spec, dims["vocab_size"]))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def rollouts(model, tok, device, batch: int, completion: int, block: int, cache: str, ref_steps: int) -> dict:
+    """Reference tokens/s over its first steps against a whole Miles rollout (NSD + ``cache``)."""
+    prompt = torch.randint(200, 100_000, (batch, 64), generator=torch.Generator().manual_seed(batch)).to(device)
+    with torch.no_grad():
+        sync(device)
+        t0 = time.perf_counter()
+        _, ran = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, completion, block, completion,
+                                    max_steps=ref_steps)
+        sync(device)
+        ref_s = time.perf_counter() - t0
+    cfg = SamplerConfig(kind="nsd", threshold=0.9, max_per_step=block, block_size=block, temperature=0.0, cache=cache)
+    with HostReads() as reads:
+        sync(device)
+        t0 = time.perf_counter()
+        out = sample(model, tok, prompt.tolist(), cfg, completion, torch.Generator().manual_seed(0))
+        sync(device)
+        sec = time.perf_counter() - t0
+    return {"batch": batch, "reference_tokens_per_s": batch * ran / ref_s, "reference_steps_timed": ran,
+            "miles_tokens_per_s": batch * completion / sec, "miles_seconds": sec,
+            "miles_nfe_mean": float(out.nfe.float().mean()), "speedup": (batch * completion / sec) / (batch * ran / ref_s),
+            "miles_host_reads": reads.count, "miles_host_bytes": reads.bytes, "cache": cache}
+
+
+def one_update(model, tok, device, batch: int, completion: int) -> dict:
+    """One ADPO update (LoRA r=64) on synthetic trajectories of 16 steps: seconds and peak memory."""
+    from miles_core.algo.update import adpo_update
+    from miles_core.models.lora import add_lora
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(0)
+    policy = add_lora(model, r=64, alpha=128)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    cfg = ADPOConfig(estimator="adpo", chunk_tokens=32768, num_minibatches=1, epochs=1, skip_zero_variance=False)
+    trajs = synthetic_batch(tok, batch, 64, completion, 16, seed=0)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base_mem = torch.cuda.memory_allocated()
+    sync(device)
+    t0 = time.perf_counter()
+    stats = adpo_update(policy, opt, trajs, cfg, tok, 1.0, torch.Generator().manual_seed(0))
+    sync(device)
+    sec = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if device.type == "cuda" else float("nan")
+    return {"completions": batch, "tokens": batch * completion, "rows": int(stats.get("rows", 0)), "seconds": sec,
+            "tokens_per_s": batch * completion / sec, "peak_gib_above_weights": peak,
+            "lora_parameters": sum(p.numel() for p in params), "adapter_dtype": str(params[0].dtype)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cpu", action="store_true", help="toy sizes on the CPU (the code path, not the figures)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--completion", type=int, default=256)
+    ap.add_argument("--block", type=int, default=32)
+    ap.add_argument("--out", default="benchmarks/results/gpu_check.json")
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.cpu else "cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check: torch sees no CUDA device (use --cpu for the code path)")
+    dtype = torch.float32 if args.cpu else torch.bfloat16
+    batch, completion = (4, 64) if args.cpu else (args.batch, args.completion)
+    t_all = time.perf_counter()
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
+                    "torch": torch.__version__, "models": {}}
+    for name, cache in (("llada_8b", "dual"), ("sdar_4b", "prefix")):
+        t0 = time.perf_counter()
+        model, tok = build(name, device, dtype, args.cpu)
+        entry = {"parameters": sum(p.numel() for p in model.parameters()), "build_s": time.perf_counter() - t0,
+                 "rollouts": [rollouts(model, tok, device, b, completion, args.block, cache, 8 if b == 1 else 4)
+                              for b in (1, batch)]}
+        if name == "llada_8b":
+            entry["update"] = one_update(model, tok, device, batch, completion)
+        result["models"][name] = entry
+        for r in entry["rollouts"]:
+            print(f"{name} batch {r['batch']}: reference {r['reference_tokens_per_s']:.1f} tok/s, Miles "
+                  f"(nsd+{cache}) {r['miles_tokens_per_s']:.1f} tok/s ({r['speedup']:.1f}x), "
+                  f"{r['miles_host_reads']} host reads", flush=True)
+        if "update" in entry:
+            u = entry["update"]
+            print(f"{name} ADPO update: {u['completions']} x {completion} tokens, {u['rows']} rows, "
+                  f"{u['seconds']:.1f}s, peak {u['peak_gib_above_weights']:.1f} GiB above the weights", flush=True)
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    result["seconds"] = time.perf_counter() - t_all
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out} in {result['seconds']:.0f}s")
+    return result
+
+
+if __name__ == "__main__":
+    main()
