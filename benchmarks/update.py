@@ -13,8 +13,11 @@ advantages are drawn, then one update runs through the production engine (algo/u
 * ``chain``: the same rows in one chunk, so every step's graph is alive at the one backward, the
   memory profile of backpropagating through the denoising chain.
 
-Each configuration runs in a fresh process; peak memory is the growth of its peak resident set
-during the update (ru_maxrss, after the model is loaded and warmed up).
+Each configuration runs in a fresh process. Peak memory is measured twice: the peak bytes autograd
+holds for backward (benchmarks/memory.py's SavedTensorMeter: deterministic, the activation memory
+the methods differ in), and the growth of the peak resident set over the resident set just before
+the update (Linux: the peak is reset through /proc/self/clear_refs after the model is loaded and
+one small update has warmed up; allocator caching makes it noisier).
 Run: python -m benchmarks.update [--ks 8 32 128 256] [--merges 1 4 16] [--batch 2] [--completion 256]
 """
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import resource
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -52,6 +55,7 @@ def run_one(job: tuple) -> dict:
     """One update in this (fresh) process: seconds and peak-memory growth."""
     folder, arm, k, s, args = job
     torch.set_num_threads(args["threads"])
+    from benchmarks.memory import SavedTensorMeter
     from miles_core.algo.update import adpo_update
     from miles_core.config import ADPOConfig
     from miles_core.models.base import load_checkpoint
@@ -65,21 +69,38 @@ def run_one(job: tuple) -> dict:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch = synthetic_batch(tok, args["batch"], args["prompt_len"], args["completion"], k, seed=k)
     rows = args["batch"] * -(-k // s)
-    seq = args["prompt_len"] + args["completion"]
-    chunk = rows * seq if arm == "chain" else args["chunk_tokens"]
+    chunk = 10**12 if arm == "chain" else args["chunk_tokens"]       # chain: every row in one backward
     cfg = ADPOConfig(estimator="adpo", step_fraction=1.0, step_merge=s, chunk_tokens=chunk, num_minibatches=1,
                      epochs=1, skip_zero_variance=False)
     warm = synthetic_batch(tok, 1, args["prompt_len"], args["completion"], 2, seed=99)
     warm.advantage = torch.ones(1)
     adpo_update(model, opt, warm, cfg, tok, 1.0, torch.Generator().manual_seed(0))   # allocator and kernels warm
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    meter = SavedTensorMeter(list(model.parameters()))
+    out: dict = {}
+    before = reset_peak_rss()
     t0 = time.perf_counter()
-    stats = adpo_update(model, opt, batch, cfg, tok, 1.0, torch.Generator().manual_seed(0))
+    saved = meter.measure(lambda: out.update(adpo_update(model, opt, batch, cfg, tok, 1.0,
+                                                         torch.Generator().manual_seed(0))))
     sec = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kb("VmHWM")
     tokens = args["batch"] * args["completion"]
     return {"arm": arm, "K": k, "s": s, "rows": rows, "seconds": sec, "tokens_per_s": tokens / sec,
-            "peak_mb": (peak - before) / 1024, "loss": stats.get("loss", 0.0)}
+            "saved_mb": saved / 2**20, "peak_rss_mb": (peak - before) / 1024, "loss": out.get("loss", 0.0)}
+
+
+def status_kb(field: str) -> int:
+    """A ``/proc/self/status`` memory field in KiB (VmRSS: resident now, VmHWM: its peak)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def reset_peak_rss() -> int:
+    """Reset the peak resident set to the current one (Linux: ``5 > /proc/self/clear_refs``) and
+    return it, so the peak read after the update is the update's own."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return status_kb("VmRSS")
 
 
 def main() -> None:
@@ -103,20 +124,23 @@ def main() -> None:
         folder = str(init_tiny("bidir_qwen3", Path(d) / "m", seed=0, size=SPEED_SIZE))
         jobs = [(folder, "adpo", k, s, vars(args)) for s in args.merges for k in args.ks if s <= k]
         jobs += [(folder, "chain", k, 1, vars(args)) for k in args.chain_ks]
+        # glibc maps every allocation of 64 KiB or more on its own and unmaps it when freed, so the
+        # resident set follows the live tensors instead of what the allocator keeps cached
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
         ctx = mp.get_context("spawn")
         for job in jobs:  # one at a time: each owns the CPUs and its own peak memory
             with ctx.Pool(1) as pool:
                 r = pool.apply(run_one, (job,))
             results.append(r)
             print(f"  {r['arm']:5s} K={r['K']:3d} s={r['s']:2d}: {r['tokens_per_s']:.1f} tokens/s, "
-                  f"peak +{r['peak_mb']:.0f} MB, {r['rows']} rows in {r['seconds']:.1f}s", flush=True)
-    print(table([[r["arm"], r["K"], r["s"], r["rows"], r["tokens_per_s"], r["peak_mb"]] for r in results],
-                ["arm", "K", "s", "rows", "tokens/s", "peak MB"]))
+                  f"saved for backward {r['saved_mb']:.0f} MB, peak RSS +{r['peak_rss_mb']:.0f} MB, {r['rows']} rows in {r['seconds']:.1f}s", flush=True)
+    print(table([[r["arm"], r["K"], r["s"], r["rows"], r["tokens_per_s"], r["saved_mb"], r["peak_rss_mb"]]
+                 for r in results], ["arm", "K", "s", "rows", "tokens/s", "saved MB", "peak RSS MB"]))
     adpo1 = [r for r in results if r["arm"] == "adpo" and r["s"] == 1]
-    flat = max(r["peak_mb"] for r in adpo1) / max(min(r["peak_mb"] for r in adpo1), 1.0) if adpo1 else float("nan")
+    flat = max(r["saved_mb"] for r in adpo1) / max(min(r["saved_mb"] for r in adpo1), 1e-9) if adpo1 else float("nan")
     payload = {"results": results, "settings": vars(args), "adpo_s1_peak_ratio_max_over_min": flat,
                "seconds": time.perf_counter() - t_all}
-    print(f"ADPO (s=1) peak memory, largest K over smallest: {flat:.2f}x")
+    print(f"ADPO (s=1) peak saved-for-backward memory, largest over smallest across K: {flat:.2f}x")
     print(f"wrote {write_result('update', payload)} in {payload['seconds']:.0f}s")
 
 

@@ -58,9 +58,12 @@ class ModelConfig:
     # empty: the tokenizer's mask token, else '[MASK]' is added.
     mask_token: str = ""
     # where the denoiser's weights live and its forward passes run: cpu, cuda, cuda:N, or auto (cuda
-    # when torch sees one, else cpu). Samplers and losses keep their tensors on the CPU (seeded
-    # generators, step maps); the model moves its inputs over and hands logits back.
+    # when torch sees one, else cpu). The sampler's state and noise and the learner's scoring live
+    # there too; only tokens, step maps, log-probs and NFE come back to the host.
     device: str = "cpu"
+    # the frozen base's weights (llama and the families): bfloat16 halves their memory and traffic;
+    # LoRA adapters stay float32 (peft casts them up), and log-probs are computed in float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
 
 
 @dataclass(frozen=True)

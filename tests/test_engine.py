@@ -276,3 +276,23 @@ def test_the_gpu_check_runs_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
         assert [r["batch"] for r in entry["rollouts"]] == [1, 4]
         assert all(r["miles_tokens_per_s"] > 0 and r["reference_steps_timed"] > 0 for r in entry["rollouts"])
     assert out["models"]["llada_8b"]["update"]["rows"] == 4 * 16
+
+
+def test_a_bf16_base_samples_and_trains_with_fp32_adapters(tmp_path: Path) -> None:
+    from miles_core.algo.update import adpo_update
+    from miles_core.config import ADPOConfig
+    from miles_core.models.lora import add_lora
+
+    base, tok = load_checkpoint(init_tiny("bidir_qwen3", tmp_path / "m", seed=0), dtype="bfloat16")
+    assert {p.dtype for p in base.parameters()} == {torch.bfloat16}
+    for p in base.parameters():
+        p.requires_grad_(False)
+    model = add_lora(base, r=4, alpha=8)
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert params and {p.dtype for p in params} == {torch.float32}   # peft keeps adapters in float32
+    batch = sample(model, tok, prompts_for(tok, 2, 9), NSD, 16, torch.Generator().manual_seed(0))
+    assert batch.logp.dtype == torch.float32 and torch.isfinite(batch.logp).all()
+    batch.advantage = torch.tensor([1.0, -1.0])
+    stats = adpo_update(model, torch.optim.AdamW(params, lr=1e-3), batch, ADPOConfig(), tok, 1.0,
+                        torch.Generator().manual_seed(0))
+    assert stats["rows"] > 0 and all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)

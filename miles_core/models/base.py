@@ -90,13 +90,14 @@ def local_model_dir(path: str | Path) -> Path:
 
 
 def load_checkpoint(directory: str | Path, mask_token: str | None = None, family: str = "auto",
-                    trust_remote_code: bool = False) -> tuple[nn.Module, AnyTokenizer]:
+                    trust_remote_code: bool = False, dtype: str = "float32") -> tuple[nn.Module, AnyTokenizer]:
     """Load a base denoiser and its tokenizer from a folder: a Miles tiny checkpoint, a Hugging
     Face Llama (``bidir_llama``, models/llama.py) or a published diffusion family (models/families.py:
     llada, dream, sdar, bidir_qwen3), by ``family`` or (``auto``) by config.json's model_type.
 
     ``mask_token`` only matters for a Llama whose tokenizer registers no mask token. ``remote_code``
-    (an explicit opt-in with ``trust_remote_code``) runs the folder's own modeling code."""
+    (an explicit opt-in with ``trust_remote_code``) runs the folder's own modeling code. ``dtype``
+    (``model.dtype``): the weights of a Llama or a family (tiny checkpoints load as saved)."""
     d = local_model_dir(directory)
     cfg_path = d / "config.json"
     if not cfg_path.exists():
@@ -109,7 +110,7 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None, family
     if family == "bidir_llama" or (family == "auto" and model_type == "llama"):
         from miles_core.models.llama import load_llama
 
-        return load_llama(d, mask_token=mask_token)
+        return load_llama(d, mask_token=mask_token, dtype=getattr(torch, dtype))
     from miles_core.models.hf import load_family, load_remote_code
 
     from miles_core.models.families import SPECS
@@ -117,7 +118,7 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None, family
     known = any(model_type in s.model_types for s in SPECS.values())
     if family == "remote_code" or (family == "auto" and trust_remote_code and not known):
         return load_remote_code(d, trust_remote_code)
-    return load_family(d, family)
+    return load_family(d, family, dtype=getattr(torch, dtype))
 
 
 def load_base(cfg: "RecipeConfig", directory: str | Path) -> tuple[nn.Module, AnyTokenizer]:
@@ -125,7 +126,7 @@ def load_base(cfg: "RecipeConfig", directory: str | Path) -> tuple[nn.Module, An
     opt-in) and its prompt template: the one way training, sampling, evaluation and serving load
     a base, so all of them encode prompts alike."""
     model, tok = load_checkpoint(directory, mask_token=cfg.model.mask_token or None, family=cfg.model.family,
-                                 trust_remote_code=cfg.model.trust_remote_code)
+                                 trust_remote_code=cfg.model.trust_remote_code, dtype=cfg.model.dtype)
     set_prompt_format(tok, cfg, directory)
     return model, tok
 
