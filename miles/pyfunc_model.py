@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 import mlflow.pyfunc
+import pandas as pd
 from mlflow.models.signature import ModelSignature
 from mlflow.types.schema import ColSpec, ParamSchema, ParamSpec, Schema
 
@@ -89,9 +90,10 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
 
         return canonical_prompt(self.cfg.task.name, prompt)
 
-    # model_input stays unannotated on purpose: MLflow would take a type hint as the schema in place
-    # of the explicit signature, and lose its sampling params (MLflow prints advice to add one)
-    def predict(self, context: Any, model_input, params: dict[str, Any] | None = None) -> list[str]:  # type: ignore[no-untyped-def]
+    # model_input is a DataFrame: MLflow converts any input to one against the explicit signature
+    # (a ``prompt`` column) before predict, and takes this hint as "no schema from the hint", so the
+    # signature keeps its sampling params and no "Add type hints" warning is printed at load
+    def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
         """One completion per prompt (greedy by default, as evaluated; ``temperature``/``seed`` params)."""
         import torch
 
