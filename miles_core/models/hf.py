@@ -5,10 +5,11 @@ attention_mask [B, T] bool) -> [B, T, V]``.
 
 * Positions count real tokens only (``cumsum(mask) - 1``), and block boundaries of block-causal
   families follow those positions, so a row's logits do not depend on its batch's padding.
-* Full attention: transformers 5 honours ``config.is_causal=False`` and the ``is_causal`` kwarg
-  (masking_utils.create_causal_mask falls back to a bidirectional mask; the SDPA path reads the
-  kwarg), both set here. Block-causal: a bool 4D mask ``[B, 1, T, T]`` (True = may attend),
-  which transformers passes to every layer as-is (masking_utils._preprocess_mask_arguments).
+* Every pass goes through ``window`` (miles_core/window.py), which hands the backbone a bool 4D
+  mask (True = may attend) that transformers passes to every layer as-is
+  (masking_utils._preprocess_mask_arguments): ``[B, 1, 1, Tk]`` real keys for full attention
+  (``config.is_causal=False`` and every module's flag are set too, see models/llama.py), and
+  ``[B, 1, Tq, Tk]`` "same or earlier block" for block-causal families. Keys may come from a cache.
 * Dream's shift: the prediction for position i is read from the logits at i - 1 (a row's first
   real token reads its own, as Dream's position 0 does, so left padding changes nothing).
 
