@@ -7,8 +7,9 @@ Models, random-init in bf16 directly on the device (nothing is downloaded):
   151,936), block-causal with blocks of 4.
 For each, at batch 1 and ``--batch``: the LLaDA-style reference (benchmarks/rollout.py: a full
 forward and the whole sequence's logits every step, timed over its first steps, each of which costs
-the same) against Miles' sampler (NSD + dual cache for LLaDA, NSD + prefix cache, exact for
-block-causal attention when blocks align, for SDAR), whole rollouts, completion 256, block 32.
+the same) against Miles' sampler (NSD + dual cache for LLaDA, NSD + prefix cache for SDAR, where
+block-causal attention makes it exact in principle when the prefix ends on a model block boundary),
+whole rollouts, completion 256, block 32.
 Random weights are never confident, so NSD commits one token per step here: the figures are the
 engine's, at the reference's number of steps. Host reads in Miles' rollout are counted on the
 device (HostReads sees the real device-to-host copies there).
