@@ -172,7 +172,7 @@ def logp_gap(model, tok, prompts: list[list[int]], cfg: SamplerConfig, length: i
             k = int(batch.num_steps[b])
             traj, step = torch.full((k,), b), torch.arange(k)
             lp, _, commit = score_rows(model, batch, traj, step, tok, cfg.temperature)
-            gaps.append((lp - batch.logp[traj]).abs()[commit])
+            gaps.append((lp - batch.logp[traj].to(lp.device)).abs()[commit].cpu())
     g = torch.cat(gaps)
     return float(g.mean()), float(g.quantile(0.99))
 

@@ -108,7 +108,7 @@ def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: C
     order, take = order.to(dev), take.to(dev)
     logp = zeros.scatter(1, order, torch.where(take, out.logp, 0.0))                    # [R, L]
     ent = zeros.scatter(1, order, torch.where(take, out.entropy, 0.0))
-    return logp, ent, commit
+    return logp, ent, commit.to(dev)  # all three where the loss runs: the model's device
 
 
 class RowScorer(Protocol):
