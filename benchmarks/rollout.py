@@ -109,6 +109,7 @@ class FirstBlocks(torch.nn.Module):
 
 
 def speed_modes(block: int, completion: int) -> dict[str, SamplerConfig]:
+    """The four modes both parts compare: static with one token per step, NSD, NSD + each cache."""
     nsd = SamplerConfig(kind="nsd", threshold=0.9, max_per_step=block, block_size=block, temperature=0.0)
     return {"static": SamplerConfig(kind="static", steps=completion, block_size=block, temperature=0.0),
             "nsd": nsd, "nsd+prefix": replace(nsd, cache="prefix"), "nsd+dual": replace(nsd, cache="dual")}
@@ -188,9 +189,7 @@ def accuracy_part(args) -> dict:
     model.eval()
     L, blk = cfg.task.completion_len, 8
     probs = data.test[:args.problems]
-    nsd = SamplerConfig(kind="nsd", threshold=0.9, max_per_step=blk, block_size=blk, temperature=0.0)
-    modes = {"static": SamplerConfig(kind="static", steps=L, block_size=blk, temperature=0.0), "nsd": nsd,
-             "nsd+prefix": replace(nsd, cache="prefix"), "nsd+dual": replace(nsd, cache="dual")}
+    modes = speed_modes(blk, L)
     rl_prompts = [tok.encode(p.prompt) for p in data.test[:64]]
     out = {}
     for name, s in modes.items():

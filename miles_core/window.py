@@ -23,7 +23,7 @@ and no cache.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import torch
 from torch import Tensor, nn
@@ -105,10 +105,22 @@ def window_logits(model: nn.Module, ids: Tensor, mask: Tensor, query: Span, out:
         return m.window(ids, mask, query, out, cache, keep)
     if cache is not None or keep:
         raise ValueError(f"{type(m).__name__} has no KV cache: use sampler.cache=none")
-    full = model(ids, mask)                                                             # [B, T, V]
+    return select_out(model(ids, mask), out), None
+
+
+def select_out(full: Tensor, out: Out) -> Tensor:
+    """The ``out`` positions [B, n, V] of a full forward's logits [B, T, V] (models without a window)."""
     if isinstance(out, Tensor):
-        return full.gather(1, out[..., None].expand(-1, -1, full.shape[-1])), None
-    return full[:, out[0]:out[1]], None
+        return full.gather(1, out[..., None].expand(-1, -1, full.shape[-1]))
+    return full[:, out[0]:out[1]]
+
+
+def kept_spans(layers: list[tuple[Tensor, Tensor]], keep: tuple[Span, ...], start: int) -> KVCache:
+    """A cache of the absolute positions ``keep`` from a pass's per-layer keys/values [B, H, N, Dh],
+    whose index 0 is absolute position ``start``."""
+    def take(t: Tensor) -> Tensor:
+        return torch.cat([t[:, :, a - start:b - start] for a, b in keep], 2)
+    return KVCache(tuple(keep), [(take(k), take(v)) for k, v in layers])
 
 
 def key_mask(mask: Tensor, query: Span, cache: KVCache | None) -> tuple[Tensor, Tensor]:
@@ -142,32 +154,37 @@ def hf_window(lm: Any, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: 
     res = lm.model(input_ids=ids[:, q0:q1], attention_mask=allowed, position_ids=pos[:, q0:q1],
                    cache=past, use_cache=past is not None or bool(keep))
     h = res.last_hidden_state                                                           # [B, Tq, D]
-    logits = lm.lm_head(out_hidden(h, mask, query, out, shift))                         # [B, n, V]
-    new = None
-    if keep:
-        layers = res.cache.layers
-        new = KVCache(tuple(keep), [(torch.cat([lay.keys[:, :, c + a - q0:c + b - q0] for a, b in keep], 2),
-                                     torch.cat([lay.values[:, :, c + a - q0:c + b - q0] for a, b in keep], 2))
-                                    for lay in layers])
-    return logits, new
+    logits = out_logits(lm.lm_head, h, mask, query, out, shift)                         # [B, n, V]
+    kept = kept_spans([(lay.keys, lay.values) for lay in res.cache.layers], keep, q0 - c) if keep else None
+    return logits, kept
 
 
-def out_hidden(h: Tensor, mask: Tensor, query: Span, out: Out, shift: bool = False) -> Tensor:
-    """The hidden states [B, n, D] that the logits of ``out`` are read from: a span [o0, o1) of
-    positions, or [B, n] absolute positions per row (the learner scores committed positions only).
+def out_logits(head: Callable[[Tensor], Tensor], h: Tensor, mask: Tensor, query: Span, out: Out,
+               shift: bool = False) -> Tensor:
+    """Logits [B, n, V] of ``out`` from a pass's hidden states h [B, Tq, D]: a span [o0, o1) of
+    positions (the head over that slice), or [B, n] absolute positions per row (the learner scores
+    committed positions only: their hidden states are gathered first).
 
     Dream's ``shift``: position i reads the state at i - 1, except a row's first real token, which
-    reads its own (Dream's ``cat([logits[:, :1], logits[:, :-1]])`` at position 0)."""
+    reads its own (Dream's ``cat([logits[:, :1], logits[:, :-1]])`` at position 0). On a span the
+    logits are shifted, not the hidden states, so a window's rounding is the full forward's."""
     q0 = query[0]
-    if not isinstance(out, Tensor):
-        if not shift:
-            return h[:, out[0] - q0:out[1] - q0]                                         # a view
-        if out[0] == q0 > 0:
-            raise ValueError(f"a shifted window needs position {out[0] - 1} in its query {query}")
-        out = torch.arange(out[0], out[1], device=h.device).expand(h.shape[0], -1)
-    idx = out
-    if shift:
-        before = torch.where(idx > 0, mask.gather(1, (idx - 1).clamp_min(0)), torch.zeros_like(idx, dtype=torch.bool))
-        first = mask.gather(1, idx) & ~before                                            # [B, n]
-        idx = torch.where(first, idx, (idx - 1).clamp_min(0))
-    return h.gather(1, (idx - q0)[..., None].expand(-1, -1, h.shape[-1]))              # [B, n, D]
+    if isinstance(out, Tensor):
+        idx = out
+        if shift:
+            before = torch.where(idx > 0, mask.gather(1, (idx - 1).clamp_min(0)), torch.zeros_like(idx, dtype=torch.bool))
+            first = mask.gather(1, idx) & ~before                                        # [B, n]
+            idx = torch.where(first, idx, (idx - 1).clamp_min(0))
+        return head(h.gather(1, (idx - q0)[..., None].expand(-1, -1, h.shape[-1])))     # [B, n, V]
+    o0, o1 = out
+    if not shift:
+        return head(h[:, o0 - q0:o1 - q0])
+    if o0 == q0 > 0:
+        raise ValueError(f"a shifted window needs position {o0 - 1} in its query {query}")
+    a = max(o0 - 1, q0)
+    z = head(h[:, a - q0:o1 - q0])                                     # [B, o1 - a, V]
+    own = z[:, o0 - a:]                                                # logits read at i
+    prev = z[:, :o1 - o0] if o0 > q0 else torch.cat([z[:, :1], z[:, :o1 - o0 - 1]], 1)   # read at i - 1
+    before = mask[:, o0 - 1:o1 - 1] if o0 > 0 else torch.cat([torch.zeros_like(mask[:, :1]), mask[:, :o1 - 1]], 1)
+    first = mask[:, o0:o1] & ~before                                   # [B, L] a row's first real token
+    return torch.where(first[..., None], own, prev)

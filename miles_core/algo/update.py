@@ -57,6 +57,12 @@ def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Ge
     return Rows(torch.cat(trajs), torch.cat(steps), torch.cat(weights))
 
 
+def step_commits(step_map: Tensor, step: Tensor, merge: int = 1) -> Tensor:
+    """[R, L] the positions row (b, g) scores: committed at steps merge*g .. merge*g + merge - 1."""
+    first = (step * merge)[:, None]
+    return (step_map >= first) & (step_map < first + merge)
+
+
 def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, estimator: str,
                prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
                merge: int = 1) -> tuple[Tensor, Tensor, int, Tensor]:
@@ -71,9 +77,8 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
     prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
     comp = batch.completion_ids[traj]
     if estimator == "adpo":  # merge = s: the state before step s*g, scoring steps s*g .. s*g + s - 1
-        sm, first = batch.step_map[traj], step * merge
-        state = rebuild_state(comp, sm, first, tok.mask_id)
-        commit = (sm >= first[:, None]) & (sm < (first + merge)[:, None])
+        state = rebuild_state(comp, batch.step_map[traj], step * merge, tok.mask_id)
+        commit = step_commits(batch.step_map[traj], step, merge)
     elif estimator == "coupled":
         assert comp_mask is not None, "coupled rows need their completion mask"
         commit = comp_mask
@@ -263,8 +268,7 @@ class MaskedStepRows:
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor:
         """[R] memory of each row in positions: its forward's plus ``head`` per scored position."""
         if self.estimator == "adpo":
-            sm, first = self.batch.step_map[traj], step * self.merge
-            scored = ((sm >= first[:, None]) & (sm < (first + self.merge)[:, None])).sum(1)
+            scored = step_commits(self.batch.step_map[traj], step, self.merge).sum(1)
         elif self.estimator == "coupled":  # a mask and its complement: half the completion on average
             scored = torch.full_like(traj, self.batch.completion_len // 2)
         else:

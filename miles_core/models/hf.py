@@ -34,7 +34,7 @@ from miles_core.config import ConfigError
 from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.hf_tokenizer import HFTokenizer
 from miles_core.models.llama import make_bidirectional, model_inputs
-from miles_core.window import KVCache, Out, Span, hf_window
+from miles_core.window import KVCache, Out, Span, hf_window, select_out
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -82,10 +82,7 @@ class HFDiffusion(nn.Module):
         if self.spec.native == "modernbert":
             if cache is not None or keep:
                 raise ValueError("modernbert has no KV cache here: use sampler.cache=none")
-            full = self.forward(ids, mask)
-            if isinstance(out, Tensor):
-                return full.gather(1, out[..., None].expand(-1, -1, full.shape[-1])), None
-            return full[:, out[0]:out[1]], None
+            return select_out(self.forward(ids, mask), out), None
         bs = self.block_size if self.spec.attention == "block" else 0
         return hf_window(self.lm, ids, mask, query, out, cache, keep, block_size=bs, shift=self.spec.logit_shift)
 

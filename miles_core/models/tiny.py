@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles_core.models.checkpoint import load_module, save_module
-from miles_core.window import KVCache, Out, Span, key_mask, out_hidden
+from miles_core.window import KVCache, Out, Span, key_mask, kept_spans, out_logits
 
 
 @dataclass
@@ -122,11 +122,8 @@ class TinyDenoiser(nn.Module):
         for i, blk in enumerate(self.blocks):
             h, kv = blk(h, bias, cache.layers[i] if cache is not None else None)
             kvs.append(kv)
-        new = None
-        if keep:
-            new = KVCache(tuple(keep), [(torch.cat([k[:, :, a - q0:e - q0] for a, e in keep], 2),
-                                         torch.cat([v[:, :, a - q0:e - q0] for a, e in keep], 2)) for k, v in kvs])
-        return self.lm_head(self.ln_f(out_hidden(h, mask, query, out))), new               # [B, n, V]
+        new = kept_spans(kvs, keep, q0) if keep else None
+        return out_logits(lambda x: self.lm_head(self.ln_f(x)), h, mask, query, out), new   # [B, n, V]
 
     def save_pretrained(self, directory: str | Path) -> None:
         save_module(self, self.config.to_dict(), directory)
