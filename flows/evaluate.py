@@ -19,7 +19,7 @@ from prefect import flow, get_run_logger
 
 from flows.params import EvalParams, cli_main, documented, validate
 from miles_core.config import load_recipe
-from miles import tracking
+from miles import registry, tracking
 from tasks import evaluation
 
 DEFAULT_RECIPE = "arith"
@@ -42,7 +42,7 @@ def evaluate_flow(recipe: str | None = None, overrides: list[str] | None = None,
     source: dict[str, Any] = {"name": None, "version": None, "registered_pass1": None, "recipe": None}
     base, adapter_dir = p.base_checkpoint, None
     if p.model_uri:
-        source = tracking.resolve_model(p.model_uri, out / "model")
+        source = registry.resolve_model(p.model_uri, out / "model")
         base, adapter_dir = source["base_dir"], source["adapter_dir"]
     elif p.adapter:
         adapter_dir = evaluation.fetch_adapter(p.adapter, str(out / "adapter"))

@@ -1,6 +1,6 @@
 """Prefect tasks around training: the SFT baseline, evaluating a checkpoint (with an adapter
 folder or a published version), and registering a policy in MLflow. Paths and small dicts in and
-out; the work is in miles_core (learner/baseline.py, eval/evaluate.py) and miles/tracking.py."""
+out; the work is in miles_core (learner/baseline.py, eval/evaluate.py) and miles/registry.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from miles_core.learner.baseline import train_baseline
 from miles_core.models.base import load_base, set_prompt_format
 from miles_core.models.lora import load_adapter
 from miles_core.storage import AdapterRegistry
-from miles import tracking
+from miles import registry, tracking
 from tasks.common import LIGHT, STORAGE, eval_summary, retry_transient
 
 _LOADED: dict[tuple, tuple[Any, Any]] = {}  # the last (base, adapter, model settings) evaluated here
@@ -118,5 +118,5 @@ def sft_baseline(cfg: dict[str, Any], out_dir: str, run_id: str, eval_problems: 
 @task(name="register-policy", retries=2, retry_delay_seconds=[2, 4], retry_condition_fn=retry_transient, **LIGHT)
 def register_policy(run_id: str, name: str, base_checkpoint: str, adapter_dir: str | None, cfg: dict[str, Any],
                     pass1: float, fingerprint: str, tags: dict[str, str]) -> dict[str, Any]:
-    """Register the policy as a pyfunc model version; ``champion`` moves only if pass@1 improves."""
-    return tracking.register_model(run_id, name, base_checkpoint, adapter_dir, cfg, pass1, fingerprint, tags)
+    """Log the policy as a LoggedModel and register it as a version; ``champion`` moves only if pass@1 improves."""
+    return registry.register_model(run_id, name, base_checkpoint, adapter_dir, cfg, pass1, fingerprint, tags)

@@ -20,7 +20,7 @@ from flows.train import train_flow
 from miles_core.config import ConfigError, load_recipe
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage.run import RunStore
-from miles import tracking
+from miles import registry, tracking
 from tasks import common, training
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -144,8 +144,8 @@ def test_final_adapter_registered_as_champion(trained: TrainedProject) -> None:
     assert trained.train["model_uri"] == f"models:/{trained.model_name}/1" and trained.train["promoted"] is True
     champ = client.get_model_version_by_alias(trained.model_name, "champion")
     assert int(champ.version) == 1 and champ.run_id == trained.train["mlflow_run_id"]
-    assert float(champ.tags[tracking.PASS1_TAG]) == trained.train["final_pass1"]
-    assert champ.tags[tracking.FINGERPRINT_TAG] == trained.train["eval_fingerprint"]
+    assert float(champ.tags[registry.PASS1_TAG]) == trained.train["final_pass1"]
+    assert champ.tags[registry.FINGERPRINT_TAG] == trained.train["eval_fingerprint"]
     assert champ.tags["miles.adapter_uri"] == trained.train["adapter_uri"]
 
 
@@ -176,7 +176,7 @@ def test_a_run_no_better_does_not_move_the_champion(trained: TrainedProject) -> 
                      register_as=trained.model_name)
     champ = MlflowClient().get_model_version_by_alias(trained.model_name, "champion")
     assert res["model_version"] == 2 and res["final_pass1"] == weak["sft_pass1"]
-    assert res["final_pass1"] <= float(champ.tags[tracking.PASS1_TAG]), "precondition: the weak run is no better"
+    assert res["final_pass1"] <= float(champ.tags[registry.PASS1_TAG]), "precondition: the weak run is no better"
     assert res["promoted"] is False and "<=" in res["promotion_reason"]
     assert int(champ.version) == 1 and res["champion_version"] == 1
 
@@ -185,7 +185,7 @@ def test_champion_moves_only_on_strict_improvement(trained: TrainedProject) -> N
     name, base = "miles-test-promotion", trained.sft["base_checkpoint"]
     cfg = load_recipe("tiny").to_dict()
     with tracking.run(EXPERIMENT, "promotion-rule") as run_id:
-        results = [tracking.register_model(run_id, name, base, None, cfg, p1, "fp") for p1 in (0.2, 0.5, 0.5, 0.3)]
+        results = [registry.register_model(run_id, name, base, None, cfg, p1, "fp") for p1 in (0.2, 0.5, 0.5, 0.3)]
     assert [r["promoted"] for r in results] == [True, True, False, False]
     assert [r["champion_version"] for r in results] == [1, 2, 2, 2]
     assert int(MlflowClient().get_model_version_by_alias(name, "champion").version) == 2

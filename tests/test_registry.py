@@ -21,7 +21,7 @@ from miles_core.samplers.sampler import sample
 from miles_core.eval.evaluate import eval_config
 from miles_core.storage import AdapterRegistry
 from miles_core.tokenizer import CharTokenizer
-from miles import tracking
+from miles import registry
 
 PROMPTS = ["3+4*2", "9 - 2*3"]
 
@@ -58,7 +58,7 @@ def test_champion_loads_and_generates_in_a_fresh_process(trained: TrainedProject
     assert not Path(out["miles_core"]).resolve().is_relative_to(Path(__file__).resolve().parents[1])
 
     # the same answers as sampling the trained policy directly with the recipe's eval settings
-    src = tracking.resolve_model(uri, tmp_path / "dl")
+    src = registry.resolve_model(uri, tmp_path / "dl")
     base = TinyDenoiser.from_pretrained(src["base_dir"])
     policy = PeftModel.from_pretrained(base, src["adapter_dir"]).eval()
     tok = CharTokenizer.load(src["base_dir"])
@@ -69,7 +69,7 @@ def test_champion_loads_and_generates_in_a_fresh_process(trained: TrainedProject
 
 
 def test_registered_adapter_loads_with_plain_peft(trained: TrainedProject, tmp_path: Path) -> None:
-    src = tracking.resolve_model(f"models:/{trained.model_name}@champion", tmp_path / "dl")
+    src = registry.resolve_model(f"models:/{trained.model_name}@champion", tmp_path / "dl")
     adapter_dir = Path(src["adapter_dir"])
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter_dir.iterdir()}
     base = TinyDenoiser.from_pretrained(src["base_dir"]).eval()
@@ -105,7 +105,7 @@ def test_registered_model_serves_over_http_without_the_venv_on_path(trained: Tra
 
     req = Path(mlflow.artifacts.download_artifacts(f"models:/{trained.model_name}@champion",
                                                    dst_path=str(tmp_path / "art"))) / "requirements.txt"
-    assert req.read_text().splitlines()[0] == tracking.TORCH_CPU_INDEX
+    assert req.read_text().splitlines()[0] == registry.TORCH_CPU_INDEX
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -131,3 +131,26 @@ def test_registered_model_serves_over_http_without_the_venv_on_path(trained: Tra
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
+
+
+def test_policy_is_a_logged_model_of_its_training_run(trained: TrainedProject) -> None:
+    """The registered version points at an MLflow 3 LoggedModel (the UI's "Logged models" tab): READY,
+    produced by the training run, with the pyfunc's signature and the pass@1 the version is tagged with."""
+    from mlflow import MlflowClient
+    from mlflow.models import Model
+
+    client = MlflowClient(tracking_uri=trained.tracking_uri, registry_uri=trained.tracking_uri)
+    mv = client.get_model_version_by_alias(trained.model_name, "champion")
+    assert mv.source.startswith("models:/m-"), f"the version is not a LoggedModel: {mv.source}"
+    model_id = mv.source.removeprefix("models:/")
+    lm = client.get_logged_model(model_id)
+    assert json.loads(lm.tags["mlflow.modelVersions"]) == [{"name": trained.model_name, "version": mv.version}]
+    run_id = trained.train["mlflow_run_id"]
+    assert (lm.status.to_string() if hasattr(lm.status, "to_string") else str(lm.status)).endswith("READY")
+    assert lm.source_run_id == run_id and lm.tags["miles.registered_as"] == trained.model_name
+    assert {m.key: m.value for m in lm.metrics or []}["pass1"] == float(mv.tags[registry.PASS1_TAG])
+    outputs = client.get_run(run_id).outputs
+    assert model_id in [o.model_id for o in outputs.model_outputs]
+    mlmodel = Model.load(mv.source)
+    assert mlmodel.signature is not None and [c.type.name for c in mlmodel.signature.inputs.inputs] == ["string"]
+    assert {p.name for p in mlmodel.signature.params.params} == {"temperature", "seed"}
