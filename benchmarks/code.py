@@ -27,7 +27,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import sign_test_p, table, write_result
+from benchmarks.common import table, write_result
+from miles_core.eval.passk import paired_sign_test
 
 DEFAULT_OVERRIDES: list[str] = []
 # SFT runs all sft.steps and keeps its best-validation weights. No plateau stop: on 200 validation
@@ -202,12 +203,13 @@ def main() -> None:
     mean = {a: seed_mean(a, "pass1") for a in arms}
     k = f"pass@{PASS_K}"
     sampled = {a: {m: seed_mean(f"{a}_sampled", m) for m in ("pass@1", k)} for a in ("sft", "adpo")}
-    wins = sum(a and not b for p in per_seed for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]))
-    losses = sum(b and not a for p in per_seed for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]))
+    st = paired_sign_test([c for p in per_seed for c in p["results"]["adpo"]["correct"]],
+                          [c for p in per_seed for c in p["results"]["sft"]["correct"]])
+    wins, losses = st.wins, st.losses
     rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
     rows.append(["mean"] + [mean[a] for a in arms])
     print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
-    p_value = sign_test_p(wins, losses)
+    p_value = st.p
     val = {a: seed_mean(f"{a}_val", "pass1") for a in ("sft", "adpo")}
     print(table([[a, v["pass@1"], v[k], val[a]] for a, v in sampled.items()],
                 ["arm", "T=1 pass@1", f"T=1 {k}", "val greedy pass@1"]))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 import platform
 import time
@@ -36,16 +35,6 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
     return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
-
-
-def sign_test_p(wins: int, losses: int) -> float:
-    """Two-sided exact binomial sign test on discordant pairs (ties dropped)."""
-    n = wins + losses
-    if n == 0:
-        return 1.0
-    k = min(wins, losses)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return min(1.0, 2 * tail)
 
 
 def start_loopback_s3(bucket: str, port: int = 0):

@@ -25,7 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import sign_test_p, table, write_result
+from benchmarks.common import table, write_result
+from miles_core.eval.passk import paired_sign_test
 
 ESTIMATORS = ("adpo", "meanfield", "wd1", "coupled")
 ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2}
@@ -110,14 +111,11 @@ def main() -> None:
     rows, out = [], []
     for arm in ["sft", *args.estimators]:
         res = [p["results"][arm] for p in per_seed]
-        wins = losses = 0
-        for p in per_seed:
-            for a, b in zip(p["results"][arm]["correct"], p["results"]["adpo"]["correct"]):
-                wins += a and not b
-                losses += b and not a
+        st = paired_sign_test([c for p in per_seed for c in p["results"][arm]["correct"]],
+                              [c for p in per_seed for c in p["results"]["adpo"]["correct"]])
         entry = {"name": arm, "pass1": sum(r["pass1"] for r in res) / len(res),
-                 "p_vs_adpo": None if arm == "adpo" else sign_test_p(wins, losses),
-                 "wins_vs_adpo": wins, "losses_vs_adpo": losses}
+                 "p_vs_adpo": None if arm == "adpo" else st.p,
+                 "wins_vs_adpo": st.wins, "losses_vs_adpo": st.losses}
         if arm != "sft":
             for key in ("update_flops", "peak_mem_bytes", "update_seconds", "samples", "mask_samples"):
                 entry[key] = sum(r[key] for r in res) / len(res)

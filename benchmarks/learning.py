@@ -13,13 +13,13 @@ Writes benchmarks/results/learning.json. Run: python -m benchmarks.learning [--s
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import sign_test_p, table, write_result
+from benchmarks.common import table, write_result
+from miles_core.eval.passk import paired_sign_test
 
 # SFT gets up to 6000 steps and stops earlier at its plateau (no validation gain for 3 evals); ADPO
 # runs 300 iterations. Sized so that two seeds (one per core) finish within 30 minutes on 2 cores.
@@ -141,15 +141,13 @@ def main() -> None:
         per_seed = pool.starmap(run_seed, [(s, overrides, work, args.patience) for s in args.seeds])
     arms = ["sft", "adpo", "meanfield", "sft_continued"]
     mean = {a: sum(p["results"][a]["pass1"] for p in per_seed) / len(per_seed) for a in arms}
-    wins = losses = 0
-    for p in per_seed:
-        for a, b in zip(p["results"]["adpo"]["correct"], p["results"]["sft"]["correct"]):
-            wins += a and not b
-            losses += b and not a
+    st = paired_sign_test([c for p in per_seed for c in p["results"]["adpo"]["correct"]],
+                          [c for p in per_seed for c in p["results"]["sft"]["correct"]])
+    wins, losses = st.wins, st.losses
     rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
     rows.append(["mean"] + [mean[a] for a in arms])
     print(table(rows, ["seed", "sft", "adpo", "meanfield", "sft_continued"]))
-    p_value = sign_test_p(wins, losses)
+    p_value = st.p
     print(f"ADPO - SFT = {mean['adpo'] - mean['sft']:+.4f}; sign test wins {wins} losses {losses} p = {p_value:.3g}")
     payload = {
         "sft_pass1": mean["sft"], "adpo_pass1": mean["adpo"], "meanfield_pass1": mean["meanfield"],

@@ -51,6 +51,7 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
     adapter = init
     bar = Progress(total - start, "rl", enabled=p.progress)  # a bar with ETA on a terminal, plain lines elsewhere
     bar.figures["pass@1"] = first["pass1"]
+    curve = [(start, first["pass1"])]
     for it in range(start, total):
         ro = training.rollout(run, store, it)
         sc = training.score_rewards(run, store, ro["batch_id"])
@@ -66,7 +67,9 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
         if step % every == 0 or step == total:
             ev = training.evaluate_policy(run, adapter["version"], p.progress)
             tracking.log_eval(run_id, ev, step)
-            log.info("iteration %d: held-out pass@1 %.3f", step, ev["pass1"])
+            curve.append((step, ev["pass1"]))
+            log.info("iteration %d: held-out pass@1 %.3f (%+.3f since iteration %d)", step, ev["pass1"],
+                     ev["pass1"] - first["pass1"], start)
             bar.figures["pass@1"] = ev["pass1"]
         bar.update(1, reward=float(sc["stats"]["reward_mean"]))
     bar.close()
@@ -74,7 +77,7 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
     tracking.log_artifact(run_id, ev["path"], "eval")
     tracking.log_table(run_id, [{"version": adapter["version"], **s} for s in ev["samples"]], "samples/eval.json")
     tracking.log_curves(run_id, CURVE_PANELS, "plots/learning_curve.png")
-    return {"first": first, "last": ev, "adapter": adapter}
+    return {"first": first, "last": ev, "adapter": adapter, "curve": curve}
 
 
 @flow(name="miles-train", persist_result=False)
@@ -121,7 +124,8 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
     finally:
         training.release(out)  # the checkpoint stays; only the cached learner's memory goes
     summary = {"sft_pass1": res["first"]["pass1"] if init["iteration"] == 0 else None,
-               "start_pass1": res["first"]["pass1"], "final_pass1": ev["pass1"],
+               "start_pass1": res["first"]["pass1"], "final_pass1": ev["pass1"], "curve": res["curve"],
+               "start_eval": res["first"]["path"], "final_eval": ev["path"],
                "iterations": cfg.train.iterations - init["iteration"], "mlflow_run_id": run_id, "run_dir": str(out),
                "store_uri": store, "base_checkpoint": init["base_checkpoint"], "adapter_dir": adapter["adapter_dir"],
                "adapter_uri": adapter["adapter_uri"], "adapter_version": adapter["version"],

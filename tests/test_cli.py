@@ -7,10 +7,17 @@ the demo's whole chain SFT -> ADPO -> registered model -> ``miles generate``.
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
+import signal
+import socket
 import subprocess
 import sys
+import time
 import tomllib
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -134,35 +141,89 @@ def test_console_script_is_declared() -> None:
 
 # ----------------------------------------------------------------------------- the demo, end to end
 
-def test_demo_then_generate_on_the_tiny_recipe(tmp_path: Path) -> None:
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _printed(out: str, label: str) -> list[str]:
+    """The command the demo printed after ``label :`` (up to a two-space-and-paren remark), as argv."""
+    line = next(x for x in out.splitlines() if re.match(rf"\s*{label}\s*:", x))
+    return shlex.split(line.split(":", 1)[1].split("   (")[0])
+
+
+def _until_http(proc: subprocess.Popen[bytes], url: str, body: bytes | None = None, timeout: float = 240) -> bytes:
+    """Poll ``url`` until it answers 200 (POST ``body`` when given) while ``proc`` lives."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.read()
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"{url}: no answer (process exit code {proc.poll()})")
+
+
+def _serving(argv: list[str], cwd: Path, env: dict[str, str], url: str, body: bytes | None = None) -> bytes:
+    """Start a printed server command in its own process group, return its first answer, stop it."""
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        return _until_http(proc, url, body)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_demo_and_every_command_it_prints(tmp_path: Path) -> None:
+    """`miles demo`, then each command it printed, pasted into a shell without the venv on PATH and
+    without MLFLOW_TRACKING_URI (the default ./mlruns store), the only edit being a free port for the
+    servers: generate answers, serve answers over HTTP, the MLflow UI shows the demo's experiment as a
+    training experiment, and the Prefect UI's server holds the demo's flows (one PREFECT_HOME)."""
     env = cli_env(tmp_path)
     r = miles("demo", "--recipe", "tiny", "--no-progress", "--register-as", "cli-demo",
-              "sft.steps=10", "eval.num_problems=8", "train.iterations=1", "train.prompts_per_iter=2",
-              cwd=tmp_path, env=env, timeout=420)
+              "sft.steps=10", "eval.num_problems=8", "train.iterations=2", "train.eval_every=1",
+              "train.prompts_per_iter=2", cwd=tmp_path, env=env, timeout=420)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     out = r.stdout
-    for needle in ("SFT baseline pass@1", "ADPO (RL)    pass@1", "models:/cli-demo/1",
-                   f"mlflow ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}", "prefect server start"):
+    for needle in ("SFT baseline pass@1", "ADPO (RL)    pass@1", "paired sign test", "held-out curve      : 0: ",
+                   "models:/cli-demo/1", f"ui --backend-store-uri {env['MLFLOW_TRACKING_URI']}"):
         assert needle in out, f"{needle!r} missing from the demo output:\n{out}"
     assert (tmp_path / "mlruns" / "mlflow.db").exists()
     assert any(tmp_path.glob("runs/demo-*/train"))
+    shell = {**{k: v for k, v in env.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH")}, "PATH": "/usr/bin:/bin"}
 
-    g = miles("generate", "--model", "models:/cli-demo@champion", "--with-prompt", "1+2*3", "4-5",
-              cwd=tmp_path, env=env, timeout=180)
-    assert g.returncode == 0, g.stderr[-3000:]
-    lines = g.stdout.splitlines()
-    assert [line.split("\t")[0] for line in lines] == ["1+2*3", "4-5"], g.stdout
-    # as a user pastes the printed command: no MLFLOW_TRACKING_URI, from the repo root (the default
-    # ./mlruns/mlflow.db), and from elsewhere with --tracking-uri; MLflow never creates a stray mlflow.db
-    bare = {k: v for k, v in env.items() if k != "MLFLOW_TRACKING_URI"}
-    g = miles("generate", "--model", "models:/cli-demo@champion", "1+2*3", cwd=tmp_path, env=bare, timeout=180)
-    assert g.returncode == 0 and len(g.stdout.splitlines()) == 1, g.stderr[-3000:]
-    other = tmp_path / "elsewhere"
+    g = subprocess.run(_printed(out, "try it"), cwd=tmp_path, env=shell, capture_output=True, text=True,
+                       timeout=180, stdin=subprocess.DEVNULL)
+    assert g.returncode == 0 and len(g.stdout.splitlines()) == 2, g.stderr[-3000:]
+    assert not (tmp_path / "mlflow.db").exists()  # the default store, not a stray one MLflow made up
+    other = tmp_path / "elsewhere"  # from another folder, --tracking-uri names the store
     other.mkdir()
     g = miles("generate", "--model", "models:/cli-demo@champion", "--tracking-uri", env["MLFLOW_TRACKING_URI"],
-              "1+2*3", cwd=other, env=bare, timeout=180)
+              "--with-prompt", "1+2*3", "4-5", cwd=other, env=shell, timeout=180)
     assert g.returncode == 0, g.stderr[-3000:]
-    assert not (tmp_path / "mlflow.db").exists() and not (other / "mlflow.db").exists()
+    assert [line.split("\t")[0] for line in g.stdout.splitlines()] == ["1+2*3", "4-5"], g.stdout
+    assert not (other / "mlflow.db").exists()
+
+    serve = _printed(out, "serve it")
+    port = _free_port()
+    serve[serve.index("--port") + 1] = str(port)
+    answer = json.loads(_serving(serve, tmp_path, shell, f"http://127.0.0.1:{port}/invocations",
+                                 json.dumps({"inputs": ["1+2*3"]}).encode()))
+    assert len(answer["predictions"]) == 1 and isinstance(answer["predictions"][0], str)
+
+    ui = _printed(out, "MLflow UI")
+    port = _free_port()
+    ui[ui.index("--port") + 1] = str(port)
+    exp = json.loads(_serving(ui, tmp_path, shell, f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/"
+                                                   "get-by-name?experiment_name=miles-demo"))["experiment"]
+    assert {t["key"]: t["value"] for t in exp["tags"]}["mlflow.experimentKind"] == "custom_model_development"
+
+    prefect = _printed(out, "Prefect UI") + ["--port", str(port := _free_port())]
+    flows = json.loads(_serving(prefect, tmp_path, shell, f"http://127.0.0.1:{port}/api/flows/filter", b"{}"))
+    assert {"miles-sft", "miles-train", "miles-evaluate"} <= {f["name"] for f in flows}
 
 
 def test_a_missing_gpu_is_refused_before_any_flow_starts() -> None:

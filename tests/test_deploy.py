@@ -269,3 +269,25 @@ def test_prefect_script_uses_the_cli_home_and_tells_the_ui_its_port(tmp_path: Pa
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == [f"HOME={tmp_path}/.prefect", "UI=http://127.0.0.1:4321/api", "ARGS=server", "start",
                                 "--host", "127.0.0.1", "--port", "4321"]
+
+
+def test_real_prefect_server_tells_its_ui_the_chosen_port(tmp_path: Path) -> None:
+    """The real server started by the script on a non-default port: the UI's settings endpoint (what
+    the browser asks before any API call) names that port, so the UI does not look for 4200."""
+    port = free_port()
+    env = service_env(tmp_path, port)
+    proc = start(["bash", str(REPO / "infra" / "start-prefect-server.sh")], env, tmp_path / "prefect.log")
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=10) as r:
+                    settings = json.loads(r.read())
+                break
+            except OSError:
+                assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "prefect.log").read_text()[-3000:]
+                time.sleep(1)
+        assert settings["api_url"] == f"http://127.0.0.1:{port}/api"
+        assert api(f"http://127.0.0.1:{port}/api", "GET", "/health") is True
+    finally:
+        stop(proc)

@@ -80,3 +80,20 @@ def test_eval_config_and_result_roundtrip() -> None:
 def test_eval_config_validates(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         EvalConfig(**kwargs)
+
+
+def test_paired_sign_test_against_hand_computed_binomials() -> None:
+    from miles_core.eval.passk import paired_sign_test, sign_test_p
+
+    # 9 wins, 1 loss: 2 * (C(10,0) + C(10,1)) / 2^10 = 22 / 1024
+    assert sign_test_p(9, 1) == 22 / 1024
+    assert sign_test_p(1, 9) == 22 / 1024 and sign_test_p(0, 0) == 1.0 and sign_test_p(2, 2) == 1.0
+    assert sign_test_p(3, 0) == 0.25  # 2 * 1/8
+    after = [True, True, False, True, False, True]
+    before = [False, True, True, False, False, False]  # wins at 0, 3, 5; a loss at 2; ties elsewhere
+    st = paired_sign_test(after, before)
+    assert (st.wins, st.losses) == (3, 1) and st.p == 2 * (1 + 4) / 16
+    import pytest
+
+    with pytest.raises(ValueError, match="the problems must be the same"):
+        paired_sign_test(after, before[:-1])

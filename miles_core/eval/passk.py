@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterable, Sequence
 
@@ -59,6 +60,35 @@ def aggregate_pass_at_k(correct: Sequence[Sequence[bool]], ks: Iterable[int]) ->
             total += pass_at_k(n, sum(bool(x) for x in row), k)
         out[f"pass@{k}"] = total / len(correct)
     return out
+
+
+def sign_test_p(wins: int, losses: int) -> float:
+    """Two-sided exact binomial sign test on discordant pairs (ties dropped): 2 P[X <= min] for X ~ Bin(n, 1/2)."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(wins, losses) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+@dataclass(frozen=True)
+class SignTest:
+    """``after`` against ``before`` on the same problems: problems only ``after`` solves (wins), only
+    ``before`` solves (losses), and the exact two-sided p-value of that split."""
+
+    wins: int
+    losses: int
+    p: float
+
+
+def paired_sign_test(after: Sequence[bool], before: Sequence[bool]) -> SignTest:
+    """Why paired: both policies answer the same problems, so only the problems they disagree on
+    carry information, and a pass@1 gain is noise unless those split unevenly (McNemar / sign test)."""
+    if len(after) != len(before):
+        raise ValueError(f"paired_sign_test: {len(after)} outcomes against {len(before)}; the problems must be the same")
+    wins = sum(bool(a) and not bool(b) for a, b in zip(after, before))
+    losses = sum(bool(b) and not bool(a) for a, b in zip(after, before))
+    return SignTest(wins, losses, sign_test_p(wins, losses))
 
 
 @dataclass(frozen=True)
@@ -135,6 +165,7 @@ class EvalResult:
             "config_fingerprint": self.config.fingerprint(),
             "samples": [dict(s) for s in self.samples],
             "metrics": {k: float(v) for k, v in self.metrics.items()},
+            "correct": [[bool(x) for x in row] for row in self.correct],
         }
 
     @classmethod
@@ -145,4 +176,5 @@ class EvalResult:
             config=EvalConfig.from_dict(d["config"]),
             samples=list(d.get("samples", [])),
             metrics=dict(d.get("metrics", {})),
+            correct=[list(row) for row in d.get("correct", [])],
         )
