@@ -6,7 +6,8 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
   2. from it, one arm per ``adpo.estimator``, each sampling the same number of completions
      (``train.iterations`` x prompts x group, same seed);
   3. update compute made about equal by Monte-Carlo mask samples: ADPO scores ``step_fraction`` x
-     ``sampler.steps`` rows per trajectory, mean-field and wd1 one per mask draw, coupled two, so
+     ``sampler.steps`` rows per trajectory, mean-field, wd1 and SPG one forward per mask draw,
+     coupled and ESPO two (a mask and its complement), so
      those arms draw that many masks per trajectory (``adpo.mask_samples``), with the same
      optimizer steps per batch as ADPO. (Matching by inner iterations instead, d1's mu, takes 4x
      the optimizer steps per batch at the same LR, which over-optimizes the one-pass estimators.)
@@ -28,8 +29,9 @@ from pathlib import Path
 from benchmarks.common import table, write_result
 from miles_core.eval.passk import paired_sign_test
 
-ESTIMATORS = ("adpo", "meanfield", "wd1", "coupled")
-ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2}
+ESTIMATORS = ("adpo", "meanfield", "wd1", "coupled", "spg", "espo")
+# forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo)
+ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
 DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
 FLOP_EVERY = 10
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import table, write_result
-from miles_core.algo.update import score_rows
+from miles_core.algo.rows import score_rows
 from miles_core.config import SamplerConfig, load_recipe
 from miles_core.data.registry import build_task
 from miles_core.eval.evaluate import eval_config, evaluate

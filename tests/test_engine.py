@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from benchmarks.rollout import logp_gap, reference_generate
-from miles_core.algo.update import score_rows
+from miles_core.algo.rows import score_rows
 from miles_core.config import ConfigError, SamplerConfig
 from miles_core.models.base import load_checkpoint
 from miles_core.models.hf import init_tiny
@@ -191,7 +191,7 @@ def test_a_cache_on_a_model_without_one_is_refused() -> None:
 
 
 def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> None:
-    from miles_core.algo.update import build_rows, row_inputs
+    from miles_core.algo.rows import build_rows, row_inputs
     from miles_core.types import TrajectoryBatch
 
     step_map = torch.tensor([[0, 1, 2, 3, 4, 0], [1, 0, 1, 2, 0, 2]])       # K = 5 and 3 steps
@@ -209,7 +209,7 @@ def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> 
 
 
 def test_a_merged_row_is_scored_against_the_proximal_policy_not_the_recorded_mu(models: dict) -> None:
-    from miles_core.algo.update import MaskedStepRows
+    from miles_core.algo.rows import MaskedStepRows
 
     model, tok = models["tiny"]
     batch = sample(model, tok, prompts_for(tok, 2, 6), NSD, 16, torch.Generator().manual_seed(0))
@@ -248,7 +248,7 @@ def test_chunk_tokens_bounds_each_chunk_and_leaves_the_gradient_unchanged(models
 
 
 def test_scoring_at_committed_positions_equals_scoring_the_whole_completion(models: dict) -> None:
-    from miles_core.algo.update import row_inputs
+    from miles_core.algo.rows import row_inputs
     from miles_core.samplers.step import denoise_step
 
     model, tok = models["dream"]  # the shifted family: the gathered positions read i - 1

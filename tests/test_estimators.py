@@ -10,7 +10,8 @@ import torch
 from test_core_train import TOK, base_model, scored_batch
 
 from miles_core.algo.advantages import group_advantages, wd1_weights
-from miles_core.algo.update import adpo_update, estimator_rows, policy_update, row_inputs
+from miles_core.algo.rows import row_inputs
+from miles_core.algo.update import adpo_update, estimator_rows, policy_update
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import add_lora
 from miles_core.samplers.step import denoise_step, left_pad

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from miles_core.algo.advantages import group_advantages
-from miles_core.algo.update import score_rows
+from miles_core.algo.rows import score_rows
 from miles_core.config import ConfigError, load_recipe
 from miles_core.models.base import load_checkpoint, save_checkpoint
 from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer

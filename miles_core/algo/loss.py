@@ -85,3 +85,42 @@ class ADPOLoss(nn.Module):
                 "iw_max": (iw_raw * m).amax() if m.numel() else torch.zeros((), device=logp.device),
             }
         return LossOut(loss=loss, sums=sums)
+
+
+class SequenceRatioLoss(nn.Module):
+    """ESPO's sequence-level objective (arXiv:2512.03759, ML-GSAI/ESPO ``compute_loss``): per row b,
+    with s / s_prox [R, L] the tokens' ELBO terms under the current and the proximal policy,
+
+        rho_b = exp(sum_l (s_bl - s_prox_bl) / L),   l_b = -min(rho_b A_b, clip(rho_b, 1-eps, 1+eps) A_b) L
+                + beta (sum_l (s_bl - s_ref_bl))^2 / 2     (k2 on the sequence ELBOs)
+
+    and the loss sum_b row_weight_b l_b / normaliser: with the engine's normaliser B L, that is
+    ESPO's mean over sequences of the clipped term plus beta / (B L) times the k2 sum. Stats are
+    per-row values counted once per scored token, so they average like the token-level ones."""
+
+    def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0) -> None:
+        super().__init__()
+        self.clip_eps, self.kl_coef = clip_eps, kl_coef
+
+    def forward(self, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantage: Tensor, commit: Tensor,
+                row_weight: Tensor, normaliser: float, ref_logp: Tensor | None = None,
+                entropy: Tensor | None = None) -> LossOut:
+        """Same arguments as :class:`ADPOLoss` (``behav_logp`` and ``entropy`` unused: no recorded state)."""
+        m = commit.float()
+        length = m.shape[1]
+        log_r = ((logp - prox_logp.detach()) * m).sum(1) / length                       # [R]
+        ratio = torch.exp(log_r)
+        surr = torch.minimum(ratio * advantage, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * advantage)
+        per_row = -surr * length
+        kl = torch.zeros_like(ratio)
+        if ref_logp is not None and self.kl_coef > 0:
+            kl = 0.5 * (((logp - ref_logp.detach()) * m).sum(1)) ** 2
+            per_row = per_row + self.kl_coef * kl
+        loss = (per_row * row_weight).sum() / normaliser
+        with torch.no_grad():
+            clipped = (((ratio > 1 + self.clip_eps) & (advantage > 0)) | ((ratio < 1 - self.clip_eps) & (advantage < 0))).float()
+            n = m.sum(1)
+            sums = {"clip_frac": (clipped * n).sum(), "approx_kl": (((ratio - 1) - log_r) * n).sum(),
+                    "iw_mean": n.sum(), "kl_ref": (kl * n).sum(), "entropy": torch.zeros((), device=logp.device),
+                    "tokens": n.sum(), "iw_max": torch.ones((), device=logp.device)}
+        return LossOut(loss=loss, sums=sums)

@@ -19,7 +19,8 @@ import torch
 from torch import Tensor
 
 from miles_core.algo.advantages import group_advantages
-from miles_core.algo.update import Rows, policy_update
+from miles_core.algo.rows import Rows
+from miles_core.algo.update import policy_update
 from miles_core.config import ADPOConfig
 from miles_core.continuous.sde import DEFAULT_SCHEDULE, ContinuousBatch, NoiseSchedule, ddim_step, sample_ode, sample_sde
 from miles_core.continuous.task import ConstraintTask
