@@ -188,3 +188,21 @@ def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: 
         fd.append((up - down) / (2 * eps))
     assert engine.abs().sum() > 0
     torch.testing.assert_close(engine, torch.tensor(fd, dtype=torch.float64), rtol=2e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("estimator", ["spg", "espo"])
+def test_memory_budget_chunks_do_not_change_the_gradient(estimator: str) -> None:
+    """``adpo.chunk_tokens``: a row's cost counts all its copies' forwards (ESPO's pairs twice); a
+    budget of one position puts every row in its own chunk, and the gradient adds up the same."""
+    grads = []
+    for budget in (0, 1):
+        model = TwoToken()
+        cfg = ADPOConfig(estimator=estimator, mask_samples=2, max_grad_norm=1e9, chunk_tokens=budget)
+        adpo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch(), cfg, TOK, 1.0,
+                    torch.Generator().manual_seed(3))
+        grads.append(torch.cat([model.theta.grad, model.phi.grad[None]]))
+    torch.testing.assert_close(grads[0], grads[1])
+    rows, scorer = estimator_rows(batch(), ADPOConfig(estimator=estimator, mask_samples=2), TOK, 1.0,
+                                  torch.Generator().manual_seed(3))
+    per_forward = 3 + 1.0 * 2 / 2  # prompt 1 + completion 2 positions, half the completion's logits
+    assert scorer.row_cost(rows.traj, rows.step, 1.0).tolist() == [per_forward * (4 if estimator == "espo" else 2)] * 2

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_core.algo.rows import Rows, score_rows
+from miles_core.algo.rows import Rows, score_rows, seq_len
 from miles_core.config import ADPOConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -79,6 +79,7 @@ class CopyScorer:
     prompt_masks: Tensor | None = None  # [E, J, B, P]
     epoch: int = 0
     per_epoch = True                    # fresh masks every epoch: the proximal policy is rescored per epoch
+    forwards_per_mask = 1               # ESPO: 2 (a mask and its complement)
 
     @property
     def width(self) -> int:
@@ -105,8 +106,8 @@ class CopyScorer:
 
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor:
         """[R] positions a row's J forwards hold (sequence plus half the completion's logits each)."""
-        seq = max(len(p) for p in self.batch.prompt_ids) + self.batch.completion_len
-        return torch.full((traj.numel(),), float(self.comp_masks.shape[1] * (seq + head * self.width / 2)))
+        forwards = self.forwards_per_mask * self.comp_masks.shape[1]
+        return torch.full((traj.numel(),), float(forwards * (seq_len(self.batch) + head * self.width / 2)))
 
 
 @dataclass
@@ -136,6 +137,7 @@ class SequenceELBORows(CopyScorer):
     """ESPO: a row per trajectory; s [R, L] are the tokens' ELBO terms (the ELBO is their sum)."""
 
     t: Tensor | None = None             # [E, n, B]: each copy's masked fraction
+    forwards_per_mask = 2
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, None, Tensor]:
         pair = self.comp_masks[self.epoch]                                               # [n, B, L]

@@ -104,6 +104,11 @@ def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: C
     return logp, ent, commit.to(dev)  # all three where the loss runs: the model's device
 
 
+def seq_len(batch: TrajectoryBatch) -> int:
+    """Positions of one row's forward: the longest prompt plus the completion."""
+    return max(len(p) for p in batch.prompt_ids) + batch.completion_len
+
+
 @dataclass
 class MaskedStepRows:
     """Rows of a masked-diffusion batch for the engine, one estimator each:
@@ -140,11 +145,6 @@ class MaskedStepRows:
     def width(self) -> int:
         return self.batch.completion_len
 
-    @property
-    def seq_len(self) -> int:
-        """Positions of one row's forward: the longest prompt plus the completion."""
-        return max(len(p) for p in self.batch.prompt_ids) + self.batch.completion_len
-
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor:
         """[R] memory of each row in positions: its forward's plus ``head`` per scored position."""
         if self.estimator == "adpo":
@@ -153,7 +153,7 @@ class MaskedStepRows:
             scored = torch.full_like(traj, self.batch.completion_len // 2)
         else:
             scored = torch.full_like(traj, self.batch.completion_len)
-        return self.seq_len + head * scored.float()
+        return seq_len(self.batch) + head * scored.float()
 
     @property
     def per_epoch(self) -> bool:
