@@ -76,6 +76,7 @@ def test_adpo_scores_each_recorded_step_at_its_state() -> None:
     tb, cfg = batch(), ADPOConfig(estimator="adpo")
     rows, scorer = estimator_rows(tb, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
     logp, _, commit = scorer.score(TwoToken(), rows.traj, rows.step)
+    logp = logp.detach()
     got = {(int(b), int(k)): float(logp[r][commit[r]].sum()) for r, (b, k) in enumerate(zip(rows.traj, rows.step))}
     assert got[(0, 0)] == pytest.approx(log_p(A, 1, 2)) and got[(0, 1)] == pytest.approx(log_p(B, 2, 1))
     assert got[(1, 0)] == pytest.approx(log_p(B, 2, 2)) and got[(1, 1)] == pytest.approx(log_p(B, 1, 1))
