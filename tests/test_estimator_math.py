@@ -95,7 +95,8 @@ def test_spg_bounds_by_hand() -> None:
     tb = batch()
     copies = torch.tensor([[[True, False], [False, True]], [[True, True], [False, True]]])  # [J, B, L]
     scorer = SandwichRows(tb, TOK, 1.0, copies[None], None, beta=1.5, mix=0.5, advantage=tb.advantage)
-    s, _, scored = scorer.score(TwoToken(), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))
+    with torch.no_grad():
+        s, _, scored = scorer.score(TwoToken(), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))
     # trajectory 0: copy 1 masks position 0 (t = 1/2, 1 masked), copy 2 both (t = 1, 2 masked)
     elbo0 = [0.5 * (log_p(A, 1, 1) / 0.5 + log_p(A, 1, 2) / 1.0), 0.5 * (log_p(B, 2, 2) / 1.0)]
     assert s[0].tolist() == pytest.approx(elbo0) and scored[0].tolist() == [True, True]
@@ -114,7 +115,8 @@ def test_espo_elbo_by_hand_and_its_sequence_ratio() -> None:
     tb = batch()
     masks = torch.tensor([[[True, False], [False, False]]])                             # [n, B, L]
     scorer = SequenceELBORows(tb, TOK, 1.0, masks[None], t=torch.tensor([[[1 / 3, 0.0]]]))
-    s, _, commit = scorer.score(TwoToken(), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))
+    with torch.no_grad():
+        s, _, commit = scorer.score(TwoToken(), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))
     assert commit.all()
     elbo0 = 0.5 * (log_p(A, 1, 1) * 3) + 0.5 * (log_p(B, 2, 1) * 3)                    # 1/t and 1/((L - x)/(L + 1))
     elbo1 = 0.5 * (log_p(B, 1, 2) * 1.5 + log_p(B, 2, 2) * 1.5)
