@@ -108,9 +108,11 @@ def test_train_run_logs_params_metrics_and_artifacts(trained: TrainedProject) ->
     assert evals[-1][1] == trained.train["final_pass1"]
     files = _artifact_files(client, rid)
     for expected in ("plots/learning_curve.png", "samples/rollouts.json", "samples/eval.json", "eval/v000002.json",
-                     "adapters/v000001/adapter_config.json", "adapters/v000002/adapter_model.safetensors",
-                     "model/MLmodel"):
+                     "adapters/v000001/adapter_config.json", "adapters/v000002/adapter_model.safetensors"):
         assert expected in files, expected
+    # the registered model is the run's LoggedModel output (tests/test_registry.py checks it whole)
+    outputs = client.get_run(rid).outputs.model_outputs
+    assert len(outputs) == 1 and client.get_logged_model(outputs[0].model_id).source_run_id == rid
     png = Path(client.download_artifacts(rid, "plots/learning_curve.png", str(trained.root / "dl")))
     assert png.read_bytes()[:8] == PNG_MAGIC
     table = json.loads(Path(client.download_artifacts(rid, "samples/rollouts.json", str(trained.root / "dl"))).read_text())
