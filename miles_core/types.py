@@ -119,3 +119,91 @@ class TrajectoryBatch:
             sampler_hash=batches[0].sampler_hash,
             created_at=min(b.created_at for b in batches),
         )
+
+
+@dataclass
+class RenoiseBatch:
+    """Recorded trajectories of a renoising (uniform-noise) sampler: DiffusionGemma's entropy-bound
+    chain (samplers/renoise.py), where a position can change at every step, so ``step_map`` cannot
+    describe it. What is stored per step is the *action*: the accepted set and its sampled tokens
+    with their behaviour log-probs. The rest of every state is renoise, uniform random tokens drawn
+    from the row's own generator, which is environment randomness and is recorded by its seed:
+    any state is rebuilt exactly by replaying the stream (``renoise.replay_states``).
+
+    Shapes (B = sequences, K = the sampler's max steps, L = canvas length):
+      prompt_ids      list of B lists of token ids
+      completion_ids  [B, L] long   the output: argmax of the last step, pad after the first EOS
+      accepted        [B, K, L] bool  positions accepted at step k (all False for k >= num_steps)
+      tokens          [B, K, L] long  the sampled token at accepted positions (0 elsewhere)
+      logp            [B, K, L] float behaviour log-prob of each accepted token (0 elsewhere)
+      num_steps       [B]    long   denoiser calls of the row (its NFE); the last step's forward
+                                    gives the output, so steps 0 .. num_steps - 2 carry actions
+      seed            [B]    long   the row's generator seed (canvas init and renoise draws)
+      group_id, policy_version, reward, advantage: as in :class:`TrajectoryBatch`
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: Tensor
+    accepted: Tensor
+    tokens: Tensor
+    logp: Tensor
+    num_steps: Tensor
+    seed: Tensor
+    group_id: Tensor
+    policy_version: Tensor
+    reward: Tensor | None = None
+    advantage: Tensor | None = None
+    prompts: list[str] = field(default_factory=list)
+    completions: list[str] = field(default_factory=list)
+    meta: list[dict[str, Any]] = field(default_factory=list)
+    sampler_hash: str = ""
+    created_at: float = field(default_factory=time.time)
+
+    def __post_init__(self) -> None:
+        b = len(self.prompt_ids)
+        if self.completion_ids.dim() != 2 or self.completion_ids.shape[0] != b:
+            raise ValueError(f"RenoiseBatch.completion_ids: expected shape [{b}, L], got {tuple(self.completion_ids.shape)}")
+        k = int(self.accepted.shape[1]) if self.accepted.dim() == 3 else -1
+        for name in ("accepted", "tokens", "logp"):
+            t = getattr(self, name)
+            if t.dim() != 3 or t.shape[0] != b or t.shape[2] != self.completion_len or t.shape[1] != k:
+                raise ValueError(f"RenoiseBatch.{name}: expected shape [{b}, K, {self.completion_len}], "
+                                 f"got {tuple(t.shape)}")
+        for name in ("num_steps", "seed", "group_id", "policy_version"):
+            t = getattr(self, name)
+            if t.shape != (b,):
+                raise ValueError(f"RenoiseBatch.{name}: expected shape [{b}], got {tuple(t.shape)}")
+        if b and (int(self.num_steps.min()) < 1 or int(self.num_steps.max()) > k):
+            raise ValueError(f"RenoiseBatch.num_steps: every row takes 1..{k} steps, got "
+                             f"{self.num_steps.min()}..{self.num_steps.max()}")
+        if self.reward is None:
+            self.reward = torch.full((b,), float("nan"))
+        if self.advantage is None:
+            self.advantage = torch.full((b,), float("nan"))
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_len(self) -> int:
+        return int(self.completion_ids.shape[1])
+
+    @property
+    def max_steps(self) -> int:
+        return int(self.accepted.shape[1])
+
+    @property
+    def nfe(self) -> Tensor:
+        return self.num_steps
+
+    def select(self, idx: Tensor | list[int]) -> "RenoiseBatch":
+        i = torch.as_tensor(idx, dtype=torch.long)
+        il = i.tolist()
+        assert self.reward is not None and self.advantage is not None
+        pick = lambda xs: [xs[j] for j in il] if xs else []  # noqa: E731
+        return RenoiseBatch(
+            prompt_ids=pick(self.prompt_ids), completion_ids=self.completion_ids[i], accepted=self.accepted[i],
+            tokens=self.tokens[i], logp=self.logp[i], num_steps=self.num_steps[i], seed=self.seed[i],
+            group_id=self.group_id[i], policy_version=self.policy_version[i], reward=self.reward[i],
+            advantage=self.advantage[i], prompts=pick(self.prompts), completions=pick(self.completions),
+            meta=pick(self.meta), sampler_hash=self.sampler_hash, created_at=self.created_at)

@@ -1,0 +1,118 @@
+"""ADPO over a renoising chain (DiffusionGemma): the rows, how one is scored, and the update.
+
+A row is (trajectory b, step k) for k < K_b - 1: the steps whose accepted tokens fed a later
+forward. The last step's forward only gives the output (its argmax), so its samples never reach
+the reward and would add variance without signal. Which positions are accepted, and the renoise
+tokens, are environment (as LLaDA's low-confidence ranking is for masked rows, algo/rows.py); the
+policy's action at step k is the accepted tokens, with log-prob sum_{i in A_k} log pi(y_i | x_k, s_k).
+
+The self-conditioning input s_k is the previous step's tempered logits, so pi(. | x_k, s_k) depends
+on the policy through s_k too. Two ways to give the learner s_k were possible:
+  * recompute the chain under the current policy, without a graph (:func:`chain_conditioning`):
+    one no-grad forward per step, once per update; the ratio pi_theta / mu is then the exact ratio
+    of the chain's probabilities under the two policies, and nothing is stored;
+  * store a compact form of the behaviour's logits (top-k): no extra forwards, but the learner
+    conditions on mu's signal, not its own, and truncation perturbs even the on-policy ratio.
+Miles recomputes; ``benchmarks.diffusion_gemma`` measures the ratio bias the top-k alternative
+would leave. Gradients never flow through s_k (ADPO never backpropagates through the chain).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles_core.algo.rows import Rows
+from miles_core.config import ADPOConfig
+from miles_core.models import diffusion_gemma as dg
+from miles_core.samplers.renoise import RenoiseConfig, replay_states, temperature, token_logp
+from miles_core.samplers.step import left_pad
+from miles_core.types import RenoiseBatch
+
+
+def action_rows(batch: RenoiseBatch) -> Rows:
+    """Every (b, k) with k < K_b - 1, weight 1."""
+    steps = (batch.num_steps - 1).clamp_min(0).tolist()
+    traj = torch.cat([torch.full((k,), b) for b, k in enumerate(steps)] or [torch.zeros(0, dtype=torch.long)])
+    step = torch.cat([torch.arange(k) for k in steps] or [torch.zeros(0, dtype=torch.long)])
+    return Rows(traj.long(), step.long(), torch.ones(traj.numel()))
+
+
+def _encode(model: Any, batch: RenoiseBatch, traj: Tensor, tok: Any, device: torch.device) -> dg.Prompt:
+    prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
+    return dg.encode(model, prompt.to(device), real.to(device), batch.completion_len)
+
+
+@torch.no_grad()
+def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: RenoiseConfig, tok: Any) -> Tensor:
+    """s_k of every row and step [B, K, L, d] under ``model``: the chain's self-conditioning
+    rebuilt by running the recorded states through the current policy (s_0 = 0)."""
+    dev = states.device
+    b, n, _ = states.shape
+    need = (batch.num_steps - 1).to(dev)   # s_k is read for k < K_b - 1
+    soft: Tensor | None = None
+    enc_all = _encode(model, batch, torch.arange(b), tok, dev)
+    for k in range(n - 1):
+        rows = (need > k + 1).nonzero().squeeze(1)      # rows that read s_{k+1}
+        if rows.numel() == 0:
+            break
+        enc = enc_all if rows.numel() == b else dg.select(enc_all, rows)
+        z = dg.decode(model, enc, states[rows, k], None if soft is None else soft[rows, k]) / temperature(cfg, k, dev)
+        s = dg.soft_embedding(model, z)
+        if soft is None:
+            soft = torch.zeros(b, n, *s.shape[1:], dtype=s.dtype, device=dev)
+        soft[rows, k + 1] = s
+    if soft is None:   # no row reads any s_k beyond the first step's zeros
+        d = dg._core(model).config.text_config.hidden_size
+        soft = torch.zeros(b, n, states.shape[2], d, device=dev)
+    return soft
+
+
+class RenoiseStepRows:
+    """The update engine's :class:`~miles_core.algo.update.RowScorer` for renoising chains."""
+
+    def __init__(self, model: Any, batch: RenoiseBatch, cfg: RenoiseConfig, tok: Any) -> None:
+        self.batch, self.cfg, self.tok = batch, cfg, tok
+        self.device = next(model.parameters()).device
+        vocab = int(dg._core(model).config.text_config.vocab_size)
+        self.states = replay_states(batch, vocab, self.device)                       # [B, K, L]
+        self.soft = chain_conditioning(model, batch, self.states, cfg, tok)          # [B, K, L, d]
+        self.width = batch.completion_len
+
+    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        """log pi(y_k | x_k, s_k) [R, L] at the accepted positions (commit [R, L]) of rows (b, k)."""
+        t, s = traj.to(self.device), step.to(self.device)
+        enc = _encode(model, self.batch, traj, self.tok, self.device)
+        temp = temperature(self.cfg, s, self.device)                                         # [R]
+        z = dg.decode(model, enc, self.states[t, s], self.soft[t, s]) / temp[:, None, None]
+        commit = self.batch.accepted[traj, step].to(self.device)
+        logp = torch.where(commit, token_logp(z, self.batch.tokens[traj, step].to(self.device)), 0.0)
+        return logp, None, commit
+
+    def behaviour(self, traj: Tensor, step: Tensor) -> Tensor:
+        return self.batch.logp[traj, step]
+
+
+def renoise_update(model: Any, optimizer: torch.optim.Optimizer, batch: RenoiseBatch, cfg: ADPOConfig,
+                   rcfg: RenoiseConfig, tok: Any, generator: torch.Generator, scheduler: Any = None
+                   ) -> dict[str, float]:
+    """One ADPO update on a renoising batch: rows of trajectories with a non-zero advantage, the
+    chain's self-conditioning under the current policy, then the one engine (algo/update.py)."""
+    from miles_core.algo.update import policy_update
+
+    assert batch.advantage is not None
+    adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
+    keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
+    stats: dict[str, float] = {"rows": 0.0, "trajectories": float(keep.numel()),
+                               "skipped_trajectories": float(len(batch) - keep.numel())}
+    sub = batch.select(keep)
+    rows = action_rows(sub)
+    if rows.traj.numel() == 0:
+        return stats
+    scorer = RenoiseStepRows(model, sub, rcfg, tok)
+    normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
+    adv = torch.nan_to_num(sub.advantage, nan=0.0)
+    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler))
+    return stats
