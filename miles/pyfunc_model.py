@@ -81,7 +81,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         self.sampler = sampler_for(ec)
         self.seed = ec.seed
         self.completion_len = ec.completion_len
-        c = base.config  # the tiny model's max_len, a transformers model's max_position_embeddings
+        c = getattr(base.config, "text_config", base.config)  # tiny: max_len; transformers: max_position_embeddings
         self.max_len = int(getattr(c, "max_len", None) or c.max_position_embeddings)
 
     def _canonical(self, prompt: str) -> str:
@@ -94,9 +94,12 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
     # (a ``prompt`` column) before predict, and takes this hint as "no schema from the hint", so the
     # signature keeps its sampling params and no "Add type hints" warning is printed at load
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
-        """One completion per prompt (greedy by default, as evaluated; ``temperature``/``seed`` params)."""
+        """One completion per prompt (greedy by default, as evaluated; ``temperature``/``seed`` params).
+        A renoising family (DiffusionGemma) samples with the recipe's ``renoise`` schedule instead."""
         import torch
 
+        from miles_core.models.diffusion_gemma import is_renoising
+        from miles_core.samplers.renoise import sample_seeded
         from miles_core.samplers.sampler import sample
 
         params = dict(params or {})
@@ -117,7 +120,9 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         out: list[str] = []
         step = max(int(self.cfg.eval.batch_size), 1)
         for start in range(0, len(prompts), step):
-            batch = sample(self.model, self.tok, ids[start:start + step], scfg, self.completion_len, gen)
+            part = ids[start:start + step]
+            batch = sample_seeded(self.model, self.tok, part, self.cfg.renoise, self.completion_len, gen) \
+                if is_renoising(self.model) else sample(self.model, self.tok, part, scfg, self.completion_len, gen)
             out.extend(batch.completions)
         return out
 

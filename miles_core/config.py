@@ -43,7 +43,7 @@ class ModelConfig:
     # model.family, in its published layout (models/families.py)
     backend: Literal["tiny", "llama", "hf"] = "tiny"
     family: Literal["auto", "llada", "dream", "sdar", "bidir_qwen3", "modernbert", "bidir_llama", "tiny",
-                    "remote_code"] = "auto"
+                    "diffusion_gemma", "remote_code"] = "auto"
     # remote_code only: run the checkpoint's own modeling code (auto_map); off unless asked for
     trust_remote_code: bool = False
     d_model: int = bounded(128, 8)
@@ -119,6 +119,32 @@ class SamplerConfig:
 
     def hash(self, completion_len: int) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "completion_len": completion_len}, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RenoiseConfig:
+    """The renoising sampler (samplers/renoise.py, DiffusionGemma): generate's own defaults
+    (``DiffusionGemmaGenerationConfig._get_default_generation_params``, transformers 5.24)."""
+
+    max_steps: int = bounded(48, 1)                   # max_denoising_steps
+    entropy_bound: float = bounded(0.1, 1e-09)        # accept lowest-entropy positions while sum - max <= this
+    t_min: float = bounded(0.4, 0.0)                  # temperature at the last step
+    t_max: float = bounded(0.8, 1e-09)                # temperature at the first step
+    stability_threshold: int = bounded(1, 0)          # stop: argmax unchanged for this many steps ...
+    confidence_threshold: float = bounded(0.005, 1e-09)  # ... and mean entropy below this
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """The same settings as ``model.generate`` keyword arguments."""
+        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+        return dict(max_denoising_steps=self.max_steps, sampler_config=EntropyBoundSamplerConfig(self.entropy_bound),
+                    t_min=self.t_min, t_max=self.t_max, stability_threshold=self.stability_threshold,
+                    confidence_threshold=self.confidence_threshold)
+
+    def hash(self, canvas_length: int) -> str:
+        blob = json.dumps({**dataclasses.asdict(self), "canvas_length": canvas_length, "kind": "renoise"},
+                          sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -244,6 +270,7 @@ class RecipeConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    renoise: RenoiseConfig = field(default_factory=RenoiseConfig)   # the sampler of renoising families
     lora: LoraSettings = field(default_factory=LoraSettings)
     adpo: ADPOConfig = field(default_factory=ADPOConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -332,6 +359,8 @@ def validate(obj: Any, path: str = "") -> None:
             raise ConfigError(f"{path}{field_name}: {msg}")
     if isinstance(obj, SamplerConfig):
         need(1 <= obj.min_per_step <= obj.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
+    if isinstance(obj, RenoiseConfig):
+        need(obj.t_min < obj.t_max, "t_min", f"need t_min < t_max, got {obj.t_min} and {obj.t_max}")
     if isinstance(obj, AsyncSettings):
         need(obj.shared_budget or not obj.learner_samples, "learner_samples",
              "needs shared_budget=true (the learner claims slots of the shared sample budget)")

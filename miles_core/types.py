@@ -140,6 +140,8 @@ class RenoiseBatch:
                                     gives the output, so steps 0 .. num_steps - 2 carry actions
       seed            [B]    long   the row's generator seed (canvas init and renoise draws)
       group_id, policy_version, reward, advantage: as in :class:`TrajectoryBatch`
+      sampler         the sampler's settings (config.RenoiseConfig as a dict): the learner scores
+                      with the temperature schedule the batch was sampled with, never another
     """
 
     prompt_ids: list[list[int]]
@@ -156,6 +158,7 @@ class RenoiseBatch:
     prompts: list[str] = field(default_factory=list)
     completions: list[str] = field(default_factory=list)
     meta: list[dict[str, Any]] = field(default_factory=list)
+    sampler: dict[str, Any] = field(default_factory=dict)
     sampler_hash: str = ""
     created_at: float = field(default_factory=time.time)
 
@@ -206,4 +209,4 @@ class RenoiseBatch:
             tokens=self.tokens[i], logp=self.logp[i], num_steps=self.num_steps[i], seed=self.seed[i],
             group_id=self.group_id[i], policy_version=self.policy_version[i], reward=self.reward[i],
             advantage=self.advantage[i], prompts=pick(self.prompts), completions=pick(self.completions),
-            meta=pick(self.meta), sampler_hash=self.sampler_hash, created_at=self.created_at)
+            meta=pick(self.meta), sampler=self.sampler, sampler_hash=self.sampler_hash, created_at=self.created_at)

@@ -11,12 +11,14 @@ import math
 import pytest
 import torch
 
-from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, renoise_update
-from miles_core.config import ADPOConfig
+from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows
+from miles_core.algo.update import adpo_update
+from miles_core.config import ADPOConfig, RenoiseConfig
 from miles_core.models import diffusion_gemma as dg
+from miles_core.models.lora import add_lora
 from miles_core.samplers import renoise as rn
 from miles_core.storage.errors import SchemaError
-from miles_core.storage.renoise import RENOISE, from_table, to_table
+from miles_core.storage.renoise import from_table, to_table
 from miles_core.storage.trajectories import TrajectoryStore
 from miles_core.tokenizer import CharTokenizer
 
@@ -24,8 +26,8 @@ pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.f
 TOK = CharTokenizer()
 PROMPTS = ["12+3=", "7*8=", "1+1=", "9-4*2="]
 # stability 0: the stop is the mean-entropy test alone, so rows of a random model stop at different steps
-EARLY = rn.RenoiseConfig(max_steps=10, entropy_bound=3.0, stability_threshold=0, confidence_threshold=4.556)
-FULL = rn.RenoiseConfig(max_steps=8, entropy_bound=2.0, confidence_threshold=0.005)
+EARLY = RenoiseConfig(max_steps=10, entropy_bound=3.0, stability_threshold=0, confidence_threshold=4.556)
+FULL = RenoiseConfig(max_steps=8, entropy_bound=2.0, confidence_threshold=0.005)
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +120,7 @@ def test_update_trains_decoder_lora_only_and_the_ratio_is_the_chain_ratio(model)
     the exact chain log-probs of the new policy (self-conditioning rebuilt under it)."""
     import copy
 
-    pm = dg.add_decoder_lora(copy.deepcopy(model), r=4, alpha=8)
+    pm = add_lora(copy.deepcopy(model), r=4, alpha=8)
     names = [n for n, p in pm.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n and ".decoder." in n for n in names)
     assert any("self_conditioning" in n for n in names)
@@ -126,8 +128,8 @@ def test_update_trains_decoder_lora_only_and_the_ratio_is_the_chain_ratio(model)
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     before = {n: p.detach().clone() for n, p in pm.named_parameters()}
     opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
-    stats = renoise_update(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1), EARLY, TOK,
-                           torch.Generator().manual_seed(0))
+    stats = adpo_update(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1), TOK, 1.0,
+                        torch.Generator().manual_seed(0))   # the one entry: it sends a renoising batch on
     assert stats["rows"] == float(action_rows(batch).traj.numel()) and math.isfinite(stats["loss"])
     changed = {n for n, p in pm.named_parameters() if not torch.equal(p, before[n])}
     assert changed and all("lora_" in n and ".decoder." in n for n in changed)
@@ -147,7 +149,7 @@ def test_hand_checked_rules():
     # sorted 0.1, 0.3, 0.5, 2.0; cumsum - self = 0, 0.1, 0.4, 0.9 -> bound 0.45 keeps three
     assert rn.entropy_accept(ent, 0.45).tolist() == [[True, True, False, True]]
     assert rn.entropy_accept(ent, 0.05).tolist() == [[False, True, False, False]]   # one always passes
-    cfg = rn.RenoiseConfig(max_steps=4, t_min=0.4, t_max=0.8)
+    cfg = RenoiseConfig(max_steps=4, t_min=0.4, t_max=0.8)
     assert [round(float(rn.temperature(cfg, k, torch.device("cpu"))), 6) for k in range(4)] == [0.8, 0.7, 0.6, 0.5]
     assert rn.finalize(torch.tensor([[5, 2, 7, 2, 9]]), eos_id=2, pad_id=0).tolist() == [[5, 2, 0, 0, 0]]
     z = torch.tensor([[1.0, 2.0, 3.0]])
@@ -158,14 +160,15 @@ def test_hand_checked_rules():
 def test_record_round_trips_through_the_store_and_bad_rows_are_named(model, tmp_path):
     batch = rn.sample(model, TOK, _ids(PROMPTS), EARLY, torch.tensor([1, 2, 3, 4]))
     batch.reward = torch.tensor([1.0, 0.0, float("nan"), 1.0])
-    store = TrajectoryStore(tmp_path / "store", codec=RENOISE)
+    batch.meta = [{"answer": str(i)} for i in range(4)]
+    store = TrajectoryStore(tmp_path / "store")   # the default codec holds either kind
     bid = store.write_batch(batch)
     back = store.read_batch(bid)
     for name in ("completion_ids", "accepted", "tokens", "logp", "num_steps", "seed", "group_id"):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
-    assert back.prompt_ids == batch.prompt_ids and back.completions == batch.completions
+    assert back.prompt_ids == batch.prompt_ids and back.completions == batch.completions and back.meta == batch.meta
     assert torch.equal(back.reward.isnan(), batch.reward.isnan())
-    assert store.commit_info(bid)["kind"] == "renoise_trajectory"
+    assert store.commit_info(bid)["kind"] == "renoise_trajectory" and back.sampler == batch.sampler
     table = to_table(batch)
     steps = table.column("num_steps").to_pylist()
     steps[1] += 1

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from miles_core.algo.rows import Rows
-from miles_core.config import ADPOConfig
+from miles_core.config import ADPOConfig, RenoiseConfig
 from miles_core.models import diffusion_gemma as dg
-from miles_core.samplers.renoise import RenoiseConfig, replay_states, temperature, token_logp
+from miles_core.samplers.renoise import replay_states, temperature, token_logp
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
 
@@ -46,9 +46,13 @@ def _encode(model: Any, batch: RenoiseBatch, traj: Tensor, tok: Any, device: tor
 
 
 @torch.no_grad()
-def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: RenoiseConfig, tok: Any) -> Tensor:
+def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: RenoiseConfig, tok: Any,
+                       keep_top: int = 0) -> Tensor:
     """s_k of every row and step [B, K, L, d] under ``model``: the chain's self-conditioning
-    rebuilt by running the recorded states through the current policy (s_0 = 0)."""
+    rebuilt by running the recorded states through the current policy (s_0 = 0).
+
+    ``keep_top`` = k > 0 is the alternative Miles does not take, kept to measure it: the signal a
+    store of the top-k tempered logits would give (the rest at -inf before the softmax)."""
     dev = states.device
     b, n, _ = states.shape
     need = (batch.num_steps - 1).to(dev)   # s_k is read for k < K_b - 1
@@ -60,6 +64,9 @@ def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: Ren
             break
         enc = enc_all if rows.numel() == b else dg.select(enc_all, rows)
         z = dg.decode(model, enc, states[rows, k], None if soft is None else soft[rows, k]) / temperature(cfg, k, dev)
+        if keep_top > 0:
+            top = z.topk(keep_top, dim=-1)
+            z = torch.full_like(z, float("-inf")).scatter(-1, top.indices, top.values)
         s = dg.soft_embedding(model, z)
         if soft is None:
             soft = torch.zeros(b, n, *s.shape[1:], dtype=s.dtype, device=dev)
@@ -73,12 +80,14 @@ def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: Ren
 class RenoiseStepRows:
     """The update engine's :class:`~miles_core.algo.update.RowScorer` for renoising chains."""
 
-    def __init__(self, model: Any, batch: RenoiseBatch, cfg: RenoiseConfig, tok: Any) -> None:
+    def __init__(self, model: Any, batch: RenoiseBatch, cfg: RenoiseConfig, tok: Any,
+                 soft: Tensor | None = None) -> None:
+        """``soft``: the self-conditioning to score with (default: the chain under ``model``)."""
         self.batch, self.cfg, self.tok = batch, cfg, tok
         self.device = next(model.parameters()).device
         vocab = int(dg._core(model).config.text_config.vocab_size)
         self.states = replay_states(batch, vocab, self.device)                       # [B, K, L]
-        self.soft = chain_conditioning(model, batch, self.states, cfg, tok)          # [B, K, L, d]
+        self.soft = chain_conditioning(model, batch, self.states, cfg, tok) if soft is None else soft  # [B, K, L, d]
         self.width = batch.completion_len
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
@@ -96,11 +105,17 @@ class RenoiseStepRows:
 
 
 def renoise_update(model: Any, optimizer: torch.optim.Optimizer, batch: RenoiseBatch, cfg: ADPOConfig,
-                   rcfg: RenoiseConfig, tok: Any, generator: torch.Generator, scheduler: Any = None
+                   tok: Any, generator: torch.Generator, scheduler: Any = None, world: Any = None
                    ) -> dict[str, float]:
-    """One ADPO update on a renoising batch: rows of trajectories with a non-zero advantage, the
-    chain's self-conditioning under the current policy, then the one engine (algo/update.py)."""
+    """One ADPO update on a renoising batch (``adpo_update`` sends these here): rows of the
+    trajectories with a non-zero advantage, the chain's self-conditioning under the current
+    policy, then the one engine (algo/update.py). Scored with the batch's own sampler settings."""
     from miles_core.algo.update import policy_update
+
+    if cfg.estimator != "adpo":
+        raise ValueError(f"adpo.estimator={cfg.estimator!r}: a renoising chain (DiffusionGemma) has no masked "
+                         "ELBO; only the per-step estimator 'adpo' applies")
+    rcfg = RenoiseConfig(**batch.sampler)
 
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
@@ -114,5 +129,5 @@ def renoise_update(model: Any, optimizer: torch.optim.Optimizer, batch: RenoiseB
     scorer = RenoiseStepRows(model, sub, rcfg, tok)
     normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
     adv = torch.nan_to_num(sub.advantage, nan=0.0)
-    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler))
+    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world))
     return stats

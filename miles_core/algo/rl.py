@@ -12,23 +12,31 @@ from typing import Callable, Sequence
 import torch
 
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
-from miles_core.config import RecipeConfig, SamplerConfig
+from miles_core.config import RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData
+from miles_core.models.diffusion_gemma import is_renoising
+from miles_core.samplers.renoise import sample_seeded
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import CharTokenizer
-from miles_core.types import TrajectoryBatch
+from miles_core.types import RenoiseBatch, TrajectoryBatch
 
 RewardFn = Callable[..., list]
 
 
 def rollout(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence[str], cfg: SamplerConfig,
             completion_len: int, group_size: int, generator: torch.Generator, policy_version: int = 0,
-            group_offset: int = 0, threshold: float | None = None) -> TrajectoryBatch:
-    """Sample ``group_size`` completions per prompt; rows of one prompt share a group id."""
+            group_offset: int = 0, threshold: float | None = None,
+            renoise: RenoiseConfig | None = None) -> TrajectoryBatch | RenoiseBatch:
+    """Sample ``group_size`` completions per prompt; rows of one prompt share a group id. A
+    renoising family (DiffusionGemma) samples with ``renoise`` (the recipe's ``renoise`` section)."""
     model.eval()
     ids = [tok.encode_prompt(p) for p in prompts for _ in range(group_size)]
     gid = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
-    batch = sample(model, tok, ids, cfg, completion_len, generator, gid, policy_version, threshold)
+    if is_renoising(model):
+        batch: TrajectoryBatch | RenoiseBatch = sample_seeded(
+            model, tok, ids, renoise or RenoiseConfig(), completion_len, generator, gid, policy_version)
+    else:
+        batch = sample(model, tok, ids, cfg, completion_len, generator, gid, policy_version, threshold)
     batch.meta = [{"answer": a} for a in answers for _ in range(group_size)]
     return batch
 
@@ -101,7 +109,8 @@ def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: Rewar
     stride = cfg.async_rl.num_samplers + int(cfg.async_rl.learner_samples)
     offset = (seq * stride + index) * cfg.train.prompts_per_iter
     batch = rollout(model, tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
-                    cfg.task.completion_len, cfg.train.group_size, gen, version, group_offset=offset)
+                    cfg.task.completion_len, cfg.train.group_size, gen, version, group_offset=offset,
+                    renoise=cfg.renoise)
     if reward_fn is None:
         return batch
     score_rewards(batch, reward_fn)

@@ -31,7 +31,7 @@ from miles_core.parallel import World
 from miles_core.algo.rows import MaskedStepRows, Rows, build_rows
 from miles_core.window import head_weight
 from miles_core.tokenizer import CharTokenizer
-from miles_core.types import TrajectoryBatch
+from miles_core.types import RenoiseBatch, TrajectoryBatch
 
 
 class RowScorer(Protocol):
@@ -170,7 +170,13 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
                 tok: CharTokenizer, temperature: float, generator: torch.Generator,
                 scheduler: Any = None, world: World | None = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch`` (see :func:`policy_update` for ``world``):
-    rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine."""
+    rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine.
+    A renoising batch (DiffusionGemma) goes to :func:`~miles_core.algo.renoise_rows.renoise_update`,
+    the same engine with its own rows (its temperature schedule travels with the batch)."""
+    if isinstance(batch, RenoiseBatch):
+        from miles_core.algo.renoise_rows import renoise_update
+
+        return renoise_update(model, optimizer, batch, cfg, tok, generator, scheduler, world)
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))

@@ -11,12 +11,14 @@ from typing import Callable, Sequence
 
 import torch
 
-from miles_core.config import ConfigError, RecipeConfig, SamplerConfig
+from miles_core.config import ConfigError, RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData, check_reward
 from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
 from miles_core.eval.presets import preset_values
 from miles_core.progress import track
 from miles_core.rewards.registry import reward_for_recipe
+from miles_core.models.diffusion_gemma import is_renoising
+from miles_core.samplers.renoise import sample_seeded
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import PROMPT_PREFILL, CharTokenizer
 
@@ -31,8 +33,9 @@ def sampler_for(ec: EvalConfig) -> SamplerConfig:
 @torch.no_grad()
 def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence[str], ec: EvalConfig,
              reward_fn: Callable[..., list], batch_size: int = 250, progress: bool = False,
-             sampler: SamplerConfig | None = None) -> EvalResult:
-    """Sample ``ec.n_samples`` completions per problem; correct = reward >= 1."""
+             sampler: SamplerConfig | None = None, renoise: RenoiseConfig | None = None) -> EvalResult:
+    """Sample ``ec.n_samples`` completions per problem; correct = reward >= 1. A renoising family
+    (DiffusionGemma) samples with ``renoise`` (its row seeds drawn from ``ec.seed``'s stream)."""
     if len(prompts) != len(answers):
         raise ValueError(f"evaluate: {len(prompts)} prompts but {len(answers)} answers")
     scfg = sampler or sampler_for(ec)
@@ -45,7 +48,9 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     chunks = track(range(0, len(order), batch_size), -(-len(order) // batch_size), "eval", enabled=progress)
     for start in chunks:
         part = order[start:start + batch_size]
-        batch = sample(model, tok, [tok.encode_prompt(prompts[i]) for i, _ in part], scfg, ec.completion_len, gen)
+        ids = [tok.encode_prompt(prompts[i]) for i, _ in part]
+        batch = sample_seeded(model, tok, ids, renoise or RenoiseConfig(), ec.completion_len, gen) \
+            if is_renoising(model) else sample(model, tok, ids, scfg, ec.completion_len, gen)
         rewards = reward_fn([prompts[i] for i, _ in part], batch.completions, answer=[answers[i] for i, _ in part])
         for (i, s), c, r in zip(part, batch.completions, rewards):
             ok = r is not None and r >= 1.0
@@ -98,4 +103,4 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
     probs = pool[:ec.num_problems]
     reward = reward_for_recipe(cfg, check_reward(cfg.task))
     return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, reward,
-                    batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler)
+                    batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler, renoise=cfg.renoise)

@@ -76,7 +76,7 @@ class Learner:
         s = sampler or self.cfg.sampler
         batch = rollout(self.model, self.tok, [p.prompt for p in problems], [p.answer for p in problems], s,
                         self.cfg.task.completion_len, self.cfg.train.group_size, self.gen, self.version,
-                        group_offset=self.groups_seen, threshold=threshold)
+                        group_offset=self.groups_seen, threshold=threshold, renoise=self.cfg.renoise)
         self.groups_seen += len(problems)
         score_rewards(batch, self.reward_fn)
         return assign_advantages(batch, self.cfg.adpo.std_normalize)

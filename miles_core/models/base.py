@@ -93,7 +93,8 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None, family
                     trust_remote_code: bool = False, dtype: str = "float32") -> tuple[nn.Module, AnyTokenizer]:
     """Load a base denoiser and its tokenizer from a folder: a Miles tiny checkpoint, a Hugging
     Face Llama (``bidir_llama``, models/llama.py) or a published diffusion family (models/families.py:
-    llada, dream, sdar, bidir_qwen3), by ``family`` or (``auto``) by config.json's model_type.
+    llada, dream, sdar, bidir_qwen3) or DiffusionGemma (models/diffusion_gemma.py, transformers' own
+    class), by ``family`` or (``auto``) by config.json's model_type.
 
     ``mask_token`` only matters for a Llama whose tokenizer registers no mask token. ``remote_code``
     (an explicit opt-in with ``trust_remote_code``) runs the folder's own modeling code. ``dtype``
@@ -107,6 +108,10 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None, family
         from miles_core.models.tiny import TinyDenoiser
 
         return TinyDenoiser.from_pretrained(d), CharTokenizer.load(d)
+    if family == "diffusion_gemma" or (family == "auto" and model_type == "diffusion_gemma"):
+        from miles_core.models.diffusion_gemma import load_diffusion_gemma  # transformers' own class
+
+        return load_diffusion_gemma(d, dtype=getattr(torch, dtype))
     if family == "bidir_llama" or (family == "auto" and model_type == "llama"):
         from miles_core.models.llama import load_llama
 

@@ -15,8 +15,8 @@ decoder's own expression, and :func:`decode` hands it in through a forward pre-h
 ``self_conditioning``, so sampling and scoring share one arithmetic (a test checks the sampler
 against ``model.generate`` token for token, which passes the logits the decoder's own way).
 
-LoRA goes on the decoder only (issue: "LoRA on the decoder"): its attention and dense-MLP
-projections and the self-conditioning MLP. The encoder modules share the base weights but carry no
+LoRA goes on the decoder only (issue: "LoRA on the decoder"; ``lora.add_lora`` picks
+:data:`DECODER_LORA_TARGETS`): its attention and dense-MLP projections and the self-conditioning MLP. The encoder modules share the base weights but carry no
 adapter, so the prompt cache is the frozen base's and is computed once, without a graph.
 """
 
@@ -101,12 +101,10 @@ def load_diffusion_gemma(directory: str | Path, dtype: torch.dtype = torch.float
     return model, tok
 
 
-def add_decoder_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.0) -> nn.Module:
-    """peft LoRA on the decoder (B = 0 at start: the policy is the base until it trains)."""
-    from peft import LoraConfig, get_peft_model
-
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=DECODER_LORA_TARGETS, bias="none")
-    return get_peft_model(model, cfg)
+def is_renoising(model: nn.Module) -> bool:
+    """A DiffusionGemma (bare or under peft): it samples with samplers/renoise.py, not the masked sampler."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return type(base).__name__ == "DiffusionGemmaForBlockDiffusion"
 
 
 def _core(model: nn.Module) -> nn.Module:
@@ -127,12 +125,17 @@ class Prompt:
     masks: dict         # the decoder's attention masks per layer type
 
 
-@torch.no_grad()
-def encode(model: nn.Module, prompt: Tensor, real: Tensor, canvas_length: int) -> Prompt:
+def encode(model: nn.Module, prompt: Tensor, real: Tensor, canvas_length: int, grad: bool = False) -> Prompt:
     """Encode left-padded prompts [B, P] (``real`` [B, P] bool) into the KV cache, once.
 
     Positions count real tokens only, so a padded row sees the positions it would alone (its
-    canvas starts right after its own prompt); with equal lengths this is ``generate``'s arange."""
+    canvas starts right after its own prompt); with equal lengths this is ``generate``'s arange.
+    ``grad``: keep the encoder's graph (full fine-tuning; under LoRA the encoder is frozen)."""
+    with torch.set_grad_enabled(grad and torch.is_grad_enabled()):
+        return _encode(model, prompt, real, canvas_length)
+
+
+def _encode(model: nn.Module, prompt: Tensor, real: Tensor, canvas_length: int) -> Prompt:
     from transformers import DynamicCache
 
     core = _core(model)

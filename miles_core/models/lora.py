@@ -40,8 +40,14 @@ def add_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.
              targets: tuple[str, ...] | None = None) -> PeftModel:
     """Wrap a base denoiser with a fresh LoRA adapter (B initialised to zero: output unchanged).
 
-    ``targets=None`` picks the backend's attention/MLP projections (:func:`lora_targets`).
+    ``targets=None`` picks the backend's attention/MLP projections (:func:`lora_targets`); for
+    DiffusionGemma, its decoder's only (a regex: the tied encoder has the same module names).
     """
+    if targets is None and getattr(getattr(model, "config", None), "model_type", None) == "diffusion_gemma":
+        from miles_core.models.diffusion_gemma import DECODER_LORA_TARGETS
+
+        return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
+                                                target_modules=DECODER_LORA_TARGETS, bias="none"))
     targets = lora_targets(model) if targets is None else targets
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]

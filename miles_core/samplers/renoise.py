@@ -27,50 +27,15 @@ longer outputs (several canvases, each encoded into the cache in turn) are not r
 
 from __future__ import annotations
 
-import hashlib
-import json
-from dataclasses import asdict, dataclass
+import dataclasses
 
 import torch
 from torch import Tensor
 
+from miles_core.config import RenoiseConfig
 from miles_core.models import diffusion_gemma as dg
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
-
-
-@dataclass(frozen=True)
-class RenoiseConfig:
-    """generate's own defaults (``DiffusionGemmaGenerationConfig._get_default_generation_params``)."""
-
-    max_steps: int = 48
-    entropy_bound: float = 0.1
-    t_min: float = 0.4
-    t_max: float = 0.8
-    stability_threshold: int = 1
-    confidence_threshold: float = 0.005
-
-    def __post_init__(self) -> None:
-        if self.max_steps < 1:
-            raise ValueError(f"renoise.max_steps must be >= 1, got {self.max_steps}")
-        if not self.entropy_bound > 0:
-            raise ValueError(f"renoise.entropy_bound must be > 0, got {self.entropy_bound}")
-        if not 0 <= self.t_min < self.t_max:
-            raise ValueError(f"renoise.t_min/t_max: need 0 <= t_min < t_max, got {self.t_min}, {self.t_max}")
-        if self.stability_threshold < 0 or not self.confidence_threshold > 0:
-            raise ValueError("renoise.stability_threshold must be >= 0 and confidence_threshold > 0")
-
-    def generate_kwargs(self) -> dict:
-        """The same settings as ``model.generate`` keyword arguments."""
-        from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
-
-        return dict(max_denoising_steps=self.max_steps, sampler_config=EntropyBoundSamplerConfig(self.entropy_bound),
-                    t_min=self.t_min, t_max=self.t_max, stability_threshold=self.stability_threshold,
-                    confidence_threshold=self.confidence_threshold)
-
-    def hash(self, canvas_length: int) -> str:
-        blob = json.dumps({**asdict(self), "canvas_length": canvas_length, "kind": "renoise"}, sort_keys=True)
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 def temperature(cfg: RenoiseConfig, k: int | Tensor, device: torch.device) -> Tensor:
@@ -160,7 +125,21 @@ def sample(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, seeds: T
         group_id=(group_id if group_id is not None else torch.arange(b)).long(),
         policy_version=torch.full((b,), policy_version, dtype=torch.long),
         prompts=[tok.decode(p) for p in prompt_ids], completions=[tok.decode(c.tolist()) for c in completion],
-        meta=[{} for _ in range(b)], sampler_hash=cfg.hash(length))
+        meta=[{} for _ in range(b)], sampler=dataclasses.asdict(cfg), sampler_hash=cfg.hash(length))
+
+
+def sample_seeded(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, completion_len: int,
+                  generator: torch.Generator, group_id: Tensor | None = None, policy_version: int = 0) -> RenoiseBatch:
+    """:func:`sample` with row seeds drawn from ``generator`` (how rollouts and evaluation call it:
+    the run's seed decides every row's stream). ``completion_len`` must be the canvas."""
+    from miles_core.config import ConfigError
+
+    canvas = int(dg._core(model).config.canvas_length)
+    if completion_len != canvas:
+        raise ConfigError(f"task.completion_len={completion_len}: DiffusionGemma samples one canvas of "
+                          f"canvas_length={canvas} tokens (config.json); set task.completion_len={canvas}")
+    seeds = torch.randint(0, 2**62, (len(prompt_ids),), generator=generator)
+    return sample(model, tok, prompt_ids, cfg, seeds, group_id, policy_version)
 
 
 def finalize(canvas: Tensor, eos_id: int, pad_id: int) -> Tensor:

@@ -20,15 +20,18 @@ Layout, version 1 (one row per trajectory):
   advantage       float32                     null = not computed
   policy_version  int64, not null             adapter version that sampled the row
   prompt, completion  string                  decoded text (may be null)
+  meta_json       string                      the row's meta (the reward's reference answer), JSON
 
 Schema metadata: ``miles.schema_version`` = "1", ``miles.kind`` = "renoise_trajectory",
 ``miles.max_steps`` = K, ``miles.canvas_length`` = L, ``miles.sampler_hash``,
-``miles.created_at``. Stored by TrajectoryStore with :data:`RENOISE` (same commit markers,
-checksums and quarantine as every other kind).
+``miles.created_at``, ``miles.sampler`` (the sampler's settings, JSON). Stored by TrajectoryStore (same commit markers,
+checksums and quarantine as every other kind): its default codec reads ``miles.kind`` and
+dispatches, so one store holds either kind.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from typing import Any
 
@@ -37,7 +40,6 @@ import pyarrow as pa
 import torch
 
 from miles_core.storage.errors import SchemaError
-from miles_core.storage.trajectories import BatchCodec
 from miles_core.types import RenoiseBatch
 
 SCHEMA_VERSION = 1
@@ -56,6 +58,7 @@ FIELDS = [
     pa.field("policy_version", pa.int64(), nullable=False),
     pa.field("prompt", pa.string()),
     pa.field("completion", pa.string()),
+    pa.field("meta_json", pa.string()),
 ]
 
 
@@ -84,10 +87,12 @@ def to_table(batch: RenoiseBatch) -> pa.Table:
             pa.array(lp, type=pa.list_(pa.list_(pa.float32()))),
             pa.array(batch.num_steps.numpy().astype(np.int32), type=pa.int32()),
             pa.array(batch.seed.numpy(), type=pa.int64()), f32(batch.reward), f32(batch.advantage),
-            pa.array(batch.policy_version.numpy(), type=pa.int64()), text(batch.prompts), text(batch.completions)]
+            pa.array(batch.policy_version.numpy(), type=pa.int64()), text(batch.prompts), text(batch.completions),
+            text([json.dumps(m, sort_keys=True) for m in batch.meta])]
     meta = {"miles.schema_version": str(SCHEMA_VERSION), "miles.kind": KIND,
             "miles.max_steps": str(batch.max_steps), "miles.canvas_length": str(batch.completion_len),
-            "miles.sampler_hash": batch.sampler_hash, "miles.created_at": repr(float(batch.created_at))}
+            "miles.sampler_hash": batch.sampler_hash, "miles.created_at": repr(float(batch.created_at)),
+            "miles.sampler": json.dumps(batch.sampler, sort_keys=True)}
     return pa.Table.from_arrays(cols, schema=pa.schema(FIELDS, metadata=meta))
 
 
@@ -141,16 +146,17 @@ def from_table(table: pa.Table) -> RenoiseBatch:
         seed=torch.tensor(d["seed"], dtype=torch.long), group_id=torch.tensor(d["group_id"], dtype=torch.long),
         policy_version=torch.tensor(d["policy_version"], dtype=torch.long), reward=f("reward"),
         advantage=f("advantage"), prompts=texts("prompt"), completions=texts("completion"),
-        meta=[{} for _ in range(b)], sampler_hash=md["miles.sampler_hash"], created_at=float(md["miles.created_at"]))
+        meta=[json.loads(m) if m else {} for m in d["meta_json"]], sampler=json.loads(md.get("miles.sampler", "{}")),
+        sampler_hash=md["miles.sampler_hash"], created_at=float(md["miles.created_at"]))
 
 
-def _describe(batch: RenoiseBatch) -> dict[str, Any]:
+def describe(batch: RenoiseBatch) -> dict[str, Any]:
+    """The commit marker's fields for a renoising batch (its kind and layout version included)."""
     pv = batch.policy_version
-    return {"completion_len": batch.completion_len, "max_steps": batch.max_steps,
+    return {"kind": KIND, "schema_version": SCHEMA_VERSION, "completion_len": batch.completion_len,
+            "max_steps": batch.max_steps,
             "policy_version_min": int(pv.min()) if len(batch) else None,
             "policy_version_max": int(pv.max()) if len(batch) else None, "sampler_hash": batch.sampler_hash,
             "created_at": datetime.fromtimestamp(batch.created_at, timezone.utc).isoformat(),
             "created_at_unix": batch.created_at}
 
-
-RENOISE = BatchCodec(KIND, SCHEMA_VERSION, to_table, from_table, check_schema, _describe)

@@ -7,7 +7,8 @@ batch is never overwritten. The marker carries the SHA-256 of the Parquet bytes 
 corruption, quarantine the file, and keep going. See ``SCHEMA.md`` next to this file.
 
 The protocol does not depend on what a batch holds: a :class:`BatchCodec` turns a batch into an
-Arrow table and back. Discrete masked-diffusion batches are the default (:data:`DISCRETE`);
+Arrow table and back. The default (:data:`DIFFUSION`) holds masked-diffusion batches and renoising
+(DiffusionGemma) ones, each in its own layout;
 continuous trajectories pass theirs (miles_core/continuous/storage.py), so both get the same
 markers, checksums and quarantine.
 """
@@ -32,7 +33,8 @@ import pyarrow.parquet as pq
 from miles_core.storage import uri as U
 from miles_core.storage.arrow import KIND, SCHEMA_VERSION, check_schema, from_arrow, to_arrow
 from miles_core.storage.errors import BatchExistsError, BatchNotFoundError, CorruptBatchError, SchemaError
-from miles_core.types import TrajectoryBatch
+from miles_core.storage import renoise as R
+from miles_core.types import RenoiseBatch, TrajectoryBatch
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,20 @@ def _describe_discrete(batch: TrajectoryBatch) -> dict[str, Any]:
 DISCRETE = BatchCodec(KIND, SCHEMA_VERSION, to_arrow, from_arrow, check_schema, _describe_discrete)
 
 
+def _kind(schema: pa.Schema) -> str:
+    return (schema.metadata or {}).get(b"miles.kind", b"").decode()
+
+
+# The store's default: masked-diffusion batches, and renoising ones (storage/renoise.py), told
+# apart by type when written and by the file's ``miles.kind`` when read.
+DIFFUSION = BatchCodec(
+    KIND, SCHEMA_VERSION,
+    to_table=lambda b: R.to_table(b) if isinstance(b, RenoiseBatch) else to_arrow(b),
+    from_table=lambda t: R.from_table(t) if _kind(t.schema) == R.KIND else from_arrow(t),
+    check_schema=lambda s: R.check_schema(s) if _kind(s) == R.KIND else check_schema(s),
+    describe=lambda b: R.describe(b) if isinstance(b, RenoiseBatch) else _describe_discrete(b))
+
+
 def new_batch_id() -> str:
     """Sortable unique id: nanosecond wall clock then 8 random hex digits."""
     return f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}"
@@ -81,7 +97,7 @@ class TrajectoryStore:
     """
 
     def __init__(self, root_uri: str | os.PathLike[str], storage_options: dict[str, Any] | None = None,
-                 codec: BatchCodec = DISCRETE) -> None:
+                 codec: BatchCodec = DIFFUSION) -> None:
         self.root_uri = os.fspath(root_uri)
         self.fs, self.root = U.resolve(self.root_uri, storage_options)
         self.codec = codec
