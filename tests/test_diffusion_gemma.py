@@ -14,6 +14,7 @@ import torch
 from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows
 from miles_core.algo.update import adpo_update
 from miles_core.config import ADPOConfig, RenoiseConfig
+from miles_core import canvas
 from miles_core.models import diffusion_gemma as dg
 from miles_core.models.lora import add_lora
 from miles_core.samplers import renoise as rn
@@ -66,18 +67,18 @@ def test_sampler_is_generate_token_for_token(model, cfg):
 def test_replayed_states_are_the_canvases_the_denoiser_saw(model, monkeypatch):
     """Every intermediate canvas is rebuilt exactly from the record and the seed (renoise replayed)."""
     seen: list[torch.Tensor] = []
-    real = dg.decode
+    real = canvas.decode
 
-    def spy(m, p, canvas, soft):
-        seen.append(canvas.clone())
-        return real(m, p, canvas, soft)
+    def spy(m, p, ids, soft):
+        seen.append(ids.clone())
+        return real(m, p, ids, soft)
 
-    monkeypatch.setattr(dg, "decode", spy)
+    monkeypatch.setattr(canvas, "decode", spy)
     batch = rn.sample(model, TOK, _ids(PROMPTS[:1]), EARLY, torch.tensor([5]))
     states = rn.replay_states(batch, model.config.text_config.vocab_size, torch.device("cpu"))
     assert len(seen) == int(batch.num_steps[0]) >= 2
-    for k, canvas in enumerate(seen):
-        assert torch.equal(states[0, k], canvas[0]), k
+    for k, ids in enumerate(seen):
+        assert torch.equal(states[0, k], ids[0]), k
 
 
 def test_scoring_a_recorded_step_reproduces_its_logp(model):
@@ -106,12 +107,12 @@ def _chain_logp(model, batch, b, cfg):
     from miles_core.samplers.step import left_pad
 
     prompt, real = left_pad([batch.prompt_ids[b]], TOK.pad_id)
-    enc = dg.encode(model, prompt, real, batch.completion_len)
+    enc = canvas.encode(model, prompt, real, batch.completion_len)
     soft, out = None, []
     for k in range(int(batch.num_steps[b]) - 1):
-        z = dg.decode(model, enc, states[b, k][None], soft) / rn.temperature(cfg, k, torch.device("cpu"))
+        z = canvas.decode(model, enc, states[b, k][None], soft) / rn.temperature(cfg, k, torch.device("cpu"))
         out.append(torch.where(batch.accepted[b, k], rn.token_logp(z[0], batch.tokens[b, k]), 0.0))
-        soft = dg.soft_embedding(model, z)
+        soft = canvas.soft_embedding(model, z)
     return torch.stack(out)
 
 
@@ -178,3 +179,12 @@ def test_record_round_trips_through_the_store_and_bad_rows_are_named(model, tmp_
                            pa.array(steps, type=pa.int32()))
     with pytest.raises(SchemaError, match="row 1"):
         from_table(bad)
+
+
+def test_models_init_and_check_know_the_family(tmp_path):
+    """``python -m miles_core.models init --family diffusion_gemma`` and ``miles models check``."""
+    from miles_core.models.__main__ import init
+    from miles_core.models.hf import check
+
+    info = check(init("diffusion_gemma", str(tmp_path / "dg")))
+    assert info["family"] == "diffusion_gemma" and info["finite"] and info["canvas_length"] == 24

@@ -271,8 +271,10 @@ def test_the_gpu_check_runs_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
     from benchmarks.gpu_check import main
 
     out = main(["--cpu", "--out", str(tmp_path / "gpu_check.json")])
-    assert json.loads((tmp_path / "gpu_check.json").read_text())["models"].keys() == {"llada_8b", "sdar_4b"}
-    for entry in out["models"].values():
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["models"].keys() == \
+        {"llada_8b", "sdar_4b", "diffusion_gemma_5b"}
+    assert out["models"]["diffusion_gemma_5b"]["update"]["rows"] == 4 * 7   # 8 steps: 7 carry actions
+    for entry in (out["models"]["llada_8b"], out["models"]["sdar_4b"]):
         assert [r["batch"] for r in entry["rollouts"]] == [1, 4]
         assert all(r["miles_tokens_per_s"] > 0 and r["reference_steps_timed"] > 0 for r in entry["rollouts"])
     assert out["models"]["llada_8b"]["update"]["rows"] == 4 * 16

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from miles_core.algo.rows import Rows
 from miles_core.config import ADPOConfig, RenoiseConfig
-from miles_core.models import diffusion_gemma as dg
+from miles_core import canvas
 from miles_core.samplers.renoise import replay_states, temperature, token_logp
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
@@ -40,9 +40,9 @@ def action_rows(batch: RenoiseBatch) -> Rows:
     return Rows(traj.long(), step.long(), torch.ones(traj.numel()))
 
 
-def _encode(model: Any, batch: RenoiseBatch, traj: Tensor, tok: Any, device: torch.device) -> dg.Prompt:
+def _encode(model: Any, batch: RenoiseBatch, traj: Tensor, tok: Any, device: torch.device) -> canvas.Prompt:
     prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
-    return dg.encode(model, prompt.to(device), real.to(device), batch.completion_len)
+    return canvas.encode(model, prompt.to(device), real.to(device), batch.completion_len)
 
 
 @torch.no_grad()
@@ -62,17 +62,17 @@ def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: Ren
         rows = (need > k + 1).nonzero().squeeze(1)      # rows that read s_{k+1}
         if rows.numel() == 0:
             break
-        enc = enc_all if rows.numel() == b else dg.select(enc_all, rows)
-        z = dg.decode(model, enc, states[rows, k], None if soft is None else soft[rows, k]) / temperature(cfg, k, dev)
+        enc = enc_all if rows.numel() == b else canvas.select(enc_all, rows)
+        z = canvas.decode(model, enc, states[rows, k], None if soft is None else soft[rows, k]) / temperature(cfg, k, dev)
         if keep_top > 0:
             top = z.topk(keep_top, dim=-1)
             z = torch.full_like(z, float("-inf")).scatter(-1, top.indices, top.values)
-        s = dg.soft_embedding(model, z)
+        s = canvas.soft_embedding(model, z)
         if soft is None:
             soft = torch.zeros(b, n, *s.shape[1:], dtype=s.dtype, device=dev)
         soft[rows, k + 1] = s
     if soft is None:   # no row reads any s_k beyond the first step's zeros
-        d = dg._core(model).config.text_config.hidden_size
+        d = canvas.core(model).config.text_config.hidden_size
         soft = torch.zeros(b, n, states.shape[2], d, device=dev)
     return soft
 
@@ -85,7 +85,7 @@ class RenoiseStepRows:
         """``soft``: the self-conditioning to score with (default: the chain under ``model``)."""
         self.batch, self.cfg, self.tok = batch, cfg, tok
         self.device = next(model.parameters()).device
-        vocab = int(dg._core(model).config.text_config.vocab_size)
+        vocab = int(canvas.core(model).config.text_config.vocab_size)
         self.states = replay_states(batch, vocab, self.device)                       # [B, K, L]
         self.soft = chain_conditioning(model, batch, self.states, cfg, tok) if soft is None else soft  # [B, K, L, d]
         self.width = batch.completion_len
@@ -95,7 +95,7 @@ class RenoiseStepRows:
         t, s = traj.to(self.device), step.to(self.device)
         enc = _encode(model, self.batch, traj, self.tok, self.device)
         temp = temperature(self.cfg, s, self.device)                                         # [R]
-        z = dg.decode(model, enc, self.states[t, s], self.soft[t, s]) / temp[:, None, None]
+        z = canvas.decode(model, enc, self.states[t, s], self.soft[t, s]) / temp[:, None, None]
         commit = self.batch.accepted[traj, step].to(self.device)
         logp = torch.where(commit, token_logp(z, self.batch.tokens[traj, step].to(self.device)), 0.0)
         return logp, None, commit

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from miles_core.models import diffusion_gemma as dg
-from miles_core.samplers.renoise import RenoiseConfig
+from miles_core import canvas
+from miles_core.config import RenoiseConfig
 from miles_core.samplers.step import left_pad
 
 
@@ -34,17 +34,17 @@ def sft_loss(model, prompt: Tensor, real: Tensor, clean: Tensor, cfg: RenoiseCon
     """Mean cross-entropy over canvas positions of x_0 given its corruption x_t (see module doc)."""
     dev = clean.device
     b, length = clean.shape
-    vocab = int(dg._core(model).config.text_config.vocab_size)
+    vocab = int(canvas.core(model).config.text_config.vocab_size)
     t = torch.rand(b, 1, generator=generator).to(dev)
     noise = torch.randint(0, vocab, (b, length), generator=generator).to(dev)
     x_t = torch.where(torch.rand(b, length, generator=generator).to(dev) < t, noise, clean)
-    enc = dg.encode(model, prompt, real, length, grad=True)
+    enc = canvas.encode(model, prompt, real, length, grad=True)
     use = (torch.rand(b, generator=generator) < self_cond_prob).to(dev)
     temp = (cfg.t_min + (cfg.t_max - cfg.t_min) * torch.rand(b, 1, 1, generator=generator)).to(dev)
     soft = None
     if bool(use.any()):
         with torch.no_grad():
-            first = dg.decode(model, enc, x_t, None) / temp
-            soft = dg.soft_embedding(model, first) * use[:, None, None]
-    logits = dg.decode(model, enc, x_t, soft)                                       # [B, L, V]
+            first = canvas.decode(model, enc, x_t, None) / temp
+            soft = canvas.soft_embedding(model, first) * use[:, None, None]
+    logits = canvas.decode(model, enc, x_t, soft)                                       # [B, L, V]
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), clean.reshape(-1))

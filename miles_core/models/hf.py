@@ -270,6 +270,21 @@ def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
     t0 = time.perf_counter()
     model, tok = load_checkpoint(directory, family=family)  # the path training takes
     load_s = time.perf_counter() - t0
+    from miles_core.canvas import is_renoising
+
+    if is_renoising(model):  # no masked forward: the prompt encoded, one canvas decoded
+        from miles_core import canvas
+
+        width = int(canvas.core(model).config.canvas_length)
+        ids = torch.tensor([tok.encode("1+2=")])
+        with torch.no_grad():
+            enc = canvas.encode(model, ids, torch.ones_like(ids, dtype=torch.bool), width)
+            logits = canvas.decode(model, enc, torch.randint(0, tok.vocab_size, (1, width)), None)
+        return {"family": "diffusion_gemma", "native": "diffusion_gemma",
+                "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype),
+                "eos_id": tok.eos_id, "vocab_size": tok.vocab_size, "canvas_length": width,
+                "attention": "causal prompt encoder + bidirectional canvas decoder",
+                "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
     ids = torch.tensor([tok.encode("1+2=") + [tok.mask_id] * 4])
     with torch.no_grad():
         logits = model(ids, torch.ones_like(ids, dtype=torch.bool))

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from miles_core.config import RenoiseConfig
-from miles_core.models import diffusion_gemma as dg
+from miles_core import canvas
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
 
@@ -71,11 +71,11 @@ def sample(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, seeds: T
            group_id: Tensor | None = None, policy_version: int = 0) -> RenoiseBatch:
     """Sample one canvas per prompt and record each trajectory (seeds [B]: one stream per row)."""
     dev = next(model.parameters()).device
-    core_cfg = dg._core(model).config
+    core_cfg = canvas.core(model).config
     length, vocab = int(core_cfg.canvas_length), int(core_cfg.text_config.vocab_size)
     b, n = len(prompt_ids), cfg.max_steps
     prompt, real = left_pad(prompt_ids, tok.pad_id)
-    enc = dg.encode(model, prompt.to(dev), real.to(dev), length)
+    enc = canvas.encode(model, prompt.to(dev), real.to(dev), length)
     gens = _generators(seeds, dev)
     x = torch.stack([torch.randint(0, vocab, (length,), generator=g, device=dev) for g in gens])   # [B, L]
     accepted = torch.zeros(b, n, length, dtype=torch.bool, device=dev)
@@ -90,8 +90,8 @@ def sample(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, seeds: T
         rows = (~finished).nonzero().squeeze(1)          # the step's one host read: rows still denoising
         if rows.numel() == 0:
             break
-        part = enc if rows.numel() == b else dg.select(enc, rows)
-        z = dg.decode(model, part, x[rows], None if soft is None else soft[rows]) / temperature(cfg, k, dev)
+        part = enc if rows.numel() == b else canvas.select(enc, rows)
+        z = canvas.decode(model, part, x[rows], None if soft is None else soft[rows]) / temperature(cfg, k, dev)
         probs = torch.softmax(z, dim=-1, dtype=torch.float32)                      # [A, L, V]
         rl = rows.tolist()
         y = torch.stack([(probs[i] / torch.empty_like(probs[i]).exponential_(1, generator=gens[r])).argmax(-1)
@@ -103,7 +103,7 @@ def sample(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, seeds: T
         tokens[rows, k] = torch.where(acc, y, 0)
         logp[rows, k] = torch.where(acc, token_logp(z, y), 0.0)
         x[rows] = torch.where(acc, y, noise)
-        s_new = dg.soft_embedding(model, z)
+        s_new = canvas.soft_embedding(model, z)
         if soft is None:
             soft = torch.zeros(b, *s_new.shape[1:], dtype=s_new.dtype, device=dev)
         soft[rows] = s_new
@@ -134,10 +134,10 @@ def sample_seeded(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, c
     the run's seed decides every row's stream). ``completion_len`` must be the canvas."""
     from miles_core.config import ConfigError
 
-    canvas = int(dg._core(model).config.canvas_length)
-    if completion_len != canvas:
+    width = int(canvas.core(model).config.canvas_length)
+    if completion_len != width:
         raise ConfigError(f"task.completion_len={completion_len}: DiffusionGemma samples one canvas of "
-                          f"canvas_length={canvas} tokens (config.json); set task.completion_len={canvas}")
+                          f"canvas_length={width} tokens (config.json); set task.completion_len={width}")
     seeds = torch.randint(0, 2**62, (len(prompt_ids),), generator=generator)
     return sample(model, tok, prompt_ids, cfg, seeds, group_id, policy_version)
 
