@@ -15,6 +15,18 @@ import torch
 from torch import Tensor
 
 
+def _per_row(batch: Any, names: tuple[str, ...], b: int) -> None:
+    """Per-row fields of a batch are [B]; a missing reward / advantage is NaN (not scored yet)."""
+    for name in names:
+        t = getattr(batch, name)
+        if t.shape != (b,):
+            raise ValueError(f"{type(batch).__name__}.{name}: expected shape [{b}], got {tuple(t.shape)}")
+    if batch.reward is None:
+        batch.reward = torch.full((b,), float("nan"))
+    if batch.advantage is None:
+        batch.advantage = torch.full((b,), float("nan"))
+
+
 @dataclass
 class TrajectoryBatch:
     """A batch of recorded discrete denoising trajectories, one row per sampled completion.
@@ -54,14 +66,7 @@ class TrajectoryBatch:
                 raise ValueError(f"TrajectoryBatch.{name}: expected shape [{b}, L], got {tuple(t.shape)}")
         if self.step_map.shape != self.completion_ids.shape or self.logp.shape != self.completion_ids.shape:
             raise ValueError("TrajectoryBatch: completion_ids, step_map and logp must share shape [B, L]")
-        for name in ("nfe", "group_id", "policy_version"):
-            t = getattr(self, name)
-            if t.shape != (b,):
-                raise ValueError(f"TrajectoryBatch.{name}: expected shape [{b}], got {tuple(t.shape)}")
-        if self.reward is None:
-            self.reward = torch.full((b,), float("nan"))
-        if self.advantage is None:
-            self.advantage = torch.full((b,), float("nan"))
+        _per_row(self, ("nfe", "group_id", "policy_version"), b)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -172,17 +177,10 @@ class RenoiseBatch:
             if t.dim() != 3 or t.shape[0] != b or t.shape[2] != self.completion_len or t.shape[1] != k:
                 raise ValueError(f"RenoiseBatch.{name}: expected shape [{b}, K, {self.completion_len}], "
                                  f"got {tuple(t.shape)}")
-        for name in ("num_steps", "seed", "group_id", "policy_version"):
-            t = getattr(self, name)
-            if t.shape != (b,):
-                raise ValueError(f"RenoiseBatch.{name}: expected shape [{b}], got {tuple(t.shape)}")
+        _per_row(self, ("num_steps", "seed", "group_id", "policy_version"), b)
         if b and (int(self.num_steps.min()) < 1 or int(self.num_steps.max()) > k):
             raise ValueError(f"RenoiseBatch.num_steps: every row takes 1..{k} steps, got "
                              f"{self.num_steps.min()}..{self.num_steps.max()}")
-        if self.reward is None:
-            self.reward = torch.full((b,), float("nan"))
-        if self.advantage is None:
-            self.advantage = torch.full((b,), float("nan"))
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
