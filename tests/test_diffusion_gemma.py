@@ -79,6 +79,9 @@ def test_replayed_states_are_the_canvases_the_denoiser_saw(model, monkeypatch):
     assert len(seen) == int(batch.num_steps[0]) >= 2
     for k, ids in enumerate(seen):
         assert torch.equal(states[0, k], ids[0]), k
+    batch.sampler["rng_device"] = "cuda"   # drawn elsewhere: replaying here would rebuild other states
+    with pytest.raises(ValueError, match="drawn by cuda generators"):
+        rn.replay_states(batch, model.config.text_config.vocab_size, torch.device("cpu"))
 
 
 def test_scoring_a_recorded_step_reproduces_its_logp(model):
@@ -170,6 +173,7 @@ def test_record_round_trips_through_the_store_and_bad_rows_are_named(model, tmp_
     assert back.prompt_ids == batch.prompt_ids and back.completions == batch.completions and back.meta == batch.meta
     assert torch.equal(back.reward.isnan(), batch.reward.isnan())
     assert store.commit_info(bid)["kind"] == "renoise_trajectory" and back.sampler == batch.sampler
+    assert rn.settings(back) == EARLY and back.sampler["rng_device"] == "cpu"
     table = to_table(batch)
     steps = table.column("num_steps").to_pylist()
     steps[1] += 1

@@ -27,7 +27,7 @@ from torch import Tensor
 from miles_core.algo.rows import Rows
 from miles_core.config import ADPOConfig, RenoiseConfig
 from miles_core import canvas
-from miles_core.samplers.renoise import replay_states, temperature, token_logp
+from miles_core.samplers.renoise import replay_states, settings, temperature, token_logp
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
 
@@ -115,7 +115,7 @@ def renoise_update(model: Any, optimizer: torch.optim.Optimizer, batch: RenoiseB
     if cfg.estimator != "adpo":
         raise ValueError(f"adpo.estimator={cfg.estimator!r}: a renoising chain (DiffusionGemma) has no masked "
                          "ELBO; only the per-step estimator 'adpo' applies")
-    rcfg = RenoiseConfig(**batch.sampler)
+    rcfg = settings(batch)
 
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)

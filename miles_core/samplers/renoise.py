@@ -38,6 +38,14 @@ from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
 
 
+RNG_DEVICE = "rng_device"  # where the rows' generators drew: a CUDA stream differs from a CPU one
+
+
+def settings(batch: RenoiseBatch) -> RenoiseConfig:
+    """The sampler settings a batch was drawn with (its record carries them)."""
+    return RenoiseConfig(**{k: v for k, v in batch.sampler.items() if k != RNG_DEVICE})
+
+
 def temperature(cfg: RenoiseConfig, k: int | Tensor, device: torch.device) -> Tensor:
     """T at step k (an int, or [R] steps), in generate's float32 arithmetic (``cur_step`` is an
     int32 tensor there), so the learner's tempered logits are the sampler's bit for bit."""
@@ -125,7 +133,8 @@ def sample(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, seeds: T
         group_id=(group_id if group_id is not None else torch.arange(b)).long(),
         policy_version=torch.full((b,), policy_version, dtype=torch.long),
         prompts=[tok.decode(p) for p in prompt_ids], completions=[tok.decode(c.tolist()) for c in completion],
-        meta=[{} for _ in range(b)], sampler=dataclasses.asdict(cfg), sampler_hash=cfg.hash(length))
+        meta=[{} for _ in range(b)], sampler={**dataclasses.asdict(cfg), RNG_DEVICE: dev.type},
+        sampler_hash=cfg.hash(length))
 
 
 def sample_seeded(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, completion_len: int,
@@ -155,6 +164,10 @@ def replay_states(batch: RenoiseBatch, vocab: int, device: torch.device) -> Tens
     the renoise stream is replayed (the Exp(1) draws of each step are skipped by drawing them
     again: [L, V] per step, what the sampler drew, no denoiser call), and x_k+1 = y_k on A_k,
     r_k elsewhere. States past a row's last step repeat its last state."""
+    drawn = batch.sampler.get(RNG_DEVICE)
+    if drawn is not None and drawn != device.type:
+        raise ValueError(f"RenoiseBatch: its renoise was drawn by {drawn} generators; replaying them on "
+                         f"{device.type} would rebuild other states. Score it with the model on {drawn}")
     b, n, length = batch.accepted.shape
     out = torch.zeros(b, n, length, dtype=torch.long, device=device)
     acc, tok = batch.accepted.to(device), batch.tokens.to(device)
