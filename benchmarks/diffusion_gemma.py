@@ -49,7 +49,8 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
 
     torch.set_num_threads(1)
     from miles_core.algo.advantages import group_advantages
-    from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning, renoise_update
+    from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning
+    from miles_core.algo.update import adpo_update
     from miles_core.algo.renoise_sft import canvases, sft_loss
     from miles_core.algo.rl import score_rewards
     from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
@@ -124,7 +125,7 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
         score_rewards(batch, reward)
         batch.advantage = group_advantages(batch.reward, batch.group_id)
         mu_batch = batch if mu_batch is None else mu_batch   # sampled by the SFT policy (LoRA B = 0)
-        st = renoise_update(policy, opt, batch, acfg, tok, rl_gen)
+        st = adpo_update(policy, opt, batch, acfg, tok, 1.0, rl_gen)
         steps_mean.append(float(batch.num_steps.float().mean()))
         if it % 10 == 0:
             print(f"[seed {seed}] adpo it {it} reward {float(batch.reward.nan_to_num(0).mean()):.3f} "

@@ -104,30 +104,11 @@ class RenoiseStepRows:
         return self.batch.logp[traj, step]
 
 
-def renoise_update(model: Any, optimizer: torch.optim.Optimizer, batch: RenoiseBatch, cfg: ADPOConfig,
-                   tok: Any, generator: torch.Generator, scheduler: Any = None, world: Any = None
-                   ) -> dict[str, float]:
-    """One ADPO update on a renoising batch (``adpo_update`` sends these here): rows of the
-    trajectories with a non-zero advantage, the chain's self-conditioning under the current
-    policy, then the one engine (algo/update.py). Scored with the batch's own sampler settings."""
-    from miles_core.algo.update import policy_update
-
+def renoise_rows(model: Any, sub: RenoiseBatch, cfg: ADPOConfig, tok: Any) -> tuple[Rows, RenoiseStepRows]:
+    """The rows of a renoising batch and their scorer, for the one update (``adpo_update`` calls
+    this for a :class:`RenoiseBatch`): the chain's self-conditioning is rebuilt under the current
+    policy here, once per update, and the batch's own sampler settings score it."""
     if cfg.estimator != "adpo":
         raise ValueError(f"adpo.estimator={cfg.estimator!r}: a renoising chain (DiffusionGemma) has no masked "
                          "ELBO; only the per-step estimator 'adpo' applies")
-    rcfg = settings(batch)
-
-    assert batch.advantage is not None
-    adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
-    keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
-    stats: dict[str, float] = {"rows": 0.0, "trajectories": float(keep.numel()),
-                               "skipped_trajectories": float(len(batch) - keep.numel())}
-    sub = batch.select(keep)
-    rows = action_rows(sub)
-    if rows.traj.numel() == 0:
-        return stats
-    scorer = RenoiseStepRows(model, sub, rcfg, tok)
-    normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
-    adv = torch.nan_to_num(sub.advantage, nan=0.0)
-    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world))
-    return stats
+    return action_rows(sub), RenoiseStepRows(model, sub, settings(sub), tok)

@@ -166,17 +166,13 @@ def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, te
     return rows, MaskedStepRows(sub, tok, temperature, "coupled", comp_masks=comp)
 
 
-def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch, cfg: ADPOConfig,
+def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
                 tok: CharTokenizer, temperature: float, generator: torch.Generator,
                 scheduler: Any = None, world: World | None = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch`` (see :func:`policy_update` for ``world``):
     rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine.
-    A renoising batch (DiffusionGemma) goes to :func:`~miles_core.algo.renoise_rows.renoise_update`,
-    the same engine with its own rows (its temperature schedule travels with the batch)."""
-    if isinstance(batch, RenoiseBatch):
-        from miles_core.algo.renoise_rows import renoise_update
-
-        return renoise_update(model, optimizer, batch, cfg, tok, generator, scheduler, world)
+    A renoising batch (DiffusionGemma) has its own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`;
+    its temperature schedule travels with the batch, so ``temperature`` is not read for it)."""
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
@@ -185,7 +181,14 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     if keep.numel() == 0:
         return stats
     sub = batch.select(keep)
-    rows, scorer = estimator_rows(sub, cfg, tok, temperature, generator)
+    if isinstance(sub, RenoiseBatch):
+        from miles_core.algo.renoise_rows import renoise_rows
+
+        rows, scorer = renoise_rows(model, sub, cfg, tok)
+    else:
+        rows, scorer = estimator_rows(sub, cfg, tok, temperature, generator)
+    if rows.traj.numel() == 0:  # renoising rows that all stopped after one step: nothing carries an action
+        return stats
     # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
     # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
