@@ -217,6 +217,8 @@ class AsyncSettings:
     learner_samples: bool = False       # with shared_budget: the learner samples a batch itself instead of waiting idle
     sync_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # adapter tensors as published to samplers
     learner_threads: int = bounded(1, 1, 1024)            # torch threads of the learner process
+    # freed heap a worker keeps mapped for reuse (glibc mallopt; miles_core/allocator.py); 0: glibc's default
+    retain_heap_mb: int = bounded(1024, 0, 2047)
     retry_budget_s: float = bounded(60.0, 0.0)        # storage errors are retried with backoff for this long
 
 

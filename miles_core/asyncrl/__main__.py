@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-updates", type=int, default=None, help="learner: stop after this many updates")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import miles_core.asyncrl.warm  # noqa: F401  (imports paid before the loop, not in its first batch)
     if args.role == "sampler":
         from miles_core.asyncrl.sampler import SamplerWorker
 

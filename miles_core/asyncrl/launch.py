@@ -79,7 +79,7 @@ class WarmProcess:
     def __init__(self, argv: list[str], log_path: Path, env: dict[str, str]):
         if WarmProcess._ctx is None:
             ctx = mp.get_context("forkserver")
-            ctx.set_forkserver_preload(["torch", "peft", "miles_core.asyncrl.sampler", "miles_core.asyncrl.learner"])
+            ctx.set_forkserver_preload(["miles_core.asyncrl.warm"])  # torch, peft, Miles, pyarrow's lazy pandas
             WarmProcess._ctx = ctx
         self._p = WarmProcess._ctx.Process(target=_warm_child, args=(argv, str(log_path), env), daemon=False)
         self._p.start()
