@@ -199,6 +199,30 @@ def test_fast_save_adapter_writes_what_save_pretrained_writes(tmp_path):
     assert torch.allclose(load_adapter(base_model(), tmp_path / "fast")(x), model(x), atol=1e-6)
 
 
+def test_bound_adapter_tensors_follow_in_place_steps_and_replaced_parameters():
+    # publish reads the adapter through a binding resolved once; it must always equal peft's answer
+    from peft import get_peft_model_state_dict
+
+    from miles_core.models.lora import adapter_tensors
+
+    model = add_lora(base_model(), r=4, alpha=8)
+
+    def same() -> bool:
+        a, b = adapter_tensors(model), get_peft_model_state_dict(model)
+        return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+    assert same()
+    with torch.no_grad():  # an optimizer step: in place
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.25)
+    assert same()
+    name, old = next((n, p) for n, p in model.named_parameters() if "lora_A" in n)
+    module = model.get_submodule(name.rsplit(".", 1)[0])
+    setattr(module, name.rsplit(".", 1)[1], torch.nn.Parameter(old.detach() * 0 + 3.0))  # replaced, not stepped
+    assert same() and any(torch.all(t == 3.0) for t in adapter_tensors(model).values())
+
+
 def test_lora_targets_from_the_recipe_adapt_only_those_modules():
     cfg = load_recipe("tiny", ["lora.r=2", "lora.alpha=4", "lora.targets=q_proj, v_proj"])
     model = add_lora_from(base_model(), cfg.lora)
