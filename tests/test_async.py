@@ -305,6 +305,27 @@ def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: P
     assert out["idle_s"] == 0.0 and out["self_sample_s"] > 0
 
 
+def test_back_pressure_counts_the_samplers_backlog_not_the_learners_own_batches(tmp_path: Path, base_dir: Path) -> None:
+    # max_pending bounds how far samplers run ahead; a batch the learner sampled itself (and takes
+    # next) must not fill one of those places, or the sampler waits while the learner is busy
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=4", "async_rl.shared_budget=true",
+                      "async_rl.learner_samples=true", "async_rl.max_pending=2")
+    rs = RunStore(run)
+    learner = AsyncLearner(run, str(tmp_path / "lc"), max_updates=0)
+    assert learner.sample_self() and learner.sample_self()  # two of the learner's own batches committed
+    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "s0"))
+    assert sampler.pending() == 0
+    sampler.sync_adapter()
+    rs.trajectories.write_batch(sampler.make_batch(0), batch_id=batch_id(0, "w0"))
+    assert sampler.pending() == 1  # 3 committed, 2 of them the learner's own
+    learner.consume(batch_id(0, "learner"))
+    rs.write_json(learner.status(), "learner", "status.json")
+    assert learner.status()["self_consumed"] == 1 and sampler.pending() == 1
+    learner.consume(batch_id(0, "w0"))
+    rs.write_json(learner.status(), "learner", "status.json")
+    assert sampler.pending() == 0 and learner.status()["consumed"] == 2
+
+
 def test_learner_alone_samples_the_whole_budget_on_policy(tmp_path: Path, base_dir: Path) -> None:
     run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.shared_budget=true",
                       "async_rl.learner_samples=true")

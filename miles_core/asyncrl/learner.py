@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from miles_core.algo.rl import batch_id, batch_seq, sample_batch
-from miles_core.asyncrl.sampler import SlotClaims, poll_intervals
+from miles_core.allocator import retain_freed_memory
+from miles_core.asyncrl.sampler import SELF_WORKER, SlotClaims, poll_intervals
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 from miles_core.learner.runtime import LearnerRun
@@ -27,7 +28,7 @@ from miles_core.storage import BatchExistsError
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
-SELF = "learner"  # the worker name of batches the learner samples itself
+SELF = SELF_WORKER  # the worker name of batches the learner samples itself
 
 
 class AsyncLearner(LearnerRun):
@@ -37,6 +38,8 @@ class AsyncLearner(LearnerRun):
                  max_updates: int | None = None) -> None:
         cfg = load_recipe(RunStore(run_uri, storage_options).read_spec()["cfg"])
         torch.set_num_threads(cfg.async_rl.learner_threads)
+        if cfg.async_rl.retain_heap_mb:  # its self-sampled batches would fault in fresh pages every step
+            retain_freed_memory(cfg.async_rl.retain_heap_mb << 20)
         # one update per batch: the LR schedule spans the run's batch budget
         super().__init__(run_uri, cache_dir, storage_options, cfg,
                          total_updates=cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler)
@@ -93,6 +96,8 @@ class AsyncLearner(LearnerRun):
         wall = max(self.totals["wall_s"], 1e-9)
         return {"version": self.learner.version, "updates": len(self.ledger["consumed"]),
                 "consumed": len(self.ledger["consumed"]), "dropped": len(self.ledger["dropped"]),
+                # of those consumed, batches it sampled itself: samplers' back-pressure leaves them out
+                "self_consumed": sum(e["id"].endswith(f"-{SELF}") for e in self.ledger["consumed"]),
                 "quarantined": len(self.ledger["quarantined"]), "expected": self.expected, "done": done,
                 "staleness_hist": {str(k): v for k, v in sorted(Counter(st).items())},
                 "max_staleness_seen": max(st, default=0), "staleness_bound": self.cfg.adpo.max_staleness,
