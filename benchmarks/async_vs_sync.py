@@ -42,71 +42,59 @@ DEFAULT_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=15
                      "adpo.max_staleness=5", "sft.steps=2500"]
 
 
-def timed_loop(cfg_json: str, base: str, threads: int, batches: int, start_at: float = 0.0):
-    """rollout -> reward -> update ``batches`` times with ``threads`` torch threads, from wall-clock
-    ``start_at`` (0: at once) -> (learner, rollout seconds, update seconds)."""
+def timed_loop(cfg_json: str, base: str, threads: int, batches: int):
+    """rollout -> reward -> update ``batches`` times with ``threads`` torch threads ->
+    (learner, rollout seconds, update seconds, rows the updates scored)."""
     import torch
 
     torch.set_num_threads(threads)
+    from miles_core.allocator import retain_freed_memory
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.learner.policy import Learner
 
     cfg = load_recipe(json.loads(cfg_json))
+    if cfg.async_rl.retain_heap_mb:  # the async workers' allocator setting, so both arms run alike
+        retain_freed_memory(cfg.async_rl.retain_heap_mb << 20)
     data = build_task(cfg)
     learner = Learner(cfg, base, seed=cfg.train.seed)
-    time.sleep(max(0.0, start_at - time.time()))
-    roll = upd = 0.0
+    roll = upd = rows = 0.0
     for _ in range(batches):
         t0 = time.perf_counter()
         batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
         t1 = time.perf_counter()
-        learner.update(batch)
+        rows += learner.update(batch).get("rows", 0.0)
         roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1
-    return learner, roll, upd
+    return learner, roll, upd, rows
 
 
 def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
     """The synchronous loop, in its own process (so start-up costs match the async arm)."""
     a = json.loads(cfg_json)["async_rl"]
     n = a["num_samplers"] * a["batches_per_sampler"]
-    learner, roll, upd = timed_loop(cfg_json, base, threads, n)
+    learner, roll, upd, rows = timed_loop(cfg_json, base, threads, n)
     learner.save_adapter(out)
-    Path(out, "timing.json").write_text(json.dumps({"rollout_s": roll, "update_s": upd, "batches": n}))
+    Path(out, "timing.json").write_text(json.dumps({"rollout_s": roll, "update_s": upd, "batches": n, "rows": rows}))
 
 
-def probe_worker(cfg_json: str, base: str, k: int, start_at: float) -> tuple[float, float]:
-    """Seconds per rollout and per update, one torch thread, over ``k`` batches starting at
-    ``start_at`` (a shared wall-clock instant, so that two probes overlap)."""
-    _, roll, upd = timed_loop(cfg_json, base, 1, k, start_at)
-    return roll / k, upd / k
+def machine_ceiling(cfg, base: str, run_uri: str, sync_timing: dict, consumed: list[dict], history: list[dict]) -> dict:
+    """The best asynchronous time this machine allows for this run's work, measured, not assumed.
 
-
-def machine_ceiling(cfg, base: str, sync_timing: dict, k: int = 8) -> dict:
-    """The best asynchronous time this machine allows, measured, not assumed.
-
-    Async runs single-threaded processes side by side, so its floor is the single-thread work
-    of every batch, measured with two such processes running at once (they share caches and
-    memory bandwidth), spread over two cores. Sync's compute is what the sync arm measured with
-    all threads. Their ratio bounds the speedup before start-up costs (equal in both arms).
+    Async runs single-threaded processes side by side, so its floor is the single-thread work of
+    every batch it consumed, redone two processes at once (benchmarks/async_floor.py) and spread
+    over the cores. Sync's compute is what the sync arm measured with all threads. Their ratio
+    bounds the speedup before start-up costs (equal in both arms); the rows each arm's updates
+    scored say how much of the ratio is the two runs' different batches.
     """
-    import multiprocessing as mp
+    from benchmarks.async_floor import replay_floor
 
-    cfg_json = json.dumps(cfg.to_dict())
-    with mp.get_context("spawn").Pool(2) as pool:
-        alone = pool.apply(probe_worker, (cfg_json, base, k, 0.0))
-        start = time.time() + 20  # both load and build before the shared start
-        pair = pool.starmap(probe_worker, [(cfg_json, base, k, start)] * 2)
-    r_pair = sum(r for r, _ in pair) / 2
-    u_pair = sum(u for _, u in pair) / 2
+    f = replay_floor(cfg, base, run_uri, consumed, history, min(usable_cpus(), cfg.async_rl.num_samplers + 1))
     n = sync_timing["batches"]
-    async_floor = n * (r_pair + u_pair) / 2
     sync_compute = sync_timing["rollout_s"] + sync_timing["update_s"]
-    return {"rollout_s_alone": alone[0], "update_s_alone": alone[1], "rollout_s_two_at_once": r_pair,
-            "update_s_two_at_once": u_pair, "two_at_once_slowdown": (r_pair + u_pair) / sum(alone),
-            "sync_rollout_s_per_batch": sync_timing["rollout_s"] / n, "sync_update_s_per_batch": sync_timing["update_s"] / n,
-            "async_compute_floor_s": async_floor, "sync_compute_s": sync_compute,
-            "speedup_ceiling_before_startup": sync_compute / async_floor}
+    return {**f, "sync_rollout_s_per_batch": sync_timing["rollout_s"] / n,
+            "sync_update_s_per_batch": sync_timing["update_s"] / n,
+            "sync_update_rows_per_batch": sync_timing.get("rows", 0.0) / n, "sync_compute_s": sync_compute,
+            "speedup_ceiling_before_startup": sync_compute / f["async_compute_floor_s"]}
 
 
 def learner_breakdown(history: list[dict], summary: dict) -> dict[str, float]:
@@ -143,7 +131,7 @@ def main() -> None:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring this machine's speedup ceiling "
-                    "(single-thread rollouts and updates alone and two at once, ~1 minute)")
+                    "(the async run's batches redone by single-thread processes at once, ~1 minute)")
     ap.add_argument("--cold", action="store_true", help="start each async worker as a fresh interpreter "
                     "(default: fork them from one preloaded server, as long-lived workers would be)")
     args = ap.parse_args()
@@ -196,11 +184,14 @@ def main() -> None:
 
         rs = RunStore(run_uri)
         rs.adapters.fetch(summary["version"], work / "async_adapter")
-        learner_time = learner_breakdown(rs.read_json("learner", "history.json")["history"], summary)
+        record = rs.read_json("learner", "history.json")
+        learner_time = learner_breakdown(record["history"], summary)
+        print(f"async: {async_seconds:.1f}s, learner idle {summary['idle_fraction']:.3f}", flush=True)
+        ceiling = None if args.no_ceiling else machine_ceiling(cfg, base, run_uri, timing, record["ledger"]["consumed"],
+                                                               record["history"])
     finally:
         if server is not None:
             server.stop()
-    print(f"async: {async_seconds:.1f}s, learner idle {summary['idle_fraction']:.3f}", flush=True)
 
     sync_pass1, sync_correct = evaluate(cfg, base, str(work / "sync_adapter"))
     async_pass1, async_correct = evaluate(cfg, base, str(work / "async_adapter"))
@@ -246,17 +237,21 @@ def main() -> None:
     print(f"speedup {payload['speedup']:.2f}x; adapter sync {payload['adapter_sync_bytes']:.0f} B per version vs "
           f"full weights {full_bytes} B (1/{full_bytes / max(payload['adapter_sync_bytes'], 1):.0f}); "
           f"dropped {summary['dropped']}")
-    if not args.no_ceiling:
-        c = machine_ceiling(cfg, base, timing)
+    if ceiling is not None:
+        c = ceiling
         payload["machine_ceiling"] = c
         payload["async_compute_s"] = summary["wall_s"]  # the learner's loop: start-up and teardown excluded
-        print(table([["1 process alone", f"{c['rollout_s_alone']:.3f}", f"{c['update_s_alone']:.3f}"],
-                     ["2 processes at once (each)", f"{c['rollout_s_two_at_once']:.3f}", f"{c['update_s_two_at_once']:.3f}"],
-                     [f"sync, {cores} threads", f"{c['sync_rollout_s_per_batch']:.3f}", f"{c['sync_update_s_per_batch']:.3f}"]],
-                    ["per batch", "rollout s", "update s"]))
+        payload["async_compute_over_floor"] = summary["wall_s"] / c["async_compute_floor_s"]
+        print(table([[f"the async run's batches redone, {c['processes']} single-thread processes at once",
+                      f"{c['rollout_s_per_batch']:.3f}", f"{c['update_s_per_batch']:.3f}", f"{c['update_rows_per_batch']:.0f}"],
+                     [f"sync, {cores} threads", f"{c['sync_rollout_s_per_batch']:.3f}", f"{c['sync_update_s_per_batch']:.3f}",
+                      f"{c['sync_update_rows_per_batch']:.0f}"]],
+                    ["per batch", "rollout s", "update s", "update rows"]))
+        print(f"replay: {c['rollouts_identical']:.0%} of rollouts token-identical, {c['update_rows_matching']:.0%} of "
+              f"updates scored the same rows")
         print(f"machine ceiling: sync compute {c['sync_compute_s']:.1f}s / async floor {c['async_compute_floor_s']:.1f}s "
               f"= {c['speedup_ceiling_before_startup']:.2f}x before start-up; the async learner's loop took "
-              f"{summary['wall_s']:.1f}s")
+              f"{summary['wall_s']:.1f}s = {payload['async_compute_over_floor']:.3f}x the floor")
     print(f"wrote {write_result('async_vs_sync', payload)}")
 
 
