@@ -100,12 +100,12 @@ def rebuild_state(completion: Tensor, step_map: Tensor, step: Tensor, mask_id: i
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
     """Ragged prompts -> ([B, P] ids left-padded, [B, P] bool real-token mask).
 
-    One tensor build for the whole batch, not one per row: the learner pads every scoring chunk's
-    prompts, and a per-row loop was 4% of the asynchronous learner's time (py-spy, issue 27)."""
-    lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)  # [B]
-    width = int(lens.max()) if len(prompts) else 0
-    real = torch.arange(width) >= (width - lens)[:, None]  # [B, P]: each row's last len(p) columns
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    flat = [int(t) for p in prompts for t in (p.tolist() if isinstance(p, Tensor) else p)]
-    ids[real] = torch.tensor(flat, dtype=torch.long)  # row-major fill = the prompts one after another
+    Padded as Python lists, then one tensor for the whole batch, not one per row: the learner pads
+    every scoring chunk's prompts, and a per-row loop was 4% of the asynchronous learner's time
+    (py-spy, issue 27). Nothing is read back from a tensor (tests/test_engine.py counts reads)."""
+    rows = [p.tolist() if isinstance(p, Tensor) else list(p) for p in prompts]
+    lens = [len(r) for r in rows]
+    width = max(lens, default=0)
+    ids = torch.tensor([[pad_id] * (width - n) + r for n, r in zip(lens, rows)], dtype=torch.long).reshape(len(rows), width)
+    real = torch.arange(width) >= (width - torch.tensor(lens, dtype=torch.long))[:, None]  # [B, P]
     return ids, real
