@@ -177,6 +177,7 @@ class ADPOConfig:
     epochs: int = bounded(1, 1)
     row_chunk: int = bounded(256, 1)                # rows per forward/backward (bounds peak memory)
     chunk_tokens: int = bounded(0, 0)               # > 0: a chunk's memory budget in positions (algo/update.py), not row_chunk
+    grad_checkpointing: bool = False    # recompute each layer in backward, keeping only its input (models/activations.py)
     max_grad_norm: float = bounded(1.0, 1e-09)
     prompt_mask_prob: float = bounded(0.15, 0.0, 1.0)      # meanfield (d1): fraction of prompt tokens masked
     mask_samples: int = bounded(1, 1, 64)  # meanfield / wd1 / coupled: Monte-Carlo mask draws per trajectory, each a row of weight 1/n; spg: copies J; espo: coupled pairs

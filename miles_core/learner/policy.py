@@ -22,6 +22,7 @@ from miles_core.config import RecipeConfig, SamplerConfig
 from miles_core.data.arith import Problem
 from miles_core.data.registry import TaskData
 from miles_core.models.base import base_identity, load_base, resolve_device
+from miles_core.models.activations import checkpoint_layers
 from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
 from miles_core.parallel import World
 from miles_core.rewards.registry import reward_for_recipe
@@ -46,6 +47,8 @@ class Learner:
             self.model = add_lora_from(base, cfg.lora)
         self.model.to(resolve_device(cfg.model.device))  # before the optimizer, which keeps its state beside the params
         a = cfg.adpo
+        if a.grad_checkpointing:  # memory for compute: each layer's activations recomputed in backward
+            checkpoint_layers(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
         # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
