@@ -12,13 +12,15 @@ advantages are drawn, then one update runs through the production engine (algo/u
   ``s`` > 1 scores s consecutive steps as one state (``adpo.step_merge``, TraceRL).
 * ``chain``: the same rows in one chunk, so every step's graph is alive at the one backward, the
   memory profile of backpropagating through the denoising chain.
+* ``adpo+ckpt``: ``adpo`` with ``adpo.grad_checkpointing`` (models/activations.py): each layer is
+  recomputed in backward, so a chunk keeps only the layers' inputs; memory for compute.
 
 Each configuration runs in a fresh process. Peak memory is measured twice: the peak bytes autograd
 holds for backward (benchmarks/memory.py's SavedTensorMeter: deterministic, the activation memory
 the methods differ in), and the growth of the peak resident set over the resident set just before
 the update (Linux: the peak is reset through /proc/self/clear_refs after the model is loaded and
 one small update has warmed up; allocator caching makes it noisier).
-Run: python -m benchmarks.update [--ks 8 32 128 256] [--merges 1 4 16] [--batch 2] [--completion 256]
+Run: python -m benchmarks.update [--ks 8 32 128 256] [--merges 1 4 16] [--ckpt-ks 8 32] [--batch 2] [--completion 256]
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def run_one(job: tuple) -> dict:
     from benchmarks.memory import SavedTensorMeter
     from miles_core.algo.update import adpo_update
     from miles_core.config import ADPOConfig
+    from miles_core.models.activations import checkpoint_layers
     from miles_core.models.base import load_checkpoint
     from miles_core.models.lora import add_lora
 
@@ -66,6 +69,8 @@ def run_one(job: tuple) -> dict:
         p.requires_grad_(False)
     torch.manual_seed(0)
     model = add_lora(base, r=16, alpha=32)
+    if arm == "adpo+ckpt":
+        checkpoint_layers(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     batch = synthetic_batch(tok, args["batch"], args["prompt_len"], args["completion"], k, seed=k)
     rows = args["batch"] * -(-k // s)
@@ -109,6 +114,8 @@ def main() -> None:
     ap.add_argument("--merges", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--chain-ks", type=int, nargs="+", default=[8, 32, 128],
                     help="K values for backprop through the chain (its memory grows with K)")
+    ap.add_argument("--ckpt-ks", type=int, nargs="+", default=[8, 32],
+                    help="K values of the adpo arm with gradient checkpointing (s = 1)")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--completion", type=int, default=256)
@@ -123,6 +130,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="miles-update-") as d:
         folder = str(init_tiny("bidir_qwen3", Path(d) / "m", seed=0, size=SPEED_SIZE))
         jobs = [(folder, "adpo", k, s, vars(args)) for s in args.merges for k in args.ks if s <= k]
+        jobs += [(folder, "adpo+ckpt", k, 1, vars(args)) for k in args.ckpt_ks]
         jobs += [(folder, "chain", k, 1, vars(args)) for k in args.chain_ks]
         # glibc maps every allocation of 64 KiB or more on its own and unmaps it when freed, so the
         # resident set follows the live tensors instead of what the allocator keeps cached
@@ -132,7 +140,7 @@ def main() -> None:
             with ctx.Pool(1) as pool:
                 r = pool.apply(run_one, (job,))
             results.append(r)
-            print(f"  {r['arm']:5s} K={r['K']:3d} s={r['s']:2d}: {r['tokens_per_s']:.1f} tokens/s, "
+            print(f"  {r['arm']:9s} K={r['K']:3d} s={r['s']:2d}: {r['tokens_per_s']:.1f} tokens/s, "
                   f"saved for backward {r['saved_mb']:.0f} MB, peak RSS +{r['peak_rss_mb']:.0f} MB, {r['rows']} rows in {r['seconds']:.1f}s", flush=True)
     print(table([[r["arm"], r["K"], r["s"], r["rows"], r["tokens_per_s"], r["saved_mb"], r["peak_rss_mb"]]
                  for r in results], ["arm", "K", "s", "rows", "tokens/s", "saved MB", "peak RSS MB"]))
@@ -141,6 +149,12 @@ def main() -> None:
     payload = {"results": results, "settings": vars(args), "adpo_s1_peak_ratio_max_over_min": flat,
                "seconds": time.perf_counter() - t_all}
     print(f"ADPO (s=1) peak saved-for-backward memory, largest over smallest across K: {flat:.2f}x")
+    for r in results:
+        plain = next((a for a in adpo1 if a["K"] == r["K"]), None)
+        if r["arm"] == "adpo+ckpt" and plain:
+            r["vs_adpo"] = {"saved": r["saved_mb"] / plain["saved_mb"], "tokens_per_s": r["tokens_per_s"] / plain["tokens_per_s"]}
+            print(f"gradient checkpointing at K={r['K']}: saved-for-backward {r['vs_adpo']['saved']:.2f}x, "
+                  f"tokens/s {r['vs_adpo']['tokens_per_s']:.2f}x of plain ADPO")
     print(f"wrote {write_result('update', payload)} in {payload['seconds']:.0f}s")
 
 
