@@ -139,7 +139,7 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
 
     from miles_core.algo.update import adpo_update
     from miles_core.config import RenoiseConfig
-    from miles_core.models.diffusion_gemma import tiny_config
+    from miles_core.models.diffusion_gemma import text_only_config
     from miles_core.models.lora import add_lora
     from miles_core.tokenizer import CharTokenizer
     from miles_core.types import RenoiseBatch
@@ -147,7 +147,7 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
     size = dict(hidden=64, layers=2, heads=4) if toy else dict(hidden=2304, layers=30, heads=8, head_dim=256,
                                                                intermediate=9216, full_every=6, sliding_window=512)
     vocab = 512 if toy else 262_144
-    cfg = tiny_config(vocab, pad_id=0, eos_id=2, canvas_length=completion, **size)
+    cfg = text_only_config(vocab, pad_id=0, eos_id=2, canvas_length=completion, **size)
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:

@@ -29,9 +29,9 @@ DECODER_LORA_TARGETS = (r".*decoder\.(layers\.\d+\.(self_attn\.(q|k|v|o)_proj|ml
                         r"|self_conditioning\.(gate|up|down)_proj)")
 
 
-def tiny_config(vocab_size: int, pad_id: int, eos_id: int, canvas_length: int, hidden: int = 64,
-                layers: int = 2, heads: int = 4, experts: int = 4, sliding_window: int = 64,
-                head_dim: int | None = None, intermediate: int | None = None, full_every: int = 2) -> Any:
+def text_only_config(vocab_size: int, pad_id: int, eos_id: int, canvas_length: int, hidden: int = 64,
+                     layers: int = 2, heads: int = 4, experts: int = 4, sliding_window: int = 64,
+                     head_dim: int | None = None, intermediate: int | None = None, full_every: int = 2) -> Any:
     """A text-only ``DiffusionGemmaConfig`` with the real fields (sliding layers with a full one
     every ``full_every``, the published 5:1 being 6; MoE beside the dense MLP; a 1-layer 16-wide
     vision tower that text never reaches, since the class always builds one). Tests and benchmarks
@@ -58,7 +58,7 @@ def write_tiny_checkpoint(directory: str | Path, tok: Any, canvas_length: int, s
     from transformers import DiffusionGemmaForBlockDiffusion
 
     torch.manual_seed(seed)
-    cfg = tiny_config(tok.vocab_size, tok.pad_id, tok.eos_id, canvas_length, **sizes)
+    cfg = text_only_config(tok.vocab_size, tok.pad_id, tok.eos_id, canvas_length, **sizes)
     model = DiffusionGemmaForBlockDiffusion(cfg)
     d = Path(directory)
     model.save_pretrained(d)
