@@ -20,7 +20,8 @@ import torch
 
 from miles_core.algo.rl import batch_id, batch_seq, sample_batch
 from miles_core.allocator import retain_freed_memory
-from miles_core.asyncrl.sampler import SELF_WORKER, SlotClaims, poll_intervals
+from miles_core.asyncrl.sampler import SELF_WORKER as SELF  # the worker name of batches the learner samples itself
+from miles_core.asyncrl.sampler import SlotClaims, poll_intervals
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 from miles_core.learner.runtime import LearnerRun
@@ -28,7 +29,6 @@ from miles_core.storage import BatchExistsError
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
-SELF = SELF_WORKER  # the worker name of batches the learner samples itself
 
 
 class AsyncLearner(LearnerRun):
