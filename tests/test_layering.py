@@ -161,7 +161,7 @@ def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
 
 
 def test_import_linter_layers_contract_fails_on_a_tree_that_breaks_the_floors(tmp_path: Path) -> None:
-    assert layer_names()[-1] == ["types", "config", "tokenizer"] and len(layer_names()) == 7
+    assert layer_names()[-1] == ["types", "config", "tokenizer", "allocator"] and len(layer_names()) == 7
     _write(tmp_path, {**LAYER_TREE, "tasks/__init__.py": "", "flows/__init__.py": "", "miles/__init__.py": ""})
     result = lint_imports(tmp_path)
     out = result.stdout
