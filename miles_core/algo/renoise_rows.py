@@ -47,17 +47,18 @@ def _encode(model: Any, batch: RenoiseBatch, traj: Tensor, tok: Any, device: tor
 
 @torch.no_grad()
 def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: RenoiseConfig, tok: Any,
-                       keep_top: int = 0) -> Tensor:
+                       keep_top: int = 0, encoded: canvas.Prompt | None = None) -> Tensor:
     """s_k of every row and step [B, K, L, d] under ``model``: the chain's self-conditioning
     rebuilt by running the recorded states through the current policy (s_0 = 0).
 
     ``keep_top`` = k > 0 is the alternative Miles does not take, kept to measure it: the signal a
-    store of the top-k tempered logits would give (the rest at -inf before the softmax)."""
+    store of the top-k tempered logits would give (the rest at -inf before the softmax).
+    ``encoded``: the batch's prompts already encoded (default: encoded here)."""
     dev = states.device
     b, n, _ = states.shape
     need = (batch.num_steps - 1).to(dev)   # s_k is read for k < K_b - 1
     soft: Tensor | None = None
-    enc_all = _encode(model, batch, torch.arange(b), tok, dev)
+    enc_all = encoded if encoded is not None else _encode(model, batch, torch.arange(b), tok, dev)
     for k in range(n - 1):
         rows = (need > k + 1).nonzero().squeeze(1)      # rows that read s_{k+1}
         if rows.numel() == 0:
@@ -87,13 +88,17 @@ class RenoiseStepRows:
         self.device = next(model.parameters()).device
         vocab = int(canvas.core(model).config.text_config.vocab_size)
         self.states = replay_states(batch, vocab, self.device)                       # [B, K, L]
-        self.soft = chain_conditioning(model, batch, self.states, cfg, tok) if soft is None else soft  # [B, K, L, d]
+        # the encoder is the frozen base (LoRA adapts the decoder only): encode every prompt once per
+        # update, as the sampler does for its whole batch, and index it for each chunk of rows
+        self.encoded = _encode(model, batch, torch.arange(len(batch)), tok, self.device)
+        self.soft = (chain_conditioning(model, batch, self.states, cfg, tok, encoded=self.encoded)
+                     if soft is None else soft)                                      # [B, K, L, d]
         self.width = batch.completion_len
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """log pi(y_k | x_k, s_k) [R, L] at the accepted positions (commit [R, L]) of rows (b, k)."""
         t, s = traj.to(self.device), step.to(self.device)
-        enc = _encode(model, self.batch, traj, self.tok, self.device)
+        enc = canvas.select(self.encoded, t)
         temp = temperature(self.cfg, s, self.device)                                         # [R]
         z = canvas.decode(model, enc, self.states[t, s], self.soft[t, s]) / temp[:, None, None]
         commit = self.batch.accepted[traj, step].to(self.device)
