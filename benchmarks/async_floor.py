@@ -36,7 +36,7 @@ def replay_share(cfg_json: str, base: str, run_uri: str, bids: list[str], start_
     from safetensors.torch import load_file
 
     from miles_core.algo.rl import batch_seq, sample_batch
-    from miles_core.allocator import retain_freed_memory
+    from miles_core.allocator import apply_heap_setting
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.learner.policy import Learner
@@ -46,8 +46,7 @@ def replay_share(cfg_json: str, base: str, run_uri: str, bids: list[str], start_
     from miles_core.storage.run import RunStore
 
     cfg = load_recipe(json.loads(cfg_json))
-    if cfg.async_rl.retain_heap_mb:  # as the run's workers do (miles_core/allocator.py)
-        retain_freed_memory(cfg.async_rl.retain_heap_mb << 20)
+    apply_heap_setting(cfg.async_rl.retain_heap_mb)  # as the run's workers do (miles_core/allocator.py)
     rs = RunStore(run_uri)
     model, tok = load_base(cfg, base)
     for p in model.parameters():

@@ -48,14 +48,13 @@ def timed_loop(cfg_json: str, base: str, threads: int, batches: int):
     import torch
 
     torch.set_num_threads(threads)
-    from miles_core.allocator import retain_freed_memory
+    from miles_core.allocator import apply_heap_setting
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.learner.policy import Learner
 
     cfg = load_recipe(json.loads(cfg_json))
-    if cfg.async_rl.retain_heap_mb:  # the async workers' allocator setting, so both arms run alike
-        retain_freed_memory(cfg.async_rl.retain_heap_mb << 20)
+    apply_heap_setting(cfg.async_rl.retain_heap_mb)  # the async workers' allocator setting, so both arms run alike
     data = build_task(cfg)
     learner = Learner(cfg, base, seed=cfg.train.seed)
     roll = upd = rows = 0.0

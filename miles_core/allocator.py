@@ -42,3 +42,10 @@ def retain_freed_memory(trim_bytes: int = 1 << 30, mmap_bytes: int = MMAP_THRESH
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     trim = min(trim_bytes, (1 << 31) - 1)  # mallopt takes an int
     return mallopt(M_MMAP_THRESHOLD, mmap_bytes) == 1 and mallopt(M_TRIM_THRESHOLD, trim) == 1
+
+
+def apply_heap_setting(retain_heap_mb: int) -> bool:
+    """``async_rl.retain_heap_mb`` for this process: 0 leaves glibc's default (-> False), any other
+    value keeps that many MiB of freed heap (:func:`retain_freed_memory`). The one place the
+    setting's meaning lives, for the workers and for benchmark arms that must run alike."""
+    return retain_heap_mb > 0 and retain_freed_memory(retain_heap_mb << 20)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_core.allocator import MMAP_THRESHOLD_MAX, retain_freed_memory
+from miles_core.allocator import MMAP_THRESHOLD_MAX, apply_heap_setting, retain_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,7 @@ def test_allocator_settings_are_checked() -> None:
         retain_freed_memory(1 << 20, MMAP_THRESHOLD_MAX + 1)
     with pytest.raises(ValueError, match="trim_bytes"):
         retain_freed_memory(0)
+    assert apply_heap_setting(0) is False  # async_rl.retain_heap_mb=0: glibc's default is left alone
 
 
 def test_warm_imports_leave_nothing_for_the_first_commit_to_import() -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from miles_core.algo.rl import batch_id, batch_seq, sample_batch
-from miles_core.allocator import retain_freed_memory
+from miles_core.allocator import apply_heap_setting
 from miles_core.asyncrl.sampler import SELF_WORKER as SELF  # the worker name of batches the learner samples itself
 from miles_core.asyncrl.sampler import SlotClaims, poll_intervals
 from miles_core.config import load_recipe
@@ -38,8 +38,7 @@ class AsyncLearner(LearnerRun):
                  max_updates: int | None = None) -> None:
         cfg = load_recipe(RunStore(run_uri, storage_options).read_spec()["cfg"])
         torch.set_num_threads(cfg.async_rl.learner_threads)
-        if cfg.async_rl.retain_heap_mb:  # its self-sampled batches would fault in fresh pages every step
-            retain_freed_memory(cfg.async_rl.retain_heap_mb << 20)
+        apply_heap_setting(cfg.async_rl.retain_heap_mb)  # else its self-sampled batches fault in fresh pages every step
         # one update per batch: the LR schedule spans the run's batch budget
         super().__init__(run_uri, cache_dir, storage_options, cfg,
                          total_updates=cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler)

@@ -27,7 +27,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from miles_core.algo.rl import batch_id, rollout_stats, sample_batch
-from miles_core.allocator import retain_freed_memory
+from miles_core.allocator import apply_heap_setting
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 from miles_core.models.base import load_base, resolve_device
@@ -102,8 +102,7 @@ class SamplerWorker:
         self.cfg = load_recipe(spec["cfg"])
         self.run_store.retry_budget_s = self.cfg.async_rl.retry_budget_s
         torch.set_num_threads(self.cfg.async_rl.sampler_threads)
-        if self.cfg.async_rl.retain_heap_mb:  # a sampler only samples: without this, every step faults in fresh pages
-            retain_freed_memory(self.cfg.async_rl.retain_heap_mb << 20)
+        apply_heap_setting(self.cfg.async_rl.retain_heap_mb)  # a sampler only samples: else every step faults in fresh pages
         if self.cfg.async_rl.sampler_nice > 0:  # samplers and learner share cores: let the learner go first
             os.nice(self.cfg.async_rl.sampler_nice)
         if self.cfg.async_rl.pin_samplers and hasattr(os, "sched_setaffinity"):
