@@ -321,9 +321,16 @@ def test_back_pressure_counts_the_samplers_backlog_not_the_learners_own_batches(
     learner.consume(batch_id(0, "learner"))
     rs.write_json(learner.status(), "learner", "status.json")
     assert learner.status()["self_consumed"] == 1 and sampler.pending() == 1
+    # the learner names the batch it takes before updating on it: the sampler's place frees at once
+    rs.write_json(learner.status(taking=batch_id(0, "w0")), "learner", "status.json")
+    assert sampler.pending() == 0
     learner.consume(batch_id(0, "w0"))
-    rs.write_json(learner.status(), "learner", "status.json")
+    rs.write_json(learner.status(taking=batch_id(1, "w0")), "learner", "status.json")  # named, not committed yet
     assert sampler.pending() == 0 and learner.status()["consumed"] == 2
+    rs.trajectories.write_batch(sampler.make_batch(1), batch_id=batch_id(1, "w0"))
+    assert sampler.pending() == 0  # committed and being taken
+    rs.write_json(learner.status(taking=batch_id(1, "learner")), "learner", "status.json")
+    assert sampler.pending() == 1  # the learner's own batch taken: the sampler's is still waiting
 
 
 def test_learner_alone_samples_the_whole_budget_on_policy(tmp_path: Path, base_dir: Path) -> None:

@@ -1,8 +1,8 @@
 """The asynchronous learner: the run's :class:`~miles_core.learner.runtime.LearnerRun` in a loop.
 
-Per pass: take the oldest committed batch not in the ledger and ``consume`` it (read, staleness
-check, update, checkpoint, publish: learner/runtime.py, the same code the synchronous flow runs),
-then write status.json for the samplers' back-pressure. When no batch is waiting: with
+Per pass: write status.json for the samplers' back-pressure, naming the batch it takes now, then
+take the oldest committed batch not in the ledger and ``consume`` it (read, staleness check,
+update, checkpoint, publish: learner/runtime.py, the same code the synchronous flow runs). When no batch is waiting: with
 ``async_rl.learner_samples`` it claims a slot of the shared sample budget and samples that batch
 itself with the current policy (committed like any sampler's, so the ledger and restarts treat it
 the same), else it sleeps and the wait counts as idle. See ARCHITECTURE.md.
@@ -90,7 +90,10 @@ class AsyncLearner(LearnerRun):
     def expected(self) -> int:
         return self.cfg.async_rl.num_samplers * self.cfg.async_rl.batches_per_sampler
 
-    def status(self, done: bool = False) -> dict[str, Any]:
+    def status(self, done: bool = False, taking: str | None = None) -> dict[str, Any]:
+        """Progress for samplers and operators. ``taking``: the batch the learner is taking now,
+        not yet in ``consumed``/``dropped`` (the samplers count it as taken: their backlog is what
+        the learner has not started on)."""
         st = [e["staleness"] for e in self.ledger["consumed"]]
         wall = max(self.totals["wall_s"], 1e-9)
         return {"version": self.learner.version, "updates": len(self.ledger["consumed"]),
@@ -111,7 +114,7 @@ class AsyncLearner(LearnerRun):
                 "self_sampled_batches": self.totals.get("self_batches", 0),
                 "self_sample_s": self.totals.get("sample_s", 0.0),
                 "self_sample_fraction": self.totals.get("sample_s", 0.0) / wall,
-                "completions": sum(e["rows"] for e in self.ledger["consumed"])}
+                "completions": sum(e["rows"] for e in self.ledger["consumed"]), "taking": taking}
 
     def run(self) -> dict[str, Any]:
         a, rs = self.cfg.async_rl, self.rs
@@ -142,9 +145,11 @@ class AsyncLearner(LearnerRun):
                 last = time.perf_counter()
                 continue
             waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # a batch came: poll fast again
+            # Before the update, not after it: the batch being updated on is taken, so the samplers get
+            # all max_pending places while it runs (written after, it held one of them; issue 27).
+            rs.write_json(self.status(taking=pending[0]), "learner", "status.json")
             outcome, _ = self.consume(pending[0])
             updates_here += outcome == "consumed"
-            rs.write_json(self.status(), "learner", "status.json")
         now = time.perf_counter()
         self.totals["wall_s"] += now - last
         self.checkpoint()
