@@ -7,12 +7,13 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      (``train.iterations`` x prompts x group, same seed);
   3. update compute made about equal by Monte-Carlo mask samples: ADPO scores ``step_fraction`` x
      ``sampler.steps`` rows per trajectory, mean-field, wd1 and SPG one forward per mask draw,
-     coupled and ESPO two (a mask and its complement), so
+     coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), so
      those arms draw that many masks per trajectory (``adpo.mask_samples``), with the same
      optimizer steps per batch as ADPO. (Matching by inner iterations instead, d1's mu, takes 4x
      the optimizer steps per batch at the same LR, which over-optimizes the one-pass estimators.)
   4. every arm evaluated on the same held-out problems with one pinned eval config.
-Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled), peak bytes
+Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled; and per
+trajectory an update kept, since how many groups have a reward spread depends on the arm's policy), peak bytes
 of autograd-saved tensors in one update, wall-clock of the updates, paired sign test against ADPO.
 Writes benchmarks/results/estimators.json. Run: python -m benchmarks.estimators [--sft-dir DIR]
 """
@@ -29,19 +30,22 @@ from pathlib import Path
 from benchmarks.common import table, write_result
 from miles_core.eval.passk import paired_sign_test
 
-ESTIMATORS = ("adpo", "meanfield", "wd1", "coupled", "spg", "espo")
-# forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo)
+ESTIMATORS = ("adpo", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
+# forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo), one per block (ebpo)
 ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
+# EBPO's blocks (LLaDA2.1 gives no size for RL): two blocks of the arith recipe's 16-token completion
+ARM_SETTINGS = {"ebpo": ["adpo.mask_block=8"]}
 DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
 FLOP_EVERY = 10
 
 
 def arm_overrides(cfg, estimator: str) -> list[str]:
     """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update compute."""
-    out = [f"adpo.estimator={estimator}"]
+    out = [f"adpo.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
     if estimator != "adpo":
         adpo_rows = max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps))
-        out.append(f"adpo.mask_samples={max(1, round(adpo_rows / ROWS_PER_TRAJECTORY[estimator]))}")
+        per_draw = ROWS_PER_TRAJECTORY.get(estimator) or -(-cfg.task.completion_len // 8)  # ebpo: its K blocks
+        out.append(f"adpo.mask_samples={max(1, round(adpo_rows / per_draw))}")
     return out
 
 
@@ -73,7 +77,7 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
             continue
         arm_cfg = load_recipe("arith", overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
         learner = Learner(arm_cfg, ckpt, seed=seed)
-        meter, update_s, samples, peak, measured = FlopMeter(), 0.0, 0, 0, 0
+        meter, update_s, samples, peak, measured, kept = FlopMeter(), 0.0, 0, 0, 0, 0.0
         for it in range(arm_cfg.train.iterations):
             batch = learner.rollout(learner.draw_prompts(data, arm_cfg.train.prompts_per_iter))
             samples += len(batch)
@@ -82,7 +86,7 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
                 peak = SavedTensorMeter(learner.params).measure(lambda: learner.update(batch))
             elif it % FLOP_EVERY == 0:
                 with meter.measure("update"):
-                    learner.update(batch)
+                    kept += learner.update(batch).get("trajectories", 0.0)  # groups with a reward spread
                 measured += 1
             else:
                 learner.update(batch)
@@ -92,6 +96,9 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
         r = run_eval(learner.model, learner.tok, arm_cfg, data)
         results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "samples": samples,
                         "update_flops": meter.totals.get("update", 0) / max(measured, 1) * arm_cfg.train.iterations,
+                        # per trajectory an update kept (A != 0): the estimator's own cost, apart from how
+                        # many groups its policy leaves with a reward spread
+                        "flops_per_trajectory": meter.totals.get("update", 0) / max(kept, 1.0),
                         "peak_mem_bytes": peak, "update_seconds": update_s, "mask_samples": arm_cfg.adpo.mask_samples,
                         "eval_config": r.config.to_dict()}
         print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({update_s:.0f}s of updates)", flush=True)
@@ -119,16 +126,20 @@ def main() -> None:
                  "p_vs_adpo": None if arm == "adpo" else st.p,
                  "wins_vs_adpo": st.wins, "losses_vs_adpo": st.losses}
         if arm != "sft":
-            for key in ("update_flops", "peak_mem_bytes", "update_seconds", "samples", "mask_samples"):
+            for key in ("update_flops", "flops_per_trajectory", "peak_mem_bytes", "update_seconds", "samples",
+                        "mask_samples"):
                 entry[key] = sum(r[key] for r in res) / len(res)
         out.append(entry)
         trained = arm != "sft"
         rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if trained else "-",
                      f"{entry['update_flops']:.3g}" if trained else "-",
+                     f"{entry['flops_per_trajectory']:.3g}" if trained else "-",
                      f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",
                      f"{entry['update_seconds']:.0f}" if trained else "-",
+                     "-" if entry["p_vs_adpo"] is None else f"{st.wins}/{st.losses}",
                      "-" if entry["p_vs_adpo"] is None else f"{entry['p_vs_adpo']:.3g}"])
-    print(table(rows, ["estimator", "pass@1", "mask draws", "update FLOPs", "peak saved MiB", "update s", "p vs adpo"]))
+    print(table(rows, ["estimator", "pass@1", "mask draws", "update FLOPs", "FLOPs / kept traj", "peak saved MiB",
+                       "update s", "won/lost vs adpo", "p vs adpo"]))
     payload = {"estimators": out, "seeds": args.seeds, "overrides": overrides, "seconds": time.perf_counter() - t0,
                "eval_config": per_seed[0]["results"]["adpo"]["eval_config"], "sft_dir": args.sft_dir}
     print(f"wrote {write_result('estimators', payload)}")

@@ -158,8 +158,8 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class ADPOConfig:
-    # what each scores: algo/rows.py::MaskedStepRows (adpo, meanfield, coupled, wd1), algo/elbo.py (spg, espo)
-    estimator: Literal["adpo", "meanfield", "coupled", "wd1", "spg", "espo"] = "adpo"
+    # what each scores: algo/rows.py::MaskedStepRows (adpo, meanfield, coupled, wd1), algo/elbo.py (spg, espo, ebpo)
+    estimator: Literal["adpo", "meanfield", "coupled", "wd1", "spg", "espo", "ebpo"] = "adpo"
     lr: float = bounded(1e-3, 1e-12, 10.0)
     warmup: int = bounded(5, 0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 over the run's updates
@@ -180,8 +180,8 @@ class ADPOConfig:
     grad_checkpointing: bool = False    # recompute each layer in backward, keeping only its input (models/activations.py)
     max_grad_norm: float = bounded(1.0, 1e-09)
     prompt_mask_prob: float = bounded(0.15, 0.0, 1.0)      # meanfield (d1): fraction of prompt tokens masked
-    mask_samples: int = bounded(1, 1, 64)  # meanfield / wd1 / coupled: Monte-Carlo mask draws per trajectory, each a row of weight 1/n; spg: copies J; espo: coupled pairs
-    mask_block: int = bounded(0, 0)                 # spg: block length of its block-wise masks (0: the completion is one block)
+    mask_samples: int = bounded(1, 1, 64)  # meanfield / wd1 / coupled: Monte-Carlo mask draws per trajectory, each a row of weight 1/n; spg: copies J; espo: coupled pairs; ebpo: timesteps N
+    mask_block: int = bounded(0, 0)                 # spg, ebpo: block length of their block-wise masks (0: the completion is one block)
     eubo_beta: float = bounded(1.5, 1.0, 10.0)      # spg: beta of the upper bound (EUBO)
     spg_mix: float = bounded(0.5, 0.0, 1.0)         # spg: weight of the EUBO (vs the ELBO) for trajectories with A <= 0
     max_staleness: int = bounded(4, 0)              # async: S

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from miles_core.algo.advantages import group_advantages, wd1_weights
-from miles_core.algo.elbo import SandwichRows, SequenceELBORows, block_masks, stratified_masks
+from miles_core.algo.elbo import BlockELBORows, SandwichRows, SequenceELBORows, block_masks, block_noise, stratified_masks
 from miles_core.algo.loss import ADPOLoss, SequenceRatioLoss
 from miles_core.algo.update import adpo_update, estimator_rows
 from miles_core.config import ADPOConfig
@@ -130,6 +130,53 @@ def test_espo_elbo_by_hand_and_its_sequence_ratio() -> None:
     assert float(out.loss) == pytest.approx(hand, rel=1e-5) and out.stats["clip_frac"] == pytest.approx(0.5)
 
 
+def test_ebpo_block_elbo_by_hand_and_its_unnormalised_sequence_ratio() -> None:
+    """EBPO, N = 1. One block (K = 1, L = 2): trajectory 0 masks position 1 only (p = 1/2),
+    trajectory 1 both (p = 1). Two blocks of one token (K = 2): block 0 is scored with block 1
+    masked (2 masked), block 1 with block 0 clean (1 masked); p = 1 for a one-token block."""
+    tb = batch()
+    one = torch.tensor([[[[False, True]], [[True, True]]]])                             # [N, B, K, L]
+    scorer = BlockELBORows(tb, TOK, 1.0, one[None], frac=torch.tensor([[[[0.5], [1.0]]]]), block=2)
+    with torch.no_grad():
+        s, _, commit = scorer.score(TwoToken(), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))
+    assert commit.all()
+    assert s[0].tolist() == pytest.approx([0.0, log_p(B, 2, 1) / 0.5])
+    assert s[1].tolist() == pytest.approx([log_p(B, 1, 2), log_p(B, 2, 2)])
+    two = torch.tensor([[[[True, False], [False, True]]] * 2])                          # every block's one token
+    scorer = BlockELBORows(tb, TOK, 1.0, two[None], frac=torch.ones(1, 1, 2, 2), block=1)
+    with torch.no_grad():
+        s, _, _ = scorer.score(TwoToken(), torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long))
+    assert s[0].tolist() == pytest.approx([log_p(A, 1, 2), log_p(B, 2, 1)])
+    assert s[1].tolist() == pytest.approx([log_p(B, 1, 2), log_p(B, 2, 1)])
+    # the sequence ratio is exp of the summed difference, not divided by L (LLaDA2.1 Eq. 5)
+    # row 0: 0.3 nats above prox (rho = e^0.3 > 1 + eps, A > 0: clipped); row 1: 0.1 (inside)
+    prox = s.detach() - torch.tensor([[0.15], [0.05]], dtype=s.dtype)
+    out = SequenceRatioLoss(clip_eps=0.2, per_token=False)(s, prox, prox, torch.tensor([0.5, -0.25], dtype=torch.float64),
+                                                           torch.ones_like(s, dtype=torch.bool),
+                                                           torch.ones(2, dtype=torch.float64), 4.0)
+    hand = (-min(math.exp(0.3) * 0.5, 1.2 * 0.5) * 2 - min(math.exp(0.1) * -0.25, math.exp(0.1) * -0.25) * 2) / 4
+    assert float(out.loss) == pytest.approx(hand, rel=1e-6) and out.stats["clip_frac"] == pytest.approx(0.5)
+    per_token = SequenceRatioLoss(clip_eps=0.2)(s, prox, prox, torch.tensor([0.5, -0.25], dtype=torch.float64),
+                                                torch.ones_like(s, dtype=torch.bool), torch.ones(2, dtype=torch.float64), 4.0)
+    assert per_token.stats["clip_frac"] == 0.0  # ESPO's e^(0.3 / 2) is inside the clip: the / L is what differs
+
+
+def test_block_noise_stratifies_each_copy_over_its_blocks() -> None:
+    masks, frac = block_noise(torch.Generator().manual_seed(0), (500,), 10, 4)        # blocks [0,4) [4,8) [8,10)
+    assert masks.shape == (500, 3, 10) and frac.shape == (500, 3)
+    size = torch.tensor([4, 4, 2])
+    inside = torch.zeros(3, 10, dtype=torch.bool)
+    for k, (a, b) in enumerate([(0, 4), (4, 8), (8, 10)]):
+        inside[k, a:b] = True
+    assert not (masks & ~inside).any()                                                  # copy k masks only block k
+    counts = masks.sum(-1)
+    assert torch.equal(frac, counts / size) and (counts >= 1).all() and (counts <= size).all()
+    # one offset u per copy set: block k's noise t = (u + k/3) mod 1, so count_k = floor(t_k L_k) + 1
+    u = torch.rand((500, 1), generator=torch.Generator().manual_seed(0))
+    t = (u + torch.arange(3) / 3) % 1.0
+    assert torch.equal(counts, torch.minimum((t * size).floor().long() + 1, size))
+
+
 def test_block_masks_follow_spg_layout() -> None:
     gen = torch.Generator().manual_seed(0)
     m = block_masks(gen, (2000,), 10, 4)                                                # blocks [0,4) [4,8) [8,10)
@@ -152,7 +199,7 @@ def test_stratified_masks_space_the_counts_evenly() -> None:
         assert len(set(c)) == 4 and len({(x - c[0]) % 2 for x in c}) == 1
 
 
-ESTIMATORS = ["adpo", "meanfield", "coupled", "wd1", "spg", "espo"]
+ESTIMATORS = ["adpo", "meanfield", "coupled", "wd1", "spg", "espo", "ebpo"]
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
@@ -167,7 +214,7 @@ def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: 
     adv = tb.advantage.double()
     if estimator == "wd1":
         adv = wd1_weights(adv, tb.group_id)
-    loss_fn = SequenceRatioLoss(cfg.clip_eps) if estimator == "espo" else \
+    loss_fn = SequenceRatioLoss(cfg.clip_eps, per_token=estimator == "espo") if estimator in ("espo", "ebpo") else \
         ADPOLoss(cfg.clip_eps, cfg.is_cap, ratio_free=estimator in ("wd1", "spg"))
     with torch.no_grad():
         prox = scorer.score(model, rows.traj, rows.step)[0]
@@ -193,7 +240,7 @@ def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: 
     torch.testing.assert_close(engine, torch.tensor(fd, dtype=torch.float64), rtol=2e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("estimator", ["spg", "espo"])
+@pytest.mark.parametrize("estimator", ["spg", "espo", "ebpo"])
 def test_memory_budget_chunks_do_not_change_the_gradient(estimator: str) -> None:
     """``adpo.chunk_tokens``: a row's cost counts all its copies' forwards (ESPO's pairs twice); a
     budget of one position puts every row in its own chunk, and the gradient adds up the same."""

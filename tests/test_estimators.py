@@ -77,10 +77,10 @@ def test_coupled_gradient_matches_a_brute_force_objective():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("estimator", ["meanfield", "coupled", "spg", "espo"])
+@pytest.mark.parametrize("estimator", ["meanfield", "coupled", "spg", "espo", "ebpo"])
 def test_masks_are_redrawn_every_epoch_and_the_proximal_policy_follows(estimator):
     """d1 draws a fresh prompt mask at every inner iteration (DiffuCoder a fresh mask pair, SPG
-    fresh copies, ESPO fresh pairs, as their mask seeds change per iteration);
+    fresh copies, ESPO fresh pairs, EBPO fresh noised blocks, as their mask seeds change per iteration);
     the proximal log-probs must be scored with that epoch's mask. With a step too small to move
     the policy, the ratio is then exactly 1 (approx. KL 0) in every epoch; a proximal policy
     scored under another epoch's mask would give a KL far from 0."""

@@ -21,6 +21,20 @@ by Monte-Carlo masked copies of it, scored in one pass each.
   batch's trajectories in 0..L, t = x / (L + 1), weight 1/t) and its complement (weight 1/(1 - t)),
   averaged, so every token is scored once per pair. KL (``adpo.kl_coef``) is ESPO's k2 on the
   sequence ELBO difference to the reference.
+* ``ebpo``: EBPO, LLaDA2.1's ELBO-based Block-level Policy Optimization (Bie et al., 2026,
+  arXiv:2602.08676 §3.2, Eq. 4-5; the report gives no N, w_n, t_n or code, so the choices below
+  follow DARE's reproduction, yjyddq/DARE ``dllm_core_algos.py::_forward_process_ebpo``). One
+  PPO-clipped ratio per sequence, its log a sum of block-conditional ELBO differences:
+
+      log rho_b = sum_n w_n sum_k sum_{l in block k} m_nkl (log p_theta - log p_prox)(y_l | z_nk) / p_nk
+
+  N = ``adpo.mask_samples`` timesteps, w_n = 1/N; blocks of ``adpo.mask_block`` tokens (0: one
+  block). Timestep n gives block k its own noise level t_nk = (u_n + k/K) mod 1 (stratified over
+  the K blocks from one uniform offset), masking floor(t L_k) + 1 of its L_k tokens, p_nk that
+  count / L_k. z_nk conditions block k on the clean blocks before it: LLaDA2.1 builds all K in one
+  block-causal pass over [noisy, clean]; on a full-attention model the blocks after k are masked
+  instead, one forward per (n, k). No per-token normalisation of the log-ratio (unlike ESPO); KL
+  (``adpo.kl_coef``) is k2 on the summed ELBO difference, as for ESPO.
 
 Within an update, the policy, the proximal policy and the reference see the same masks
 (common random numbers: VRPO's "antithetic" sampling, LLaDA 1.5, arXiv:2505.19223); the masks are
@@ -66,6 +80,23 @@ def stratified_masks(gen: torch.Generator, epochs: int, n: int, b: int, length: 
     x = torch.round(offset + spread).long() % (length + 1)                             # [E, n, B]
     rank = torch.rand((epochs, n, b, length), generator=gen).argsort(-1).argsort(-1)
     return rank < x[..., None], x.float() / (length + 1)
+
+
+def block_noise(gen: torch.Generator, shape: tuple[int, ...], length: int, block: int) -> tuple[Tensor, Tensor]:
+    """EBPO's noised blocks: masks [*shape, K, L] (copy k masks only inside block k) and each
+    block's masked fraction p [*shape, K]; block k's noise t = (u + k/K) mod 1 from one offset u
+    per copy set, floor(t L_k) + 1 of its L_k tokens masked at uniform positions."""
+    block = block if 0 < block < length else length
+    n_blocks = -(-length // block)
+    pos = torch.arange(length)
+    start = torch.arange(n_blocks) * block
+    size = torch.clamp(start + block, max=length) - start                               # [K] L_k
+    t = (torch.rand((*shape, 1), generator=gen) + torch.arange(n_blocks) / n_blocks) % 1.0
+    count = torch.minimum((t * size).floor().long() + 1, size)                         # [*shape, K]
+    inside = (pos >= start[:, None]) & (pos < (start + size)[:, None])                 # [K, L]
+    keys = torch.rand((*shape, n_blocks, length), generator=gen).masked_fill(~inside, 2.0)
+    rank = keys.argsort(-1).argsort(-1)
+    return rank < count[..., None], count.float() / size.float()
 
 
 @dataclass
@@ -150,6 +181,33 @@ class SequenceELBORows(CopyScorer):
         return s, None, torch.ones_like(s, dtype=torch.bool)
 
 
+@dataclass
+class BlockELBORows(CopyScorer):
+    """EBPO: a row per trajectory; s [R, L] are the tokens' block-ELBO terms (the log-ratio's
+    estimate is the sum of s - s_prox). ``comp_masks`` [E, N, B, K, L], ``frac`` [E, N, B, K]."""
+
+    frac: Tensor | None = None
+    block: int = 0                      # tokens per block (the last may be shorter)
+
+    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, None, Tensor]:
+        masks, frac = self.comp_masks[self.epoch][:, traj], self.frac[self.epoch][:, traj]  # [N, R, K, L], [N, R, K]
+        n_t, _, n_blocks, length = masks.shape
+        block_of = torch.arange(length) // self.block                                   # [L]
+        s = torch.zeros(())
+        for n in range(n_t):
+            for k in range(n_blocks):  # z_nk: blocks before k clean, block k noised, blocks after k masked
+                logp, _, m = score_rows(model, self.batch, traj, step, self.tok, self.temperature, "coupled",
+                                        comp_mask=masks[n, :, k] | (block_of > k)[None], scored=masks[n, :, k])
+                s = s + torch.where(m, logp / frac[n, :, k].to(logp.device)[:, None], 0.0) / n_t
+        return s, None, torch.ones_like(s, dtype=torch.bool)
+
+    def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor:
+        """[R] positions a row's N x K forwards hold (sequence plus half a block's logits each)."""
+        n_t, n_blocks = self.comp_masks.shape[1], self.comp_masks.shape[3]
+        per = seq_len(self.batch) + head * self.block / 2
+        return torch.full((traj.numel(),), float(n_t * n_blocks * per))
+
+
 def elbo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
               generator: torch.Generator) -> tuple[Rows, CopyScorer]:
     """One row per kept trajectory and its scorer, every mask drawn now in a fixed order."""
@@ -161,5 +219,9 @@ def elbo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, tempera
         prompt = torch.rand(cfg.epochs, n, b, width, generator=generator) < cfg.prompt_mask_prob
         return rows, SandwichRows(sub, tok, temperature, comp, prompt, beta=cfg.eubo_beta, mix=cfg.spg_mix,
                                   advantage=torch.nan_to_num(sub.advantage, nan=0.0))
+    if cfg.estimator == "ebpo":
+        comp, frac = block_noise(generator, (cfg.epochs, n, b), length, cfg.mask_block)
+        block = cfg.mask_block if 0 < cfg.mask_block < length else length
+        return rows, BlockELBORows(sub, tok, temperature, comp, frac=frac, block=block)
     comp, t = stratified_masks(generator, cfg.epochs, n, b, length)
     return rows, SequenceELBORows(sub, tok, temperature, comp, t=t)

@@ -88,7 +88,8 @@ class ADPOLoss(nn.Module):
 
 
 class SequenceRatioLoss(nn.Module):
-    """ESPO's sequence-level objective (arXiv:2512.03759, ML-GSAI/ESPO ``compute_loss``): per row b,
+    """ESPO's sequence-level objective (arXiv:2512.03759, ML-GSAI/ESPO ``compute_loss``), and EBPO's
+    with ``per_token=False`` (the exponent not divided by L; LLaDA2.1 Eq. 4-5): per row b,
     with s / s_prox [R, L] the tokens' ELBO terms under the current and the proximal policy,
 
         rho_b = exp(sum_l (s_bl - s_prox_bl) / L),   l_b = -min(rho_b A_b, clip(rho_b, 1-eps, 1+eps) A_b) L
@@ -98,9 +99,10 @@ class SequenceRatioLoss(nn.Module):
     ESPO's mean over sequences of the clipped term plus beta / (B L) times the k2 sum. Stats are
     per-row values counted once per scored token, so they average like the token-level ones."""
 
-    def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0) -> None:
+    def __init__(self, clip_eps: float = 0.2, kl_coef: float = 0.0, per_token: bool = True) -> None:
         super().__init__()
         self.clip_eps, self.kl_coef = clip_eps, kl_coef
+        self.per_token = per_token  # ESPO: the log-ratio / L; EBPO (LLaDA2.1): the summed block ELBOs, not divided
 
     def forward(self, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantage: Tensor, commit: Tensor,
                 row_weight: Tensor, normaliser: float, ref_logp: Tensor | None = None,
@@ -108,7 +110,7 @@ class SequenceRatioLoss(nn.Module):
         """Same arguments as :class:`ADPOLoss` (``behav_logp`` and ``entropy`` unused: no recorded state)."""
         m = commit.float()
         length = m.shape[1]
-        log_r = ((logp - prox_logp.detach()) * m).sum(1) / length                       # [R]
+        log_r = ((logp - prox_logp.detach()) * m).sum(1) / (length if self.per_token else 1)   # [R]
         ratio = torch.exp(log_r)
         surr = torch.minimum(ratio * advantage, ratio.clamp(1 - self.clip_eps, 1 + self.clip_eps) * advantage)
         per_row = -surr * length

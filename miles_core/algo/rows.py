@@ -52,7 +52,7 @@ def step_commits(step_map: Tensor, step: Tensor, merge: int = 1) -> Tensor:
 
 def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, estimator: str,
                prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
-               merge: int = 1) -> tuple[Tensor, Tensor, int, Tensor]:
+               merge: int = 1, scored: Tensor | None = None) -> tuple[Tensor, Tensor, int, Tensor]:
     """-> x [R, T], attn [R, T], prompt width, commit [R, L] for the given rows.
 
     ``adpo``: the recorded state before step k (rebuilt from ``step_map``), scoring the tokens
@@ -60,7 +60,7 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
     s*g .. s*g + s - 1 at once, TraceRL's shrinkage). ``meanfield``: the whole completion masked, every token scored, prompt tokens
     masked where ``prompt_mask`` [R, P] says (right-aligned; any estimator may pass one). ``coupled``
     (and the ELBO copies of algo/elbo.py): the completion masked where ``comp_mask`` [R, L] says,
-    each row scoring the tokens it masks.
+    each row scoring the tokens it masks, or only those of them in ``scored`` [R, L] (EBPO's block).
     """
     prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
     comp = batch.completion_ids[traj]
@@ -69,8 +69,8 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
         commit = step_commits(batch.step_map[traj], step, merge)
     elif estimator == "coupled":
         assert comp_mask is not None, "coupled rows need their completion mask"
-        commit = comp_mask
-        state = comp.masked_fill(commit, tok.mask_id)
+        state = comp.masked_fill(comp_mask, tok.mask_id)
+        commit = comp_mask if scored is None else comp_mask & scored
     else:  # meanfield: everything masked, every token scored at once
         state = torch.full_like(comp, tok.mask_id)
         commit = torch.ones_like(comp, dtype=torch.bool)
@@ -83,13 +83,13 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
 
 def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, temperature: float,
                estimator: str = "adpo", prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
-               merge: int = 1):
+               merge: int = 1, scored: Tensor | None = None):
     """Current-policy log-probs of the committed tokens of each row: logp, entropy, commit [R, L].
 
     Logits are computed at the committed positions only (an ADPO row commits a few of L tokens; at
     a 126k vocabulary the whole completion's logits are the update's largest tensor): the n
     positions of the widest row, other rows padded with uncommitted positions that are masked."""
-    x, attn, width, commit = row_inputs(batch, traj, step, tok, estimator, prompt_mask, comp_mask, merge)
+    x, attn, width, commit = row_inputs(batch, traj, step, tok, estimator, prompt_mask, comp_mask, merge, scored)
     n = max(int(commit.sum(1).max()), 1)                                    # the chunk's one host read
     order = commit.long().argsort(dim=1, descending=True, stable=True)[:, :n]         # [R, n] committed first
     take = commit.gather(1, order)

@@ -62,7 +62,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     tensors (sums and counts) until one reduction and one host read at the end.
     """
     n_rows = rows.traj.numel()
-    loss_fn = SequenceRatioLoss(cfg.clip_eps, cfg.kl_coef) if cfg.estimator == "espo" else \
+    loss_fn = SequenceRatioLoss(cfg.clip_eps, cfg.kl_coef, per_token=cfg.estimator == "espo") \
+        if cfg.estimator in ("espo", "ebpo") else \
         ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef,
                  ratio_free=cfg.estimator in ("wd1", "spg"))
     params = trainable_parameters(model)
@@ -153,7 +154,7 @@ def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, te
         rows = build_rows(sub, cfg.step_fraction, generator, cfg.step_merge)
         torch.rand(b, prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
         return rows, MaskedStepRows(sub, tok, temperature, "adpo", merge=cfg.step_merge)
-    if cfg.estimator in ("spg", "espo"):  # ELBO-based: masked copies of each trajectory (algo/elbo.py)
+    if cfg.estimator in ("spg", "espo", "ebpo"):  # ELBO-based: masked copies of each trajectory (algo/elbo.py)
         return elbo_rows(sub, cfg, tok, temperature, generator)
     n = cfg.mask_samples  # Monte-Carlo mask draws per trajectory, each row weighted 1/n
     if cfg.estimator in ("meanfield", "wd1"):  # wd1 scores d1's rows; its weights and loss differ
