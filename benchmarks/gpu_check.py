@@ -14,7 +14,8 @@ Random weights are never confident, so NSD commits one token per step here: the 
 engine's, at the reference's number of steps. Host reads in Miles' rollout are counted on the
 device (HostReads sees the real device-to-host copies there).
 One ADPO update on the LLaDA shape: ``--batch`` completions of 256 tokens over 16 steps, LoRA
-r=64 (fp32 adapters on the bf16 base), ``adpo.chunk_tokens`` 32768: seconds and peak memory.
+r=64 (fp32 adapters on the bf16 base), ``adpo.chunk_tokens`` 32768: seconds and peak memory; then
+the same update with ``adpo.grad_checkpointing`` (every layer recomputed in backward).
 One ADPO update on a random-init DiffusionGemma at the published text sizes (``dgemma_update``).
 Not covered yet: async against sync at this size (two processes sharing the GPU).
 
@@ -101,9 +102,10 @@ def rollouts(model, tok, device, batch: int, completion: int, block: int, cache:
             "miles_host_reads": reads.count, "miles_host_bytes": reads.bytes, "cache": cache}
 
 
-def one_update(model, tok, device, batch: int, completion: int) -> dict:
-    """One ADPO update (LoRA r=64) on synthetic trajectories of 16 steps: seconds and peak memory."""
-    from miles_core.algo.update import adpo_update
+def updates(model, tok, device, batch: int, completion: int) -> tuple[dict, dict]:
+    """One ADPO update (LoRA r=64) on synthetic trajectories of 16 steps, then the same update with
+    every layer recomputed in backward (``adpo.grad_checkpointing``): seconds and peak memory of each."""
+    from miles_core.models.activations import checkpoint_layers
     from miles_core.models.lora import add_lora
 
     for p in model.parameters():
@@ -112,8 +114,18 @@ def one_update(model, tok, device, batch: int, completion: int) -> dict:
     policy = add_lora(model, r=64, alpha=128)
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
-    cfg = ADPOConfig(estimator="adpo", chunk_tokens=32768, num_minibatches=1, epochs=1, skip_zero_variance=False)
     trajs = synthetic_batch(tok, batch, 64, completion, 16, seed=0)
+    plain = one_update(policy, params, opt, tok, device, trajs, completion)
+    layers = checkpoint_layers(policy)
+    return plain, {**one_update(policy, params, opt, tok, device, trajs, completion), "checkpointed_layers": layers}
+
+
+def one_update(policy, params, opt, tok, device, trajs, completion: int) -> dict:
+    """One ADPO update of ``policy`` on ``trajs`` (memory budget 32768 positions per chunk)."""
+    from miles_core.algo.update import adpo_update
+
+    batch = len(trajs)
+    cfg = ADPOConfig(estimator="adpo", chunk_tokens=32768, num_minibatches=1, epochs=1, skip_zero_variance=False)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
@@ -208,16 +220,17 @@ def main(argv: list[str] | None = None) -> dict:
                  "rollouts": [rollouts(model, tok, device, b, completion, args.block, cache, 8 if b == 1 else 4)
                               for b in (1, batch)]}
         if name == "llada_8b":
-            entry["update"] = one_update(model, tok, device, batch, completion)
+            entry["update"], entry["update_checkpointed"] = updates(model, tok, device, batch, completion)
         result["models"][name] = entry
         for r in entry["rollouts"]:
             print(f"{name} batch {r['batch']}: reference {r['reference_tokens_per_s']:.1f} tok/s, Miles "
                   f"(nsd+{cache}) {r['miles_tokens_per_s']:.1f} tok/s ({r['speedup']:.1f}x), "
                   f"{r['miles_host_reads']} host reads", flush=True)
-        if "update" in entry:
-            u = entry["update"]
-            print(f"{name} ADPO update: {u['completions']} x {completion} tokens, {u['rows']} rows, "
-                  f"{u['seconds']:.1f}s, peak {u['peak_gib_above_weights']:.1f} GiB above the weights", flush=True)
+        for key, what in (("update", "ADPO update"), ("update_checkpointed", "ADPO update, grad checkpointing")):
+            if key in entry:
+                u = entry[key]
+                print(f"{name} {what}: {u['completions']} x {completion} tokens, {u['rows']} rows, "
+                      f"{u['seconds']:.1f}s, peak {u['peak_gib_above_weights']:.1f} GiB above the weights", flush=True)
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()

@@ -278,6 +278,8 @@ def test_the_gpu_check_runs_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
         assert [r["batch"] for r in entry["rollouts"]] == [1, 4]
         assert all(r["miles_tokens_per_s"] > 0 and r["reference_steps_timed"] > 0 for r in entry["rollouts"])
     assert out["models"]["llada_8b"]["update"]["rows"] == 4 * 16
+    ckpt = out["models"]["llada_8b"]["update_checkpointed"]
+    assert ckpt["rows"] == 4 * 16 and ckpt["checkpointed_layers"] == 2    # the toy's two decoder layers
 
 
 def test_a_bf16_base_samples_and_trains_with_fp32_adapters(tmp_path: Path) -> None:
