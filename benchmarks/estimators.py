@@ -9,13 +9,14 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      ``sampler.steps`` rows per trajectory, mean-field, wd1 and SPG one forward per mask draw,
      coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), so
      those arms draw that many masks per trajectory (``adpo.mask_samples``), with the same
-     optimizer steps per batch as ADPO. (Matching by inner iterations instead, d1's mu, takes 4x
+     optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores every merged row. (Matching by inner iterations instead, d1's mu, takes 4x
      the optimizer steps per batch at the same LR, which over-optimizes the one-pass estimators.)
   4. every arm evaluated on the same held-out problems with one pinned eval config.
 Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled; and per
 trajectory an update kept, since how many groups have a reward spread depends on the arm's policy), peak bytes
 of autograd-saved tensors in one update, wall-clock of the updates, paired sign test against ADPO.
-Writes benchmarks/results/estimators.json. Run: python -m benchmarks.estimators [--sft-dir DIR]
+Writes benchmarks/results/estimators.json (estimators_RECIPE.json for ``--recipe`` other than arith).
+Run: python -m benchmarks.estimators [--sft-dir DIR] [--seeds 0 1 2 3] [--recipe countdown --set ...]
 """
 
 from __future__ import annotations
@@ -30,17 +31,23 @@ from pathlib import Path
 from benchmarks.common import table, write_result
 from miles_core.eval.passk import paired_sign_test
 
-ESTIMATORS = ("adpo", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
+ESTIMATORS = ("adpo", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
+TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
 # forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo), one per block (ebpo)
 ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
-# EBPO's blocks (LLaDA2.1 gives no size for RL): two blocks of the arith recipe's 16-token completion
+# EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
 ARM_SETTINGS = {"ebpo": ["adpo.mask_block=8"]}
 DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
 FLOP_EVERY = 10
 
 
 def arm_overrides(cfg, estimator: str) -> list[str]:
-    """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update compute."""
+    """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update compute;
+    ``tracerl`` is ADPO with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949), its step fraction raised to keep
+    ADPO's rows per trajectory."""
+    if estimator == "tracerl":  # ADPO's rows merged s steps at a time, as many rows per trajectory as ADPO scores
+        return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}",
+                f"adpo.step_fraction={min(1.0, cfg.adpo.step_fraction * TRACERL_MERGE)}"]
     out = [f"adpo.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
     if estimator != "adpo":
         adpo_rows = max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps))
@@ -49,7 +56,8 @@ def arm_overrides(cfg, estimator: str) -> list[str]:
     return out
 
 
-def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, estimators: list[str]) -> dict:
+def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, estimators: list[str],
+             recipe: str = "arith") -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -61,7 +69,7 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
     from miles_core.learner.baseline import train_baseline
     from miles_core.learner.policy import Learner
 
-    cfg = load_recipe("arith", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
+    cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
     ckpt = Path(sft_dir) / f"seed{seed}" / "sft" if sft_dir else Path(out) / f"seed{seed}" / "sft"
     if not (ckpt / "config.json").exists():
@@ -75,7 +83,7 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
             r = run_eval(model, tok, cfg, data)
             results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct]}
             continue
-        arm_cfg = load_recipe("arith", overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
+        arm_cfg = load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
         learner = Learner(arm_cfg, ckpt, seed=seed)
         meter, update_s, samples, peak, measured, kept = FlopMeter(), 0.0, 0, 0, 0, 0.0
         for it in range(arm_cfg.train.iterations):
@@ -108,6 +116,7 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--recipe", default="arith", help="a built-in recipe (arith; countdown needs a larger model)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     ap.add_argument("--sft-dir", default=None, help="reuse DIR/seed{N}/sft checkpoints (e.g. benchmarks.learning's)")
     ap.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
@@ -116,7 +125,8 @@ def main() -> None:
     t0 = time.perf_counter()
     work = tempfile.mkdtemp(prefix="miles-estimators-")
     with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
-        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_dir, args.estimators) for s in args.seeds])
+        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_dir, args.estimators, args.recipe)
+                                           for s in args.seeds])
     rows, out = [], []
     for arm in ["sft", *args.estimators]:
         res = [p["results"][arm] for p in per_seed]
@@ -131,7 +141,7 @@ def main() -> None:
                 entry[key] = sum(r[key] for r in res) / len(res)
         out.append(entry)
         trained = arm != "sft"
-        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if trained and arm != "adpo" else "-",
+        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if trained and arm not in ("adpo", "tracerl") else "-",
                      f"{entry['update_flops']:.3g}" if trained else "-",
                      f"{entry['flops_per_trajectory']:.3g}" if trained else "-",
                      f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",
@@ -140,9 +150,9 @@ def main() -> None:
                      "-" if entry["p_vs_adpo"] is None else f"{entry['p_vs_adpo']:.3g}"])
     print(table(rows, ["estimator", "pass@1", "mask draws", "update FLOPs", "FLOPs / kept traj", "peak saved MiB",
                        "update s", "won/lost vs adpo", "p vs adpo"]))
-    payload = {"estimators": out, "seeds": args.seeds, "overrides": overrides, "seconds": time.perf_counter() - t0,
+    payload = {"estimators": out, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides, "seconds": time.perf_counter() - t0,
                "eval_config": per_seed[0]["results"]["adpo"]["eval_config"], "sft_dir": args.sft_dir}
-    print(f"wrote {write_result('estimators', payload)}")
+    print(f"wrote {write_result('estimators' if args.recipe == 'arith' else f'estimators_{args.recipe}', payload)}")
 
 
 if __name__ == "__main__":

@@ -17,10 +17,16 @@ One ADPO update on the LLaDA shape: ``--batch`` completions of 256 tokens over 1
 r=64 (fp32 adapters on the bf16 base), ``adpo.chunk_tokens`` 32768: seconds and peak memory; then
 the same update with ``adpo.grad_checkpointing`` (every layer recomputed in backward).
 One ADPO update on a random-init DiffusionGemma at the published text sizes (``dgemma_update``).
-Not covered yet: async against sync at this size (two processes sharing the GPU).
+``--async-8b``, a second command (each stays under the device tool's 10 minutes): asynchronous
+against synchronous ADPO at the LLaDA-8B shape on the one GPU. A random-init checkpoint in LLaDA's
+published layout (bf16) is written once, then ``benchmarks.async_vs_sync`` runs on it: the arith
+recipe's prompts through the family's tokenizer, a sampler and the learner as separate processes
+sharing the GPU, against one process doing rollout -> update in turn. Random weights earn no reward,
+so ``adpo.skip_zero_variance=false`` makes every batch cost a full update (the throughput is
+real; the pass@1 is not a result).
 
 ``--cpu`` runs the same code at toy sizes (a test does, so the script cannot rot unseen).
-Run: python -m benchmarks.gpu_check [--cpu] [--batch 64] [--out FILE]
+Run: python -m benchmarks.gpu_check [--cpu] [--batch 64] [--out FILE] [--async-8b]
 """
 
 from __future__ import annotations
@@ -197,6 +203,47 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
             "lora_parameters": sum(p.numel() for p in params)}
 
 
+# async_vs_sync at 8B: 12 batches of 8 prompts x 8 completions (64 per batch, as the update above)
+ASYNC_SETTINGS = ["async_rl.batches_per_sampler=12", "train.prompts_per_iter=8", "train.group_size=8",
+                  "adpo.skip_zero_variance=false", "eval.num_problems=64", "model.backend=hf"]
+
+
+def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) -> dict:
+    """Write the LLaDA-8B-shaped checkpoint (toy sizes with ``toy``) and run benchmarks.async_vs_sync
+    on it in a child process -> its JSON, also written to ``out``."""
+    import subprocess
+    import sys
+
+    from miles_core.models.hf import init_tiny
+
+    ckpt = workdir / "llada_8b"
+    dims = {k: v for k, v in SHAPES["llada_8b"][1].items() if k != "vocab_size"}
+    dims = {**dims, **({k: v for k, v in TOY.items() if k != "head_dim"} if toy else {}), "max_position_embeddings": 4096}
+    t0 = time.perf_counter()
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32 if toy else torch.bfloat16)
+    try:
+        with torch.device(device):  # built where it runs (seconds on a GPU), saved in the published layout
+            init_tiny("llada", ckpt, size=dims, dtype=torch.get_default_dtype())
+    finally:
+        torch.set_default_dtype(old)
+    write_s = time.perf_counter() - t0
+    settings = [*ASYNC_SETTINGS, f"model.path={ckpt}", f"model.device={device.type}",
+                f"model.dtype={'float32' if toy else 'bfloat16'}"]
+    if toy:
+        settings += ["async_rl.batches_per_sampler=3", "eval.num_problems=4", "eval.batch_size=4"]
+    cmd = [sys.executable, "-u", "-m", "benchmarks.async_vs_sync", "--checkpoint", str(ckpt), "--no-ceiling", "--cold",
+           "--workdir", str(workdir / "run")] + [a for kv in settings for a in ("--set", kv)]
+    print(" ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1])
+    result = json.loads((Path(__file__).resolve().parent / "results" / "async_vs_sync.json").read_text())
+    result.update(checkpoint_write_s=write_s, command=" ".join(cmd[2:]))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpu", action="store_true", help="toy sizes on the CPU (the code path, not the figures)")
@@ -204,10 +251,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--out", default="benchmarks/results/gpu_check.json")
+    ap.add_argument("--async-8b", action="store_true", help="instead: async vs sync ADPO at the LLaDA-8B shape "
+                    "(writes OUT with _async before .json)")
+    ap.add_argument("--workdir", default=None, help="--async-8b: where the checkpoint and the run go (default: a temp dir)")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.cpu else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: torch sees no CUDA device (use --cpu for the code path)")
+    if args.async_8b:
+        import tempfile
+
+        out = Path(args.out)
+        work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-gpu-async-"))
+        return async_at_scale(device, args.cpu, out.with_name(out.stem + "_async.json"), work)
     dtype = torch.float32 if args.cpu else torch.bfloat16
     batch, completion = (4, 64) if args.cpu else (args.batch, args.completion)
     t_all = time.perf_counter()

@@ -7,6 +7,8 @@
 #   benchmarks/gpu_check.sh              # GPU: under 8 minutes on an H200
 #   benchmarks/gpu_check.sh --cpu        # the same code path at toy sizes (about a minute)
 #   benchmarks/gpu_check.sh --batch 32   # other options: see python -m benchmarks.gpu_check --help
+#   benchmarks/gpu_check.sh --async-8b   # second command: async vs sync ADPO at the LLaDA-8B shape on the one
+#                                        # GPU (writes gpu_check_async.json beside the first JSON)
 #
 # Writes benchmarks/results/gpu_check.json, or $OUT/gpu_check.json when $OUT is set (the device
 # tool's folder that comes back). Record its figures, with this command, in the README.

@@ -238,10 +238,12 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num
 VOCAB = {"llada": 126464, "dream": 152064, "sdar": 151936, "bidir_qwen3": 151936, "modernbert": 50368}
 
 
-def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, Any] | None = None) -> Path:
+def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, Any] | None = None,
+              dtype: torch.dtype = torch.float32) -> Path:
     """Write a tiny random-init checkpoint in ``family``'s published layout: its config.json field
     names, its safetensors tensor names, and a tokenizer with its special tokens at their ids.
-    ``size`` overrides the tiny dimensions (native config field names; benchmarks/rollout.py)."""
+    ``size`` overrides the tiny dimensions (native config field names; benchmarks/rollout.py, and
+    the GPU check's LLaDA-8B shape, written in ``dtype`` bfloat16 as the published weights are)."""
     if family not in VOCAB:
         raise ConfigError(f"--family: {family!r} has no tiny layout; one of {', '.join(VOCAB)}")
     spec = SPECS[family]
@@ -256,7 +258,7 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, A
     if spec.native == "llama":
         config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
     torch.manual_seed(seed)
-    model = HFDiffusion(lm_cls(config), spec)
+    model = HFDiffusion(lm_cls(config).to(dtype), spec)
     out = Path(out_dir)
     model.save_pretrained(out)
     tiny_tokenizer(spec, VOCAB[family]).save_pretrained(str(out))
