@@ -22,8 +22,8 @@ against synchronous ADPO at the LLaDA-8B shape on the one GPU. A random-init che
 published layout (bf16) is written once, then ``benchmarks.async_vs_sync`` runs on it: the arith
 recipe's prompts through the family's tokenizer, a sampler and the learner as separate processes
 sharing the GPU, against one process doing rollout -> update in turn. Random weights earn no reward,
-so ``adpo.skip_zero_variance=false`` makes every batch cost a full update (the throughput is
-real; the pass@1 is not a result).
+so ``adpo.skip_zero_variance=false`` makes every batch cost a full update and the collapse guard
+is off (the throughput is real; the pass@1 is not a result).
 
 ``--cpu`` runs the same code at toy sizes (a test does, so the script cannot rot unseen).
 Run: python -m benchmarks.gpu_check [--cpu] [--batch 64] [--out FILE] [--async-8b]
@@ -205,7 +205,7 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
 
 # async_vs_sync at 8B: 12 batches of 8 prompts x 8 completions (64 per batch, as the update above)
 ASYNC_SETTINGS = ["async_rl.batches_per_sampler=12", "train.prompts_per_iter=8", "train.group_size=8",
-                  "adpo.skip_zero_variance=false", "eval.num_problems=64", "model.backend=hf"]
+                  "adpo.skip_zero_variance=false", "guard.enabled=false", "eval.num_problems=64", "model.backend=hf"]
 
 
 def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) -> dict:
