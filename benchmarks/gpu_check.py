@@ -231,7 +231,8 @@ def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) ->
     settings = [*ASYNC_SETTINGS, f"model.path={ckpt}", f"model.device={device.type}",
                 f"model.dtype={'float32' if toy else 'bfloat16'}"]
     if toy:
-        settings += ["async_rl.batches_per_sampler=3", "eval.num_problems=4", "eval.batch_size=4"]
+        settings += ["async_rl.batches_per_sampler=3", "train.prompts_per_iter=2", "train.group_size=4",
+                     "eval.num_problems=4", "eval.batch_size=4"]
     cmd = [sys.executable, "-u", "-m", "benchmarks.async_vs_sync", "--checkpoint", str(ckpt), "--no-ceiling", "--cold",
            "--workdir", str(workdir / "run")] + [a for kv in settings for a in ("--set", kv)]
     print(" ".join(cmd), flush=True)
