@@ -3,9 +3,10 @@
 Per pass: write status.json for the samplers' back-pressure, naming the batch it takes now, then
 take the oldest committed batch not in the ledger and ``consume`` it (read, staleness check,
 update, checkpoint, publish: learner/runtime.py, the same code the synchronous flow runs). When
-no batch is waiting: with ``async_rl.learner_samples`` it claims a slot of the shared sample budget and samples that batch
-itself with the current policy (committed like any sampler's, so the ledger and restarts treat it
-the same), else it sleeps and the wait counts as idle. See ARCHITECTURE.md.
+no batch is waiting: with ``async_rl.learner_samples`` it claims a slot of the shared sample
+budget and samples that batch itself with the current policy (committed like any sampler's, so
+the ledger and restarts treat it the same), else it sleeps and the wait counts as idle. See
+ARCHITECTURE.md.
 """
 
 from __future__ import annotations
