@@ -33,6 +33,8 @@ from miles_core.eval.passk import paired_sign_test
 
 ESTIMATORS = ("adpo", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
 TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
+# diagnostic arms, not in the default set: not matched in compute
+DIAGNOSTIC = ("adpo_full",)  # ADPO scoring every recorded step (step fraction 1: twice ADPO's update FLOPs)
 # forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo), one per block (ebpo)
 ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
 # EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
@@ -45,6 +47,8 @@ def arm_overrides(cfg, estimator: str) -> list[str]:
     """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update compute;
     ``tracerl`` is ADPO with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949), its step fraction raised to keep
     ADPO's rows per trajectory."""
+    if estimator == "adpo_full":  # every step exactly: tells TraceRL's full coverage from its merging
+        return ["adpo.estimator=adpo", "adpo.step_fraction=1.0"]
     if estimator == "tracerl":  # ADPO's rows merged s steps at a time, as many rows per trajectory as ADPO scores
         return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}",
                 f"adpo.step_fraction={min(1.0, cfg.adpo.step_fraction * TRACERL_MERGE)}"]
@@ -119,8 +123,11 @@ def main() -> None:
     ap.add_argument("--recipe", default="arith", help="a built-in recipe (arith; countdown needs a larger model)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     ap.add_argument("--sft-dir", default=None, help="reuse DIR/seed{N}/sft checkpoints (e.g. benchmarks.learning's)")
-    ap.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS)
+    ap.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS + DIAGNOSTIC,
+                    help=f"arms (default: all but the diagnostic {', '.join(DIAGNOSTIC)}); adpo is always run")
     args = ap.parse_args()
+    if "adpo" not in args.estimators:  # every arm is tested against it
+        args.estimators = ["adpo", *args.estimators]
     overrides = DEFAULT_OVERRIDES + args.set
     t0 = time.perf_counter()
     work = tempfile.mkdtemp(prefix="miles-estimators-")

@@ -164,3 +164,26 @@ def test_mask_samples_are_rows_of_weight_one_over_n(estimator, per_sample):
         pm, cm = many.masks(rows.traj[mine], rows.step[mine])
         m = pm if estimator != "coupled" else cm
         assert len({tuple(r.tolist()) for r in m}) > 1 or not m.any()
+
+
+@pytest.mark.parametrize("recipe", ["arith", "countdown"])
+def test_the_estimators_benchmark_matches_forwards_per_trajectory_to_adpo(recipe):
+    """benchmarks.estimators compares at equal update compute: every default arm runs as many
+    forwards per kept trajectory as ADPO's step rows (mask draws x forwards per draw; TraceRL's
+    merged rows); the diagnostic adpo_full scores every recorded step (about twice as many)."""
+    from benchmarks.estimators import DIAGNOSTIC, ESTIMATORS, arm_overrides
+    from miles_core.config import load_recipe
+
+    cfg = load_recipe(recipe, [])
+    adpo_rows = math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps)
+    for arm in ESTIMATORS + DIAGNOSTIC:
+        a = load_recipe(recipe, arm_overrides(cfg, arm)).adpo
+        L = cfg.task.completion_len
+        if a.estimator == "adpo":
+            forwards = math.ceil(a.step_fraction * -(-cfg.sampler.steps // a.step_merge))
+        else:
+            per_draw = {"meanfield": 1, "wd1": 1, "spg": 1, "coupled": 2, "espo": 2}.get(a.estimator)
+            per_draw = per_draw or -(-L // a.mask_block)                                 # ebpo: one per block
+            forwards = a.mask_samples * per_draw
+        want = cfg.sampler.steps if arm in DIAGNOSTIC else adpo_rows                     # adpo_full: every step
+        assert forwards == want, (arm, forwards, want)
