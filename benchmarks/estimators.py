@@ -148,7 +148,7 @@ def main() -> None:
                 entry[key] = sum(r[key] for r in res) / len(res)
         out.append(entry)
         trained = arm != "sft"
-        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if trained and arm not in ("adpo", "tracerl") else "-",
+        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if trained and arm not in ("adpo", "tracerl", *DIAGNOSTIC) else "-",
                      f"{entry['update_flops']:.3g}" if trained else "-",
                      f"{entry['flops_per_trajectory']:.3g}" if trained else "-",
                      f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",
