@@ -55,20 +55,33 @@ from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
 
+def effective_block(length: int, block: int) -> int:
+    """``adpo.mask_block`` as the copies use it: 0 (or at least L) makes the completion one block."""
+    return block if 0 < block < length else length
+
+
+def uniform_subset(gen: torch.Generator, shape: tuple[int, ...], count: Tensor,
+                   allowed: Tensor | None = None) -> Tensor:
+    """[*shape] bool: ``count`` (broadcast against it) positions of the last dimension, uniform at
+    random among ``allowed`` (default: all): the ``count`` smallest of uniform random keys."""
+    keys = torch.rand(shape, generator=gen)
+    if allowed is not None:
+        keys = keys.masked_fill(~allowed, 2.0)
+    return keys.argsort(-1).argsort(-1) < count
+
+
 def block_masks(gen: torch.Generator, shape: tuple[int, ...], length: int, block: int) -> Tensor:
     """SPG's block-wise copies [*shape, L]: in a uniform random block, a uniform count 1..m of its m
     tokens masked at random positions; every later block masked; earlier blocks clean."""
-    block = block if 0 < block < length else length
+    block = effective_block(length, block)
     n_blocks = -(-length // block)
     pos = torch.arange(length)
     which = torch.randint(n_blocks, shape, generator=gen)[..., None]                  # [*shape, 1]
     start = which * block
     size = (torch.clamp(start + block, max=length) - start)                            # m of that block
     count = (torch.rand(size.shape, generator=gen) * size).long() + 1                 # 1..m
-    # a uniform subset of `count` positions inside the block: the `count` smallest random keys
-    keys = torch.rand((*shape, length), generator=gen).masked_fill((pos < start) | (pos >= start + size), 2.0)
-    rank = keys.argsort(-1).argsort(-1)
-    return (rank < count) | (pos >= start + size)
+    inside = (pos >= start) & (pos < start + size)
+    return uniform_subset(gen, (*shape, length), count, inside) | (pos >= start + size)
 
 
 def stratified_masks(gen: torch.Generator, epochs: int, n: int, b: int, length: int) -> tuple[Tensor, Tensor]:
@@ -78,15 +91,14 @@ def stratified_masks(gen: torch.Generator, epochs: int, n: int, b: int, length: 
     offset = torch.randint(length + 1, (epochs, n, 1), generator=gen).float()
     spread = torch.arange(b).float() * ((length + 1) / b)
     x = torch.round(offset + spread).long() % (length + 1)                             # [E, n, B]
-    rank = torch.rand((epochs, n, b, length), generator=gen).argsort(-1).argsort(-1)
-    return rank < x[..., None], x.float() / (length + 1)
+    return uniform_subset(gen, (epochs, n, b, length), x[..., None]), x.float() / (length + 1)
 
 
 def block_noise(gen: torch.Generator, shape: tuple[int, ...], length: int, block: int) -> tuple[Tensor, Tensor]:
     """EBPO's noised blocks: masks [*shape, K, L] (copy k masks only inside block k) and each
     block's masked fraction p [*shape, K]; block k's noise t = (u + k/K) mod 1 from one offset u
     per copy set, floor(t L_k) + 1 of its L_k tokens masked at uniform positions."""
-    block = block if 0 < block < length else length
+    block = effective_block(length, block)
     n_blocks = -(-length // block)
     pos = torch.arange(length)
     start = torch.arange(n_blocks) * block
@@ -94,9 +106,7 @@ def block_noise(gen: torch.Generator, shape: tuple[int, ...], length: int, block
     t = (torch.rand((*shape, 1), generator=gen) + torch.arange(n_blocks) / n_blocks) % 1.0
     count = torch.minimum((t * size).floor().long() + 1, size)                         # [*shape, K]
     inside = (pos >= start[:, None]) & (pos < (start + size)[:, None])                 # [K, L]
-    keys = torch.rand((*shape, n_blocks, length), generator=gen).masked_fill(~inside, 2.0)
-    rank = keys.argsort(-1).argsort(-1)
-    return rank < count[..., None], count.float() / size.float()
+    return uniform_subset(gen, (*shape, n_blocks, length), count[..., None], inside), count.float() / size.float()
 
 
 @dataclass
@@ -221,7 +231,7 @@ def elbo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, tempera
                                   advantage=torch.nan_to_num(sub.advantage, nan=0.0))
     if cfg.estimator == "ebpo":
         comp, frac = block_noise(generator, (cfg.epochs, n, b), length, cfg.mask_block)
-        block = cfg.mask_block if 0 < cfg.mask_block < length else length
+        block = effective_block(length, cfg.mask_block)
         return rows, BlockELBORows(sub, tok, temperature, comp, frac=frac, block=block)
     comp, t = stratified_masks(generator, cfg.epochs, n, b, length)
     return rows, SequenceELBORows(sub, tok, temperature, comp, t=t)
