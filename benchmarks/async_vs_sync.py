@@ -128,6 +128,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     ap.add_argument("--checkpoint", default=None, help="SFT checkpoint to start from (trained if omitted)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--out", default=None, help="the result JSON (default: benchmarks/results/async_vs_sync.json)")
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring this machine's speedup ceiling "
                     "(the async run's batches redone by single-thread processes at once, ~1 minute)")
@@ -251,7 +252,7 @@ def main() -> None:
         print(f"machine ceiling: sync compute {c['sync_compute_s']:.1f}s / async floor {c['async_compute_floor_s']:.1f}s "
               f"= {c['speedup_ceiling_before_startup']:.2f}x before start-up; the async learner's loop took "
               f"{summary['wall_s']:.1f}s = {payload['async_compute_over_floor']:.3f}x the floor")
-    print(f"wrote {write_result('async_vs_sync', payload)}")
+    print(f"wrote {write_result('async_vs_sync', payload, args.out)}")
 
 
 if __name__ == "__main__":

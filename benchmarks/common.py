@@ -21,11 +21,12 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def write_result(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def write_result(name: str, payload: dict[str, Any], path: str | Path | None = None) -> Path:
+    """``payload`` with run metadata, to ``benchmarks/results/NAME.json`` or ``path``."""
+    path = Path(path) if path is not None else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     payload = {**payload, "_meta": {"benchmark": name, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                     "python": platform.python_version(), "machine": platform.machine()}}
-    path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=str))
     return path
 

@@ -9,12 +9,14 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      ``sampler.steps`` rows per trajectory, mean-field, wd1 and SPG one forward per mask draw,
      coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), so
      those arms draw that many masks per trajectory (``adpo.mask_samples``), with the same
-     optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores every merged row. (Matching by inner iterations instead, d1's mu, takes 4x
-     the optimizer steps per batch at the same LR, which over-optimizes the one-pass estimators.)
+     optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores every
+     merged row. (Matching by inner iterations instead, d1's mu, takes 4x the optimizer steps
+     per batch at the same LR, which over-optimizes the one-pass estimators.)
   4. every arm evaluated on the same held-out problems with one pinned eval config.
 Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled; and per
-trajectory an update kept, since how many groups have a reward spread depends on the arm's policy), peak bytes
-of autograd-saved tensors in one update, wall-clock of the updates, paired sign test against ADPO.
+trajectory an update kept, since how many groups have a reward spread depends on the arm's policy),
+peak bytes of autograd-saved tensors in one update, wall-clock of the updates, paired sign test
+against ADPO.
 Writes benchmarks/results/estimators.json (estimators_RECIPE.json for ``--recipe`` other than arith).
 Run: python -m benchmarks.estimators [--sft-dir DIR] [--seeds 0 1 2 3] [--recipe countdown --set ...]
 """
@@ -38,7 +40,8 @@ DIAGNOSTIC = ("adpo_full",)  # ADPO scoring every recorded step (step fraction 1
 # forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo), one per block (ebpo)
 ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
 # EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
-ARM_SETTINGS = {"ebpo": ["adpo.mask_block=8"]}
+EBPO_BLOCK = 8
+ARM_SETTINGS = {"ebpo": [f"adpo.mask_block={EBPO_BLOCK}"]}
 DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
 FLOP_EVERY = 10
 
@@ -55,7 +58,7 @@ def arm_overrides(cfg, estimator: str) -> list[str]:
     out = [f"adpo.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
     if estimator != "adpo":
         adpo_rows = max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps))
-        per_draw = ROWS_PER_TRAJECTORY.get(estimator) or -(-cfg.task.completion_len // 8)  # ebpo: its K blocks
+        per_draw = ROWS_PER_TRAJECTORY.get(estimator) or -(-cfg.task.completion_len // EBPO_BLOCK)  # ebpo: K blocks
         out.append(f"adpo.mask_samples={max(1, round(adpo_rows / per_draw))}")
     return out
 
@@ -112,6 +115,7 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
                         # many groups its policy leaves with a reward spread
                         "flops_per_trajectory": meter.totals.get("update", 0) / max(kept, 1.0),
                         "peak_mem_bytes": peak, "update_seconds": update_s, "mask_samples": arm_cfg.adpo.mask_samples,
+                        "estimator": arm_cfg.adpo.estimator,
                         "eval_config": r.config.to_dict()}
         print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({update_s:.0f}s of updates)", flush=True)
     return {"seed": seed, "results": results}
@@ -148,7 +152,8 @@ def main() -> None:
                 entry[key] = sum(r[key] for r in res) / len(res)
         out.append(entry)
         trained = arm != "sft"
-        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if trained and arm not in ("adpo", "tracerl", *DIAGNOSTIC) else "-",
+        draws = trained and res[0]["estimator"] != "adpo"  # the ADPO arms (tracerl, adpo_full) draw no masks
+        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if draws else "-",
                      f"{entry['update_flops']:.3g}" if trained else "-",
                      f"{entry['flops_per_trajectory']:.3g}" if trained else "-",
                      f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",
@@ -157,8 +162,9 @@ def main() -> None:
                      "-" if entry["p_vs_adpo"] is None else f"{entry['p_vs_adpo']:.3g}"])
     print(table(rows, ["estimator", "pass@1", "mask draws", "update FLOPs", "FLOPs / kept traj", "peak saved MiB",
                        "update s", "won/lost vs adpo", "p vs adpo"]))
-    payload = {"estimators": out, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides, "seconds": time.perf_counter() - t0,
-               "eval_config": per_seed[0]["results"]["adpo"]["eval_config"], "sft_dir": args.sft_dir}
+    payload = {"estimators": out, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides,
+               "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["adpo"]["eval_config"],
+               "sft_dir": args.sft_dir}
     print(f"wrote {write_result('estimators' if args.recipe == 'arith' else f'estimators_{args.recipe}', payload)}")
 
 

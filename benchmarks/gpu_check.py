@@ -218,7 +218,8 @@ def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) ->
 
     ckpt = workdir / "llada_8b"
     dims = {k: v for k, v in SHAPES["llada_8b"][1].items() if k != "vocab_size"}
-    dims = {**dims, **({k: v for k, v in TOY.items() if k != "head_dim"} if toy else {}), "max_position_embeddings": 4096}
+    toy_dims = {k: v for k, v in TOY.items() if k != "head_dim"} if toy else {}   # Llama derives its head_dim
+    dims = {**dims, **toy_dims, "max_position_embeddings": 4096}
     t0 = time.perf_counter()
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float32 if toy else torch.bfloat16)
@@ -234,12 +235,11 @@ def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) ->
         settings += ["async_rl.batches_per_sampler=3", "train.prompts_per_iter=2", "train.group_size=4",
                      "eval.num_problems=4", "eval.batch_size=4"]
     cmd = [sys.executable, "-u", "-m", "benchmarks.async_vs_sync", "--checkpoint", str(ckpt), "--no-ceiling", "--cold",
-           "--workdir", str(workdir / "run")] + [a for kv in settings for a in ("--set", kv)]
+           "--workdir", str(workdir / "run"), "--out", str(out.resolve())]
+    cmd += [a for kv in settings for a in ("--set", kv)]
     print(" ".join(cmd), flush=True)
     subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1])
-    result = json.loads((Path(__file__).resolve().parent / "results" / "async_vs_sync.json").read_text())
-    result.update(checkpoint_write_s=write_s, command=" ".join(cmd[2:]))
-    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {**json.loads(out.read_text()), "checkpoint_write_s": write_s, "command": " ".join(cmd[2:])}
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")
     return result
