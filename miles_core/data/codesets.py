@@ -27,8 +27,10 @@ from miles_core.data.public import RowError, need_list, need_str
 
 MBPP_SPLITS = {"test": range(11, 511), "prompt": range(1, 11), "validation": range(511, 601),
                "train": range(601, 975)}
-_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
-_BEGIN = re.compile(r"\[BEGIN\]\s*(.*?)\s*(?:\[DONE\]|$)", re.DOTALL)
+# Completions are hostile and these run in the trainer: every pattern matches in time linear in the
+# text (possessive runs, no two quantifiers that can trade the same characters; strip in Python).
+_FENCE = re.compile(r"```[ \t]*+(?:(?:python|py|Python)[ \t]*+)?\n(.*?)(?:```|$)", re.DOTALL)
+_BEGIN = re.compile(r"\[BEGIN\](.*?)(?:\[DONE\]|$)", re.DOTALL)
 _ENTRY = re.compile(r"^\s*assert\s+(?:not\s+)?\(?\s*(?:set\(|math\.isclose\()?\s*([A-Za-z_]\w*)\s*\(")
 
 
@@ -45,7 +47,7 @@ def extract_code(text: str, entry: str) -> str:
     if blocks:
         return next((b for b in blocks if re.search(rf"def\s+{re.escape(entry)}\s*\(", b)), blocks[0])
     m = _BEGIN.search(text)
-    return m.group(1) if m else text
+    return m.group(1).strip() if m else text
 
 
 def program(spec: dict[str, Any], completion: str) -> str:
@@ -54,7 +56,7 @@ def program(spec: dict[str, Any], completion: str) -> str:
     prompt (HumanEval's base-model convention) supplies the body."""
     code = extract_code(completion, spec["entry"])
     prefix = spec.get("prefix", "")
-    if re.search(rf"^\s*def\s+{re.escape(spec['entry'])}\s*\(", code, re.MULTILINE):
+    if re.search(rf"^[ \t]*+def\s+{re.escape(spec['entry'])}\s*\(", code, re.MULTILINE):
         return prefix + "\n" + code
     return prefix + code
 

@@ -66,6 +66,15 @@ def score_result(res: ExecResult, expected: Sequence[Any], inputs: Sequence[Sequ
                  f"expected {json.dumps(expected[i])[:60]}", passed, total, "ok")
 
 
+def _safe_score(res: ExecResult, expected: Sequence[Any], inputs: Sequence[Sequence[Any]]) -> Score:
+    """score_result, or 0 with the reason when the report defeats it: a reward never raises on
+    what a completion wrote (the pool bounds reports, this is the last line)."""
+    try:
+        return score_result(res, expected, inputs)
+    except Exception as e:  # noqa: BLE001 - hostile output must cost a score, never the trainer
+        return Score(0.0, f"unscorable report ({type(e).__name__})", 0, len(expected), "bad_result")
+
+
 def _prepare(completions: Sequence[Any], answers: Sequence[Any]) -> tuple[list[Job | Score | None], list[list]]:
     """Per completion: a Job to run, a Score decided without running it, or None (unscorable reference)."""
     from miles_core.rewards.text import completion_text
@@ -84,13 +93,14 @@ def _prepare(completions: Sequence[Any], answers: Sequence[Any]) -> tuple[list[J
             continue
         tests = spec["tests"]
         expected.append([True] * len(tests) if bench else [t[1] for t in tests])
-        text = completion_text(comp).strip()
-        if not text:
-            plan.append(Score(0.0, "empty completion", 0, len(tests), "empty"))
-        elif len(text) > MAX_COMPLETION_CHARS:
+        raw = completion_text(comp)
+        text = raw.strip()
+        if len(raw) > MAX_COMPLETION_CHARS:  # the cap applies before any parsing, to the raw text
             plan.append(Score(0.0, f"completion longer than {MAX_COMPLETION_CHARS} characters", 0, len(tests), "too_long"))
+        elif not text:
+            plan.append(Score(0.0, "empty completion", 0, len(tests), "empty"))
         elif bench:  # a benchmark's own test code (HumanEval, MBPP): the two-process harness
-            plan.append(Job(program(bench, completion_text(comp)), [], bench["entry"], kind="tests",
+            plan.append(Job(program(bench, raw), [], bench["entry"], kind="tests",
                             tests=bench["tests"], setup=bench["setup"]))
         else:
             plan.append(Job(text, [t[0] for t in tests], spec["entry"], spec["params"], "auto"))
@@ -124,7 +134,7 @@ def submit_scores(completions: Sequence[Any], answers: Sequence[Any],
             results = iter(f.result())
             scores: list[Score | None] = []
             for p, exp in zip(plan, expected):
-                scores.append(score_result(next(results), exp, p.inputs) if isinstance(p, Job) else p)
+                scores.append(_safe_score(next(results), exp, p.inputs) if isinstance(p, Job) else p)
             out.set_result(scores)
         except BaseException as e:  # noqa: BLE001 - surfaced to whoever waits on the future
             out.set_exception(e)

@@ -47,7 +47,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from miles_core.rewards.sandbox import SAFE_MODULES
+from miles_core.rewards.sandbox import SAFE_MODULES, seccomp_arg
 
 NOBODY = 65534
 Mode = Literal["bwrap", "bwrap_shared", "none"]
@@ -68,12 +68,31 @@ STAGE_ONE = (
     "swapon", "swapoff", "acct", "quotactl", "syslog", "open_by_handle_at", "name_to_handle_at",
     "mknod", "mknodat", "fanotify_init", "personality", "ioperm", "iopl", "vhangup",
     "settimeofday", "clock_settime", "adjtimex", "clock_adjtime",
+    # scheduling and I/O priority: a run must not slow its worker, or the runs after it, down
+    "setpriority", "sched_setscheduler", "sched_setparam", "sched_setattr", "sched_setaffinity", "ioprio_set",
+    "process_madvise", "process_mrelease",
     # SysV and POSIX IPC outlive a run inside a shared worker's IPC namespace: no run may make any
     "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semctl",
     "semtimedop", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
 )
+# Refused for the whole run too, but only with these arguments: another process's limits or pages,
+# and the owner settings that make the kernel signal a process chosen by the caller (O_ASYNC/SIGIO).
+# "eq32" compares the low 32 bits, as the kernel reads an int argument (no high-bit bypass).
+F_SETOWN, F_SETSIG, F_SETOWN_EX = 8, 10, 15
+FIOSETOWN, SIOCSPGRP, TIOCSPGRP = 0x8901, 0x8902, 0x5410
+STAGE_ONE_IF = (
+    ("prlimit64", ((0, "ne", 0),)), ("migrate_pages", ((0, "ne", 0),)), ("move_pages", ((0, "ne", 0),)),
+    *(("fcntl", ((1, "eq32", cmd),)) for cmd in (F_SETOWN, F_SETSIG, F_SETOWN_EX)),
+    *(("ioctl", ((1, "eq32", cmd),)) for cmd in (FIOSETOWN, SIOCSPGRP, TIOCSPGRP)),
+)
 STAGE_TWO = ("execve", "execveat")    # refused to every run's child, with all of STAGE_ONE
 WORKER_NEEDS = ("fork", "clone", "kill", "pidfd_open")  # the worker forks runs and kills late ones
+
+
+def filter_rules(stage: int) -> list[tuple[str, tuple]]:
+    """The (syscall, conditions) rules of stage one (the worker) or two (each run)."""
+    names = [n for n in STAGE_ONE if n not in WORKER_NEEDS] if stage == 1 else [*STAGE_ONE, *STAGE_TWO]
+    return [(n, ()) for n in names] + list(STAGE_ONE_IF)
 HARNESS_PYC = "/harness.pyc"           # where the compiled harness is bound inside the sandbox
 _PROBE = r"""
 import importlib, json, sys, sysconfig
@@ -139,8 +158,8 @@ class Isolation:
                 "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
         for p in (self.interpreter.executable, *self.interpreter.stdlib, *self.interpreter.libs):
             argv += ["--ro-bind", p, p]
-        for p in self.interpreter.hide:
-            argv += ["--tmpfs", p]
+        for p in self.interpreter.hide:  # an empty, read-only, 4 KiB mask (the root's remount is not recursive)
+            argv += ["--perms", "0555", "--size", "4096", "--tmpfs", p, "--remount-ro", p]
         argv += ["--dev-bind", "/dev/null", "/dev/null", "--perms", "1777", "--size", str(tmpfs_bytes),
                  "--tmpfs", job_dir, "--chdir", job_dir]
         if bpf_fd is not None:
@@ -250,9 +269,9 @@ def stage_one_bpf(module_path: str) -> bytes:
 
     sc = _load_seccomp(module_path)
     f = sc.SyscallFilter(defaction=sc.ALLOW)
-    for name in (n for n in STAGE_ONE if n not in WORKER_NEEDS):
+    for name, conds in filter_rules(1):
         try:
-            f.add_rule(sc.ERRNO(errno.EPERM), name)
+            f.add_rule(sc.ERRNO(errno.EPERM), name, *[seccomp_arg(sc, *c) for c in conds])
         except (ValueError, RuntimeError):  # a call this libseccomp/kernel does not know
             continue
     with tempfile.TemporaryFile() as fh:
@@ -283,11 +302,12 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
 
 def harness_source() -> str:
     """What the sandbox interpreter runs: sandbox.py, then sandbox_tests.py (the two-process test
-    harness, which uses sandbox.py's helpers), then the worker's entry point. One text, because
+    harness, which uses sandbox.py's helpers), then sandbox_worker.py (the dispatcher and the
+    zygote, with the entry point ``main``). One text, because
     ``python -I`` puts no directory of ours on sys.path."""
-    from miles_core.rewards import sandbox, sandbox_tests
+    from miles_core.rewards import sandbox, sandbox_tests, sandbox_worker
 
-    return (Path(sandbox.__file__).read_text() + "\n" + Path(sandbox_tests.__file__).read_text()
+    return ("\n".join(Path(m.__file__).read_text() for m in (sandbox, sandbox_tests, sandbox_worker))
             + '\n\nif __name__ == "__main__":\n    main()\n')
 
 

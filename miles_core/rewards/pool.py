@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from miles_core.rewards import sandbox
-from miles_core.rewards.isolation import (MODES, STAGE_ONE, STAGE_TWO, USERNS_HINT, IsolationUnavailable, Mode,
-                                         prepare)
+from miles_core.rewards.isolation import MODES, USERNS_HINT, IsolationUnavailable, Mode, filter_rules, prepare
 from miles_core.rewards.sandbox import read_frame, send_frame
 
 log = logging.getLogger("miles.rewards.sandbox")
@@ -108,7 +107,7 @@ class SandboxPool:
         self._opts = {"limits": dataclasses.asdict(self.limits), "audit_hook": audit_hook,
                       "read_roots": sorted({*iso.interpreter.stdlib, os.devnull}),
                       "importable": list(iso.interpreter.importable), "seccomp_module": iso.seccomp_module,
-                      "stage_two": list(STAGE_ONE + STAGE_TWO), "preimport": iso.mode != "bwrap"}
+                      "stage_two": filter_rules(2), "preimport": iso.mode != "bwrap"}
         self._count = itertools.count()
         self._queue: Any = queue.SimpleQueue()
         self.cache_size = cache_size
@@ -185,41 +184,52 @@ class SandboxPool:
         return w
 
     def _run_in(self, w: "_Worker", msg: dict, once: bool = False) -> ExecResult:
-        """Send one job to worker ``w`` and turn its reply into an ExecResult; ``once``: then retire it."""
+        """Send one job to worker ``w`` and turn its reply into an ExecResult; ``once``: then retire
+        it. Fails closed: any error while talking to the worker kills it (RuntimeError), and so does
+        a run whose setup failed (status ``setup_failed``), so nothing a run did can reach the next."""
         import marshal
 
         try:
             send_frame(w.proc.stdin.fileno(), marshal.dumps(msg))
             body = read_frame(w.proc.stdout.fileno(), time.monotonic() + self.limits.timeout_s + 15)
-            reply = json.loads(body) if body is not None else None
+            reply = _parse_report(body) if body is not None else None
             if not isinstance(reply, dict) or "worker_error" in reply:
                 why = reply["worker_error"] if isinstance(reply, dict) else f"worker exited: {w.stderr_tail()!r}"
                 raise EOFError(why)
             res = _interpret(reply["data"].encode("latin-1"), int(reply["signal"]), int(reply["code"]),
-                             bool(reply["timed_out"]), self.limits)
-            return ExecResult(**res, seconds=float(reply["seconds"]), pid=int(reply["pid"]),
-                              output_tail=str(reply["output_tail"]))
-        except (OSError, EOFError, TimeoutError, ValueError, KeyError, TypeError) as e:
+                             bool(reply["timed_out"]), self.limits, setup_ok=reply["setup_ok"] is True)
+            out = ExecResult(**res, seconds=float(reply["seconds"]), pid=int(reply["pid"]),
+                             output_tail=str(reply["output_tail"]))
+            once = once or out.status == "setup_failed"
+            return out
+        except Exception as e:  # noqa: BLE001 - whatever went wrong, this worker is done
             once = True
             raise RuntimeError(f"sandbox worker failed ({type(e).__name__}: {e}) and was replaced") from e
         finally:
             if once:
                 w.kill()
 
+    def _attempt(self, i: int, job: dict) -> ExecResult:
+        if self.isolation.mode == "bwrap":  # a new sandbox for every job
+            return self._run_in(self._spawn(), job, once=True)
+        w = self._workers[i] or self._spawn()
+        self._workers[i] = w
+        try:
+            res = self._run_in(w, job)
+        except RuntimeError:
+            self._workers[i] = None  # replaced at the next job
+            raise
+        if res.status == "setup_failed":
+            self._workers[i] = None  # _run_in killed it
+        return res
+
     def _serve(self, i: int) -> None:
         while (item := self._queue.get()) is not None:
             job, done, key = item
             try:
-                if self.isolation.mode == "bwrap":  # a new sandbox for every job
-                    res = self._run_in(self._spawn(), job, once=True)
-                else:
-                    w = self._workers[i] or self._spawn()
-                    self._workers[i] = w
-                    try:
-                        res = self._run_in(w, job)
-                    except RuntimeError:
-                        self._workers[i] = None  # replaced at the next job
-                        raise
+                res = self._attempt(i, job)
+                if res.status == "setup_failed":  # once more, on a fresh worker
+                    res = self._attempt(i, job)
             except Exception as e:  # noqa: BLE001 - reported per job, the pool keeps serving
                 res = ExecResult("worker_error", str(e)[:300])
             done(key, res)
@@ -228,8 +238,8 @@ class SandboxPool:
         """Queue ``jobs``; the Future resolves to their results, in order.
 
         Identical jobs (same source and inputs: common within an RL group) run once, and results
-        of recent jobs are reused from an LRU cache (``cache_size``), except timeouts and worker
-        errors, which may be transient. Programs are assumed deterministic for this purpose.
+        of recent jobs are reused from an LRU cache (``cache_size``), except timeouts, worker
+        errors and setup failures, which may be transient. Programs are assumed deterministic for this purpose.
         """
         if self.closed:
             raise RuntimeError("SandboxPool.submit: the pool is closed")
@@ -250,7 +260,7 @@ class SandboxPool:
         left, lock = [len(groups)], threading.Lock()
 
         def done(key: str, res: ExecResult) -> None:
-            if self.cache_size and res.status not in ("timeout", "worker_error"):
+            if self.cache_size and res.status not in _NOT_CACHED:
                 with self._cache_lock:
                     self._cache[key] = res
                     while len(self._cache) > self.cache_size:
@@ -341,7 +351,39 @@ class _Worker:
             shutil.rmtree(self.base, ignore_errors=True)
 
 
-def _interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: SandboxLimits) -> dict:
+_NOT_CACHED = frozenset({"timeout", "worker_error", "setup_failed"})
+# What a run may report about itself; it cannot claim a failure of the harness (setup_failed,
+# worker_error), which the worker alone establishes.
+_RUN_STATUSES = frozenset({"ok", "memory_limit", "recursion_limit", "syntax_error", "exited", "definition_error",
+                           "blocked", "setup_error"})
+REPORT_DEPTH = 16  # nesting a report may have (an honest one: about 8; sandbox._encode caps values at 5)
+_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
+
+
+def json_depth(body: bytes) -> int:
+    """Deepest nesting of ``[``/``{`` in a JSON text, outside strings, in time linear in its length
+    (checked before parsing: a hostile report nested thousands deep never reaches the parser)."""
+    from itertools import accumulate
+
+    plain = body.replace(b"\\\\", b"").replace(b'\\"', b"")  # escaped backslashes, then escaped quotes
+    brackets = b"".join(plain.split(b'"')[::2]).translate(None, _NOT_BRACKETS)
+    return max(accumulate(1 if c in b"[{" else -1 for c in brackets), default=0)
+
+
+def _parse_report(body: bytes) -> Any:
+    """A run's or a worker's JSON message, or None when it is too deep or not JSON; never raises."""
+    if json_depth(body) > REPORT_DEPTH:
+        return None
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):  # includes JSON and UTF-8 decoding errors
+        return None
+
+
+def _interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: SandboxLimits, setup_ok: bool = True) -> dict:
+    if not setup_ok:
+        return {"status": "setup_failed", "reason": "the run's sandbox setup failed before the completion ran "
+                "(limits, filter or hook); its worker was replaced"}
     if timed_out:
         return {"status": "timeout", "reason": f"timed out after {lim.timeout_s}s wall clock; run killed"}
     if len(data) > lim.result_bytes:
@@ -355,13 +397,12 @@ def _interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: SandboxLi
         status, reason = known.get(sig, ("crashed", f"killed by {name}"))
         return {"status": status, "reason": reason}
     body = sandbox.frame_body(data)
-    try:
-        msg = None if body is None else json.loads(body)
-    except ValueError:  # includes JSON and UTF-8 decoding errors
-        msg = None
+    msg = None if body is None else _parse_report(body)
     if code == sandbox.VIOLATION_EXIT and isinstance(msg, dict):
         return {"status": "blocked", "reason": str(msg.get("reason", "blocked by sandbox policy"))[:300]}
     if code == 0 and isinstance(msg, dict) and isinstance(msg.get("status"), str):
+        if msg["status"] not in _RUN_STATUSES:
+            return {"status": "bad_result", "reason": f"the run reported an unknown status {msg['status'][:40]!r}"}
         out = {"status": msg["status"], "reason": str(msg.get("reason", ""))[:300]}
         if msg["status"] == "ok":
             outs, errs = msg.get("outputs"), msg.get("errors")
@@ -370,7 +411,8 @@ def _interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: SandboxLi
             out.update(outputs=outs, errors=[e if isinstance(e, str) or e is None else "?" for e in errs])
         return out
     if data and msg is None:
-        return {"status": "bad_result", "reason": f"exited with code {code} after writing a malformed result"}
+        why = "a malformed or over-deep result" if body is not None else "a malformed result"
+        return {"status": "bad_result", "reason": f"exited with code {code} after writing {why}"}
     return {"status": "exited", "reason": f"exited with code {code} without reporting a result (os._exit/sys.exit?)"}
 
 

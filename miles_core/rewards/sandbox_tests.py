@@ -25,8 +25,7 @@ helpers (framing, ``_child``, ``_collect``, ``_fatal``) it uses.
 """
 
 try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
-    from miles_core.rewards.sandbox import (_child, _collect, _define, _fatal, _tail, _wipe, os, read_frame, select,
-                                            send_frame, send_msg, time, to_json, _signal)
+    from miles_core.rewards.sandbox import SETUP_OK, _define, _fatal, os, read_frame, send_frame, send_msg, to_json
 except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
     pass
 
@@ -114,8 +113,10 @@ def _serve(job: dict, rep: int, req: int) -> None:
     os._exit(0)
 
 
-class _ProgramEnded(BaseException):
-    """The program process stopped answering (exited, crashed, reported a fatal error)."""
+# How a program may say it ended; anything else it claims is reported as "exited".
+_PROGRAM_ENDS = frozenset({"memory_limit", "recursion_limit", "syntax_error", "exited", "definition_error", "blocked"})
+SETUP_FAILED_EXIT = 71  # the tester's exit code when the program never finished its setup (trusted: only
+#                         the tester's own code exits with it, and the worker reads it from the tester alone)
 
 
 def _test(job: dict, out: int, req: int, rep: int) -> None:
@@ -135,10 +136,11 @@ def _test(job: dict, out: int, req: int, rep: int) -> None:
         msg = json.loads(body)
         if not isinstance(msg, dict):
             raise ValueError("malformed reply")
-        if "fatal" in msg:
-            f = msg["fatal"] if isinstance(msg["fatal"], dict) else {}
+        if "fatal" in msg or "status" in msg:  # a fatal error, or the audit hook's refusal ("status")
+            f = msg.get("fatal", msg)
+            f = f if isinstance(f, dict) else {}
             status = str(f.get("status", "exited"))[:40]
-            report({"status": "exited" if status == "ok" else status, "reason": str(f.get("reason", ""))[:300]})
+            report({"status": status if status in _PROGRAM_ENDS else "exited", "reason": str(f.get("reason", ""))[:300]})
         return msg
 
     def candidate(*args: "Any", **kwargs: "Any") -> "Any":
@@ -157,6 +159,9 @@ def _test(job: dict, out: int, req: int, rep: int) -> None:
                     pass
             raise RuntimeError(f"{job['entry']} raised {str(msg['error'])[:60]}")
         return _untag(msg["value"])
+    if os.read(rep, 1) != SETUP_OK:  # the program died before its limits, filter and hook were in place
+        send_msg(out, {"status": "setup_failed", "reason": "the program process failed to set up"})
+        os._exit(SETUP_FAILED_EXIT)
     if reply().get("ready") is not True:
         report({"status": "bad_result", "reason": "the program's first message was not 'ready'"})
     g: dict = {"__name__": "__test__", "__builtins__": builtins}
@@ -178,54 +183,3 @@ def _test(job: dict, out: int, req: int, rep: int) -> None:
             outputs.append(False)
             errors.append(f"raised {type(e).__name__}")
     report({"status": "ok", "reason": "finished", "outputs": outputs, "errors": errors})
-
-
-def _run_tests_job(job: dict, opts: dict, base: str, n: int, seccomp: "Any") -> dict:
-    """Fork the program and the tester, wait for the tester's report or the deadline, kill both.
-    A program killed by the kernel (CPU limit, memory, segfault) reports through its signal."""
-    lim = opts["limits"]
-    out = os.open(os.path.join(base, f".output{n}"), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    req_r, req_w = os.pipe()
-    rep_r, rep_w = os.pipe()
-    r, w = os.pipe()
-    t0 = time.monotonic()
-    pids = []
-    for name, fd, extra, harness in (("p", rep_w, (req_r,), _serve), ("t", w, (req_w, rep_r), _test)):
-        job_dir = os.path.join(base, f"run{n}{name}")
-        os.mkdir(job_dir, 0o700)
-        pid = os.fork()
-        if pid == 0:
-            try:
-                _child(job, opts, job_dir, fd, out, seccomp, harness, extra)
-            except BaseException as e:  # noqa: BLE001 - a setup failure must be visible
-                os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}".encode())
-            finally:
-                os._exit(70)
-        pids.append(pid)
-    for fd in (req_r, req_w, rep_r, rep_w, w):
-        os.close(fd)
-    buf, status, timed_out = _collect(pids[1], r, t0 + lim["timeout_s"], lim["result_bytes"])
-    done, prog = 0, 0
-    if not timed_out:  # the program exits by itself once the tester has gone (EOF on its requests)
-        pidfd = os.pidfd_open(pids[0])
-        select.select([pidfd], [], [], 1.0)
-        os.close(pidfd)
-        done, prog = os.waitpid(pids[0], os.WNOHANG)
-    for pid in pids:
-        try:
-            os.kill(pid, _signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    if status is None:
-        status = os.waitpid(pids[1], 0)[1]
-    if not done:
-        os.waitpid(pids[0], 0)
-    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
-    if not sig and done and os.WIFSIGNALED(prog):  # the program died on its own: say how
-        sig = os.WTERMSIG(prog)
-    os.close(r)
-    tail = _tail(out)
-    os.close(out)
-    _wipe(base)
-    return {"data": bytes(buf).decode("latin-1"), "timed_out": timed_out, "code": os.WEXITSTATUS(status),
-            "signal": sig, "seconds": time.monotonic() - t0, "pid": pids[0], "output_tail": tail}
