@@ -1,17 +1,19 @@
-"""The price of the kernel sandbox: completions per second and latency, old isolation against new.
+"""The price of the code sandbox: completions per second and latency, before and after a change
+to the harness, side by side in one run.
 
-Side by side in one run, on the same 1,000 benign completions (distinct expressions, 3 tests each,
-no result cache, one worker per usable CPU):
+Two workloads, as the rewards send them (no result cache, one worker per usable CPU):
 
-* ``before (fork worker, audit hook)``: the sandbox as it was at BASELINE_REV, its worker script
-  taken from this repository's git history and driven through its own protocol (persistent
-  workers forking each run; the audit hook was the only file-system boundary);
-* ``bwrap``: a new bubblewrap sandbox and interpreter per run (own namespaces per run), the default;
-* ``bwrap_shared``: one bubblewrap sandbox per worker, each run forked inside it;
-* ``none``: the explicit opt-out (no kernel boundary), for reference.
+* ``expressions``: 1,000 distinct benign functions, 3 calls each (the procedural code tasks;
+  one run process per completion);
+* ``benchmark tests``: 400 distinct benign HumanEval-style programs, each scored by a ``check``
+  with 3 asserts (HumanEval, MBPP; a program process and a tester process per completion).
 
-Throughput: 1,000 completions submitted at once. Latency: 200 more, one at a time, end to end
-(what one call of the reward waits for a single completion). Run: python -m benchmarks.sandbox
+Arms: ``bwrap`` (a new sandbox per completion, the default), ``bwrap_shared`` (one sandbox per
+worker; the code recipe's choice) and ``none`` (no kernel boundary, for reference), each as the
+code is now; and ``before: bwrap`` / ``before: bwrap_shared``, the same pools at BASELINE_REV (the
+commit before runs were forked from a zygote that never holds a job), taken from this repository's
+git history and run in a subprocess with the same measurement code. Throughput: every completion
+submitted at once. Latency: 200 more, one at a time, end to end. Run: python -m benchmarks.sandbox
 """
 
 from __future__ import annotations
@@ -19,13 +21,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -34,124 +33,87 @@ from typing import Any, Callable, Sequence
 from benchmarks.common import table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
-BASELINE_REV = "65b1da5"  # the last commit with the fork-worker sandbox (audit hook as the boundary)
+BASELINE_REV = "03fa119"  # the last commit whose runs were forked from the worker holding the job
 ROOT = Path(__file__).resolve().parents[1]
+CHECK = "def check(candidate):\n    assert candidate(1) == {a}\n    assert candidate(2) == {b}\n" \
+        "    assert candidate(-3) == {c}\ncheck(f)\n"
 
 
-def jobs(n: int, offset: int = 0) -> list[Job]:
-    return [Job(f"x * {i + offset} + {i % 7}", [[1], [2], [3]]) for i in range(n)]
+def jobs(workload: str, n: int, offset: int = 0) -> list[Job]:
+    if workload == "expressions":
+        return [Job(f"x * {i + offset} + {i % 7}", [[1], [2], [3]]) for i in range(n)]
+    return [Job(f"def f(x):\n    return x * {k} + 1\n", [], "f", kind="tests", setup="",
+                tests=[CHECK.format(a=k + 1, b=2 * k + 1, c=-3 * k + 1)]) for k in range(offset, offset + n)]
 
 
-class BeforePool:
-    """The pre-bwrap sandbox worker (git show BASELINE_REV:miles_core/rewards/sandbox.py), driven
-    with its own framing: opts, a hello, then one JSON job and one JSON result per run."""
-
-    def __init__(self, workers: int, limits: SandboxLimits) -> None:
-        import struct
-
-        self._hdr = struct.Struct(">I")
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{BASELINE_REV}:miles_core/rewards/sandbox.py"],
-                             capture_output=True, text=True, check=True).stdout
-        self._dir = tempfile.mkdtemp(prefix="miles-sandbox-before-")
-        script = Path(self._dir, "sandbox_before.py")
-        script.write_text(src)
-        opts = {"limits": asdict(limits), "audit_hook": True, "namespaces": True, "tmp_parent": self._dir}
-        self._procs = []
-        for _ in range(workers):
-            p = subprocess.Popen([sys.executable, "-I", "-S", "-B", str(script)], stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, env={}, start_new_session=True)
-            self._send(p, opts)
-            self._recv(p)
-            self._procs.append(p)
-
-    def _send(self, p: Any, obj: Any) -> None:
-        data = json.dumps(obj).encode()
-        p.stdin.write(self._hdr.pack(len(data)) + data)
-        p.stdin.flush()
-
-    def _recv(self, p: Any) -> Any:
-        n = self._hdr.unpack(p.stdout.read(self._hdr.size))[0]
-        return json.loads(p.stdout.read(n))
-
-    def run(self, batch: Sequence[Job]) -> list[dict]:
-        todo: queue.SimpleQueue = queue.SimpleQueue()
-        for k, j in enumerate(batch):
-            todo.put((k, {"source": j.source, "inputs": [list(a) for a in j.inputs], "entry": j.entry,
-                          "params": j.params, "kind": j.kind}))
-        out: list[Any] = [None] * len(batch)
-
-        def serve(p: Any) -> None:
-            while True:
-                try:
-                    k, msg = todo.get_nowait()
-                except queue.Empty:
-                    return
-                self._send(p, msg)
-                out[k] = self._recv(p)
-        threads = [threading.Thread(target=serve, args=(p,)) for p in self._procs]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return out
-
-    def close(self) -> None:
-        for p in self._procs:
-            p.stdin.close()
-            p.wait()
-            p.stdout.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-
-def measure(name: str, run: Callable[[Sequence[Job]], list], status: Callable[[Any], str], n: int,
-            n_latency: int) -> dict:
-    run(jobs(8, offset=10**6))  # warm-up: worker start, page cache
+def measure(name: str, workload: str, run: Callable[[Sequence[Job]], list], n: int, n_latency: int) -> dict:
+    run(jobs(workload, 8, offset=10**6))  # warm-up: worker start, page cache
     t0 = time.perf_counter()
-    results = run(jobs(n))
+    results = run(jobs(workload, n))
     wall = time.perf_counter() - t0
-    bad = sum(status(r) != "ok" for r in results)
+    bad = sum(r.status != "ok" or (workload != "expressions" and r.outputs != [True]) for r in results)
     lat = []
-    for j in jobs(n_latency, offset=10**7):
+    for j in jobs(workload, n_latency, offset=10**7):
         t = time.perf_counter()
         run([j])
         lat.append(time.perf_counter() - t)
     q = statistics.quantiles(lat, n=100)
-    row = {"name": name, "completions": n, "seconds": wall, "per_s": n / wall, "not_ok": bad,
-           "p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * q[98]}
-    print(f"  {name}: {row['per_s']:.1f}/s, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, "
+    row = {"name": name, "workload": workload, "completions": n, "seconds": wall, "per_s": n / wall,
+           "not_ok": bad, "p50_ms": 1000 * statistics.median(lat), "p99_ms": 1000 * q[98]}
+    print(f"  {workload:>15} {name}: {row['per_s']:.1f}/s, p50 {row['p50_ms']:.1f} ms, p99 {row['p99_ms']:.1f} ms, "
           f"{bad} not ok", flush=True)
     return row
 
 
+def measure_modes(modes: Sequence[str], prefix: str, sizes: dict[str, int], n_latency: int) -> list[dict]:
+    """Every (workload, mode) row with the ``miles_core`` this interpreter imports."""
+    workers, limits = usable_cpus(), SandboxLimits()
+    rows = []
+    for workload, n in sizes.items():
+        for mode in modes:
+            with SandboxPool(workers, limits, isolation=mode, cache_size=0) as pool:
+                rows.append(measure(prefix + mode, workload, pool.run, n, n_latency))
+    return rows
+
+
+def measure_before(sizes: dict[str, int], n_latency: int) -> list[dict]:
+    """The bwrap arms at BASELINE_REV: its miles_core from git, this file's measurement, a subprocess."""
+    with tempfile.TemporaryDirectory(prefix="miles-sandbox-before-") as d:
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", BASELINE_REV, "miles_core"],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", d], input=archive, check=True)
+        code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+                "from benchmarks.sandbox import measure_modes\n"
+                "import miles_core; assert miles_core.__file__.startswith(sys.argv[1])\n"
+                "rows = measure_modes(['bwrap', 'bwrap_shared'], 'before: ', json.loads(sys.argv[3]), int(sys.argv[4]))\n"
+                "print('ROWS ' + json.dumps(rows))")
+        res = subprocess.run([sys.executable, "-c", code, d, str(ROOT), json.dumps(sizes), str(n_latency)],
+                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    sys.stdout.write("".join(line + "\n" for line in res.stdout.splitlines() if not line.startswith("ROWS ")))
+    if res.returncode != 0:
+        raise RuntimeError(f"the {BASELINE_REV} arms failed: {res.stderr[-1500:]}")
+    return json.loads(next(line for line in res.stdout.splitlines() if line.startswith("ROWS "))[5:])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--n", type=int, default=1000, help="benign completions for the throughput figure")
+    ap.add_argument("--n", type=int, default=1000, help="completions for the expressions throughput figure")
+    ap.add_argument("--tests-n", type=int, default=400, help="completions for the benchmark-tests figure")
     ap.add_argument("--latency-n", type=int, default=200, help="completions scored one at a time for p50/p99")
+    ap.add_argument("--no-before", action="store_true", help=f"skip the {BASELINE_REV} arms")
     args = ap.parse_args(argv)
-    workers, limits = usable_cpus(), SandboxLimits()
-    print(f"sandbox throughput: {args.n} completions, {workers} workers, uid {os.geteuid()}", flush=True)
-    rows = []
-    try:
-        before = BeforePool(workers, limits)
-    except (subprocess.CalledProcessError, FileNotFoundError) as e:
-        print(f"  before: skipped, {BASELINE_REV} not readable from git here ({e})")
-    else:
-        try:
-            rows.append(measure("before (fork worker, audit hook)", before.run, lambda r: r.get("status"),
-                                args.n, args.latency_n))
-        finally:
-            before.close()
-    for mode in ("bwrap", "bwrap_shared", "none"):
-        with SandboxPool(workers, limits, isolation=mode, cache_size=0) as pool:
-            rows.append(measure(mode, pool.run, lambda r: r.status, args.n, args.latency_n))
-    base = rows[0]["per_s"] if rows and rows[0]["name"].startswith("before") else None
+    sizes = {"expressions": args.n, "benchmark tests": args.tests_n}
+    print(f"sandbox throughput: {sizes}, {usable_cpus()} workers, uid {os.geteuid()}", flush=True)
+    rows = [] if args.no_before else measure_before(sizes, args.latency_n)
+    rows += measure_modes(["bwrap", "bwrap_shared", "none"], "", sizes, args.latency_n)
     for r in rows:
-        r["vs_before"] = r["per_s"] / base if base else None
-    print(table([[r["name"], r["per_s"], r["vs_before"] if r["vs_before"] is not None else "-", r["p50_ms"],
-                  r["p99_ms"], r["not_ok"]] for r in rows],
-                ["isolation", "completions/s", "vs before", "p50 ms", "p99 ms", "not ok"]))
-    path = write_result("sandbox", {"workers": workers, "uid": os.geteuid(), "baseline_rev": BASELINE_REV,
-                                    "limits": asdict(limits), "rows": rows})
+        ref = next((b for b in rows if b["workload"] == r["workload"] and b["name"] == "before: " + r["name"]), None)
+        r["vs_before"] = r["per_s"] / ref["per_s"] if ref else None
+    print(table([[r["workload"], r["name"], r["per_s"], "-" if r["vs_before"] is None else r["vs_before"],
+                  r["p50_ms"], r["p99_ms"], r["not_ok"]] for r in rows],
+                ["workload", "isolation", "completions/s", "vs before", "p50 ms", "p99 ms", "not ok"]))
+    path = write_result("sandbox", {"workers": usable_cpus(), "uid": os.geteuid(), "baseline_rev": BASELINE_REV,
+                                    "limits": asdict(SandboxLimits()), "rows": rows})
     print(f"wrote {path}")
 
 
