@@ -440,11 +440,16 @@ def test_bwrap_is_installed_here() -> None:
 
 def test_filters_cover_what_a_run_must_never_call() -> None:
     """The calls the kernel must refuse a run (issue list) are all in its stage-two filter."""
-    from miles_core.rewards.isolation import STAGE_ONE, STAGE_TWO, WORKER_NEEDS
+    from miles_core.rewards.isolation import STAGE_ONE, STAGE_ONE_IF, STAGE_TWO, WORKER_NEEDS, filter_rules
 
     required = {"ptrace", "process_vm_readv", "process_vm_writev", "kill", "tkill", "tgkill", "pidfd_open",
                 "pidfd_send_signal", "pidfd_getfd", "rt_sigqueueinfo", "mount", "umount2", "unshare", "setns",
                 "bpf", "keyctl", "perf_event_open", "io_uring_setup", "io_uring_enter", "io_uring_register",
                 "fork", "vfork", "clone", "clone3", "execve", "execveat", "socket", "socketpair", "memfd_create"}
+    required |= {"setpriority", "sched_setscheduler", "sched_setparam", "sched_setattr", "ioprio_set"}
     assert required <= set(STAGE_ONE + STAGE_TWO)
     assert set(WORKER_NEEDS) <= set(STAGE_ONE)  # refused to runs, allowed only to the worker itself
+    conditional = {(name, cond) for name, conds in STAGE_ONE_IF for cond in conds}
+    assert {("prlimit64", (0, "ne", 0)), ("fcntl", (1, "eq32", 8)), ("fcntl", (1, "eq32", 10)),
+            ("ioctl", (1, "eq32", 0x8901))} <= conditional  # another's limits; SIGIO owner and signal
+    assert set(STAGE_ONE_IF) <= set(filter_rules(1)) and set(STAGE_ONE_IF) <= set(filter_rules(2))

@@ -1,6 +1,6 @@
-"""The sandbox worker: runs untrusted completions, each in its own child, inside the kernel boundary.
+"""The sandbox harness: what each run of an untrusted completion executes, inside the kernel boundary.
 
-:class:`miles_core.rewards.code.SandboxPool` starts this file as a *fresh* interpreter
+:class:`miles_core.rewards.pool.SandboxPool` starts this file as a *fresh* interpreter
 (``python -I -S -B``) under bubblewrap, with the isolation of :mod:`miles_core.rewards.isolation`:
 own user, mount, PID, network, IPC and UTS namespaces; a read-only root holding only the
 interpreter and its standard library; a size-capped tmpfs at ``/tmp`` as the only writable place;
@@ -8,20 +8,25 @@ seccomp stage one. With ``isolation=bwrap`` the pool starts one such sandbox per
 has namespaces of its own; with ``bwrap_shared`` a sandbox lives on and serves run after run (same
 namespaces for its runs, which it wipes between them) at several times the throughput.
 
-Either way a run is a child forked from this worker, which holds nothing of value: no ctypes, no
-secrets (expected outputs never enter the sandbox: the caller compares outputs), no descriptors but
-its pipes to the pool, which the child closes. This file runs on the standard library alone
-(``-I -S``), so it carries its own framing helpers, which the pool reuses. The pool sends
-``marshal`` frames (it is trusted); the worker answers with JSON frames, which the pool parses and
-checks and never trusts further. What the child adds before user code runs:
+Either way a run is a process forked from the worker's zygote (sandbox_worker.py), which never
+holds a job: a run's address space has its own part of the job and nothing else (expected outputs
+of the procedural tasks never enter the sandbox at all: the caller compares outputs). This file
+runs on the standard library alone (``-I -S``), so it carries its own framing helpers, which the
+pool reuses. The pool sends ``marshal`` frames (it is trusted); runs answer with JSON frames,
+which the pool bounds, parses and checks and never trusts further. What a run sets up, in
+:func:`_child`, before user code runs:
 
 * **seccomp stage two**: everything of isolation.STAGE_ONE (which the worker itself needs in part:
   fork, kill for timeouts) plus execve/execveat, loaded with libseccomp's bindings. From here on
-  the run cannot create a process or thread, signal or trace anything, open a socket of any
-  family, make a memfd, exec, or touch mounts and namespaces.
+  the run cannot create a process or thread, signal or trace anything (nor have the kernel signal
+  anyone for it: no fcntl/ioctl owner settings), open a socket of any family, make a memfd, exec,
+  touch mounts and namespaces, or change the priority, scheduling, limits or pages of any other
+  process.
 * **rlimits**: CPU seconds (SIGXCPU), address space (MemoryError), file size (SIGXFSZ ends a flood
   of output), open files, no core dumps, no processes. A process cannot raise a hard limit again.
-* **an empty environment**, the worker's modules dropped from ``sys.modules``, a fresh directory.
+* **an empty environment**, the worker's modules dropped from ``sys.modules``, a fresh directory;
+  then one byte, SETUP_OK, on its report pipe: a run without it failed setup, and the pool
+  replaces its worker.
 * **the audit hook**, defence in depth and the source of readable reasons ("blocked by sandbox
   policy: import socket"). CPython documents audit hooks as *not* a security boundary; the kernel
   is the boundary here, and the hook only ends obvious attempts early with a clear reason.

@@ -6,8 +6,9 @@ HumanEval and MBPP score a program by running the dataset's test code on it. The
 one program, so the completion shares the test's process: it can return an object whose ``__eq__``
 is always true, rebind ``abs`` or ``math.isclose`` in the builtins the asserts use, or walk frames
 up to ``check`` and patch its globals. An RL policy searches for exactly such holes. Here the
-worker forks two children per job, both inside the same kernel boundary (namespaces, seccomp stage
-two, rlimits, audit hook; see sandbox.py):
+worker's zygote forks two processes per job, both inside the same kernel boundary (namespaces,
+seccomp stage two, rlimits, audit hook; see sandbox.py and sandbox_worker.py), and each receives
+only its own part of the job:
 
 * the **program** (``_serve``) defines the completion's function and then answers calls: it reads
   ``(args, kwargs)`` from one pipe and writes the result back on another, encoded with exact
@@ -16,7 +17,8 @@ two, rlimits, audit hook; see sandbox.py):
   its tests call; MBPP's ``test_setup_code``) and each test snippet, with the function's name (and
   ``candidate``) bound to a stub that forwards the call to the program and rebuilds the reply as
   plain values. The completion cannot reach this process: no shared memory, no ptrace, no signals
-  (seccomp), and it never learns what the tests expect.
+  (seccomp); and it never learns what the tests expect, which exist only in the tester (the
+  program was forked from a process that never held them, and was sent the completion alone).
 
 The tester reports one pass flag per snippet in the single-process harness's format (``outputs``:
 True per passing snippet, ``errors``: why one failed), so the pool and the code reward read both

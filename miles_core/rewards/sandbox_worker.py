@@ -94,22 +94,19 @@ def _zygote(opts: dict, seccomp: "Any", ch: dict) -> None:
         send_frame(ch["info"], marshal.dumps([os.waitpid(p, 0)[1] for p in pids]))
 
 
-def _send(fd: int, body: bytes, pidfd: "int | None", deadline: float) -> bool:
-    """Write one frame to a run's (non-blocking) job pipe; False if the run died or time ran out."""
+def _send(fd: int, body: bytes, deadline: float) -> bool:
+    """Write one frame to a run's (non-blocking) job pipe; False if it was not read in time (a
+    part larger than the pipe's buffer waits for its run to read it)."""
     data = memoryview(len(body).to_bytes(4, "big") + body)
     while data:
         left = deadline - time.monotonic()
-        if left <= 0 or pidfd is None:
+        if left <= 0:
             return False
-        ready_r, ready_w, _ = select.select([pidfd], [fd], [], left)
-        if ready_w:
+        if select.select([], [fd], [], left)[1]:
             try:
                 data = data[os.write(fd, data):]
-                continue
             except BlockingIOError:
                 pass
-        if ready_r:  # the reader has exited
-            return False
     return True
 
 
@@ -147,16 +144,17 @@ def _run_job(job: dict, opts: dict, base: str, n: int, z: dict) -> dict:
     lim = opts["limits"]
     tests = job.get("run") == "tests"
     send_frame(z["ctl"], marshal.dumps((n, "pt" if tests else "r")))
-    pids = marshal.loads(read_frame(z["info"], time.monotonic() + 30))
     t0 = time.monotonic()
     deadline = t0 + lim["timeout_s"]
-    pidfds = [_pidfd(p) for p in pids]
     if tests:  # the program never receives the tests, the tester never the completion
         parts = [("job_p", {k: job[k] for k in ("source", "entry", "kind", "params")}),
                  ("job", {k: job[k] for k in ("entry", "tests", "setup")})]
     else:
         parts = [("job", job)]
-    sent = all(_send(z[name], marshal.dumps(part), pfd, deadline) for (name, part), pfd in zip(parts, pidfds))
+    # sent while the zygote forks: a run that dies before reading its part leaves the write to time out
+    sent = all(_send(z[name], marshal.dumps(part), deadline) for name, part in parts)
+    pids = marshal.loads(read_frame(z["info"], time.monotonic() + 30))
+    pidfds = [_pidfd(p) for p in pids]
     buf, timed_out = _collect(pidfds[-1], z["res"], deadline, lim["result_bytes"]) if sent else (bytearray(), False)
     prog_done = False
     if tests and sent and not timed_out:  # the program exits by itself once the tester has gone
