@@ -1,4 +1,4 @@
-"""Does ADPO improve a continuous diffusion policy beyond its imperfect demonstrations? (issue 7)
+"""Does ADPO improve a continuous diffusion policy beyond its imperfect demonstrations?
 
 Per seed, on one thread:
   1. SFT (denoising pretraining) of a prompt-conditioned eps-network on noisy demonstrations of

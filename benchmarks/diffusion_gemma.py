@@ -1,4 +1,4 @@
-"""RL for DiffusionGemma through transformers' own class: a tiny model SFT'd on arith, then ADPO (issue 25).
+"""RL for DiffusionGemma through transformers' own class: a tiny model SFT'd on arith, then ADPO.
 
 Per seed (each in its own process, one torch thread, so two seeds use the two cores):
   1. a random-init text-only DiffusionGemma (the real config fields, sliding + full layers, MoE,

@@ -1,4 +1,4 @@
-"""Every estimator in the update engine on equal samples and (about) equal update compute (issue 24).
+"""Every estimator in the update engine on equal samples and (about) equal update compute.
 
 Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
   1. one SFT checkpoint: trained to its validation plateau, or taken from ``--sft-dir``

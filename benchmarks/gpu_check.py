@@ -1,4 +1,4 @@
-"""The prepared check for a lent GPU (issue 28): rollouts and one ADPO update at real-model shapes,
+"""The prepared check for a lent GPU: rollouts and one ADPO update at real-model shapes,
 written to one JSON. Run it through ``benchmarks/gpu_check.sh`` (under 8 minutes on an H200).
 
 Models, random-init in bf16 directly on the device (nothing is downloaded):

@@ -1,4 +1,4 @@
-"""Does ADPO teach a masked-diffusion LM something SFT cannot? (issue: discrete RL core)
+"""Does ADPO teach a masked-diffusion LM something SFT cannot?
 
 Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
   1. SFT on the scarce labelled set until validation pass@1 plateaus (curve recorded; the

@@ -1,4 +1,4 @@
-"""Peak memory of ONE policy update versus the number of denoising steps K (issue 7).
+"""Peak memory of ONE policy update versus the number of denoising steps K.
 
 ADPO scores every recorded step as its own row, in chunks of a fixed ``row_chunk``, so the graph
 alive at any moment covers one chunk of single-step rows, whatever K is. The baseline

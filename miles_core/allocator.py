@@ -1,6 +1,6 @@
 """Keep freed heap memory in a long-lived worker instead of handing it back to the kernel.
 
-Found with the page-fault counters of issue 27's asynchronous run: the sampler process took
+Found with the page-fault counters of an asynchronous run: the sampler process took
 3.97 million minor page faults in 114 batches (35 thousand per batch; the learner beside it:
 43 thousand in the whole run), and its rollouts were 45% slower than the same rollouts, token for
 token, replayed in a process that also ran updates.

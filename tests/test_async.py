@@ -1,4 +1,4 @@
-"""Asynchronous ADPO (issue 5) and its reliability (issue 6): staleness, exactly-once, hot-swap,
+"""Asynchronous ADPO and its reliability: staleness, exactly-once, hot-swap,
 resume, kills, corrupt batches, config errors. Samplers and the learner run in-process where the
 property is about logic, and as real subprocesses killed with SIGKILL where it is about crashes."""
 

@@ -1,5 +1,5 @@
 """Continuous diffusion policies: the step function, the ODE solver, ADPO on continuous
-trajectories, the task split and the Arrow layout (issue 7). Tiny models, one thread, seconds."""
+trajectories, the task split and the Arrow layout. Tiny models, one thread, seconds."""
 
 from __future__ import annotations
 

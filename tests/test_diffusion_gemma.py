@@ -1,4 +1,4 @@
-"""DiffusionGemma through transformers' own class (issue 25): the renoising sampler is the
+"""DiffusionGemma through transformers' own class: the renoising sampler is the
 behaviour policy of ``model.generate``, its record rebuilds every state, scoring reproduces it,
 and an ADPO update trains the decoder's LoRA only. A tiny random-init DiffusionGemmaConfig with the
 real fields (sliding and full layers, MoE beside the dense MLP, self-conditioning) stands in for

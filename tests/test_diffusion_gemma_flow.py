@@ -1,4 +1,4 @@
-"""DiffusionGemma on the same path as every other family (issue 25): the Prefect train flow samples
+"""DiffusionGemma on the same path as every other family: the Prefect train flow samples
 it with the renoising sampler, stores its batches in their own Parquet layout, updates the
 decoder's LoRA through the one learner runtime, logs to MLflow and registers a champion that
 ``models:/name@champion`` serves."""

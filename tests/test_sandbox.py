@@ -439,7 +439,7 @@ def test_bwrap_is_installed_here() -> None:
 
 
 def test_filters_cover_what_a_run_must_never_call() -> None:
-    """The calls the kernel must refuse a run (issue list) are all in its stage-two filter."""
+    """The calls the kernel must refuse a run are all in its stage-two filter."""
     from miles_core.rewards.isolation import STAGE_ONE, STAGE_ONE_IF, STAGE_TWO, WORKER_NEEDS, filter_rules
 
     required = {"ptrace", "process_vm_readv", "process_vm_writev", "kill", "tkill", "tgkill", "pidfd_open",

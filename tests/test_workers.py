@@ -1,4 +1,4 @@
-"""Process-level settings of the long-lived asynchronous workers (issue 27's profile): the heap
+"""Process-level settings of the long-lived asynchronous workers (from a profile of the asynchronous run): the heap
 they keep, and the imports they pay before their loop rather than inside their first batch."""
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ ROLLOUT_FAULTS = """
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_a_sampler_with_a_retained_heap_stops_faulting_in_fresh_pages_every_step() -> None:
     # a process that only samples frees each denoising step's activations; glibc hands the top of
-    # the heap back and the next step faults it in again, page by page (issue 27: 35k per batch)
+    # the heap back and the next step faults it in again, page by page (35k faults per batch)
     default, retained = map(int, run_python(ROLLOUT_FAULTS).split())
     assert retained * 10 < default, (retained, default)  # measured here: 46,870 and 7
 

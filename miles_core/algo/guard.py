@@ -2,7 +2,7 @@
 
 Why: PPO-style clipping bounds how far *one* update moves the policy's ratio, not where a run of
 updates drifts. A small policy can fall off a cliff between two batches: measured on the code
-recipe (seed 1, stop 13), the training reward was 0.73 at iteration 290 and at 300 all 128
+recipe (seed 1), the training reward was 0.73 at iteration 290 and at 300 all 128
 completions were empty, and the run ended on that policy. Without a guard the only record is a bad
 final number.
 
@@ -16,7 +16,7 @@ model in a test, a task nobody solves yet) is never "rolled back" for being weak
 A reward drop rolls back only once ``confirm`` unhealthy batches came in a row; the ones before are
 skipped, not learned from. Why: with a pass/fail reward most prompts are solved by all or none of
 their samples, so a batch of 16 prompts that drew only unsolved ones scores ~0 by chance. Measured on
-the code recipe (stop 18, 4 seeds x 1000 iterations, code_pass): batch rewards had mean 0.25-0.39
+the code recipe (4 seeds x 1000 iterations, code_pass): batch rewards had mean 0.25-0.39
 and sd 0.10-0.12, accepted batches reached down to 0.055, and a one-batch rule rolled back 1-5
 times per seed, each time throwing away up to ``snapshot_every`` updates of a healthy policy. Two
 chance dips in a row (the second one sampled by the same policy) are about as rare as the first

@@ -147,7 +147,7 @@ class AsyncLearner(LearnerRun):
                 continue
             waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # a batch came: poll fast again
             # Before the update, not after it: the batch being updated on is taken, so the samplers get
-            # all max_pending places while it runs (written after, it held one of them; issue 27).
+            # all max_pending places while it runs (written after, it held one of them).
             rs.write_json(self.status(taking=pending[0]), "learner", "status.json")
             outcome, _ = self.consume(pending[0])
             updates_here += outcome == "consumed"

@@ -167,7 +167,7 @@ class SamplerWorker:
 
         A batch the learner sampled itself (``async_rl.learner_samples``) is not counted: it samples
         one only when nothing waits and takes it next, so it is no sampler's backlog. Counting it
-        made the sampler wait 4.1 s in 18 pauses of a 51 s run (issue 27): each time the learner
+        made the sampler wait 4.1 s in 18 pauses of a 51 s run: each time the learner
         sampled while a sampler batch landed, its own batch filled one of the max_pending places.
         The batch the learner is updating on (``taking`` in its status) counts as taken, so the
         sampler has all max_pending places while that update runs.

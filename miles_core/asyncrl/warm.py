@@ -1,6 +1,6 @@
 """What an asynchronous worker imports, paid before its loop instead of inside its first batch.
 
-py-spy on the forked workers (issue 27) found pyarrow importing pandas the first time it builds
+py-spy on the forked workers found pyarrow importing pandas the first time it builds
 an array from numpy (it checks whether the object is a pandas one): 0.5 s alone, 1 to 1.5 s with
 the other worker computing, inside the first commit of the learner and of every sampler, so
 inside the learner's loop. Importing this module does it once. The local launcher's fork server

@@ -9,7 +9,7 @@ it and predicts a whole canvas of ``canvas_length`` tokens that started as unifo
 with *self-conditioning*: the previous step's tempered logits enter as a soft embedding
 ``softmax(z) @ E * sqrt(d)`` through a gated MLP (``DiffusionGemmaSelfConditioning``).
 
-LoRA goes on the decoder only (issue: "LoRA on the decoder"; ``lora.add_lora`` picks
+LoRA goes on the decoder only (``lora.add_lora`` picks
 :data:`DECODER_LORA_TARGETS`): its attention and dense-MLP projections and the self-conditioning MLP. The encoder modules share the base weights but carry no
 adapter, so the prompt cache is the frozen base's and is computed once, without a graph.
 """

@@ -80,7 +80,7 @@ def adapter_tensors(model: PeftModel) -> dict[str, torch.Tensor]:
     """``get_peft_model_state_dict(model)``'s keys bound to the model's live parameters.
 
     peft resolves those keys by walking every module's state dict: 3.6 ms per call here, a third
-    of what the async learner spent publishing each version (cProfile, issue 27). The binding is
+    of what the async learner spent publishing each version (cProfile). The binding is
     resolved once; the optimizer steps in place, so the bound parameters stay the live ones. A
     parameter replaced since (another object under its name) makes it resolve again, and a key
     peft reads from anything but a parameter (a buffer, a copy) leaves peft to answer every time.

@@ -102,7 +102,7 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
 
     Padded as Python lists, then one tensor for the whole batch, not one per row: the learner pads
     every scoring chunk's prompts, and a per-row loop was 4% of the asynchronous learner's time
-    (py-spy, issue 27). Nothing is read back from a tensor (tests/test_engine.py counts reads)."""
+    (py-spy). Nothing is read back from a tensor (tests/test_engine.py counts reads)."""
     rows = [p.tolist() if isinstance(p, Tensor) else list(p) for p in prompts]
     lens = [len(r) for r in rows]
     width = max(lens, default=0)
