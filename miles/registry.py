@@ -168,6 +168,17 @@ def register_model(run_id: str, name: str, base_dir: str | os.PathLike[str], ada
             "model_id": model.model_id, **decision}
 
 
+def _point_adapter_at(adapter_dir: Path, base_dir: Path) -> None:
+    """The downloaded adapter names the downloaded base (unless it names a hub id), so peft's
+    ``AutoPeftModel…from_pretrained(adapter_dir)`` loads it from there."""
+    cfg_file = adapter_dir / "adapter_config.json"
+    cfg = json.loads(cfg_file.read_text())
+    ident = adapter_dir / "miles_base.json"
+    hub = json.loads(ident.read_text()).get("hub_id") if ident.exists() else None
+    if not hub:
+        cfg_file.write_text(json.dumps({**cfg, "base_model_name_or_path": str(base_dir.resolve())}, indent=2))
+
+
 def resolve_model(model_uri: str, dst_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """Download a Miles pyfunc (``models:/NAME@alias``, ``models:/NAME/3``, ``runs:/...``) and return
     its ``base_dir``, ``adapter_dir`` (None for a base-only model), ``recipe`` and registry info."""
@@ -184,6 +195,8 @@ def resolve_model(model_uri: str, dst_dir: str | os.PathLike[str]) -> dict[str, 
     out: dict[str, Any] = {"local_dir": str(local), "base_dir": str(local / arts["base"]["path"]),
                            "adapter_dir": str(local / arts["adapter"]["path"]) if "adapter" in arts else None,
                            "recipe": recipe, "name": None, "version": None, "registered_pass1": None}
+    if out["adapter_dir"]:
+        _point_adapter_at(Path(out["adapter_dir"]), Path(out["base_dir"]))
     m = re.match(r"^models:/([^/@]+)(?:@(.+)|/(\d+))$", model_uri)
     if m:
         client = MlflowClient()

@@ -80,12 +80,14 @@ def test_registered_adapter_loads_with_plain_peft(trained: TrainedProject, tmp_p
         after = model(x)
     weights = load_file(str(adapter_dir / "adapter_model.safetensors"))
     assert any("lora_B" in k for k in weights)
-    # the adapter says what it belongs to: the base's name and the hash of its weights
+    # the adapter says what it belongs to: the base's name and the hash of its weights; once
+    # resolved, it names the downloaded base, so peft's AutoPeftModel finds it
     from miles_core.models.base import base_identity
 
     ident = base_identity(src["base_dir"])
-    assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == ident["name"]
-    assert json.loads((adapter_dir / "miles_base.json").read_text()) == ident and len(ident["sha256"]) == 64
+    assert json.loads((adapter_dir / "adapter_config.json").read_text())["base_model_name_or_path"] == ident["path"]
+    recorded = json.loads((adapter_dir / "miles_base.json").read_text())
+    assert (recorded["name"], recorded["sha256"]) == (ident["name"], ident["sha256"]) and len(ident["sha256"]) == 64
     assert any(float(v.abs().max()) > 0 for k, v in weights.items() if "lora_B" in k), "ADPO never moved the adapter"
     assert not torch.allclose(before, after)  # the adapter changes the policy
     # and it is byte-for-byte the version published to the store by the training run

@@ -31,7 +31,7 @@ from miles_core.allocator import apply_heap_setting
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 from miles_core.models.base import load_base, resolve_device
-from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
+from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from, native_adapter_state
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.storage import BatchExistsError
 from miles_core.storage import uri as U
@@ -144,7 +144,7 @@ class SamplerWorker:
         manifest = rs.retry(lambda: rs.adapters.manifest(latest), f"reading adapter v{latest} manifest")
         rs.retry(lambda: rs.adapters.fetch(latest, dest, manifest), f"fetching adapter v{latest}")
         state = load_file(str(dest / ADAPTER_WEIGHTS))
-        result = set_peft_model_state_dict(self.model, state)
+        result = set_peft_model_state_dict(self.model, native_adapter_state(self.model.get_base_model(), state))
         if getattr(result, "unexpected_keys", None):
             raise ValueError(f"adapter v{latest} does not fit this model: unexpected keys {result.unexpected_keys[:3]}")
         assert next(iter(self.model.get_base_model().parameters())).data_ptr() == self.base_ptr

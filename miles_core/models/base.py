@@ -154,21 +154,25 @@ def prompt_prefill(task: str) -> str:
 
 def base_identity(directory: str | Path) -> dict[str, str]:
     """What an adapter belongs to: the base's name (its config's ``_name_or_path`` when that is a
-    name, else the folder's) and the SHA-256 of its weight files, so an adapter is never silently
-    applied to another base. Hashing reads every weight once (~1 GB/s); callers cache it."""
+    name, else the folder's), its hub id where the config records one, its folder, and the SHA-256
+    of its weight files, so an adapter is never silently applied to another base and peft's
+    ``AutoPeftModel…`` finds the base. Hashing reads every weight once (~1 GB/s); callers cache it."""
     import hashlib
 
     d = local_model_dir(directory)
     cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else {}
-    name = str(cfg.get("_name_or_path") or "")
-    if not name or "/" in name and Path(name).exists():
-        name = d.name
+    recorded = str(cfg.get("_name_or_path") or "")
+    local = not recorded or Path(recorded).exists() or recorded.startswith((".", "/"))
+    name = d.name if local else recorded
     h = hashlib.sha256()
     for f in sorted(d.glob("*.safetensors")):
         with open(f, "rb") as fh:
             while chunk := fh.read(1 << 24):
                 h.update(chunk)
-    return {"name": name, "sha256": h.hexdigest()}
+    out = {"name": name, "path": str(d.resolve()), "sha256": h.hexdigest()}
+    if not local and recorded.count("/") == 1:  # "org/model": a hub id
+        out["hub_id"] = recorded
+    return out
 
 
 def save_checkpoint(model: nn.Module, tokenizer: AnyTokenizer, directory: str | Path) -> None:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import weakref
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
-from safetensors.torch import save_file
+from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 if TYPE_CHECKING:
@@ -66,10 +67,104 @@ def add_lora_from(model: nn.Module, settings: "LoraSettings", dropout: float | N
 
 
 def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
-    """Attach a saved peft adapter folder (adapter_config.json + adapter_model.safetensors)."""
-    if not (Path(adapter_dir) / "adapter_config.json").exists():
+    """Attach a saved peft adapter folder (adapter_config.json + adapter_model.safetensors) to a
+    base Miles loaded. Reads both layouts: the published one :func:`save_adapter` writes (module
+    paths of the class a user loads from the base folder) and the older one, keyed by Miles'
+    wrapper (``base_model.model.lm.…``), which peft attaches to the wrapper directly."""
+    d = Path(adapter_dir)
+    if not (d / "adapter_config.json").exists():
         raise FileNotFoundError(f"{adapter_dir} is not a peft adapter folder (no adapter_config.json)")
-    return PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=trainable)
+    state = load_file(str(d / ADAPTER_WEIGHTS))
+    to_outside, _ = module_paths(base)
+    if to_outside is None or any(k.startswith("base_model.model.lm.") for k in state):  # the wrapper's own keys
+        return PeftModel.from_pretrained(base, str(d), is_trainable=trainable)
+    cfg = LoraConfig.from_pretrained(str(d))
+    _, to_inside = module_paths(base)
+    cfg.target_modules = sorted({_inside(to_inside, path, str(d)) for path in _paths(state)})
+    cfg.task_type, cfg.inference_mode = None, not trainable
+    model = get_peft_model(base, cfg)
+    result = set_peft_model_state_dict(model, native_adapter_state(base, state))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if result.unexpected_keys or missing:
+        raise ValueError(f"{d}: the adapter does not fit this base: unexpected {result.unexpected_keys[:4]}, "
+                         f"missing {missing[:4]}")
+    if not trainable:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return model
+
+
+_LORA_KEY = re.compile(r"^base_model\.model\.(.+)\.(lora_[AB]\.weight|lora_embedding_[AB])$")
+Paths = Callable[[str], "str | None"]
+
+
+def module_paths(base: nn.Module) -> tuple[Paths | None, Paths | None]:
+    """(Miles' module path -> the published class's, and back) for a base Miles wraps; (None,
+    None) where Miles runs the published class itself (tiny, DiffusionGemma). A family's wrapper
+    (models/hf.py, llama.py) holds the native transformers model as ``lm``, and a family with
+    renamed tensors (LLaDA's ``model.transformer.blocks.N.…``) maps names as its checkpoints do."""
+    if not isinstance(getattr(base, "lm", None), nn.Module):
+        return None, None
+    spec = getattr(base, "spec", None)
+    renames = spec is not None and bool(spec.renames)
+
+    def outside(path: str) -> str | None:
+        if not path.startswith("lm."):
+            return None
+        if not renames:
+            return path[3:]
+        name = spec.to_published(path[3:] + ".weight")
+        return None if name is None else name.rsplit(".", 1)[0]
+
+    def inside(path: str) -> str | None:
+        if not renames:
+            return "lm." + path
+        name = spec.to_native(path + ".weight")
+        return None if name is None else "lm." + name.rsplit(".", 1)[0]
+    return outside, inside
+
+
+def _paths(state: dict[str, torch.Tensor]) -> list[str]:
+    out = []
+    for k in state:
+        m = _LORA_KEY.match(k)
+        if m is None:
+            raise ValueError(f"adapter tensor {k!r} is not a LoRA tensor of peft's layout")
+        out.append(m.group(1))
+    return out
+
+
+def _inside(to_inside: Paths, path: str, where: str) -> str:
+    got = to_inside(path)
+    if got is None:
+        raise ValueError(f"{where}: adapter module {path!r} is not a module of this base")
+    return got
+
+
+def _rekey(state: dict[str, torch.Tensor], move: Paths, where: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for k, v in state.items():
+        m = _LORA_KEY.match(k)
+        path = move(m.group(1)) if m else None
+        if path is None:
+            raise ValueError(f"{where}: adapter tensor {k!r} has no module in the other layout")
+        out[f"base_model.model.{path}.{m.group(2)}"] = v
+    return out
+
+
+def published_adapter_state(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft's keys of Miles' model -> the keys peft expects on the class a user loads from the
+    base folder (``AutoModelFor…``, the family's published class)."""
+    to_outside, _ = module_paths(base)
+    return state if to_outside is None else _rekey(state, to_outside, "save_adapter")
+
+
+def native_adapter_state(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`published_adapter_state`; keys already in Miles' layout pass unchanged."""
+    _, to_inside = module_paths(base)
+    if to_inside is None or all(k.startswith("base_model.model.lm.") for k in state):
+        return state
+    return _rekey(state, to_inside, "load_adapter")
 
 
 # model -> [(peft's saved key, parameter name, the parameter)], resolved once per model (adapter_tensors)
@@ -104,38 +199,45 @@ def adapter_tensors(model: PeftModel) -> dict[str, torch.Tensor]:
 
 def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | None = None,
                  base: dict[str, str] | None = None) -> Path:
-    """Write the adapter as a standard peft folder (adapter_config.json + adapter_model.safetensors).
+    """Write the adapter as the peft folder a user attaches to the published model.
 
-    The same two files ``PeftModel.save_pretrained`` writes, without the README model card it also
-    renders (a Jinja template: ~60% of its time). The async learner publishes a version every update,
-    so that card was a tenth of its wall clock. ``load_adapter``/``PeftModel.from_pretrained`` read it.
+    The same two files ``PeftModel.save_pretrained`` writes (adapter_config.json +
+    adapter_model.safetensors), without the README model card it also renders (a Jinja template:
+    ~60% of its time; the async learner publishes a version every update). Keys and
+    ``target_modules`` are those of the class a user loads from the base folder (the wrapper's
+    ``lm.`` and Miles' native names become the published module paths, :func:`module_paths`), so
+    ``PeftModel.from_pretrained(AutoModelFor…(base), directory)`` attaches every tensor;
+    ``task_type`` is set where an Auto class fits (``CAUSAL_LM`` for the Llama/Qwen families), so
+    ``AutoPeftModelForCausalLM.from_pretrained(directory)`` loads the base from
+    ``base_model_name_or_path`` (the base's hub id when its config records one, else its folder).
     ``dtype`` (e.g. ``torch.bfloat16``) casts the tensors as written: half the bytes to ship to
     samplers, which load them into their float32 LoRA layers; the behaviour log-probs they record
     are those of the rounded policy, and the learner's importance weight corrects for the difference.
-    ``base`` (models.base.base_identity): the adapter records what it belongs to, as peft's
-    ``base_model_name_or_path`` and in ``miles_base.json`` (name and the hash of the base's weights).
+    ``base`` (models.base.base_identity) is also written to ``miles_base.json`` (name, path and the
+    hash of the base's weights), which Miles checks before applying the adapter.
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
+    inner = model.base_model.model
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in adapter_tensors(model).items()}
+    state = published_adapter_state(inner, state)
     save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if base:  # beside the weights, not in their header: safetensors orders header metadata arbitrarily
-        (d / BASE_FILE).write_text(json.dumps({"name": base["name"], "sha256": base["sha256"]}, sort_keys=True))
+        (d / BASE_FILE).write_text(json.dumps(base, sort_keys=True))
     cfg = copy.deepcopy(model.peft_config["default"])
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
+    if module_paths(inner)[0] is not None:
+        cfg.target_modules = sorted(set(_paths(state)))  # exact module paths: LLaDA's ff_out is also its head
+        native = getattr(getattr(inner, "spec", None), "native", getattr(inner.config, "model_type", ""))
+        cfg.task_type = "CAUSAL_LM" if native in ("llama", "qwen2", "qwen3") else None
     if base:
-        cfg.base_model_name_or_path = base["name"]
+        cfg.base_model_name_or_path = base.get("hub_id") or base.get("path") or base["name"]
     cfg.save_pretrained(str(d))
     return d
 
 
 def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
-
-
-def adapter_state(model: nn.Module) -> dict:
-    """Only the LoRA tensors: what samplers need to hot-swap a new policy version."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 
 @contextlib.contextmanager
