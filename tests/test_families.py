@@ -406,3 +406,34 @@ def test_init_and_check_cover_the_built_in_families_too(family: str, tmp_path: P
     assert main(["check", str(tmp_path / family)]) == 0
     out = capsys.readouterr().out
     assert f"family         {family}" in out and "finite         true" in out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_fixtures_see_a_swapped_norm_a_dropped_bias_and_the_pad_row(ckpts: dict[str, Path], family: str,
+                                                                      tmp_path: Path) -> None:
+    """The tiny checkpoints draw norms, biases and the pad row at random (models/hf.py init_tiny),
+    so a loader that swapped two norms, dropped a bias or zeroed the pad row would change logits."""
+    model, tok = load_family(ckpts[family])
+    pad_id = int(model.lm.config.pad_token_id)
+    ids = torch.tensor([[pad_id] + tok.encode("3+4=") + [tok.mask_id] * 3])
+    with torch.no_grad():
+        want = model(ids)
+    tensors = read_tensors(ckpts[family])
+    norms = sorted(k for k, v in tensors.items() if v.dim() == 1 and "norm" in k)
+    biases = sorted(k for k, v in tensors.items() if v.dim() == 1 and k.endswith(".bias") and "norm" not in k)
+    pad = next(k for k, v in tensors.items() if v.dim() == 2 and v.shape[0] == model.lm.get_input_embeddings().weight.shape[0]
+               and ("embed" in k or "wte" in k or "tok_embeddings" in k))
+    a, b = next((x, y) for x in norms for y in norms if x < y and tensors[x].shape == tensors[y].shape)
+    edits = {"swapped norms": {a: tensors[b], b: tensors[a]}, "zero pad row": {pad: tensors[pad].clone().index_fill_(0, torch.tensor([pad_id]), 0.0)}}
+    if biases:
+        edits["dropped bias"] = {biases[0]: torch.zeros_like(tensors[biases[0]])}
+    assert family != "dream" or "dropped bias" in edits  # Dream's q/k/v carry biases
+    for what, edit in edits.items():
+        d = tmp_path / what.replace(" ", "_")
+        shutil.copytree(ckpts[family], d)
+        for f in d.glob("*.safetensors"):
+            f.unlink()
+        save_file({**tensors, **edit}, str(d / "model.safetensors"))
+        with torch.no_grad():
+            got = load_family(d)[0](ids)
+        assert (got - want).abs().max() > 1e-3, (family, what)

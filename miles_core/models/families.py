@@ -161,7 +161,11 @@ def _drop_keys(extra: tuple[str, ...]) -> Callable[[dict[str, Any]], dict[str, A
     return lambda d: {k: v for k, v in d.items() if k not in drop}
 
 
-def _qwen_published(model_type: str, arch: str, extra: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+def _qwen_published(model_type: str, arch: str, extra: dict[str, Any],
+                    defaults: dict[str, Any] | None = None) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """Native Qwen config -> the family's published config.json: ``extra`` fields the published
+    forward reads (SDAR: ``fuse_cross_entropy``), ``defaults`` for ids the native config leaves
+    unset (SDAR-4B-Chat's ``bos_token_id`` 151643)."""
     keep = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings",
             "hidden_act", "attention_bias", "pad_token_id", "eos_token_id", "bos_token_id", "rope_parameters")
@@ -169,6 +173,7 @@ def _qwen_published(model_type: str, arch: str, extra: dict[str, Any]) -> Callab
     def out(c: dict[str, Any]) -> dict[str, Any]:
         d = {k: c[k] for k in keep if k in c}
         d["rope_theta"] = d.pop("rope_parameters", {}).get("rope_theta", 10000.0)
+        d.update({k: v for k, v in (defaults or {}).items() if d.get(k) is None})
         return {"architectures": [arch], "model_type": model_type, **d, **extra, "use_cache": False}
     return out
 
@@ -196,7 +201,9 @@ SPECS: dict[str, FamilySpec] = {
         "sdar", "qwen3", ("sdar",), "block", False, mask_id=151669, eos_id=151643, eot_id=151645,
         special_tokens={**QWEN_SPECIALS, 151669: "<|MASK|>"}, chat_template=CHATML,
         native_config=_drop_keys(("mask_token_id",)),
-        published_config=_qwen_published("sdar", "SDARForCausalLM", {"block_size": 4, "mask_token_id": 151669})),
+        published_config=_qwen_published("sdar", "SDARForCausalLM", {"block_size": 4, "mask_token_id": 151669,
+                                                                     "fuse_cross_entropy": True},
+                                         {"bos_token_id": 151643})),
     "bidir_qwen3": FamilySpec(
         "bidir_qwen3", "qwen3", ("qwen3", "a2d-qwen3"), "full", False, mask_id=151669, eos_id=151643,
         eot_id=151645, special_tokens={**QWEN_SPECIALS, 151669: "<|mask|>"}, chat_template=CHATML,

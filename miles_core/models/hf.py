@@ -21,6 +21,7 @@ whose tensors do not map completely is an error listing the unmapped, missing an
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -51,10 +52,11 @@ class HFDiffusion(nn.Module):
     """A native transformers LM run as a masked-diffusion denoiser of one family (module docstring)."""
 
     def __init__(self, lm: nn.Module, spec: FamilySpec, block_size: int = 4,
-                 published: dict[str, Any] | None = None) -> None:
+                 published: dict[str, Any] | None = None, source: Path | None = None) -> None:
         super().__init__()
         self.lm, self.spec, self.block_size = lm, spec, int(block_size)
         self.published = dict(published or {})
+        self.source = source  # the folder it was loaded from: its auto_map code files travel with a save
         self.config = lm.config  # peft reads model.config.model_type for the LoRA targets
         if spec.attention == "full":
             make_bidirectional(lm)
@@ -99,14 +101,36 @@ class HFDiffusion(nn.Module):
         return out
 
     def save_pretrained(self, directory: str | Path) -> None:
-        """The family's published layout: config.json (its field names) + model.safetensors."""
+        """The family's published layout, with what its published folder carries for loading:
+        config.json (its field names, ``torch_dtype`` the dtype the tensors are stored in),
+        model.safetensors, generation_config.json (Dream's ``from_pretrained`` always reads one),
+        and the ``auto_map`` code files of the folder it was loaded from (a config naming code the
+        folder lacks would make the official loader fail; without the files, no ``auto_map``)."""
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         cfg = {**self.published, **self.spec.published_config(self.lm.config.to_dict())}
         if self.spec.attention == "block":
             cfg["block_size"] = self.block_size
+        state = self.published_state_dict()
+        cfg["torch_dtype"] = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        cfg.pop("dtype", None)
+        code = _auto_map_files(cfg.get("auto_map") or {})
+        if code and self.source is not None and all((self.source / f).exists() for f in code):
+            for f in code:
+                if (self.source / f).resolve() != (d / f).resolve():
+                    shutil.copyfile(self.source / f, d / f)
+        else:
+            cfg.pop("auto_map", None)
         (d / "config.json").write_text(json.dumps(cfg, indent=2))
-        save_file(self.published_state_dict(), str(d / "model.safetensors"), metadata={"format": "pt"})
+        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
+        (d / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **gen}, indent=2))
+        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _auto_map_files(auto_map: dict[str, Any]) -> list[str]:
+    """The code files an ``auto_map`` names (``"modeling_dream.DreamModel"`` -> modeling_dream.py)."""
+    refs = [r for v in auto_map.values() for r in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(r, str)]
+    return sorted({r.split("--")[-1].rsplit(".", 1)[0] + ".py" for r in refs})
 
 
 def tied_keys(lm: nn.Module) -> set[str]:
@@ -176,7 +200,7 @@ def load_family(directory: str | Path, family: str = "auto", dtype: torch.dtype 
         raise ConfigError(f"{d}: the tokenizer's mask token has id {tok.mask_id}, config.json says {mask_id}")
     if tok.vocab_size > config.vocab_size:
         raise ConfigError(f"{d}: the tokenizer has {tok.vocab_size} tokens, the embedding only {config.vocab_size}")
-    return HFDiffusion(lm, spec, int(published.get("block_size", 4)), published), tok
+    return HFDiffusion(lm, spec, int(published.get("block_size", 4)), published, d), tok
 
 
 def _own_mask_id(d: Path) -> int | None:
@@ -238,6 +262,20 @@ TINY = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num
 VOCAB = {"llada": 126464, "dream": 152064, "sdar": 151936, "bidir_qwen3": 151936, "modernbert": 50368}
 
 
+def _draw_every_tensor(lm: nn.Module, seed: int) -> None:
+    """Norm weights, biases and the pad row drawn at random too (a fresh model has ones, zeros and
+    a zero pad row), so parity tests see a swapped or dropped mapping of any of them."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in lm.named_parameters():
+            if p.dim() == 1:
+                p.copy_(float("norm" in name) + 0.2 * torch.randn(p.shape, generator=g))
+        pad = getattr(lm.config, "pad_token_id", None)
+        emb = lm.get_input_embeddings().weight
+        if pad is not None and 0 <= pad < emb.shape[0]:
+            emb[pad] = 0.02 * torch.randn(emb.shape[1], generator=g)
+
+
 def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, Any] | None = None,
               dtype: torch.dtype = torch.float32) -> Path:
     """Write a tiny random-init checkpoint in ``family``'s published layout: its config.json field
@@ -259,6 +297,7 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, A
         config.rope_parameters = {"rope_type": "default", "rope_theta": 500000.0}
     torch.manual_seed(seed)
     model = HFDiffusion(lm_cls(config).to(dtype), spec)
+    _draw_every_tensor(model.lm, seed)
     out = Path(out_dir)
     model.save_pretrained(out)
     tiny_tokenizer(spec, VOCAB[family]).save_pretrained(str(out))
