@@ -25,8 +25,8 @@ from typing import Any
 
 from flows import params as P
 from miles import __version__
-from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, call_flow, cmd_data, cmd_demo, cmd_generate, cmd_models,
-                            cmd_recipes, cmd_serve, print_result, validate_recipe)
+from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, call_flow, cmd_data, cmd_demo, cmd_export,
+                            cmd_generate, cmd_models, cmd_recipes, cmd_serve, print_result, validate_recipe)
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
@@ -98,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--with-prompt", action="store_true", help="print 'prompt<TAB>completion' lines")
     _tracking(p)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("export", help="merge an adapter into its base and write a model folder (published layout)",
+                       description="miles export SRC OUT: SRC is an adapter folder or a registered model "
+                                   "(models:/NAME@alias); OUT a new folder that loads like the base checkpoint "
+                                   "(config, tensors, tokenizer, chat template) plus a README model card.")
+    p.add_argument("source", metavar="SRC", help="adapter folder, or models:/NAME@alias / models:/NAME/VERSION")
+    p.add_argument("out", metavar="OUT", help="the folder to write (must not exist, or be empty)")
+    p.add_argument("--base", default=None, help="the base folder (default: the adapter's base_model_name_or_path, "
+                                                 "or the registered model's base)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="dtype the merge is computed and written in (default float32)")
+    _tracking(p)
+    p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("serve", help="serve a registered model over HTTP (mlflow models serve, venv-independent)",
                        description="Serve a registered model's predict over HTTP on the project's MLflow store.")

@@ -202,5 +202,6 @@ def resolve_model(model_uri: str, dst_dir: str | os.PathLike[str]) -> dict[str, 
         client = MlflowClient()
         name, alias, ver = m.groups()
         mv = client.get_model_version_by_alias(name, alias) if alias else client.get_model_version(name, ver)
-        out.update(name=name, version=int(mv.version), registered_pass1=_tag_float(mv, PASS1_TAG))
+        out.update(name=name, version=int(mv.version), registered_pass1=_tag_float(mv, PASS1_TAG),
+                   eval_fingerprint=(mv.tags or {}).get(FINGERPRINT_TAG))
     return out

@@ -124,3 +124,56 @@ def test_miles_reads_its_adapters_in_both_layouts(family: str, tmp_path: Path) -
     model.peft_config["default"].save_pretrained(str(old))
     assert any(k.startswith("base_model.model.lm.") for k in load_file(str(old / ADAPTER_WEIGHTS)))
     assert torch.allclose(load_adapter(load_checkpoint(base_dir)[0], old)(x)[0], logits, atol=1e-6)
+
+
+# ---- miles export: the adapter merged into its base, a folder the outside class loads ------------
+
+
+@pytest.mark.parametrize("family", ["bidir_qwen3", "modernbert", "llada", "tiny"])
+def test_export_round_trip(family: str, tmp_path: Path) -> None:
+    """Export, then load the folder with Miles (every family) and with the outside class in a fresh
+    process (where transformers has one): the logits are the trained policy's."""
+    from miles.cli import main
+
+    base_dir, adapter, ids, logits, _ = _trained(family, tmp_path)
+    out = tmp_path / "exported"
+    assert main(["export", str(adapter), str(out)]) == 0  # the base from base_model_name_or_path
+    merged, _ = load_checkpoint(out)
+    with torch.no_grad():
+        assert torch.allclose(merged(torch.tensor([ids]))[0], logits, atol=1e-5)
+    card = (out / "README.md").read_text()
+    assert "merged" in card and base_identity(base_dir)["sha256"][:16] in card
+    assert not (out / ADAPTER_WEIGHTS).exists() and "lora_" not in json.dumps(list(read_or_empty(out)))
+    if family in OUTSIDE_CLASS:
+        cls, bidir = OUTSIDE_CLASS[family]
+        code = ("import json, sys, torch, transformers\n"
+                "m = getattr(transformers, sys.argv[2]).from_pretrained(sys.argv[1], local_files_only=True).eval()\n"
+                "kw = {'is_causal': False} if sys.argv[3] == '1' else {}\n"
+                "print(json.dumps(m(input_ids=torch.tensor([json.loads(sys.argv[4])]), **kw).logits[0].tolist()))\n")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        res = subprocess.run([sys.executable, "-I", "-c", code, str(out), cls, "1" if bidir else "0", json.dumps(ids)],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        got = torch.tensor(json.loads(res.stdout.strip().splitlines()[-1]))
+        assert torch.allclose(got, logits, atol=1e-5), (got - logits).abs().max()
+
+
+def read_or_empty(d: Path) -> list[str]:
+    """Tensor names of a folder's safetensors (none for a Miles tiny folder written otherwise)."""
+    try:
+        return sorted(read_tensors(d))
+    except FileNotFoundError:
+        return []
+
+
+def test_export_refuses_another_base_and_a_used_folder(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    from miles.cli import main
+
+    _, adapter, _, _, _ = _trained("bidir_qwen3", tmp_path)
+    other = Path(init("bidir_qwen3", str(tmp_path / "other"), seed=9))
+    assert main(["export", str(adapter), str(tmp_path / "x"), "--base", str(other)]) == 2
+    assert "was trained on base" in capsys.readouterr().err
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "keep.txt").write_text("mine")
+    assert main(["export", str(adapter), str(tmp_path / "used")]) == 2
+    assert (tmp_path / "used" / "keep.txt").read_text() == "mine"

@@ -156,3 +156,22 @@ def test_policy_is_a_logged_model_of_its_training_run(trained: TrainedProject) -
     mlmodel = Model.load(mv.source)
     assert mlmodel.signature is not None and [c.type.name for c in mlmodel.signature.inputs.inputs] == ["string"]
     assert {p.name for p in mlmodel.signature.params.params} == {"temperature", "seed"}
+
+
+def test_export_merges_a_registered_model_into_a_folder_with_a_card(trained: TrainedProject, tmp_path: Path) -> None:
+    """`miles export models:/NAME@champion OUT`: the merged folder is the registered policy, and its
+    card names the base, the recipe, the version, pass@1 and the evaluation fingerprint."""
+    from miles.cli import main
+    from miles_core.models.base import load_checkpoint
+
+    out = tmp_path / "exported"
+    assert main(["export", f"models:/{trained.model_name}@champion", str(out)]) == 0
+    src = registry.resolve_model(f"models:/{trained.model_name}@champion", tmp_path / "dl")
+    policy = PeftModel.from_pretrained(TinyDenoiser.from_pretrained(src["base_dir"]), src["adapter_dir"]).eval()
+    merged, _ = load_checkpoint(out)
+    x = torch.tensor([CharTokenizer().encode("3+4*2") + [CharTokenizer().mask_id] * 8])
+    with torch.no_grad():
+        assert torch.allclose(merged(x), policy(x), atol=1e-5)
+    card = (out / "README.md").read_text()
+    assert f"registry version: {src['version']}" in card and "pass@1" in card and "fingerprint" in card
+    assert "recipe: `" in card
