@@ -46,6 +46,7 @@ from miles_core.models.hf import HFDiffusion, native_classes, tiny_tokenizer
 from miles_core.models.hf_tokenizer import HFTokenizer
 from miles_core.samplers.hostreads import HostReads
 from miles_core.samplers.sampler import sample
+from miles_core.window import attention_grid
 
 SHAPES = {
     "llada_8b": ("llada", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -86,13 +87,16 @@ def sync(device: torch.device) -> None:
 
 
 def rollouts(model, tok, device, batch: int, completion: int, block: int, cache: str, ref_steps: int) -> dict:
-    """Reference tokens/s over its first steps against a whole Miles rollout (NSD + ``cache``)."""
+    """Reference tokens/s over its first steps against a whole Miles rollout (NSD + ``cache``); a
+    block-causal model (SDAR) decodes on its own attention blocks, in both."""
+    grid = attention_grid(model)
+    block = grid or block
     prompt = torch.randint(200, 100_000, (batch, 64), generator=torch.Generator().manual_seed(batch)).to(device)
     with torch.no_grad():
         sync(device)
         t0 = time.perf_counter()
         _, ran = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, completion, block, completion,
-                                    max_steps=ref_steps)
+                                    max_steps=ref_steps, grid=grid)
         sync(device)
         ref_s = time.perf_counter() - t0
     cfg = SamplerConfig(kind="nsd", threshold=0.9, max_per_step=block, block_size=block, temperature=0.0, cache=cache)

@@ -41,7 +41,8 @@ from miles_core.models.base import load_checkpoint
 from miles_core.models.hf import init_tiny
 from miles_core.rewards.registry import get_reward
 from miles_core.samplers.hostreads import HostReads
-from miles_core.samplers.sampler import sample, static_counts
+from miles_core.samplers.sampler import sample
+from miles_core.window import attention_grid
 
 SPEED_SIZE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024}
@@ -49,23 +50,37 @@ SPEED_SIZE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers":
 
 @torch.no_grad()
 def reference_generate(model, prompt: torch.Tensor, mask_id: int, forbidden: list[int], gen_length: int,
-                       block_length: int, steps: int, max_steps: int | None = None) -> tuple[torch.Tensor, int]:
+                       block_length: int, steps: int, max_steps: int | None = None,
+                       grid: int = 0) -> tuple[torch.Tensor, int]:
     """LLaDA's ``generate`` at temperature 0 with low-confidence remasking (ML-GSAI/LLaDA generate.py):
     every step a full forward and the whole sequence's logits; ``get_num_transfer_tokens`` per block.
-    Changes: ids Miles never samples ([MASK], pad) are suppressed, as Miles' SUBS rule does, the
-    confidence is float32 exp(log-softmax), and equal confidences go to the lower position. Stops after ``max_steps`` steps (timing). -> (x [B, P + L], steps run)."""
+    ``grid`` > 0: SDAR's decoder instead (JetAstra/SDAR ``generate.py``): blocks at absolute
+    multiples of the model's attention block ``grid``, starting with the prompt's last, partial one,
+    each given ``steps // (gen_length // grid)`` steps for its masks (here the last block ends at the
+    sequence end instead of running past it). Changes: ids Miles never samples ([MASK], pad) are
+    suppressed, as Miles' SUBS rule does, the confidence is float32 exp(log-softmax), and equal
+    confidences go to the lower position. Stops after ``max_steps`` steps (timing).
+    -> (x [B, P + L], steps run)."""
     b, p = prompt.shape
-    x = torch.full((b, p + gen_length), mask_id, dtype=torch.long)
+    t = p + gen_length
+    x = torch.full((b, t), mask_id, dtype=torch.long)
     x[:, :p] = prompt
     attn = torch.ones_like(x, dtype=torch.bool)
-    num_blocks = gen_length // block_length
-    per_block = steps // num_blocks
+    if grid:
+        per_block = steps // (gen_length // grid)
+        edges = [max(p, k * grid) for k in range(p // grid, -(-t // grid))] + [t]
+    else:
+        per_block = steps // (gen_length // block_length)
+        edges = list(range(p, t + 1, block_length))
     done = 0
-    for nb in range(num_blocks):
-        counts = torch.tensor(static_counts(block_length, per_block))   # get_num_transfer_tokens, remainder first
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        m = hi - lo                                                     # the block's masks
+        counts = [m // per_block + (i < m % per_block) for i in range(per_block)]   # get_num_transfer_tokens
         for i in range(per_block):
             if max_steps is not None and done >= max_steps:
                 return x, done
+            if counts[i] == 0:
+                break
             mask_index = x == mask_id
             logits = model(x, attn)                                     # [B, T, V]: every position, every step
             logits[..., forbidden] = float("-inf")
@@ -73,7 +88,7 @@ def reference_generate(model, prompt: torch.Tensor, mask_id: int, forbidden: lis
             # LLaDA: F.softmax(logits); exp(log_softmax) is the same p rounded as Miles rounds it, so a
             # near-tie between two positions' confidences cannot decide the comparison
             x0_p = torch.log_softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1).exp()
-            x0_p[:, p + (nb + 1) * block_length:] = float("-inf")
+            x0_p[:, hi:] = float("-inf")
             x0 = torch.where(mask_index, x0, x)
             confidence = torch.where(mask_index, x0_p, torch.tensor(float("-inf")))
             transfer = torch.zeros_like(x0, dtype=torch.bool)
@@ -120,10 +135,11 @@ def speed_part(args, folder: Path) -> dict:
     model.eval()
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(200, 100_000, (args.batch, args.prompt_len), generator=gen)   # ordinary token ids
-    L, blk = args.completion, args.block
+    L, blk = args.completion, attention_grid(model) or args.block  # SDAR decodes on its attention blocks
     t0 = time.perf_counter()
     with HostReads() as ref_reads:
-        _, ran = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, L, blk, L, max_steps=args.ref_steps)
+        _, ran = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, L, blk, L, max_steps=args.ref_steps,
+                                    grid=attention_grid(model))
     ref_s = time.perf_counter() - t0
     ref_tps = args.batch * ran / ref_s                 # one token per row per step
     print(f"  reference: {ran} steps in {ref_s:.1f}s, {ref_tps:.2f} tokens/s", flush=True)
@@ -154,8 +170,8 @@ def greedy_check(model, tok, args) -> bool:
     """Reference and Miles' static sampler (temperature 0, no cache) to the end, token for token."""
     gen = torch.Generator().manual_seed(1)
     prompt = torch.randint(200, 100_000, (args.check_batch, args.prompt_len), generator=gen)
-    L, blk = args.check_completion, args.block
-    ref, _ = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, L, blk, L)
+    L, blk = args.check_completion, attention_grid(model) or args.block
+    ref, _ = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, L, blk, L, grid=attention_grid(model))
     cfg = SamplerConfig(kind="static", steps=L, block_size=blk, temperature=0.0)
     got = sample(model, tok, prompt.tolist(), cfg, L, torch.Generator().manual_seed(0))
     same = bool(torch.equal(ref[:, args.prompt_len:], got.completion_ids))

@@ -65,6 +65,14 @@ def supports_cache(model: nn.Module) -> bool:
     return hasattr(inner(model), "window") and getattr(inner(model), "kv_cache", True)
 
 
+def attention_grid(model: nn.Module) -> int:
+    """The attention block size of a block-causal model (SDAR: attention is bidirectional within
+    blocks at absolute multiples of it, causal across them), 0 for a full-attention one."""
+    m = inner(model)
+    spec = getattr(m, "spec", None)
+    return int(getattr(m, "block_size", 0)) if getattr(spec, "attention", "full") == "block" else 0
+
+
 def logit_shift(model: nn.Module) -> int:
     """1 when position i's logits are read from the hidden state at i - 1 (Dream), else 0: a cached
     step's query must then start one position before the block."""

@@ -17,15 +17,24 @@ from miles_core.config import ConfigError, SamplerConfig
 from miles_core.models.base import load_checkpoint
 from miles_core.models.hf import init_tiny
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
-from miles_core.window import logit_shift
+from miles_core.window import attention_grid, logit_shift
 from miles_core.samplers.hostreads import HostReads
-from miles_core.samplers.sampler import sample
+from miles_core.samplers.sampler import sample as miles_sample
 from miles_core.samplers.step import rebuild_state
 from miles_core.tokenizer import CharTokenizer
 
 FAMILIES = ("bidir_qwen3", "llada", "dream", "sdar")
 TOK = CharTokenizer()
 NSD = SamplerConfig(kind="nsd", threshold=0.9, max_per_step=4, block_size=8, temperature=1.0)
+
+
+def sample(model, tok, prompts, cfg: SamplerConfig, *args, **kwargs):
+    """The sampler, with a block-causal model (SDAR) decoding on its own attention blocks, as it
+    must (the sampler refuses any other block size: test_sdar_decodes_on_its_attention_grid...)."""
+    grid = attention_grid(model)
+    if grid and cfg.block_size not in (0, grid):
+        cfg = replace(cfg, block_size=grid)
+    return miles_sample(model, tok, prompts, cfg, *args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +60,40 @@ def prompts_for(tok, n: int, seed: int, lo: int = 3, hi: int = 9) -> list[list[i
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_output_equals_the_reference(models: dict, family: str) -> None:
     model, tok = models[family]
+    grid = attention_grid(model)  # SDAR decodes on its attention blocks (its reference does too)
     for seed, (length, block) in enumerate([(16, 8), (16, 16), (24, 8)]):
+        block = grid or block
         prompt = torch.randint(200, 100_000, (3, 6), generator=torch.Generator().manual_seed(seed))
-        ref, _ = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, length, block, length)
+        ref, _ = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, length, block, length, grid=grid)
         cfg = SamplerConfig(kind="static", steps=length, block_size=block, temperature=0.0)
         got = sample(model, tok, prompt.tolist(), cfg, length, torch.Generator().manual_seed(0))
         assert torch.equal(ref[:, 6:], got.completion_ids), (family, length, block)
+
+
+def test_sdar_decodes_on_its_attention_grid_whatever_the_prompt_length(models: dict) -> None:
+    """Prompts of every length mod 4 in one batch: each row's decoding blocks are SDAR's attention
+    blocks (absolute multiples of 4, the first partial), so no token is decoded while an earlier
+    attention block still holds a mask, and greedy output equals SDAR's decoder row by row."""
+    model, tok = models["sdar"]
+    assert attention_grid(model) == 4
+    lens, length = [4, 5, 6, 7, 9], 12
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(200, 100_000, (n,), generator=g).tolist() for n in lens]
+    static = SamplerConfig(kind="static", steps=length, block_size=4, temperature=0.0)
+    for cfg in (static, replace(NSD, block_size=4, max_per_step=4), replace(NSD, block_size=0, cache="prefix")):
+        batch = sample(model, tok, prompts, cfg, length, torch.Generator().manual_seed(0))
+        for b, p in enumerate(lens):
+            blk = (p + torch.arange(length)) // 4                            # attention block of each position
+            sm = batch.step_map[b]
+            earlier = blk[None, :] < blk[:, None]                             # [c, c'] c' in an earlier block
+            assert (sm[None, :].expand(length, -1)[earlier] < sm[:, None].expand(-1, length)[earlier]).all(), (cfg, p)
+    batch = sample(model, tok, prompts, static, length, torch.Generator().manual_seed(0))
+    for b, p in enumerate(lens):
+        ref, _ = reference_generate(model, torch.tensor([prompts[b]]), tok.mask_id, tok.forbidden_ids, length, 4,
+                                    length, grid=4)
+        assert torch.equal(ref[0, p:], batch.completion_ids[b]), p
+    with pytest.raises(ConfigError, match="attention blocks"):
+        miles_sample(model, tok, prompts, replace(static, block_size=8), length, torch.Generator())
 
 
 @pytest.mark.parametrize("family", [*FAMILIES, "tiny"])

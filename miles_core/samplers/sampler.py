@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from miles_core.config import ConfigError, SamplerConfig
-from miles_core.window import KVCache, logit_shift, model_device, supports_cache, window_logits
+from miles_core.window import KVCache, attention_grid, logit_shift, model_device, supports_cache, window_logits
 from miles_core.samplers.step import left_pad, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -38,6 +38,34 @@ def block_ranges(length: int, block_size: int) -> list[tuple[int, int]]:
     if length % b != 0:
         raise ValueError(f"block_size={block_size} must divide completion_len={length}")
     return [(s, s + b) for s in range(0, length, b)]
+
+
+def grid_blocks(length: int, grid: int, offsets: Tensor) -> list[tuple[int, int, Tensor, Tensor]]:
+    """Decoding blocks on a block-causal model's own attention grid (SDAR: absolute multiples of
+    its ``block_size``; JetAstra/SDAR ``generate.py`` decodes block by block from the prompt's last,
+    partial block). Row b's completion starts ``offsets[b]`` positions into an attention block (its
+    real prompt length mod ``grid``), so its k-th decoding block is completion positions
+    [k*grid - o_b, (k+1)*grid - o_b) within [0, length): the first is partial when the prompt ends
+    mid-block, and so is the last. Returns per block (lo, hi, start [B], end [B]): the columns
+    every row's part lies in, and each row's own part."""
+    n = -(-(length + int(offsets.max())) // grid) if offsets.numel() else length // grid
+    out = []
+    for k in range(n):
+        start = (k * grid - offsets).clamp(0, length)
+        end = ((k + 1) * grid - offsets).clamp(0, length)
+        out.append((int(start.min()), int(end.max()), start, end))
+    return out
+
+
+def step_counts(m: Tensor, steps: int) -> Tensor:
+    """[A] masked counts of a block -> [A, steps] tokens to commit per step: ``static_counts`` per
+    row, over min(steps, m) steps (a partial block has fewer tokens than steps), then zeros
+    (LLaDA's ``get_num_transfer_tokens`` gives the same: one token a step, then none)."""
+    used = m.clamp(max=steps)
+    base = torch.where(used > 0, m // used.clamp(min=1), torch.zeros_like(m))
+    rem = m - base * used
+    j = torch.arange(steps, device=m.device)
+    return torch.where(j < used[:, None], base[:, None] + (j < rem[:, None]).long(), torch.zeros_like(base)[:, None])
 
 
 def static_counts(block_len: int, steps_per_block: int) -> list[int]:
@@ -114,20 +142,34 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
     step_map = torch.full((b, length), -1, dtype=torch.long, device=dev)
     logp = torch.zeros(b, length, device=dev)
     nfe = torch.zeros(b, dtype=torch.long, device=dev)
-    blocks = block_ranges(length, cfg.block_size)
+    grid = attention_grid(model)  # block-causal: decode on its attention blocks (0 = "the model's")
+    if grid and cfg.block_size not in (0, grid):
+        raise ConfigError(f"sampler.block_size={cfg.block_size}: this model is block-causal with attention blocks of "
+                          f"{grid}; decoding blocks must be its attention blocks (sampler.block_size={grid} or 0)")
+    blocks = block_ranges(length, grid or cfg.block_size)
     if cfg.kind == "static" and cfg.steps % len(blocks) != 0:
         raise ValueError(f"sampler.steps={cfg.steps} must be a multiple of the number of blocks ({len(blocks)})")
+    per_block = cfg.steps // len(blocks)
+    if cfg.kind == "static":
+        static_counts(blocks[0][1] - blocks[0][0], per_block)  # validates steps per block against its length
     if cfg.cache != "none" and not supports_cache(model):
         raise ConfigError(f"sampler.cache={cfg.cache!r}: {type(model).__name__} has no KV cache; use sampler.cache=none")
+    # columns [lo, hi) of every decoding block, and each row's part (start, end): on a block-causal
+    # model's grid (grid_blocks), else the same blocks for every row, from the first completion token
+    plan = grid_blocks(length, grid, real.sum(1).to(dev) % grid) if grid else [
+        (lo, hi, torch.full((b,), lo, device=dev), torch.full((b,), hi, device=dev)) for lo, hi in blocks]
     thr = cfg.threshold if threshold is None else threshold
     stopped = torch.zeros(b, dtype=torch.bool, device=dev)
-    for lo, hi in blocks:
+    for lo, hi, start, end in plan:
         a, e = width + lo, width + hi
-        todo = (x[:, a:e] == tok.mask_id).any(1) & ~stopped
+        col = torch.arange(lo, hi, device=dev)
+        part = (col >= start[:, None]) & (col < end[:, None])                     # [B, Lb] the row's own block
+        todo = ((x[:, a:e] == tok.mask_id) & part).any(1) & ~stopped
         rows = todo.nonzero().squeeze(1)              # the block's one host read: rows with work in it
         if rows.numel() == 0:
             continue
-        counts = static_counts(hi - lo, cfg.steps // len(blocks)) if cfg.kind == "static" else []
+        part = part[rows]
+        counts = step_counts(((x[rows, a:e] == tok.mask_id) & part).sum(1), per_block) if cfg.kind == "static" else None
         cache: KVCache | None = None
         j = 0
         while True:
@@ -135,12 +177,11 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             logits, cache = block_logits(model, xs, attn[rows], a, e, cfg.cache, cache)   # [A, Lb, V]
             out = step_from_logits(logits, temperature=cfg.temperature, forbidden=tok.forbidden_ids,
                                    generator=gen, entropy=False)
-            eligible = xs[:, a:e] == tok.mask_id                                     # [A, Lb]
+            eligible = (xs[:, a:e] == tok.mask_id) & part                            # [A, Lb]
             if cfg.kind == "static":
-                n = torch.full((rows.numel(),), counts[j], dtype=torch.long, device=dev)
                 score = out.confidence if cfg.remasking == "low_confidence" else torch.rand(
                     out.confidence.shape, generator=gen, device=dev)
-                commit = topk_commit(score, eligible, n)
+                commit = topk_commit(score, eligible, counts[:, j])
             else:
                 commit = nsd_commit(out.confidence, eligible, thr, cfg.min_per_step, cfg.max_per_step)
             x[rows, a:e] = torch.where(commit, out.tokens, xs[:, a:e])
@@ -149,13 +190,13 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             nfe[rows] += eligible.any(1).long()
             j += 1
             if cfg.kind == "static":
-                if j == len(counts):                 # a static block ends after its steps: no host read
+                if j == per_block:                   # a static block ends after its steps: no host read
                     break
             elif j % cfg.sync_every == 0:
-                left = (x[rows, a:e] == tok.mask_id).any(1).nonzero().squeeze(1)   # NSD's read: one [A] flag
+                left = ((x[rows, a:e] == tok.mask_id) & part).any(1).nonzero().squeeze(1)   # NSD's read: one [A] flag
                 if left.numel() == 0:
                     break
-                rows, cache = rows[left], cache.select(left) if cache is not None else None
+                rows, part, cache = rows[left], part[left], cache.select(left) if cache is not None else None
         if cfg.eos_stop:
             stopped |= (x[:, width:e] == tok.eos_id).any(1)
     if cfg.eos_stop:  # skipped blocks: EOS, never revealed in a recorded state (step_map -1)
