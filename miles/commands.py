@@ -205,6 +205,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     validate_recipe(args.recipe, overrides)
     common = {"recipe": args.recipe, "overrides": overrides, "experiment": args.experiment,
               "tracking_uri": args.tracking_uri, "progress": args.progress}
+    log_file = task_runs_to_file(run_dir / "prefect.log")
+    print(f"[miles demo] Prefect's per-task lines go to {log_file} and the Prefect UI; the curve stays here",
+          flush=True)
     print(f"[miles demo] 1/3 SFT baseline ({args.recipe}) -> {run_dir / 'sft'}", flush=True)
     sft = call_flow("sft", "sft_flow", {**common, "run_dir": str(run_dir / "sft")})
     print(f"[miles demo] 2/3 ADPO training on top of {sft['base_checkpoint']}", flush=True)
@@ -218,6 +221,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(demo_report(train, demo_gain(train, ev), args.recipe))
     _print_where_to_look(run_dir, train.get("model_uri"), args.tracking_uri)
     return 0
+
+
+def task_runs_to_file(path: Path) -> Path:
+    """Prefect's task-run lines (four per RL iteration) to ``path`` instead of the console, where
+    they would bury the learning curve the flow logs; they still reach the Prefect UI (their API
+    handler sits on the same logger). Everything else Prefect logs goes to ``path`` as well."""
+    import logging
+
+    import prefect.main  # noqa: F401 - configures Prefect's logging (handlers this adjusts)
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s | %(message)s"))
+    tasks = logging.getLogger("prefect.task_runs")
+    tasks.propagate = False  # not to the root's console handler
+    for name in ("prefect.task_runs", "prefect"):  # flow-run lines reach "prefect" by propagation
+        logging.getLogger(name).addHandler(handler)
+    return path
 
 
 def demo_gain(train: dict[str, Any], ev: dict[str, Any]) -> dict[str, Any]:

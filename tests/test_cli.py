@@ -193,6 +193,8 @@ def test_demo_and_every_command_it_prints(tmp_path: Path) -> None:
         assert needle in out, f"{needle!r} missing from the demo output:\n{out}"
     assert (tmp_path / "mlruns" / "mlflow.db").exists()
     assert any(tmp_path.glob("runs/demo-*/train"))
+    assert "Task run" not in out  # Prefect's per-task lines: in the run's prefect.log and the UI, not the console
+    assert "prefect.task_runs" in next(tmp_path.glob("runs/demo-*/prefect.log")).read_text()
     shell = {**{k: v for k, v in env.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH")}, "PATH": "/usr/bin:/bin"}
 
     g = subprocess.run(_printed(out, "try it"), cwd=tmp_path, env=shell, capture_output=True, text=True,
