@@ -51,7 +51,7 @@ FLOW_COMMANDS = {
                                "asynchronous ADPO: sampler workers + learner through the store",
                                "Decoupled samplers and one learner that share only the store URI; bounded staleness "
                                "(adpo.max_staleness), back-pressure (async_rl.max_pending). Workers that crash are "
-                               "restarted and resume; see README 'Asynchronous training'."),
+                               "restarted and resume; see docs/getting-started/async.md."),
     "sft": FlowCommand("sft", "sft_flow", P.SFTParams, ("recipe", "overrides"),
                        "supervised (SFT) baseline (Prefect flow)",
                        "Masked-diffusion SFT on the recipe's labelled demonstrations."),

@@ -40,13 +40,3 @@ def preset_values(name: str, task: str) -> dict[str, Any]:
                              f"it covers {', '.join(sorted(_DARE_LENGTH))}")
         v["completion_len"] = v["steps"] = _DARE_LENGTH[task]
     return v
-
-
-def preset_table() -> list[dict[str, Any]]:
-    """One row per preset (and per task length for DARE), for the README and ``--help``."""
-    rows = [{"preset": n, **preset_values(n, "gsm8k")} for n in PRESETS if n != "dare"]
-    for length in sorted(set(_DARE_LENGTH.values())):
-        tasks = ", ".join(t for t, n in _DARE_LENGTH.items() if n == length)
-        rows.append({"preset": f"dare ({tasks})", **preset_values("dare", next(t for t, n in _DARE_LENGTH.items()
-                                                                               if n == length))})
-    return rows

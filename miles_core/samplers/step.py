@@ -33,14 +33,6 @@ def tempered_logits(logits: Tensor, temperature: float, forbidden: list[int]) ->
     return z.clone() if z is logits else z
 
 
-def tempered_log_softmax(logits: Tensor, temperature: float, forbidden: list[int]) -> Tensor:
-    """log pi_T over the vocabulary (:func:`tempered_logits`, normalised).
-
-    ``temperature == 0`` means greedy decoding; its log-probs are reported at T = 1.
-    """
-    return torch.log_softmax(tempered_logits(logits, temperature, forbidden), dim=-1)
-
-
 def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, forbidden: list[int]) -> Tensor:
     """[..., V] logits, [...] tokens -> [...] log pi_T(tokens)."""
     return step_from_logits(logits, temperature=temperature, forbidden=forbidden, tokens=tokens, entropy=False).logp
