@@ -177,3 +177,36 @@ def test_export_refuses_another_base_and_a_used_folder(tmp_path: Path, capsys: p
     (tmp_path / "used" / "keep.txt").write_text("mine")
     assert main(["export", str(adapter), str(tmp_path / "used")]) == 2
     assert (tmp_path / "used" / "keep.txt").read_text() == "mine"
+
+
+MERGE_OUTSIDE = r"""
+import json, sys, warnings
+import torch
+from peft import PeftModel
+from transformers import DiffusionGemmaForBlockDiffusion
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    base = DiffusionGemmaForBlockDiffusion.from_pretrained(sys.argv[1], local_files_only=True).eval()
+    merged = PeftModel.from_pretrained(base, sys.argv[2]).merge_and_unload()
+torch.save({k: v.clone() for k, v in merged.state_dict().items()}, sys.argv[3])  # the encoder shares the base
+print(json.dumps({"warnings": [str(w.message)[:200] for w in caught if "adapter" in str(w.message).lower()],
+                  "miles_imported": any(m.split(".")[0] in ("miles", "miles_core") for m in sys.modules)}))
+"""
+
+
+def test_diffusion_gemma_adapters_attach_to_transformers_own_class(tmp_path: Path) -> None:
+    """DiffusionGemma runs as transformers' own class in Miles too: plain peft in a fresh process
+    attaches every adapter tensor, and the merged weights are Miles' merged policy's."""
+    base_dir, adapter, _, _, model = _trained("diffusion_gemma", tmp_path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-I", "-c", MERGE_OUTSIDE, str(base_dir), str(adapter),
+                          str(tmp_path / "merged.pt")], capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["warnings"] == [] and not out["miles_imported"]
+    outside = torch.load(tmp_path / "merged.pt", weights_only=True)
+    mine = {k: v for k, v in model.merge_and_unload().state_dict().items()}
+    changed = [k for k in mine if not torch.equal(mine[k], load_checkpoint(base_dir)[0].state_dict()[k])]
+    assert changed, "the adapter changed nothing: the comparison would prove nothing"
+    for k, v in mine.items():
+        assert torch.allclose(outside[k], v, atol=1e-6), k
