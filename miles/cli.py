@@ -26,7 +26,8 @@ from typing import Any
 from flows import params as P
 from miles import __version__
 from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, call_flow, cmd_data, cmd_demo, cmd_export,
-                            cmd_generate, cmd_models, cmd_recipes, cmd_serve, print_result, validate_recipe)
+                            cmd_generate, cmd_models, cmd_recipes, cmd_serve, cmd_stop, print_result,
+                            validate_recipe)
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
@@ -111,6 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype the merge is computed and written in (default float32)")
     _tracking(p)
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("stop", help="stop an asynchronous run cleanly (samplers and learner checkpoint and exit)",
+                       description="miles stop RUN: write the run's control/STOP, which its samplers and learner "
+                                   "poll between batches; async-train on the same run resumes it later.")
+    p.add_argument("run", metavar="RUN", help="the run's folder or URI (s3://bucket/runs/NAME)")
+    p.add_argument("--reason", default="", help="recorded in control/STOP")
+    p.set_defaults(func=cmd_stop)
 
     p = sub.add_parser("serve", help="serve a registered model over HTTP (mlflow models serve, venv-independent)",
                        description="Serve a registered model's predict over HTTP on the project's MLflow store.")

@@ -364,3 +364,20 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     print(f"exported {args.source} merged into {base_dir} -> {out}")
     return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """``miles stop RUN``: ask an asynchronous run's samplers and learner to stop cleanly (they poll
+    ``control/STOP`` between batches, finish what they hold, checkpoint and exit; a later
+    ``miles async-train`` on the same run resumes from the checkpoint)."""
+    from miles_core.storage.run import RunStore
+
+    rs = RunStore(args.run)
+    if rs.read_json("run.json") is None:
+        raise UsageError(f"{args.run}: no run.json here; not the folder or URI of an asynchronous run")
+    if rs.stop_requested():
+        print(f"{args.run}: a stop was already requested")
+        return 0
+    rs.request_stop(args.reason)
+    print(f"{args.run}: stop requested; its samplers and learner finish their current batch and exit")
+    return 0

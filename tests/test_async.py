@@ -400,3 +400,26 @@ def test_the_gpu_checks_async_at_scale_path_runs_at_toy_sizes_on_the_cpu(tmp_pat
     assert out["dropped_batches"] == 0 and out["max_staleness_seen"] <= out["staleness_bound"]
     assert json.loads((tmp_path / "w" / "llada_8b" / "config.json").read_text())["model_type"] == "llada"
     assert "model.backend=hf" in out["overrides"] and out["sync_seconds"] > 0 and out["async_seconds"] > 0
+
+
+def test_miles_stop_ends_samplers_and_learner_cleanly_and_the_run_resumes(tmp_path: Path, base_dir: Path,
+                                                                            capsys: pytest.CaptureFixture) -> None:
+    """`miles stop RUN` writes control/STOP: a sampler commits nothing more and the learner exits
+    with its checkpoint; once the file is gone the same run resumes and finishes exactly once."""
+    from miles.cli import main
+
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=2")
+    assert main(["stop", str(tmp_path / "nowhere")]) == 2  # not a run: a usage error, nothing written
+    first = AsyncLearner(run, str(tmp_path / "l1"))
+    assert main(["stop", run, "--reason", "maintenance"]) == 0 and "stop requested" in capsys.readouterr().out
+    assert SamplerWorker(run, "w0", 0, str(tmp_path / "s0")).run()["committed"] == 0
+    out = first.run()
+    assert not out["done"] and out["consumed"] == 0
+    from miles_core.storage.run import RunStore
+
+    rs = RunStore(run)
+    assert rs.read_json("control", "STOP") == {"reason": "maintenance"}
+    rs.fs.rm(rs.path("control", "STOP"))
+    assert SamplerWorker(run, "w0", 0, str(tmp_path / "s1")).run()["committed"] == 2
+    done = AsyncLearner(run, str(tmp_path / "l2")).run()
+    assert done["done"] and done["consumed"] == 2

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve", "data"]
+COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve", "data", "export", "stop"]
 FLOW_STARTED = ("Beginning flow run", "Starting temporary server")
 
 

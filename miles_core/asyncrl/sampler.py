@@ -189,10 +189,10 @@ class SamplerWorker:
         t0 = time.perf_counter()
         try:
             for interval in poll_intervals(poll, a.poll_backoff, a.poll_max_interval):
+                if self.run_store.stop_requested():  # first: a sampler that never waits must stop too
+                    return False
                 if cond():
                     return True
-                if self.run_store.stop_requested():
-                    return False
                 time.sleep(interval)
             return True
         finally:
