@@ -23,8 +23,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from miles_core.rewards import sandbox
 from miles_core.rewards.isolation import MODES, USERNS_HINT, IsolationUnavailable, Mode, filter_rules, prepare
+from miles_core.rewards.reports import interpret, parse_report
 from miles_core.rewards.sandbox import read_frame, send_frame
 
 log = logging.getLogger("miles.rewards.sandbox")
@@ -192,11 +192,11 @@ class SandboxPool:
         try:
             send_frame(w.proc.stdin.fileno(), marshal.dumps(msg))
             body = read_frame(w.proc.stdout.fileno(), time.monotonic() + self.limits.timeout_s + 15)
-            reply = _parse_report(body) if body is not None else None
+            reply = parse_report(body) if body is not None else None
             if not isinstance(reply, dict) or "worker_error" in reply:
                 why = reply["worker_error"] if isinstance(reply, dict) else f"worker exited: {w.stderr_tail()!r}"
                 raise EOFError(why)
-            res = _interpret(reply["data"].encode("latin-1"), int(reply["signal"]), int(reply["code"]),
+            res = interpret(reply["data"].encode("latin-1"), int(reply["signal"]), int(reply["code"]),
                              bool(reply["timed_out"]), self.limits, setup_ok=reply["setup_ok"] is True)
             out = ExecResult(**res, seconds=float(reply["seconds"]), pid=int(reply["pid"]),
                              output_tail=str(reply["output_tail"]))
@@ -352,68 +352,6 @@ class _Worker:
 
 
 _NOT_CACHED = frozenset({"timeout", "worker_error", "setup_failed"})
-# What a run may report about itself; it cannot claim a failure of the harness (setup_failed,
-# worker_error), which the worker alone establishes.
-_RUN_STATUSES = frozenset({"ok", "memory_limit", "recursion_limit", "syntax_error", "exited", "definition_error",
-                           "blocked", "setup_error"})
-REPORT_DEPTH = 16  # nesting a report may have (an honest one: about 8; sandbox._encode caps values at 5)
-_NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
-
-
-def json_depth(body: bytes) -> int:
-    """Deepest nesting of ``[``/``{`` in a JSON text, outside strings, in time linear in its length
-    (checked before parsing: a hostile report nested thousands deep never reaches the parser)."""
-    from itertools import accumulate
-
-    plain = body.replace(b"\\\\", b"").replace(b'\\"', b"")  # escaped backslashes, then escaped quotes
-    brackets = b"".join(plain.split(b'"')[::2]).translate(None, _NOT_BRACKETS)
-    return max(accumulate(1 if c in b"[{" else -1 for c in brackets), default=0)
-
-
-def _parse_report(body: bytes) -> Any:
-    """A run's or a worker's JSON message, or None when it is too deep or not JSON; never raises."""
-    if json_depth(body) > REPORT_DEPTH:
-        return None
-    try:
-        return json.loads(body)
-    except (ValueError, RecursionError):  # includes JSON and UTF-8 decoding errors
-        return None
-
-
-def _interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: SandboxLimits, setup_ok: bool = True) -> dict:
-    if not setup_ok:
-        return {"status": "setup_failed", "reason": "the run's sandbox setup failed before the completion ran "
-                "(limits, filter or hook); its worker was replaced"}
-    if timed_out:
-        return {"status": "timeout", "reason": f"timed out after {lim.timeout_s}s wall clock; run killed"}
-    if len(data) > lim.result_bytes:
-        return {"status": "bad_result", "reason": f"result message larger than {lim.result_bytes} bytes"}
-    if sig:
-        known = {signal.SIGXCPU: ("cpu_limit", f"CPU time limit ({lim.cpu_s}s) exceeded"),
-                 signal.SIGXFSZ: ("output_limit", f"wrote more than {lim.output_bytes} bytes (output/file limit)"),
-                 signal.SIGKILL: ("cpu_limit", "killed (SIGKILL): hard CPU limit or out of memory"),
-                 signal.SIGSEGV: ("crashed", "segmentation fault (e.g. stack overflow from runaway recursion)")}
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
-        status, reason = known.get(sig, ("crashed", f"killed by {name}"))
-        return {"status": status, "reason": reason}
-    body = sandbox.frame_body(data)
-    msg = None if body is None else _parse_report(body)
-    if code == sandbox.VIOLATION_EXIT and isinstance(msg, dict):
-        return {"status": "blocked", "reason": str(msg.get("reason", "blocked by sandbox policy"))[:300]}
-    if code == 0 and isinstance(msg, dict) and isinstance(msg.get("status"), str):
-        if msg["status"] not in _RUN_STATUSES:
-            return {"status": "bad_result", "reason": f"the run reported an unknown status {msg['status'][:40]!r}"}
-        out = {"status": msg["status"], "reason": str(msg.get("reason", ""))[:300]}
-        if msg["status"] == "ok":
-            outs, errs = msg.get("outputs"), msg.get("errors")
-            if not (isinstance(outs, list) and isinstance(errs, list) and len(outs) == len(errs)):
-                return {"status": "bad_result", "reason": "malformed result message"}
-            out.update(outputs=outs, errors=[e if isinstance(e, str) or e is None else "?" for e in errs])
-        return out
-    if data and msg is None:
-        why = "a malformed or over-deep result" if body is not None else "a malformed result"
-        return {"status": "bad_result", "reason": f"exited with code {code} after writing {why}"}
-    return {"status": "exited", "reason": f"exited with code {code} without reporting a result (os._exit/sys.exit?)"}
 
 
 _SHARED: dict[tuple[int, str], SandboxPool] = {}
