@@ -22,6 +22,8 @@ from miles_core.models.base import base_identity, load_checkpoint, save_checkpoi
 from miles_core.models.hf import read_tensors
 from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora, load_adapter, save_adapter
 
+pytestmark = pytest.mark.e2e
+
 # family -> (the transformers class a user loads the base folder with, runs it bidirectionally)
 OUTSIDE_CLASS = {"bidir_qwen3": ("AutoModelForCausalLM", True), "bidir_llama": ("AutoModelForCausalLM", True),
                  "modernbert": ("AutoModelForMaskedLM", False)}
@@ -184,6 +186,7 @@ import json, sys, warnings
 import torch
 from peft import PeftModel
 from transformers import DiffusionGemmaForBlockDiffusion
+
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     base = DiffusionGemmaForBlockDiffusion.from_pretrained(sys.argv[1], local_files_only=True).eval()

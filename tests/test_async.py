@@ -26,6 +26,8 @@ from miles_core.config import ConfigError, load_recipe
 from miles_core.models.base import load_checkpoint
 from miles_core.models.lora import load_adapter
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
         "task.completion_len=16", "async_rl.poll_interval=0.01", "train.reward=math_exact:1.0,format:0.5,arith_steps:0.5"]

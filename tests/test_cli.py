@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve", "data", "export", "stop"]
 FLOW_STARTED = ("Beginning flow run", "Starting temporary server")

@@ -28,6 +28,8 @@ from typing import Any
 import pytest
 import yaml
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")

@@ -43,6 +43,7 @@ def test_asking_for_a_gpu_without_one_is_an_error_not_a_silent_cpu_run(tmp_path)
     assert not (tmp_path / "sft").exists()
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 def test_the_loop_runs_on_the_gpu_and_matches_the_cpu(tmp_path):
     """Weights on the GPU, samplers' tensors on the CPU: logits agree with the CPU model's, the

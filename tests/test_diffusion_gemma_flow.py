@@ -15,7 +15,8 @@ from miles_core.storage.run import RunStore
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch
 
-pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.e2e, pytest.mark.filterwarnings("ignore::FutureWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 OVERRIDES = ["train.reward=math_exact:1.0,format:0.5", "renoise.max_steps=4", "renoise.confidence_threshold=0.5"]
 
 

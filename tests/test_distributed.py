@@ -27,6 +27,8 @@ from miles_core.learner.policy import Learner
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.tokenizer import CharTokenizer
 
+pytestmark = pytest.mark.e2e
+
 REPO = Path(__file__).resolve().parents[1]
 # Two optimizer steps (minibatches) so the frozen-prox scoring is sharded and all-reduced too;
 # small chunks so each rank runs several backward passes per minibatch.

@@ -19,6 +19,8 @@ from miles_core.config import ConfigError
 from miles_core.models.base import load_checkpoint
 from miles_core.models.hf import HFDiffusion, init_tiny, load_family, read_tensors
 
+pytestmark = pytest.mark.slow
+
 FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3", "modernbert")
 WRITTEN_OUT = ("llada", "dream", "sdar", "bidir_qwen3")  # families the independent reference forward covers
 

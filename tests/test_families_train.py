@@ -14,6 +14,8 @@ import pytest
 
 from miles_core.models.hf import init_tiny, read_tensors
 
+pytestmark = pytest.mark.e2e
+
 FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3", "modernbert")
 SMALL = ["sft.steps=4", "sft.eval_every=2", "sft.batch_size=4", "task.completion_len=8", "task.min_ops=1",
          "task.max_ops=1", "task.num_train=16", "task.num_test=8", "task.num_val=8", "train.prompts_per_iter=2",
@@ -21,6 +23,7 @@ SMALL = ["sft.steps=4", "sft.eval_every=2", "sft.batch_size=4", "task.completion
 CHILD = """
 import json, sys
 import mlflow.pyfunc
+
 print(json.dumps(list(mlflow.pyfunc.load_model(sys.argv[1]).predict(["1+2", "3*4"]))))
 """
 

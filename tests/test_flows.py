@@ -23,6 +23,8 @@ from miles_core.storage.run import RunStore
 from miles import registry, tracking
 from tasks import common, training
 
+pytestmark = pytest.mark.e2e
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

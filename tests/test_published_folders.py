@@ -17,6 +17,8 @@ import pytest
 from miles_core.models.__main__ import init
 from miles_core.models.base import load_checkpoint, save_checkpoint
 
+pytestmark = pytest.mark.e2e
+
 FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3")
 CODE = {"AutoConfig": "configuration_fam.FamConfig", "AutoModel": "modeling_fam.FamModel"}
 
@@ -26,6 +28,7 @@ import json, sys
 from pathlib import Path
 from safetensors import safe_open
 from transformers import GenerationConfig
+
 out = {}
 for d in map(Path, sys.argv[1:]):
     cfg = json.loads((d / "config.json").read_text())

@@ -23,6 +23,10 @@ from miles_core.storage import AdapterRegistry
 from miles_core.tokenizer import CharTokenizer
 from miles import registry
 
+import pytest
+
+pytestmark = pytest.mark.e2e
+
 PROMPTS = ["3+4*2", "9 - 2*3"]
 
 CHILD = """
@@ -33,6 +37,7 @@ model = mlflow.pyfunc.load_model(sys.argv[1])
 as_list = model.predict(["3+4*2", "9 - 2*3"])
 as_frame = model.predict(pd.DataFrame({"prompt": ["3+4*2", "9 - 2*3"]}))
 import miles_core
+
 print(json.dumps({"list": list(as_list), "frame": [str(x) for x in as_frame], "miles_core": miles_core.__file__}))
 """
 
