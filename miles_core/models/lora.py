@@ -75,15 +75,15 @@ def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = Fal
     if not (d / "adapter_config.json").exists():
         raise FileNotFoundError(f"{adapter_dir} is not a peft adapter folder (no adapter_config.json)")
     state = load_file(str(d / ADAPTER_WEIGHTS))
-    to_outside, _ = module_paths(base)
-    if to_outside is None or any(k.startswith("base_model.model.lm.") for k in state):  # the wrapper's own keys
+    to_outside, to_inside = module_paths(base)
+    if to_outside is None or _wrapper_layout(state):
         return PeftModel.from_pretrained(base, str(d), is_trainable=trainable)
+    native = _rekey(state, to_inside, str(d))
     cfg = LoraConfig.from_pretrained(str(d))
-    _, to_inside = module_paths(base)
-    cfg.target_modules = sorted({_inside(to_inside, path, str(d)) for path in _paths(state)})
+    cfg.target_modules = sorted(set(_paths(native)))
     cfg.task_type, cfg.inference_mode = None, not trainable
     model = get_peft_model(base, cfg)
-    result = set_peft_model_state_dict(model, native_adapter_state(base, state))
+    result = set_peft_model_state_dict(model, native)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if result.unexpected_keys or missing:
         raise ValueError(f"{d}: the adapter does not fit this base: unexpected {result.unexpected_keys[:4]}, "
@@ -134,11 +134,9 @@ def _paths(state: dict[str, torch.Tensor]) -> list[str]:
     return out
 
 
-def _inside(to_inside: Paths, path: str, where: str) -> str:
-    got = to_inside(path)
-    if got is None:
-        raise ValueError(f"{where}: adapter module {path!r} is not a module of this base")
-    return got
+def _wrapper_layout(state: dict[str, torch.Tensor]) -> bool:
+    """Keyed by Miles' wrapper (``base_model.model.lm.…``): the layout Miles wrote before."""
+    return any(k.startswith("base_model.model.lm.") for k in state)
 
 
 def _rekey(state: dict[str, torch.Tensor], move: Paths, where: str) -> dict[str, torch.Tensor]:
@@ -152,17 +150,11 @@ def _rekey(state: dict[str, torch.Tensor], move: Paths, where: str) -> dict[str,
     return out
 
 
-def published_adapter_state(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """peft's keys of Miles' model -> the keys peft expects on the class a user loads from the
-    base folder (``AutoModelFor…``, the family's published class)."""
-    to_outside, _ = module_paths(base)
-    return state if to_outside is None else _rekey(state, to_outside, "save_adapter")
-
-
 def native_adapter_state(base: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`published_adapter_state`; keys already in Miles' layout pass unchanged."""
+    """An adapter's tensors as :func:`save_adapter` wrote them (the published class's keys) ->
+    peft's keys on ``base`` as Miles wraps it; keys already in Miles' layout pass unchanged."""
     _, to_inside = module_paths(base)
-    if to_inside is None or all(k.startswith("base_model.model.lm.") for k in state):
+    if to_inside is None or _wrapper_layout(state):
         return state
     return _rekey(state, to_inside, "load_adapter")
 
@@ -219,14 +211,16 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     inner = model.base_model.model
+    to_outside, _ = module_paths(inner)
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in adapter_tensors(model).items()}
-    state = published_adapter_state(inner, state)
+    if to_outside is not None:  # the keys of the class a user loads from the base folder
+        state = _rekey(state, to_outside, "save_adapter")
     save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     if base:  # beside the weights, not in their header: safetensors orders header metadata arbitrarily
         (d / BASE_FILE).write_text(json.dumps(base, sort_keys=True))
     cfg = copy.deepcopy(model.peft_config["default"])
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
-    if module_paths(inner)[0] is not None:
+    if to_outside is not None:
         cfg.target_modules = sorted(set(_paths(state)))  # exact module paths: LLaDA's ff_out is also its head
         native = getattr(getattr(inner, "spec", None), "native", getattr(inner.config, "model_type", ""))
         cfg.task_type = "CAUSAL_LM" if native in ("llama", "qwen2", "qwen3") else None
