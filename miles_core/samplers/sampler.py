@@ -40,20 +40,22 @@ def block_ranges(length: int, block_size: int) -> list[tuple[int, int]]:
     return [(s, s + b) for s in range(0, length, b)]
 
 
-def grid_blocks(length: int, grid: int, offsets: Tensor) -> list[tuple[int, int, Tensor, Tensor]]:
-    """Decoding blocks on a block-causal model's own attention grid (SDAR: absolute multiples of
-    its ``block_size``; JetAstra/SDAR ``generate.py`` decodes block by block from the prompt's last,
-    partial block). Row b's completion starts ``offsets[b]`` positions into an attention block (its
-    real prompt length mod ``grid``), so its k-th decoding block is completion positions
-    [k*grid - o_b, (k+1)*grid - o_b) within [0, length): the first is partial when the prompt ends
-    mid-block, and so is the last. Returns per block (lo, hi, start [B], end [B]): the columns
-    every row's part lies in, and each row's own part."""
-    n = -(-(length + int(offsets.max())) // grid) if offsets.numel() else length // grid
+def grid_blocks(length: int, grid: int, offsets: list[int]) -> list[tuple[int, int, list[int], list[int]]]:
+    """Decoding blocks of ``grid`` positions, per row. On a block-causal model they are its own
+    attention blocks (SDAR: absolute multiples of its ``block_size``; JetAstra/SDAR ``generate.py``
+    decodes block by block from the prompt's last, partial block): row b's completion starts
+    ``offsets[b]`` positions into an attention block (its real prompt length mod ``grid``), so its
+    k-th decoding block is completion positions [k*grid - o_b, (k+1)*grid - o_b) within
+    [0, length), the first partial when the prompt ends mid-block, and so is the last. Offsets 0:
+    the same blocks for every row. Returns per block (lo, hi, start [B], end [B]), plain ints (the
+    host knows the prompt lengths; nothing is read from a device): the columns every row's part
+    lies in, and each row's own part."""
+    clip = lambda v: min(max(v, 0), length)  # noqa: E731
     out = []
-    for k in range(n):
-        start = (k * grid - offsets).clamp(0, length)
-        end = ((k + 1) * grid - offsets).clamp(0, length)
-        out.append((int(start.min()), int(end.max()), start, end))
+    for k in range(-(-(length + max(offsets, default=0)) // grid)):
+        start = [clip(k * grid - o) for o in offsets]
+        end = [clip((k + 1) * grid - o) for o in offsets]
+        out.append((min(start), max(end), start, end))
     return out
 
 
@@ -150,20 +152,20 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
     if cfg.kind == "static" and cfg.steps % len(blocks) != 0:
         raise ValueError(f"sampler.steps={cfg.steps} must be a multiple of the number of blocks ({len(blocks)})")
     per_block = cfg.steps // len(blocks)
+    block = blocks[0][1] - blocks[0][0]
     if cfg.kind == "static":
-        static_counts(blocks[0][1] - blocks[0][0], per_block)  # validates steps per block against its length
+        static_counts(block, per_block)  # validates steps per block against its length
     if cfg.cache != "none" and not supports_cache(model):
         raise ConfigError(f"sampler.cache={cfg.cache!r}: {type(model).__name__} has no KV cache; use sampler.cache=none")
-    # columns [lo, hi) of every decoding block, and each row's part (start, end): on a block-causal
-    # model's grid (grid_blocks), else the same blocks for every row, from the first completion token
-    plan = grid_blocks(length, grid, real.sum(1).to(dev) % grid) if grid else [
-        (lo, hi, torch.full((b,), lo, device=dev), torch.full((b,), hi, device=dev)) for lo, hi in blocks]
+    # columns [lo, hi) of every decoding block and each row's part of it: on a block-causal model's
+    # grid, from each row's prompt length; else offset 0, the same blocks for every row
+    plan = grid_blocks(length, block, [len(p) % grid if grid else 0 for p in prompt_ids])
     thr = cfg.threshold if threshold is None else threshold
     stopped = torch.zeros(b, dtype=torch.bool, device=dev)
     for lo, hi, start, end in plan:
         a, e = width + lo, width + hi
-        col = torch.arange(lo, hi, device=dev)
-        part = (col >= start[:, None]) & (col < end[:, None])                     # [B, Lb] the row's own block
+        col = torch.arange(lo, hi)
+        part = ((col >= torch.tensor(start)[:, None]) & (col < torch.tensor(end)[:, None])).to(dev)  # [B, Lb]
         todo = ((x[:, a:e] == tok.mask_id) & part).any(1) & ~stopped
         rows = todo.nonzero().squeeze(1)              # the block's one host read: rows with work in it
         if rows.numel() == 0:
