@@ -13,14 +13,15 @@ import signal
 from typing import TYPE_CHECKING, Any
 
 from miles_core.rewards import sandbox
+from miles_core.rewards.sandbox_tests import PROGRAM_ENDS
 
 if TYPE_CHECKING:
     from miles_core.rewards.pool import SandboxLimits
 
-# What a run may report about itself; it cannot claim a failure of the harness (setup_failed,
+# What a run may report about itself: how a program ends, "ok", or the tester's "setup_error" (the
+# benchmark's own setup code raised). It cannot claim a failure of the harness (setup_failed,
 # worker_error), which the worker alone establishes.
-_RUN_STATUSES = frozenset({"ok", "memory_limit", "recursion_limit", "syntax_error", "exited", "definition_error",
-                           "blocked", "setup_error"})
+_RUN_STATUSES = PROGRAM_ENDS | {"ok", "setup_error"}
 REPORT_DEPTH = 16  # nesting a report may have (an honest one: about 8; sandbox._encode caps values at 5)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 

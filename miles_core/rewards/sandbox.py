@@ -257,7 +257,7 @@ def _audit_hook(job_dir: str, read_roots: tuple[str, ...], importable: frozenset
 def _load_filter(module_path: str, rules: list) -> Any:
     """Stage two, built with libseccomp's bindings and loaded in each run. ``rules``: (syscall,
     conditions) pairs; a call is refused (EPERM) when all its conditions hold, each condition an
-    (argument index, "eq"|"ne", value) triple (no conditions: always). The module can only ever
+    (argument index, "eq"|"ne"|"eq32", value) triple (:func:`seccomp_arg`; no conditions: always). The module can only ever
     add restrictions (no_new_privs is set), so it is nothing to a run."""
     import _frozen_importlib as bootstrap  # importlib.util costs ~6 ms of imports; this is free
     import _frozen_importlib_external as external

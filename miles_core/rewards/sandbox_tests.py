@@ -23,7 +23,7 @@ only its own part of the job:
 The tester reports one pass flag per snippet in the single-process harness's format (``outputs``:
 True per passing snippet, ``errors``: why one failed), so the pool and the code reward read both
 alike. This file is not run alone: isolation.harness_source() appends it to sandbox.py, whose
-helpers (framing, ``_child``, ``_collect``, ``_fatal``) it uses.
+helpers (framing, ``_define``, ``_fatal``) it uses; sandbox_worker.py starts its two processes.
 """
 
 try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
@@ -116,7 +116,7 @@ def _serve(job: dict, rep: int, req: int) -> None:
 
 
 # How a program may say it ended; anything else it claims is reported as "exited".
-_PROGRAM_ENDS = frozenset({"memory_limit", "recursion_limit", "syntax_error", "exited", "definition_error", "blocked"})
+PROGRAM_ENDS = frozenset({"memory_limit", "recursion_limit", "syntax_error", "exited", "definition_error", "blocked"})
 SETUP_FAILED_EXIT = 71  # the tester's exit code when the program never finished its setup (trusted: only
 #                         the tester's own code exits with it, and the worker reads it from the tester alone)
 
@@ -142,7 +142,7 @@ def _test(job: dict, out: int, req: int, rep: int) -> None:
             f = msg.get("fatal", msg)
             f = f if isinstance(f, dict) else {}
             status = str(f.get("status", "exited"))[:40]
-            report({"status": status if status in _PROGRAM_ENDS else "exited", "reason": str(f.get("reason", ""))[:300]})
+            report({"status": status if status in PROGRAM_ENDS else "exited", "reason": str(f.get("reason", ""))[:300]})
         return msg
 
     def candidate(*args: "Any", **kwargs: "Any") -> "Any":

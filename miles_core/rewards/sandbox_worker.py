@@ -238,7 +238,6 @@ def main() -> None:
             last = res["pids"]
         except Exception as e:  # noqa: BLE001 - reported; the pool replaces this worker
             res = {"worker_error": f"sandbox worker error: {type(e).__name__}: {e}"[:300]}
-        del job, frame
         send_msg(proto_out, res)
 
 
