@@ -326,43 +326,37 @@ def _print_where_to_look(run_dir: Path, model_uri: str | None = None, store: str
         print(f'  serve it   : {miles} serve --model "models:/{name}@champion"{flag} --port 5001')
 
 
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     """``miles export SRC OUT``: an adapter (a folder, or a registered ``models:/NAME@alias``) merged
     into its base and written as a model folder in the family's published layout, with a model card."""
+    import tempfile
+
     from miles_core.models.export import BaseMismatch, adapter_base, export_merged
 
-    card: dict = {}
-    if args.source.startswith(("models:/", "runs:/")):
-        import tempfile
+    with tempfile.TemporaryDirectory(prefix="miles-export-") as dl:  # a registered model's download
+        card: dict = {}
+        if args.source.startswith(("models:/", "runs:/")):
+            from miles import registry, tracking
 
-        import mlflow
-
-        from miles import registry
-
-        uri = tracking_uri(args.tracking_uri)  # the store training registered into
-        mlflow.set_tracking_uri(uri)
-        mlflow.set_registry_uri(uri)
-        dl = Path(tempfile.mkdtemp(prefix="miles-export-"))
-        src = registry.resolve_model(args.source, dl)
-        if not src["adapter_dir"]:
-            raise UsageError(f"{args.source} holds no adapter (a base-only model): nothing to merge")
-        base_dir, adapter_dir = Path(args.base or src["base_dir"]), Path(src["adapter_dir"])
-        card = {"name": src["name"], "version": src["version"], "pass1": src["registered_pass1"],
-                "fingerprint": src.get("eval_fingerprint"), "recipe": src["recipe"]}
-    else:
-        adapter_dir = Path(args.source)
-        if not (adapter_dir / "adapter_config.json").exists():
-            raise UsageError(f"{adapter_dir}: not a peft adapter folder (no adapter_config.json)")
-        found = Path(args.base) if args.base else adapter_base(adapter_dir)
-        if found is None:
-            raise UsageError(f"{adapter_dir}: its base_model_name_or_path is not a folder here; pass --base DIR")
-        base_dir = found
-    try:
-        out = export_merged(base_dir, adapter_dir, args.out, card, dtype=args.dtype)
-    except (BaseMismatch, FileExistsError) as e:
-        raise UsageError(str(e)) from None
+            tracking.configure(tracking_uri(args.tracking_uri))  # the store training registered into
+            src = registry.resolve_model(args.source, dl)
+            if not src["adapter_dir"]:
+                raise UsageError(f"{args.source} holds no adapter (a base-only model): nothing to merge")
+            base_dir, adapter_dir = Path(args.base or src["base_dir"]), Path(src["adapter_dir"])
+            card = {"name": src["name"], "version": src["version"], "pass1": src["registered_pass1"],
+                    "fingerprint": src.get("eval_fingerprint"), "recipe": src["recipe"]}
+        else:
+            adapter_dir = Path(args.source)
+            if not (adapter_dir / "adapter_config.json").exists():
+                raise UsageError(f"{adapter_dir}: not a peft adapter folder (no adapter_config.json)")
+            found = Path(args.base) if args.base else adapter_base(adapter_dir)
+            if found is None:
+                raise UsageError(f"{adapter_dir}: its base_model_name_or_path is not a folder here; pass --base DIR")
+            base_dir = found
+        try:
+            out = export_merged(base_dir, adapter_dir, args.out, card, dtype=args.dtype)
+        except (BaseMismatch, FileExistsError) as e:
+            raise UsageError(str(e)) from None
     print(f"exported {args.source} merged into {base_dir} -> {out}")
     return 0
 
