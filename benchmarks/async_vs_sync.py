@@ -56,11 +56,11 @@ def timed_loop(cfg_json: str, base: str, threads: int, batches: int):
     cfg = load_recipe(json.loads(cfg_json))
     apply_heap_setting(cfg.async_rl.retain_heap_mb)  # the async workers' allocator setting, so both arms run alike
     data = build_task(cfg)
-    learner = Learner(cfg, base, seed=cfg.train.seed)
+    learner = Learner(cfg, base)
     roll = upd = rows = 0.0
-    for _ in range(batches):
+    for seq in range(batches):
         t0 = time.perf_counter()
-        batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
+        batch = learner.sample(data, seq)
         t1 = time.perf_counter()
         rows += learner.update(batch).get("rows", 0.0)
         roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1

@@ -137,7 +137,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
                "sft_sampled": sampled_pass_at(base, tok, cfg, data), "sft_val": {"pass1": val_pass1(base, tok, cfg, data)}}
     print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f} ({sft_seconds:.0f}s)", flush=True)
 
-    learner = Learner(cfg, ckpt, seed=seed)
+    learner = Learner(cfg, ckpt)
     reward_seconds, statuses, curve = [0.0], Counter(), []
 
     recipe_reward = learner.reward_fn  # train.reward (code_tests or code_pass: both run code_tests)
@@ -151,7 +151,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     learner.reward_fn = timed_reward
     t1, n = time.perf_counter(), 0
     for it in range(cfg.train.iterations):
-        batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
+        batch = learner.sample(data, it)
         n += len(batch)
         st = learner.update(batch)
         if learner.guard_event:  # the collapse guard skipped this batch (and maybe rolled the policy back)

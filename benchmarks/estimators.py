@@ -91,10 +91,10 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
             results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct]}
             continue
         arm_cfg = load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
-        learner = Learner(arm_cfg, ckpt, seed=seed)
+        learner = Learner(arm_cfg, ckpt)
         meter, update_s, samples, peak, measured, kept = FlopMeter(), 0.0, 0, 0, 0, 0.0
         for it in range(arm_cfg.train.iterations):
-            batch = learner.rollout(learner.draw_prompts(data, arm_cfg.train.prompts_per_iter))
+            batch = learner.sample(data, it)
             samples += len(batch)
             t0 = time.perf_counter()
             if it == 1:  # one update's peak autograd memory (iteration 0 may have no signal)

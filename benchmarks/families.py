@@ -64,14 +64,10 @@ def one_family(family: str, sft_steps: int, out: "mp.Queue") -> None:
             model, tok = train_baseline(cfg, data, Path(tmp) / "sft")
             sft_s = (time.perf_counter() - t0) / sft_steps
             save_checkpoint(model, tok, Path(tmp) / "sft")
-            learner = Learner(cfg, Path(tmp) / "sft", seed=0)
-            probs = data.train[:cfg.train.prompts_per_iter]
+            learner = Learner(cfg, Path(tmp) / "sft")
             t0 = time.perf_counter()
-            batch = learner.rollout(probs)
+            batch = learner.sample(data, 0)  # sampled, scored, advantages: what a run's first batch costs
             roll_s = time.perf_counter() - t0
-            from miles_core.algo.rl import assign_advantages, score_rewards
-
-            batch = assign_advantages(score_rewards(batch, learner.reward_fn))
             batch.advantage = torch.randn(len(batch))  # a signal in every row, so the update has work
             t0 = time.perf_counter()
             stats = learner.update(batch)

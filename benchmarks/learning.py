@@ -65,11 +65,11 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
     rl_curves: dict[str, list[dict]] = {}
     for arm in ("adpo", "meanfield"):
         arm_cfg = load_recipe("arith", overrides + [f"adpo.estimator={arm}", f"train.seed={seed}"])
-        learner = Learner(arm_cfg, ckpt, seed=seed)
+        learner = Learner(arm_cfg, ckpt)
         t1 = time.perf_counter()
         n, eval_s, curve_rl = 0, 0.0, []
         for it in range(arm_cfg.train.iterations):
-            batch = learner.rollout(learner.draw_prompts(data, arm_cfg.train.prompts_per_iter))
+            batch = learner.sample(data, it)
             n += len(batch)
             st = learner.update(batch)
             if (it + 1) % 10 == 0:

@@ -12,6 +12,7 @@ Run: python -m benchmarks.nsd [--checkpoint DIR] [--set key=value ...]
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import tempfile
 import time
@@ -57,17 +58,17 @@ def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> lis
 
 def training_part(cfg, data, ckpt: Path, sampler: SamplerConfig, iterations: int, seed: int,
                   thr_start: float | None = None) -> dict:
-    learner = Learner(cfg, ckpt, seed=seed)
+    learner = Learner(cfg, ckpt)
     meter = FlopMeter()
     n = 0
     t0 = time.perf_counter()
     for it in range(iterations):
-        thr = None
+        s = sampler
         if sampler.kind == "nsd" and thr_start is not None:  # threshold schedule: strict early, target later
             frac = it / max(iterations - 1, 1)
-            thr = thr_start + (sampler.threshold - thr_start) * min(1.0, 2 * frac)
+            s = dataclasses.replace(s, threshold=thr_start + (sampler.threshold - thr_start) * min(1.0, 2 * frac))
         with meter.measure("sample"):
-            batch = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter), sampler=sampler, threshold=thr)
+            batch = learner.sample(data, it, cfg=dataclasses.replace(cfg, sampler=s))
         n += len(batch)
         with meter.measure("update"):
             learner.update(batch, temperature=sampler.temperature)
@@ -87,7 +88,7 @@ def _train_job(job: tuple) -> dict:
     """One (arm, seed) training run in its own process with one torch thread (runs in parallel)."""
     overrides, ckpt, sampler, iterations, seed, thr_start = job
     torch.set_num_threads(1)
-    cfg = load_recipe("arith", overrides)
+    cfg = load_recipe("arith", [*overrides, f"train.seed={seed}"])
     return training_part(cfg, build_task(cfg), Path(ckpt), sampler, iterations, seed, thr_start)
 
 

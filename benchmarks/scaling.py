@@ -31,6 +31,7 @@ Run: python -m benchmarks.scaling            (about 2 minutes)
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import multiprocessing as mp
 import os
@@ -145,7 +146,7 @@ def learner_rank(args: argparse.Namespace) -> None:
     if world.size != 2:
         raise SystemExit(f"learner benchmark needs 2 ranks, got {world.size}")
     cfg = load_recipe(RECIPE, args.overrides)
-    learner = Learner(cfg, args.base, seed=0)
+    learner = Learner(cfg, args.base)
     batches = {n: TrajectoryStore(args.store).read_batch(f"procs{n}") for n in (1, 2)}
     learner.update(batches[2], world=world)  # warm-up, both ranks
     recs = []
@@ -181,8 +182,9 @@ def make_learner_store(base: str, work: Path, a: argparse.Namespace) -> str:
     from miles_core.storage import TrajectoryStore
 
     cfg = load_recipe(RECIPE, _overrides(a))
-    sampler = Learner(cfg, base, seed=123)
-    big = sampler.rollout(sampler.draw_prompts(build_task(cfg), 2 * a.prompts))
+    sampler = Learner(cfg, base)
+    big = sampler.sample(build_task(cfg), 0, cfg=dataclasses.replace(
+        cfg, train=dataclasses.replace(cfg.train, prompts_per_iter=2 * a.prompts, seed=123)))
     big.reward = (torch.arange(len(big)) % a.group == 0).float()  # one winner per group: no zero advantage
     big.advantage = group_advantages(big.reward, big.group_id)
     store = TrajectoryStore(work / "learner")

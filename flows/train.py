@@ -1,8 +1,8 @@
 """Synchronous ADPO training flow (ARCHITECTURE.md, "One synchronous iteration"):
 
-    per iteration: rollout -> score rewards -> ADPO update (+ publish adapter) -> evaluate every N
+    with learner(run_dir):   per iteration: collect (sample, score, commit) -> update (+ publish) -> evaluate every N
 
-Tasks hand each other batch ids and URIs in the trajectory store, never tensors. One MLflow run
+A sampler and a learner in one process; tasks hand each other batch ids, never tensors. One MLflow run
 per flow run, tagged with the Prefect flow run id: the resolved recipe as params, per-iteration
 metrics, adapters, sample completions and the learning curve. At the end the final adapter is
 registered as a pyfunc model version, and alias ``champion`` moves only if its pass@1 beats the
@@ -28,19 +28,20 @@ from tasks import evaluation, training
 CURVE_PANELS = [("rollout reward", ["reward/reward_mean"]), ("held-out pass@1", ["eval/pass1"])]
 
 
-def _iteration_metrics(ro: dict[str, Any], sc: dict[str, Any], up: dict[str, Any]) -> dict[str, float]:
-    """Flatten the three tasks' stats into MLflow metric names (phase/stat, time/<phase>_s)."""
-    out = {f"rollout/{k}": v for k, v in ro["stats"].items() if k != "seconds"}
-    out.update({f"reward/{k}": v for k, v in sc["stats"].items() if k != "seconds"})
+REWARD_KEYS = ("reward_mean", "reward_std", "zero_variance_frac", "distinct_frac")
+
+
+def _iteration_metrics(co: dict[str, Any], up: dict[str, Any]) -> dict[str, float]:
+    """Flatten the two tasks' stats into MLflow metric names (reward/, rollout/, update/, time/<task>_s)."""
+    out = {f"{'reward' if k in REWARD_KEYS else 'rollout'}/{k}": v for k, v in co["stats"].items() if k != "seconds"}
     out.update({f"update/{k}": v for k, v in up["stats"].items() if k != "seconds"})
-    out.update({"time/rollout_s": ro["stats"]["seconds"], "time/score_s": sc["stats"]["seconds"],
-                "time/update_s": up["stats"].get("seconds")})
+    out.update({"time/collect_s": co["stats"]["seconds"], "time/update_s": up["stats"].get("seconds")})
     if "approx_kl" not in up["stats"]:  # every group had equal rewards: no gradient, policy unchanged
         out.update({"update/approx_kl": 0.0, "update/clip_frac": 0.0})
     return out
 
 
-def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: dict[str, Any]) -> dict[str, Any]:
+def _loop(p: TrainParams, cfg: Any, out: Path, run_id: str, init: dict[str, Any]) -> dict[str, Any]:
     """Iterations ``init['iteration']..train.iterations``; returns first/last eval and last adapter."""
     log = get_run_logger()
     run, start, total = str(out), init["iteration"], cfg.train.iterations
@@ -53,15 +54,14 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
     bar.figures["pass@1"] = first["pass1"]
     curve = [(start, first["pass1"])]
     for it in range(start, total):
-        ro = training.rollout(run, store, it)
-        sc = training.score_rewards(run, store, ro["batch_id"])
-        adapter = training.adpo_update(run, store, sc["batch_id"])
         step = it + 1
-        tracking.log_metrics(run_id, _iteration_metrics(ro, sc, adapter), step)
-        tracking.log_table(run_id, [{"iteration": step, **s} for s in sc["samples"]], "samples/rollouts.json")
+        co = training.collect(run, it)
+        adapter = training.update(run, co["batch_id"], local_copy=p.log_adapters or step == total)
+        tracking.log_metrics(run_id, _iteration_metrics(co, adapter), step)
+        tracking.log_table(run_id, [{"iteration": step, **s} for s in co["samples"]], "samples/rollouts.json")
         if p.log_adapters:
             tracking.log_artifacts(run_id, adapter["adapter_dir"], f"adapters/v{adapter['version']:06d}")
-        log.info("iteration %d/%d: reward %.3f, adapter v%d", step, total, sc["stats"]["reward_mean"], adapter["version"])
+        log.info("iteration %d/%d: reward %.3f, adapter v%d", step, total, co["stats"]["reward_mean"], adapter["version"])
         if adapter.get("guard_event"):  # the collapse guard skipped this batch (and may have rolled back)
             log.warning("iteration %d: collapse guard: %s", step, adapter["guard_event"])
         if step % every == 0 or step == total:
@@ -71,7 +71,7 @@ def _loop(p: TrainParams, cfg: Any, out: Path, store: str, run_id: str, init: di
             log.info("iteration %d: held-out pass@1 %.3f (%+.3f since iteration %d)", step, ev["pass1"],
                      ev["pass1"] - first["pass1"], start)
             bar.figures["pass@1"] = ev["pass1"]
-        bar.update(1, reward=float(sc["stats"]["reward_mean"]))
+        bar.update(1, reward=float(co["stats"]["reward_mean"]))
     bar.close()
     tracking.log_metrics(run_id, {"final/pass1": ev["pass1"], "final/start_pass1": first["pass1"]}, total)
     tracking.log_artifact(run_id, ev["path"], "eval")
@@ -106,23 +106,20 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
     tags = {"miles.kind": "train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
             "miles.base_checkpoint": Path(base).resolve(), "miles.sft_run_id": sft.get("mlflow_run_id", "")}
     reg: dict[str, Any] = {}
-    try:
-        with tracking.run(p.experiment, f"train-{cfg.name}", cfg.flat(), tags) as run_id:
-            init = training.init_learner(str(out), cfg.to_dict(), str(base), store, p.resume)
-            tracking.set_tags(run_id, {"miles.run_key": init["run_key"], "miles.resumed_from": init["iteration"]})
-            get_run_logger().info("train %s: iterations %d..%d, store %s, MLflow run %s", cfg.name,
-                                  init["iteration"], cfg.train.iterations, store, run_id)
-            res = _loop(p, cfg, out, store, run_id, init)
-            ev, adapter = res["last"], res["adapter"]
-            if p.register_as:
-                reg = evaluation.register_policy(
-                    run_id, p.register_as, init["base_checkpoint"], adapter["adapter_dir"], cfg.to_dict(),
-                    ev["pass1"], ev["fingerprint"],
-                    {"miles.adapter_uri": adapter["adapter_uri"], "miles.policy_version": adapter["version"],
-                     "miles.recipe": p.recipe, "miles.run_key": init["run_key"]})
-                tracking.set_tags(run_id, {"miles.model_uri": reg["model_uri"], "miles.promoted": reg["promoted"]})
-    finally:
-        training.release(out)  # the checkpoint stays; only the cached learner's memory goes
+    with training.learner(out), tracking.run(p.experiment, f"train-{cfg.name}", cfg.flat(), tags) as run_id:
+        init = training.init_learner(str(out), cfg.to_dict(), str(base), store, p.resume)
+        tracking.set_tags(run_id, {"miles.run_key": init["run_key"], "miles.resumed_from": init["iteration"]})
+        get_run_logger().info("train %s: iterations %d..%d, store %s, MLflow run %s", cfg.name,
+                              init["iteration"], cfg.train.iterations, store, run_id)
+        res = _loop(p, cfg, out, run_id, init)
+        ev, adapter = res["last"], res["adapter"]
+        if p.register_as:
+            reg = evaluation.register_policy(
+                run_id, p.register_as, init["base_checkpoint"], adapter["adapter_dir"], cfg.to_dict(),
+                ev["pass1"], ev["fingerprint"],
+                {"miles.adapter_uri": adapter["adapter_uri"], "miles.policy_version": adapter["version"],
+                 "miles.recipe": p.recipe, "miles.run_key": init["run_key"]})
+            tracking.set_tags(run_id, {"miles.model_uri": reg["model_uri"], "miles.promoted": reg["promoted"]})
     summary = {"sft_pass1": res["first"]["pass1"] if init["iteration"] == 0 else None,
                "start_pass1": res["first"]["pass1"], "final_pass1": ev["pass1"], "curve": res["curve"],
                "start_eval": res["first"]["path"], "final_eval": ev["path"],

@@ -115,9 +115,9 @@ def run(args: argparse.Namespace) -> dict[str, Any] | None:
     try:
         if args.threads > 0:
             torch.set_num_threads(args.threads)
-        cfg = load_recipe(args.recipe, args.set)
+        cfg = load_recipe(args.recipe, [*(args.set or []), f"train.seed={args.seed}"])
         base = local_base(args.base, args.cache_dir or Path(args.out) / ".cache", world)
-        learner = Learner(cfg, base, seed=args.seed, adapter_dir=args.adapter)
+        learner = Learner(cfg, base, adapter_dir=args.adapter)
         if world.device.type != "cpu":
             learner.model.to(world.device)  # same Parameter objects: the optimizer keeps its references
         world.broadcast_(learner.params)

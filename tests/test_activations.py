@@ -78,12 +78,12 @@ def test_a_learner_with_grad_checkpointing_makes_the_same_update(tmp_path: Path)
     out = {}
     for on in (False, True):
         cfg = load_recipe("tiny", ["train.prompts_per_iter=4", "train.group_size=4", f"adpo.grad_checkpointing={str(on).lower()}"])
-        learner = Learner(cfg, base, seed=0)
+        learner = Learner(cfg, base)
         with torch.no_grad():
             for n, p in learner.model.named_parameters():
                 if "lora_B" in n:
                     p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(n)))
-        batch = learner.rollout(learner.draw_prompts(build_task(cfg), cfg.train.prompts_per_iter))
+        batch = learner.sample(build_task(cfg), 0)
         batch.advantage = torch.linspace(-1, 1, len(batch))  # every trajectory informative
         stats = learner.update(batch)
         out[on] = ({k: v.clone() for k, v in adapter_tensors(learner.model).items()}, stats["rows"])

@@ -66,16 +66,16 @@ def test_the_loop_runs_on_the_gpu_and_matches_the_cpu(tmp_path):
     assert torch.equal(b_gpu.completion_ids, b_cpu.completion_ids) and torch.equal(b_gpu.step_map, b_cpu.step_map)
     torch.testing.assert_close(b_gpu.logp, b_cpu.logp, atol=1e-4, rtol=1e-4)
 
-    cfg = load_recipe("tiny", ["model.device=cuda"])
+    cfg = load_recipe("tiny", ["model.device=cuda", "train.prompts_per_iter=4"])
     data = build_task(cfg)
     model, _ = train_baseline(cfg, data, tmp_path / "sft")
     assert next(model.parameters()).device.type == "cuda"
     base, _ = load_checkpoint(tmp_path / "sft")  # written from GPU weights, read on the CPU
     assert next(base.parameters()).device.type == "cpu"
-    learner = Learner(cfg, tmp_path / "sft", seed=0)
+    learner = Learner(cfg, tmp_path / "sft")
     assert all(p.device.type == "cuda" for p in learner.params)
     before = [p.detach().clone() for p in learner.params]
-    batch = learner.rollout(learner.draw_prompts(data, 4))
+    batch = learner.sample(data, 0)
     batch.reward = torch.arange(len(batch), dtype=torch.float32) % 2  # every group has signal
     batch.advantage = group_advantages(batch.reward, batch.group_id)
     stats = learner.update(batch)

@@ -77,14 +77,14 @@ def test_two_rank_gloo_update_equals_one_process(tmp_path):
     """Same stored batch, same seed: 2 gloo ranks (rows sharded) == one process (all rows)."""
     base = init_checkpoint(tmp_path / "base", hidden=32, layers=2, heads=2, intermediate=64)
     cfg = load_recipe("llama_tiny", OVERRIDES)
-    sampler = Learner(cfg, base, seed=7)
-    batch = sampler.rollout(sampler.draw_prompts(build_task(cfg), 3))   # prompts of different lengths
+    sampler = Learner(load_recipe("llama_tiny", [*OVERRIDES, "train.seed=7"]), base)  # another policy: off-policy rows
+    batch = sampler.sample(build_task(cfg), 0)   # prompts of different lengths
     batch.reward = torch.arange(len(batch), dtype=torch.float32) % 3       # varied rewards in every group
     batch.advantage = group_advantages(batch.reward, batch.group_id)
     store = TrajectoryStore(tmp_path / "store")
     bid = store.write_batch(batch)
 
-    ref = Learner(cfg, base, seed=0)  # the single-process learner, over the same stored rows
+    ref = Learner(cfg, base)  # the single-process learner, over the same stored rows
     ref_stats = ref.update(store.read_batch(bid))
     assert ref_stats["rows"] >= 8
 
@@ -111,7 +111,7 @@ def test_two_rank_gloo_update_equals_one_process(tmp_path):
     ref.save_adapter(tmp_path / "ref_adapter")
     want = load_file(str(tmp_path / "ref_adapter" / "adapter_model.safetensors"))
     assert got.keys() == want.keys() and any("mlp.down_proj" in k for k in got)
-    init = Learner(cfg, base, seed=0).model.state_dict()
+    init = Learner(cfg, base).model.state_dict()
     moved = 0
     for k in want:
         assert torch.allclose(got[k], want[k], atol=1e-5, rtol=1e-4), k

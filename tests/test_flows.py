@@ -101,8 +101,8 @@ def test_train_run_logs_params_metrics_and_artifacts(trained: TrainedProject) ->
         assert run.data.params[key] == str(value), key
     assert run.data.params["eval_config.steps"] == str(cfg.eval.steps)
     for key in ("reward/reward_mean", "reward/reward_std", "rollout/nfe_mean", "rollout/tokens_per_s",
-                "update/approx_kl", "update/clip_frac", "update/policy_version", "time/rollout_s",
-                "time/score_s", "time/update_s"):
+                "update/approx_kl", "update/clip_frac", "update/policy_version", "time/collect_s",
+                "time/update_s"):
         assert [m.step for m in client.get_metric_history(rid, key)] == [1, 2], key
     evals = sorted((m.step, m.value) for m in client.get_metric_history(rid, "eval/pass1"))
     assert [s for s, _ in evals] == [0, 1, 2]  # start, then every iteration (tiny: eval_every=1)
@@ -126,13 +126,12 @@ def test_batches_committed_and_adapters_published(trained: TrainedProject) -> No
     assert meta is not None and meta["iteration"] == 2
     ids = [f"{i:06d}-learner" for i in range(2)]
     rs = RunStore(trained.store_uri)
-    raw, scored = rs.rollouts, rs.trajectories
-    assert raw.list_batches() == ids and scored.list_batches() == ids
+    scored = rs.trajectories
+    assert scored.list_batches() == ids and not rs.exists("rollouts")
     assert meta["consumed"] == ids  # each batch used exactly once
     ckpt = rs.load_checkpoint()  # the ledger inside the learner checkpoint is the source of truth
     assert [e["id"] for e in ckpt["ledger"]["consumed"]] == ids and ckpt["version"] == 2
     for bid, version in zip(ids, (0, 1)):
-        assert raw.read_batch(bid).reward.isnan().all()  # raw: sampled, not yet scored
         batch = scored.read_batch(bid)
         assert len(batch) == 4 * 4 and not batch.reward.isnan().any()
         assert batch.policy_version.tolist() == [version] * len(batch)
@@ -220,11 +219,11 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
     assert RunStore(store).trajectories.list_batches() == meta["consumed"]
     assert AdapterRegistry(store).versions() == [0, 1, 2]
     # a retried task finds its work done: the committed batch is reused, the update not applied twice
-    again = training.rollout.fn(str(run_dir), store, 1)
-    assert again["reused"] and again["batch_id"] == meta["consumed"][1]
-    update = training.adpo_update.fn(str(run_dir), store, meta["consumed"][1])
-    assert update["version"] == 2 and training.checkpoint_meta(run_dir)["iteration"] == 2
-    training.release(run_dir)
+    with training.learner(run_dir):
+        again = training.collect.fn(str(run_dir), 1)
+        assert again["reused"] and again["batch_id"] == meta["consumed"][1]
+        update = training.update.fn(str(run_dir), meta["consumed"][1])
+        assert update["version"] == 2 and training.checkpoint_meta(run_dir)["iteration"] == 2
 
 
 def test_only_transient_failures_are_retried(prefect_harness: None) -> None:

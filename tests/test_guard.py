@@ -3,6 +3,7 @@ weights, skip of the collapsed line's batches, CollapseError, and resume of the 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -74,14 +75,17 @@ def test_a_reward_drop_rolls_back_only_when_confirmed_an_empty_collapse_at_once(
 
 def _learner(tmp_path, extra: list[str]) -> tuple[Learner, object]:
     cfg = load_recipe("tiny", ["train.prompts_per_iter=3", "guard.min_rows=1", "guard.snapshot_every=1",
-                               "guard.max_rollbacks=2", *extra])
+                               "guard.max_rollbacks=2", "train.seed=3", *extra])
     data = build_task(cfg)
     train_baseline(cfg, data, tmp_path / "sft")
-    return Learner(cfg, tmp_path / "sft", seed=3), data
+    return Learner(cfg, tmp_path / "sft"), data
+
+
+_SEQ = itertools.count()  # a fresh batch id per call: the learner samples batch seq of its run
 
 
 def _scored(learner: Learner, data, rewards: torch.Tensor, empty: bool = False, version: int | None = None):
-    b = learner.rollout(learner.draw_prompts(data, 3))
+    b = learner.sample(data, next(_SEQ))
     b.reward = rewards[:len(b)].clone()
     if empty:
         b.completions = [""] * len(b)
@@ -116,7 +120,7 @@ def test_learner_rolls_back_to_the_last_vouched_policy_then_skips_the_collapsed_
     with pytest.raises(CollapseError, match="collapsed 3 times in a row"):
         learner.update(_scored(learner, data, torch.zeros(64), empty=True, version=4))
 
-    resumed = Learner(learner.cfg, tmp_path / "sft", seed=99)
+    resumed = Learner(learner.cfg, tmp_path / "sft")
     resumed.load_state(saved)
     assert resumed.guard.state()["rollbacks"] == 1 and resumed.guard.good[0] == 1 and resumed.version == 3
     assert resumed.update(_scored(resumed, data, good, version=3)).get("rolled_back") is None

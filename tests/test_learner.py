@@ -14,8 +14,9 @@ from miles_core.learner.policy import Learner
 def test_sft_checkpoint_roundtrip_and_bit_exact_resume(tmp_path):
     torch.set_num_threads(1)
     # a decaying LR: resume must also restore where on its schedule the optimizer was
-    cfg = load_recipe("tiny", ["train.prompts_per_iter=3", "adpo.num_minibatches=2", "adpo.lr_schedule=linear",
-                               "adpo.warmup=2", "train.iterations=4"])
+    cfg_overrides = ["train.prompts_per_iter=3", "adpo.num_minibatches=2", "adpo.lr_schedule=linear",
+                     "adpo.warmup=2", "train.iterations=4"]
+    cfg = load_recipe("tiny", cfg_overrides)
     data = build_task(cfg)
     model, tok = train_baseline(cfg, data, tmp_path / "sft")
     loaded, tok2 = load_checkpoint(tmp_path / "sft")
@@ -25,19 +26,20 @@ def test_sft_checkpoint_roundtrip_and_bit_exact_resume(tmp_path):
     def run(learner: Learner, n: int) -> list[dict]:
         out = []
         for _ in range(n):
-            b = learner.rollout(learner.draw_prompts(data, cfg.train.prompts_per_iter))
+            b = learner.sample(data, learner.version, cfg=cfg)  # batch seq = updates so far, as in a run
             b.reward = torch.arange(len(b), dtype=torch.float32) % 2  # guarantee signal on a toy model
             from miles_core.algo.rl import assign_advantages
             assign_advantages(b)
             out.append(learner.update(b))
         return out
 
-    straight = Learner(cfg, tmp_path / "sft", seed=5)
+    straight = Learner(cfg, tmp_path / "sft")
     run(straight, 3)
-    first = Learner(cfg, tmp_path / "sft", seed=5)
+    first = Learner(cfg, tmp_path / "sft")
     run(first, 1)
     torch.save(first.state(), tmp_path / "learner.pt")
-    resumed = Learner(cfg, tmp_path / "sft", seed=999)  # different seed: everything must come from the checkpoint
+    other_seed = load_recipe("tiny", [*cfg_overrides, "train.seed=999"])
+    resumed = Learner(other_seed, tmp_path / "sft")  # another LoRA init and RNG: all must come from the checkpoint
     resumed.load_state(torch.load(tmp_path / "learner.pt", weights_only=False))
     run(resumed, 2)
     a, b = straight.model.state_dict(), resumed.model.state_dict()

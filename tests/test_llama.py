@@ -121,15 +121,16 @@ def test_save_load_sample_update_changes_only_lora(base_dir, tmp_path):
     on attention and MLP projections alike."""
     model, tok = load_checkpoint(base_dir)
     save_checkpoint(model, tok, tmp_path / "saved")
-    cfg = load_recipe("llama_tiny", ["adpo.step_fraction=1.0", "adpo.row_chunk=8", "adpo.max_grad_norm=1e9"])
-    learner = Learner(cfg, tmp_path / "saved", seed=0)
+    cfg = load_recipe("llama_tiny", ["adpo.step_fraction=1.0", "adpo.row_chunk=8", "adpo.max_grad_norm=1e9",
+                                     "train.prompts_per_iter=3"])
+    learner = Learner(cfg, tmp_path / "saved")
     assert isinstance(learner.model.get_base_model(), LlamaDiffusion)
     with torch.no_grad():  # non-zero B, so A receives gradient too
         for n, p in learner.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.1)
     data = build_task(cfg)
-    batch = learner.rollout(learner.draw_prompts(data, 3))
+    batch = learner.sample(data, 0)
     assert batch.completion_ids.shape == (12, cfg.task.completion_len) and (batch.step_map >= 0).all()
     assert all(isinstance(c, str) for c in batch.completions)
     k = torch.tensor([0, 5, 11])

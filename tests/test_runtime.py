@@ -10,6 +10,8 @@ import pytest
 from conftest import train_tiny_base
 
 from miles_core.config import ConfigError, load_recipe
+from miles_core.data.registry import build_task
+from miles_core.learner.runtime import open_step_run
 from miles_core.storage.run import RunStore
 from tasks import training
 
@@ -24,12 +26,11 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_tiny_base(tmp_path_factory, BASE, "sync")
 
 
-def iterate(run_dir: Path, store: str, its: range) -> dict:
+def iterate(run_dir: Path, its: range) -> dict:
     out = {}
     for it in its:
-        ro = training.rollout.fn(str(run_dir), store, it)
-        sc = training.score_rewards.fn(str(run_dir), store, ro["batch_id"])
-        out = training.adpo_update.fn(str(run_dir), store, sc["batch_id"])
+        co = training.collect.fn(str(run_dir), it)
+        out = training.update.fn(str(run_dir), co["batch_id"])
     return out
 
 
@@ -41,15 +42,16 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
     for name, cuts in (("straight", [range(3)]), ("resumed", [range(2), range(2, 3)])):
         run_dir, store = tmp_path / name, str(tmp_path / name / "store")
         for i, its in enumerate(cuts):
-            init = training.init_learner.fn(str(run_dir), cfg, str(base_dir), store, resume=i > 0)
-            assert init["iteration"] == its.start and init["resumed"] == (i > 0)
-            last = iterate(run_dir, store, its)
-            training.release(run_dir)
+            with training.learner(run_dir):  # its end drops the runtime, as a new process would start without it
+                init = training.init_learner.fn(str(run_dir), cfg, str(base_dir), store, resume=i > 0)
+                assert init["iteration"] == its.start and init["resumed"] == (i > 0)
+                last = iterate(run_dir, its)
         assert last["version"] == 3 and last["iteration"] == 3 and last["stats"]["rows"] > 0  # the resumed update ran
         rs = RunStore(store)
         ledger = rs.load_checkpoint()["ledger"]
         assert [e["id"] for e in ledger["consumed"]] == [f"{i:06d}-learner" for i in range(3)]
         finals.append(rs.adapters.fetch(3, tmp_path / name / "final"))
+        assert not rs.exists("rollouts")  # one store folder of batches: what was sampled is what is consumed
     a, b = (Path(d, "adapter_model.safetensors").read_bytes() for d in finals)
     assert a == b
 
@@ -57,12 +59,16 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
 def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, base_dir: Path) -> None:
     cfg = load_recipe("tiny", BASE).to_dict()
     run_dir, store = tmp_path / "r", str(tmp_path / "r" / "store")
-    training.init_learner.fn(str(run_dir), cfg, str(base_dir), store)
-    first = iterate(run_dir, store, range(1))
-    training.release(run_dir)  # a retry in another process
-    again = training.rollout.fn(str(run_dir), store, 0)
+    with training.learner(run_dir):
+        training.init_learner.fn(str(run_dir), cfg, str(base_dir), store)
+        first = iterate(run_dir, range(1))
+    # a retry in another process: the same batch id samples the same prompts; the stored batch counts
+    again = training.collect.fn(str(run_dir), 0)
     assert again["reused"] and again["batch_id"] == "000000-learner"
-    update = training.adpo_update.fn(str(run_dir), store, again["batch_id"])
+    stored = RunStore(store).trajectories.read_batch("000000-learner")
+    fresh = open_step_run(run_dir).learner.sample(build_task(load_recipe(cfg)), 0)  # at version 1 now
+    assert fresh.prompts == stored.prompts and fresh.group_id.tolist() == stored.group_id.tolist()
+    update = training.update.fn(str(run_dir), again["batch_id"])
     assert update["version"] == first["version"] == 1 and training.checkpoint_meta(run_dir)["iteration"] == 1
     with pytest.raises(FileExistsError, match="resume=True"):
         training.init_learner.fn(str(run_dir), cfg, str(base_dir), store)
@@ -72,5 +78,5 @@ def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, bas
     with pytest.raises(ConfigError, match="adpo.lr"):
         training.init_learner.fn(str(run_dir), changed, str(base_dir), store, resume=True)
     longer = load_recipe("tiny", BASE + ["train.iterations=5"]).to_dict()  # a resumable setting
-    assert training.init_learner.fn(str(run_dir), longer, str(base_dir), store, resume=True)["iteration"] == 1
-    training.release(run_dir)
+    with training.learner(run_dir):
+        assert training.init_learner.fn(str(run_dir), longer, str(base_dir), store, resume=True)["iteration"] == 1

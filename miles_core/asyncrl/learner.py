@@ -19,14 +19,12 @@ from typing import Any
 
 import torch
 
-from miles_core.algo.rl import batch_id, batch_seq, sample_batch
+from miles_core.algo.rl import batch_id, batch_seq
 from miles_core.allocator import apply_heap_setting
 from miles_core.asyncrl.sampler import SELF_WORKER as SELF  # the worker name of batches the learner samples itself
 from miles_core.asyncrl.sampler import SlotClaims, poll_intervals
 from miles_core.config import load_recipe
-from miles_core.data.registry import build_task
 from miles_core.learner.runtime import LearnerRun
-from miles_core.storage import BatchExistsError
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
@@ -54,7 +52,6 @@ class AsyncLearner(LearnerRun):
         self._next_seq = 0
         if self.claims is None:
             return
-        self.data = build_task(self.cfg)
         mine = self.claims.own(SELF)
         committed = set(self.rs.retry(self.rs.trajectories.list_batches, "listing trajectories"))
         quarantined = set(self.rs.retry(self.rs.trajectories.list_quarantined, "listing quarantine"))
@@ -75,13 +72,9 @@ class AsyncLearner(LearnerRun):
                 return False
             self._next_seq += 1
         t0 = time.perf_counter()
-        lrn = self.learner
-        batch = sample_batch(self.cfg, lrn.model, lrn.tok, self.data, lrn.reward_fn, SELF,
-                             self.cfg.async_rl.num_samplers, batch_seq(bid), lrn.version)
-        try:
-            self.rs.retry(lambda: self.rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
-        except BatchExistsError:
-            log.info("batch %s was already committed; skipping", bid)
+        _, _, reused = self.collect(batch_seq(bid), SELF, self.cfg.async_rl.num_samplers)
+        if reused:
+            log.info("batch %s was already committed; the stored one counts", bid)
         self.totals["sample_s"] = self.totals.get("sample_s", 0.0) + time.perf_counter() - t0  # rollout + commit
         self.totals["self_batches"] = self.totals.get("self_batches", 0) + 1
         return True

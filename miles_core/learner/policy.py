@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import copy
 import logging
-import random
 from pathlib import Path
 
 import torch
 
 from miles_core.algo.guard import CollapseGuard, batch_health
-from miles_core.algo.rl import assign_advantages, rollout, score_rewards
+from miles_core.algo.rl import sample_batch
 from miles_core.algo.schedule import lr_factor
 from miles_core.algo.update import adpo_update
-from miles_core.config import RecipeConfig, SamplerConfig
-from miles_core.data.arith import Problem
+from miles_core.config import RecipeConfig
 from miles_core.data.registry import TaskData
 from miles_core.models.base import base_identity, load_base, resolve_device
 from miles_core.models.activations import checkpoint_layers
@@ -30,12 +28,15 @@ from miles_core.types import TrajectoryBatch
 
 
 class Learner:
-    """Base (frozen) + LoRA policy, optimizer, warm-up schedule, RNGs and policy version.
+    """Base (frozen) + LoRA policy, optimizer, warm-up schedule, update RNG and policy version.
 
-    ``state()``/``load_state()`` capture everything needed to resume bit-exactly."""
+    Everything random derives from ``cfg.train.seed`` (one seed per run, as every worker of the run
+    reads it from the recipe). ``state()``/``load_state()`` capture everything needed to resume
+    bit-exactly."""
 
-    def __init__(self, cfg: RecipeConfig, base_dir: str | Path, seed: int = 0, adapter_dir: str | Path | None = None,
+    def __init__(self, cfg: RecipeConfig, base_dir: str | Path, adapter_dir: str | Path | None = None,
                  total_updates: int | None = None):
+        seed = cfg.train.seed
         self.cfg, self.base_dir, self._base_identity = cfg, base_dir, None
         base, self.tok = load_base(cfg, base_dir)
         for p in base.parameters():
@@ -56,11 +57,9 @@ class Learner:
         updates = cfg.train.iterations if total_updates is None else total_updates
         steps = updates * a.num_minibatches * a.epochs
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a.warmup, a.lr_schedule, steps))
-        self.gen = torch.Generator().manual_seed(seed)
-        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)  # the update's row draws (sampling is seeded per batch)
         self.version = 0
         self.reward_fn = reward_for_recipe(cfg)
-        self.groups_seen = 0
         self.guard = CollapseGuard(cfg.guard, self._policy_state()) if cfg.guard.enabled else None
         self.guard_event = ""  # why the last update was skipped or rolled back ("" when it ran)
 
@@ -70,19 +69,14 @@ class Learner:
         return {"adapter": {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k},
                 "opt": copy.deepcopy(self.opt.state_dict()), "sched": self.sched.state_dict()}
 
-    def draw_prompts(self, data: TaskData, n: int) -> list[Problem]:
-        """Fresh RL prompts from the verifier's supply (never the test bucket; see TaskData.draw_rl)."""
-        return data.draw_rl(self.rng, n)
-
-    def rollout(self, problems: list[Problem], sampler: SamplerConfig | None = None,
-                threshold: float | None = None) -> TrajectoryBatch:
-        s = sampler or self.cfg.sampler
-        batch = rollout(self.model, self.tok, [p.prompt for p in problems], [p.answer for p in problems], s,
-                        self.cfg.task.completion_len, self.cfg.train.group_size, self.gen, self.version,
-                        group_offset=self.groups_seen, threshold=threshold, renoise=self.cfg.renoise)
-        self.groups_seen += len(problems)
-        score_rewards(batch, self.reward_fn)
-        return assign_advantages(batch, self.cfg.adpo.std_normalize)
+    def sample(self, data: TaskData, seq: int, worker: str = "learner", index: int = 0,
+               cfg: RecipeConfig | None = None) -> TrajectoryBatch:
+        """Batch ``seq`` of ``worker`` sampled with the current policy, scored, with advantages:
+        :func:`~miles_core.algo.rl.sample_batch`, the one batch producer (seeded by the run seed,
+        the worker and ``seq``, never by state the learner carries). ``cfg``: another sampler
+        setting of the same run (a benchmark's arm); default the learner's recipe."""
+        return sample_batch(cfg or self.cfg, self.model, self.tok, data, self.reward_fn, worker, index, seq,
+                            self.version)
 
     def update(self, batch: TrajectoryBatch, temperature: float | None = None,
                world: World | None = None) -> dict[str, float]:
@@ -133,16 +127,14 @@ class Learner:
         return save_adapter(self.model, directory, dtype, base=self._base_identity)
 
     def state(self) -> dict:
-        return {**self._policy_state(), "gen": self.gen.get_state(), "rng": self.rng.getstate(),
-                "version": self.version, "groups_seen": self.groups_seen, "torch_rng": torch.get_rng_state(),
+        return {**self._policy_state(), "gen": self.gen.get_state(),
+                "version": self.version, "torch_rng": torch.get_rng_state(),
                 "guard": self.guard.state() if self.guard else None}
 
     def load_state(self, st: dict) -> None:
         self._restore(st)
         self.gen.set_state(st["gen"])
-        self.rng.setstate(st["rng"])
         self.version = int(st["version"])
-        self.groups_seen = int(st["groups_seen"])
         torch.set_rng_state(st["torch_rng"])
         if self.guard is not None and st.get("guard") is not None:  # older checkpoints: a fresh guard
             self.guard.load_state(st["guard"])

@@ -1,8 +1,11 @@
 """The run around one :class:`~miles_core.learner.policy.Learner`: the one learner runtime.
 
-The synchronous flow (one task per phase: tasks/training.py) and the asynchronous learner
-(asyncrl/learner.py) drive the same object, so resume and exactly-once are one implementation:
+The synchronous flow (a collect and an update task per iteration: tasks/training.py) and the
+asynchronous learner (asyncrl/learner.py) drive the same object, so resume and exactly-once are
+one implementation:
 
+    collect(seq):       sample batch seq with the current policy (algo/rl.py::sample_batch), score
+                        it, commit it to trajectories/ (a retry samples the same prompts and noise)
     consume(batch id):
         read the batch (a corrupt one is quarantined and recorded, never fatal)
         staleness s = current version - the batch's policy version; s > S: drop it and record it
@@ -32,9 +35,12 @@ from typing import Any
 
 import torch
 
+from miles_core.algo.rl import batch_id
 from miles_core.config import RecipeConfig, load_recipe
+from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.policy import Learner
-from miles_core.storage import CorruptBatchError
+from miles_core.storage import BatchExistsError, CorruptBatchError
+from miles_core.types import TrajectoryBatch
 from miles_core.storage import uri as U
 from miles_core.storage.run import RunStore, changed_settings, prepare_run
 
@@ -69,7 +75,7 @@ class LearnerRun:
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix="miles-learner-"))
         self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         self.checkpoint_every = checkpoint_every or self.cfg.async_rl.checkpoint_every
-        self.learner = Learner(self.cfg, self.rs.fetch_base(self.cache), seed=self.cfg.train.seed,
+        self.learner = Learner(self.cfg, self.rs.fetch_base(self.cache),
                                total_updates=total_updates)
         self.ledger: dict[str, list[dict[str, Any]]] = {"consumed": [], "dropped": [], "quarantined": []}
         self.history: list[dict[str, Any]] = []
@@ -87,6 +93,8 @@ class LearnerRun:
             self.learner.version = latest
             self.totals["version_skips"] += 1
         self._since_ckpt = 0
+        self._data: TaskData | None = None
+        self._collected: tuple[str, TrajectoryBatch] | None = None  # the batch collect() just committed
         if not self.rs.retry(lambda: self.rs.adapters.is_committed(self.learner.version), "checking adapter"):
             self.publish()
 
@@ -112,12 +120,38 @@ class LearnerRun:
     def adapter_uri(self, version: int | None = None) -> str:
         return f"{self.rs.uri}/adapters/v{self.learner.version if version is None else version:06d}"
 
+    @property
+    def data(self) -> TaskData:
+        """The recipe's task (prompts to sample, the held-out split), built on first use."""
+        if self._data is None:
+            self._data = build_task(self.cfg)
+        return self._data
+
+    def collect(self, seq: int, worker: str = "learner", index: int = 0) -> tuple[str, TrajectoryBatch, bool]:
+        """Sample batch ``seq`` of ``worker`` with the current policy, score it and commit it to
+        ``trajectories/`` -> (batch id, batch, reused). The prompts and noise are seeded from the
+        batch id, so a retry samples the same batch; when an earlier attempt's commit landed, the
+        stored batch is the one that counts (``reused``). The batch stays in memory until the next
+        collect, so a ``consume`` of it in this process does not read it back."""
+        bid = batch_id(seq, worker)
+        batch, reused = self.learner.sample(self.data, seq, worker, index), False
+        try:
+            self.rs.retry(lambda: self.rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
+        except BatchExistsError:
+            batch = self.rs.retry(lambda: self.rs.trajectories.read_batch(bid), f"reading batch {bid}")
+            reused = True
+        self._collected = (bid, batch)
+        return bid, batch, reused
+
     def consume(self, bid: str) -> tuple[str, dict[str, float]]:
         """Handle one committed batch -> ('consumed' | 'dropped' | 'quarantined', update stats)."""
         rs, S = self.rs, self.cfg.adpo.max_staleness
         t_read = time.perf_counter()
         try:
-            batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
+            if self._collected is not None and self._collected[0] == bid:
+                batch, self._collected = self._collected[1], None  # committed by this process: no read back
+            else:
+                batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
         except CorruptBatchError as e:
             reason = str(e)
             rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")

@@ -4,7 +4,6 @@ The synchronous flow and the asynchronous learner use the same layout (see ARCHI
 
     {run}/run.json                  the run spec (recipe, seed): written once, exclusive create
     {run}/base/                     the frozen base checkpoint, uploaded once (COMMITTED last)
-    {run}/rollouts/                 raw batches before scoring (the synchronous flow's score task)
     {run}/trajectories/             committed, scored Parquet batches (TrajectoryStore): what a learner consumes
     {run}/adapters/vNNNNNN/         published LoRA versions (AdapterRegistry)
     {run}/learner/checkpoints/      learner state: adapter, optimizer, RNGs, version, ledger
@@ -63,7 +62,6 @@ class RunStore:
         self.uri = run_uri.rstrip("/")
         self.options = storage_options
         self.fs, self.root = U.resolve(self.uri, storage_options)
-        self.rollouts = TrajectoryStore(f"{self.uri}/rollouts", storage_options)
         self.trajectories = TrajectoryStore(f"{self.uri}/trajectories", storage_options)
         self.adapters = AdapterRegistry(self.uri, storage_options)
         self.retry_budget_s = retry_budget_s
