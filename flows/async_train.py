@@ -21,9 +21,9 @@ from typing import Any, Literal
 from prefect import flow, get_run_logger
 
 from flows.params import AsyncTrainParams, LearnerParams, SamplerParams, cli_main, documented, validate
-from flows.sft import sft_flow
+from flows.sft import base_or_sft
 from miles_core.config import load_recipe
-from miles import tracking
+import tracking
 from tasks import asyncrun, evaluation
 
 SAMPLER_DEPLOYMENT = "miles-async-sampler/miles-async-sampler"
@@ -110,12 +110,7 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
     out = p.run_path("async")
     store = p.store_uri or str(out / "store")
     tracking.configure(p.tracking_uri)
-    base = p.base_checkpoint
-    sft: dict[str, Any] = {}
-    if base is None:
-        sft = sft_flow(recipe=p.recipe, overrides=p.overrides, run_dir=str(out / "sft"), experiment=p.experiment,
-                       tracking_uri=p.tracking_uri, progress=p.progress)
-        base = sft["base_checkpoint"]
+    base, sft = base_or_sft(p, out, p.base_checkpoint)
     log = get_run_logger()
     tags = {"miles.kind": "async-train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
             "miles.base_checkpoint": Path(base).resolve(), "miles.launcher": p.launcher,

@@ -19,7 +19,8 @@ from prefect import flow, get_run_logger
 
 from flows.params import EvalParams, cli_main, documented, validate
 from miles_core.config import load_recipe
-from miles import registry, tracking
+import tracking
+from tracking import registry
 from tasks import evaluation
 
 DEFAULT_RECIPE = "arith"

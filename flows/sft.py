@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger
 
 from flows.params import SFTParams, cli_main, documented, validate
 from miles_core.config import load_recipe
-from miles import tracking
+import tracking
 from tasks import evaluation
 
 
@@ -53,6 +54,16 @@ def sft_flow(recipe: str = "arith", overrides: list[str] | None = None, run_dir:
     log.info("SFT done: %s", summary)
     return summary
 
+
+
+def base_or_sft(p: Any, out: Path, base: str | None) -> tuple[str, dict[str, Any]]:
+    """The checkpoint a post-training flow starts from: ``base`` when given, else one trained by
+    :func:`sft_flow` as a subflow under ``out/sft`` -> (base checkpoint, the SFT summary or {})."""
+    if base is not None:
+        return base, {}
+    sft = sft_flow(recipe=p.recipe, overrides=p.overrides, run_dir=str(out / "sft"), experiment=p.experiment,
+                   tracking_uri=p.tracking_uri, progress=p.progress)
+    return sft["base_checkpoint"], sft
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO)

@@ -19,10 +19,10 @@ from typing import Any
 from prefect import flow, get_run_logger
 
 from flows.params import TrainParams, cli_main, documented, validate
-from flows.sft import sft_flow
+from flows.sft import base_or_sft
 from miles_core.config import load_recipe
 from miles_core.progress import Progress
-from miles import tracking
+import tracking
 from tasks import evaluation, training
 
 CURVE_PANELS = [("rollout reward", ["reward/reward_mean"]), ("held-out pass@1", ["eval/pass1"])]
@@ -97,12 +97,7 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
         raise FileExistsError(f"{out} already holds a learner checkpoint (iteration {previous['iteration']}); "
                               "pass resume=True to continue it, or choose a new run_dir")
     store = p.store_uri or (previous or {}).get("store_uri") or str(out / "store")
-    base = p.base_checkpoint or (previous or {}).get("base_checkpoint")
-    sft: dict[str, Any] = {}
-    if base is None:
-        sft = sft_flow(recipe=p.recipe, overrides=p.overrides, run_dir=str(out / "sft"), experiment=p.experiment,
-                       tracking_uri=p.tracking_uri, progress=p.progress)
-        base = sft["base_checkpoint"]
+    base, sft = base_or_sft(p, out, p.base_checkpoint or (previous or {}).get("base_checkpoint"))
     tags = {"miles.kind": "train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
             "miles.base_checkpoint": Path(base).resolve(), "miles.sft_run_id": sft.get("mlflow_run_id", "")}
     reg: dict[str, Any] = {}

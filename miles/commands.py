@@ -287,7 +287,7 @@ def tracking_uri(explicit: str | None = None) -> str:
     if uri:
         return uri
     try:
-        tracking = importlib.import_module("miles.tracking")
+        tracking = importlib.import_module("tracking")
         default = getattr(tracking, "default_tracking_uri", None)
         if callable(default):
             return str(default())
@@ -336,7 +336,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="miles-export-") as dl:  # a registered model's download
         card: dict = {}
         if args.source.startswith(("models:/", "runs:/")):
-            from miles import registry, tracking
+            import tracking
+            from tracking import registry
 
             tracking.configure(tracking_uri(args.tracking_uri))  # the store training registered into
             src = registry.resolve_model(args.source, dl)

@@ -68,11 +68,7 @@ class CharTokenizer:
         return self.encode(text)
 
     def encode_completion(self, text: str, length: int) -> list[int]:
-        """Target completion: the text, then EOS up to ``length`` (raises if it does not fit)."""
-        ids = self.encode(text)
-        if len(ids) > length:
-            raise ValueError(f"completion of {len(ids)} chars does not fit completion_len={length}: {text!r}")
-        return ids + [self.eos_id] * (length - len(ids))
+        return eos_padded(self.encode(text), self.eos_id, length, text)
 
     def save(self, directory: str | Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
@@ -87,3 +83,12 @@ class CharTokenizer:
         if data.get("type") != "char":
             raise ValueError(f"{path}: unsupported tokenizer type {data.get('type')!r}")
         return cls(data["chars"])
+
+
+def eos_padded(ids: list[int], eos_id: int, length: int, text: str) -> list[int]:
+    """A target completion of exactly ``length`` ids: the text's, then EOS (a diffusion model fills
+    every position, and EOS is what it learns to put after the answer). Raises naming the text
+    when it does not fit, since cutting it would train on a wrong answer."""
+    if len(ids) > length:
+        raise ValueError(f"completion of {len(ids)} tokens does not fit completion_len={length}: {text!r}")
+    return ids + [eos_id] * (length - len(ids))

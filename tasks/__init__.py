@@ -1,2 +1,2 @@
 """Prefect tasks around :mod:`miles_core`: paths, URIs and small dicts in and out (ARCHITECTURE.md).
-MLflow is reached only through miles/tracking.py and miles/registry.py."""
+MLflow is reached only through the ``tracking`` package."""

@@ -1,6 +1,6 @@
 """Prefect tasks around training: the SFT baseline, evaluating a checkpoint (with an adapter
 folder or a published version), and registering a policy in MLflow. Paths and small dicts in and
-out; the work is in miles_core (learner/baseline.py, eval/evaluate.py) and miles/registry.py."""
+out; the work is in miles_core (learner/baseline.py, eval/evaluate.py) and tracking/registry.py."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ from miles_core.learner.baseline import train_baseline
 from miles_core.models.base import load_base, set_prompt_format
 from miles_core.models.lora import load_adapter
 from miles_core.storage import AdapterRegistry
-from miles import registry, tracking
+import tracking
+from tracking import registry
 from tasks.common import LIGHT, STORAGE, eval_summary, retry_transient
 
 _LOADED: dict[tuple, tuple[Any, Any]] = {}  # the last (base, adapter, model settings) evaluated here

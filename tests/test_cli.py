@@ -67,7 +67,7 @@ def test_help_and_validation_do_not_import_heavy_libraries() -> None:
     generated from."""
     code = ("import sys\nfrom miles import cli\np = cli.build_parser()\np.format_help()\n"
             "cli.validate_recipe('arith', ['adpo.lr=0.01'])\n"
-            "mods = [m for m in ('torch', 'prefect', 'mlflow', 'tasks', 'miles.tracking') if m in sys.modules]\n"
+            "mods = [m for m in ('torch', 'prefect', 'mlflow', 'tasks', 'tracking') if m in sys.modules]\n"
             "print(sorted(mods + [m for m in sys.modules if m.startswith('flows.') and m != 'flows.params']))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True,
                        timeout=60)

@@ -20,7 +20,8 @@ from flows.train import train_flow
 from miles_core.config import ConfigError, load_recipe
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage.run import RunStore
-from miles import registry, tracking
+import tracking
+from tracking import registry
 from tasks import common, training
 
 pytestmark = pytest.mark.e2e

@@ -21,8 +21,10 @@ CONFIG = REPO / ".importlinter"
 
 # package folder -> top-level modules it must never import
 RULES: dict[str, frozenset[str]] = {
-    "miles_core": frozenset({"prefect", "mlflow", "tasks", "flows", "miles"}),
-    "flows": frozenset({"torch"}),
+    "miles_core": frozenset({"prefect", "mlflow", "tracking", "tasks", "flows", "miles"}),
+    "tracking": frozenset({"tasks", "flows", "miles"}),
+    "tasks": frozenset({"flows", "miles"}),
+    "flows": frozenset({"torch", "miles"}),
 }
 
 
@@ -94,6 +96,8 @@ VIOLATING_TREE = {
     "miles_core/deep/__init__.py": "",
     "miles_core/deep/lazy.py": "def f():\n    from mlflow.tracking import MlflowClient\n    return MlflowClient\n",
     "miles_core/dyn.py": "import importlib\nflows = importlib.import_module('flows.train')\n",
+    "tracking/__init__.py": "",
+    "tracking/runs.py": "import mlflow\nfrom tasks import run\n",
     "tasks/__init__.py": "",
     "tasks/run.py": "import torch\nimport prefect\n",
     "flows/__init__.py": "",
@@ -127,11 +131,11 @@ def test_repo_ast_scan_is_clean(package: str) -> None:
 
 
 def test_repo_import_linter_contracts_kept() -> None:
-    for package in ("miles_core", "tasks", "flows", "miles"):
+    for package in ("miles_core", "tracking", "tasks", "flows", "miles"):
         assert (REPO / package / "__init__.py").exists(), f"{package}/__init__.py missing: import-linter needs a package"
     result = lint_imports(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 3 kept, 0 broken" in result.stdout, result.stdout
+    assert "Contracts: 4 kept, 0 broken" in result.stdout, result.stdout
 
 
 # ----------------------------------------------------------------------------- the checkers can fail
@@ -143,6 +147,8 @@ def test_ast_scan_flags_synthetic_violations(tmp_path: Path) -> None:
                     ("miles_core/dyn.py", "flows.train")}
     flows = {(str(v.path), v.module) for v in scan(tmp_path / "flows", RULES["flows"])}
     assert flows == {("flows/train.py", "torch.nn")}
+    tracking = {(str(v.path), v.module) for v in scan(tmp_path / "tracking", RULES["tracking"])}
+    assert tracking == {("tracking/runs.py", "tasks")}
 
 
 def test_ast_scan_ignores_relative_and_allowed_imports(tmp_path: Path) -> None:
@@ -155,18 +161,20 @@ def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
     _write(tmp_path, {**LAYER_TREE, **VIOLATING_TREE})
     result = lint_imports(tmp_path)
     assert result.returncode != 0, result.stdout + result.stderr
-    assert "Contracts: 0 kept, 3 broken" in result.stdout, result.stdout
+    assert "Contracts: 0 kept, 4 broken" in result.stdout, result.stdout
     assert "miles_core.algo -> prefect" in result.stdout
     assert "flows.train -> torch" in result.stdout
+    assert "tracking.runs -> tasks.run" in result.stdout  # a lower package importing a higher one
 
 
 def test_import_linter_layers_contract_fails_on_a_tree_that_breaks_the_floors(tmp_path: Path) -> None:
     assert layer_names()[-1] == ["types", "config", "tokenizer", "allocator"] and len(layer_names()) == 7
-    _write(tmp_path, {**LAYER_TREE, "tasks/__init__.py": "", "flows/__init__.py": "", "miles/__init__.py": ""})
+    _write(tmp_path, {**LAYER_TREE, "tracking/__init__.py": "", "tasks/__init__.py": "", "flows/__init__.py": "",
+                      "miles/__init__.py": ""})
     result = lint_imports(tmp_path)
     out = result.stdout
     assert result.returncode != 0, out + result.stderr
-    assert "Contracts: 2 kept, 1 broken" in out, out
+    assert "Contracts: 3 kept, 1 broken" in out, out
     assert "miles_core.config -> miles_core.learner" in out  # a bottom floor importing a runtime
     assert "miles_core.models -> miles_core.data" in out  # siblings on one floor are independent
     assert "miles_core.storage -> miles_core.algo" in out

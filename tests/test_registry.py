@@ -21,7 +21,7 @@ from miles_core.samplers.sampler import sample
 from miles_core.eval.evaluate import eval_config
 from miles_core.storage import AdapterRegistry
 from miles_core.tokenizer import CharTokenizer
-from miles import registry
+from tracking import registry
 
 import pytest
 

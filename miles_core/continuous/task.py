@@ -20,7 +20,6 @@ prompts are disjoint by construction, as in the arithmetic task.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
 from dataclasses import dataclass
@@ -28,8 +27,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from miles_core.data.spec import in_test_bucket
+
 LATENT_DIM = 4
-TEST_BUCKETS = 2  # sha256(prompt) % 10 < 2 -> test (about 20% of all prompts)
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ def parse_prompt(prompt: str) -> tuple[int, int, int]:
 
 
 def is_test_prompt(prompt: str) -> bool:
-    h = hashlib.sha256("".join(prompt.split()).encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big") % 10 < TEST_BUCKETS
+    """True when the prompt (whitespace ignored) is in the held-out test bucket."""
+    return in_test_bucket("".join(prompt.split()))
 
 
 class ConstraintTask:

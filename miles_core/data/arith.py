@@ -11,7 +11,6 @@ train and RL splits for every seed, size and config (see :func:`is_test_prompt`)
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import random
 import re
@@ -19,10 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from miles_core.config import TaskConfig
-from miles_core.data.spec import TaskSpec
+from miles_core.data.spec import TaskSpec, in_test_bucket
 
 SPLITS = ("train", "test", "rl")
-TEST_BUCKETS = 2  # hash % 10 < TEST_BUCKETS -> test: 20% of all prompts
 _TOKEN_RE = re.compile(r"\d+|[+\-*]")
 
 
@@ -123,14 +121,9 @@ def canonical_prompt(prompt: str) -> str:
     return "".join(prompt.split())
 
 
-def _bucket(prompt: str) -> int:
-    h = hashlib.sha256(canonical_prompt(prompt).encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big") % 10
-
-
 def is_test_prompt(prompt: str) -> bool:
     """True when the prompt belongs to the held-out test bucket (a pure function of its text)."""
-    return _bucket(prompt) < TEST_BUCKETS
+    return in_test_bucket(canonical_prompt(prompt))
 
 
 def _operand_digits(cfg: ArithConfig, ops: list[str], i: int) -> int:

@@ -19,7 +19,6 @@ and RL functions for every seed and size.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -28,10 +27,9 @@ from typing import Any, Iterable, Sequence
 
 from miles_core.config import TaskConfig
 from miles_core.data.arith import Problem
-from miles_core.data.spec import TaskSpec
+from miles_core.data.spec import TaskSpec, in_test_bucket
 
 SPLITS = ("train", "test", "rl")
-TEST_BUCKETS = 2  # hash % 10 < TEST_BUCKETS -> test: about 20% of all functions
 FAMILIES = ("linear", "mod", "div", "square", "min")
 HIDDEN_INPUTS = (-7, -3, -1, 6, 7, 9, 12, 17, 24)
 ENTRY, PARAMS = "f", "x"
@@ -144,14 +142,9 @@ def canonical_prompt(prompt: str) -> str:
     return "".join(prompt.split())
 
 
-def _bucket(prompt: str) -> int:
-    h = hashlib.sha256(canonical_prompt(prompt).encode("utf-8")).digest()
-    return int.from_bytes(h[:8], "big") % 10
-
-
 def is_test_prompt(prompt: str) -> bool:
     """True when the prompt (and so its function) is in the held-out test bucket."""
-    return _bucket(prompt) < TEST_BUCKETS
+    return in_test_bucket(canonical_prompt(prompt))
 
 
 def make_tests(fn: CodeFunction, cfg: CodeConfig) -> list[list[Any]]:

@@ -10,6 +10,7 @@ line there and a recipe.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -22,3 +23,14 @@ class TaskSpec:
     build: Callable[[TaskConfig], tuple[Any, int]]   # -> (task object, longest target in tokens)
     canonical_prompt: Callable[[str], str]           # a user's prompt in the form the task trains on
     check_reward: str                                # the reward pass@1 counts (rewards/registry.py)
+
+
+TEST_BUCKETS = 2  # sha256 % 10 < TEST_BUCKETS -> test: about 20% of all prompts
+
+
+def in_test_bucket(canonical: str) -> bool:
+    """Whether a prompt, in its task's canonical form, belongs to the held-out test split. A pure
+    function of the text (SHA-256 into ten buckets), so every process, seed and run puts a prompt
+    in the same split, and spacing cannot move a test item into training."""
+    h = hashlib.sha256(canonical.encode("utf-8")).digest()
+    return int.from_bytes(h[:8], "big") % 10 < TEST_BUCKETS

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from miles_core.tokenizer import DEFAULT_CHARS
+from miles_core.tokenizer import DEFAULT_CHARS, eos_padded
 
 MASK = "[MASK]"
 EOS = "[EOS]"
@@ -98,11 +98,7 @@ class HFTokenizer:
         return [int(i) for i in ids] + (self.encode(self.prompt_prefill) if self.prompt_prefill else [])
 
     def encode_completion(self, text: str, length: int) -> list[int]:
-        """Target completion: the text, then EOS up to ``length`` (raises if it does not fit)."""
-        ids = self.encode(text)
-        if len(ids) > length:
-            raise ValueError(f"completion of {len(ids)} tokens does not fit completion_len={length}: {text!r}")
-        return ids + [self.eos_id] * (length - len(ids))
+        return eos_padded(self.encode(text), self.eos_id, length, text)
 
     def save(self, directory: str | Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """The model registry: a trained policy as an MLflow LoggedModel (pyfunc, signature, requirements),
 its registered versions, and the ``champion`` alias that moves only on a better pass@1.
 
-Split from miles/tracking.py (runs, metrics, artifacts) so each stays one idea. Like it, every call
+Split from tracking/__init__.py (runs, metrics, artifacts) so each stays one idea. Like it, every call
 takes explicit ids through ``MlflowClient``, never the fluent active run.
 """
 
@@ -127,7 +127,7 @@ def register_model(run_id: str, name: str, base_dir: str | os.PathLike[str], ada
     Why the client's LoggedModel calls and not ``mlflow.pyfunc.log_model``: that one logs into the
     fluent active run, and our runs are addressed by id from worker threads (module docstring).
     """
-    import miles.pyfunc_model as pyfunc_model
+    from tracking import pyfunc_model
     from mlflow.entities import LoggedModelOutput
 
     ev = dict(recipe.get("eval") or {})

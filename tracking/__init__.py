@@ -1,7 +1,9 @@
-"""MLflow runs: params, metrics, artifacts, the learning-curve plot (the registry is miles/registry.py).
-ARCHITECTURE.md, "Four packages".
+"""Everything Miles keeps in MLflow. This module: runs, params, metrics, artifacts, the learning-curve
+plot; ``tracking.registry``: the policy as a LoggedModel, its versions and ``champion``;
+``tracking.pyfunc_model``: the served model. ARCHITECTURE.md, "Packages".
 
-Why one module (and its sibling registry.py): flows and tasks stay small, and an MLflow upgrade lands in one place. Every call
+Why one package below tasks and flows (and above miles_core, which never imports MLflow): flows and
+tasks stay small, and an MLflow upgrade lands in one place. Every call
 takes an explicit run id and goes through ``MlflowClient``, never the fluent "active run", so a
 task running in a worker thread cannot log into somebody else's run.
 
@@ -26,7 +28,7 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 
-log = logging.getLogger("miles.tracking")
+log = logging.getLogger("miles.tracking")  # under the "miles" logger every Miles process configures
 
 # MLflow 3's UI opens an experiment by its kind: "custom_model_development" ("Machine learning") is
 # the runs table; without the tag it may infer GenAI and open an empty traces overview.
