@@ -20,6 +20,12 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the field."""
 
 
+# adpo.estimator's registered names -> the ADPOConfig fields each reads. miles_core/algo/estimators
+# fills it as its modules register (this schema sits below the algorithms, so it is told, never
+# asks); empty until then, when the name is checked at first use instead (algo.estimators.get_estimator).
+ESTIMATORS: dict[str, tuple[str, ...]] = {}
+
+
 def bounded(default: Any, lo: float | None = None, hi: float | None = None) -> Any:
     """A numeric field with inclusive bounds, declared beside it; :func:`build` checks them by name."""
     return field(default=default, metadata={"bounds": (lo, hi)})
@@ -158,8 +164,9 @@ class LoraSettings:
 
 @dataclass(frozen=True)
 class ADPOConfig:
-    # what each scores: algo/rows.py::MaskedStepRows (adpo, meanfield, coupled, wd1), algo/elbo.py (spg, espo, ebpo)
-    estimator: Literal["adpo", "meanfield", "coupled", "wd1", "spg", "espo", "ebpo"] = "adpo"
+    # a name registered in miles_core/algo/estimators/ (adpo, meanfield, coupled, wd1, spg, espo, ebpo):
+    # its module says what a row is, its loss, and which of the fields below marked with it it reads
+    estimator: str = "adpo"
     lr: float = bounded(1e-3, 1e-12, 10.0)
     warmup: int = bounded(5, 0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 over the run's updates
@@ -360,6 +367,9 @@ def validate(obj: Any, path: str = "") -> None:
     def need(cond: bool, field_name: str, msg: str) -> None:
         if not cond:
             raise ConfigError(f"{path}{field_name}: {msg}")
+    if isinstance(obj, ADPOConfig) and ESTIMATORS:
+        need(ESTIMATORS.get(obj.estimator) is not None, "estimator",
+             f"{obj.estimator!r} is not a registered estimator; registered: {', '.join(map(repr, sorted(ESTIMATORS)))}")
     if isinstance(obj, SamplerConfig):
         need(1 <= obj.min_per_step <= obj.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
     if isinstance(obj, RenoiseConfig):

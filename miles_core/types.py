@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -43,6 +43,7 @@ class TrajectoryBatch:
       advantage       [B]    float  NaN where not computed yet
     """
 
+    kind: ClassVar[str] = "masked"   # what an estimator builds rows for (algo/estimators/): masked-diffusion steps
     prompt_ids: list[list[int]]
     completion_ids: Tensor
     step_map: Tensor
@@ -149,6 +150,7 @@ class RenoiseBatch:
                       with the temperature schedule the batch was sampled with, never another
     """
 
+    kind: ClassVar[str] = "renoise"  # what an estimator builds rows for (algo/estimators/): renoising chains
     prompt_ids: list[list[int]]
     completion_ids: Tensor
     accepted: Tensor

@@ -228,7 +228,7 @@ def test_a_cache_on_a_model_without_one_is_refused() -> None:
 
 
 def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> None:
-    from miles_core.algo.rows import build_rows, row_inputs
+    from miles_core.algo.rows import RecordedStep, build_rows, row_inputs
     from miles_core.types import TrajectoryBatch
 
     step_map = torch.tensor([[0, 1, 2, 3, 4, 0], [1, 0, 1, 2, 0, 2]])       # K = 5 and 3 steps
@@ -237,7 +237,7 @@ def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> 
                             nfe=torch.tensor([5, 3]), group_id=torch.tensor([0, 0]), policy_version=torch.zeros(2).long())
     rows = build_rows(batch, 1.0, torch.Generator(), merge=2)
     assert rows.traj.tolist() == [0, 0, 0, 1, 1] and rows.step.tolist() == [0, 1, 2, 0, 1]   # ceil(5/2), ceil(3/2)
-    x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, "adpo", merge=2)
+    x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, RecordedStep(merge=2))
     m = TOK.mask_id
     assert commit.long().tolist() == [[1, 1, 0, 0, 0, 1], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 0],
                                       [1, 1, 1, 0, 1, 0], [0, 0, 0, 1, 0, 1]]
@@ -246,11 +246,11 @@ def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> 
 
 
 def test_a_merged_row_is_scored_against_the_proximal_policy_not_the_recorded_mu(models: dict) -> None:
-    from miles_core.algo.rows import MaskedStepRows
+    from miles_core.algo.rows import MaskedStepRows, RecordedStep
 
     model, tok = models["tiny"]
     batch = sample(model, tok, prompts_for(tok, 2, 6), NSD, 16, torch.Generator().manual_seed(0))
-    one, two = MaskedStepRows(batch, tok, 1.0, "adpo"), MaskedStepRows(batch, tok, 1.0, "adpo", merge=2)
+    one, two = MaskedStepRows(batch, tok, 1.0, RecordedStep()), MaskedStepRows(batch, tok, 1.0, RecordedStep(merge=2))
     idx = torch.tensor([0, 1])
     assert torch.equal(one.behaviour(idx, idx), batch.logp[idx]) and two.behaviour(idx, idx) is None
 
@@ -285,7 +285,7 @@ def test_chunk_tokens_bounds_each_chunk_and_leaves_the_gradient_unchanged(models
 
 
 def test_scoring_at_committed_positions_equals_scoring_the_whole_completion(models: dict) -> None:
-    from miles_core.algo.rows import row_inputs
+    from miles_core.algo.rows import RECORDED, row_inputs
     from miles_core.samplers.step import denoise_step
 
     model, tok = models["dream"]  # the shifted family: the gathered positions read i - 1
@@ -293,7 +293,7 @@ def test_scoring_at_committed_positions_equals_scoring_the_whole_completion(mode
     traj, step = torch.tensor([0, 1, 2, 0]), torch.tensor([0, 1, 0, 2])
     with torch.no_grad():
         lp, ent, commit = score_rows(model, batch, traj, step, tok, 1.0)
-        x, attn, width, _ = row_inputs(batch, traj, step, tok, "adpo")
+        x, attn, width, _ = row_inputs(batch, traj, step, tok, RECORDED)
         full = denoise_step(model, x, attn, width, temperature=1.0, forbidden=tok.forbidden_ids,
                             tokens=batch.completion_ids[traj])
     torch.testing.assert_close(lp[commit], full.logp[commit], atol=1e-5, rtol=0)

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from miles_core.algo.advantages import group_advantages, wd1_weights
-from miles_core.algo.elbo import BlockELBORows, SandwichRows, SequenceELBORows, block_masks, block_noise, stratified_masks
+from miles_core.algo.estimators.ebpo import BlockELBORows, block_noise
+from miles_core.algo.estimators.espo import SequenceELBORows, stratified_masks
+from miles_core.algo.estimators.spg import SandwichRows, block_masks
 from miles_core.algo.loss import ADPOLoss, SequenceRatioLoss
 from miles_core.algo.update import adpo_update, estimator_rows
 from miles_core.config import ADPOConfig

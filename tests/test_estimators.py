@@ -10,7 +10,7 @@ import torch
 from test_core_train import TOK, base_model, scored_batch
 
 from miles_core.algo.advantages import group_advantages, wd1_weights
-from miles_core.algo.rows import row_inputs
+from miles_core.algo.rows import MaskedCopy, row_inputs
 from miles_core.algo.update import adpo_update, estimator_rows, policy_update
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import add_lora
@@ -35,7 +35,7 @@ def test_coupled_rows_score_every_completion_token_exactly_once_per_pair():
     assert scorer.comp_masks is not None and not torch.equal(scorer.comp_masks[0], scorer.comp_masks[1])  # redrawn
     for epoch in range(2):
         scorer.set_epoch(epoch)
-        x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, "coupled",
+        x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, MaskedCopy(),
                                          comp_mask=scorer.masks(rows.traj, rows.step)[1])
         pair = commit.view(len(batch), 2, -1)
         assert torch.equal(pair.sum(1), torch.ones_like(pair[:, 0], dtype=torch.long))  # once per pair

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from miles_core.algo.rows import Rows
-from miles_core.config import ADPOConfig, RenoiseConfig
+from miles_core.config import RenoiseConfig
 from miles_core import canvas
 from miles_core.samplers.renoise import replay_states, settings, temperature, token_logp
 from miles_core.samplers.step import left_pad
@@ -79,7 +79,7 @@ def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: Ren
 
 
 class RenoiseStepRows:
-    """The update engine's :class:`~miles_core.algo.update.RowScorer` for renoising chains."""
+    """The update engine's :class:`~miles_core.algo.rows.RowScorer` for renoising chains."""
 
     def __init__(self, model: Any, batch: RenoiseBatch, cfg: RenoiseConfig, tok: Any,
                  soft: Tensor | None = None) -> None:
@@ -109,11 +109,9 @@ class RenoiseStepRows:
         return self.batch.logp[traj, step]
 
 
-def renoise_rows(model: Any, sub: RenoiseBatch, cfg: ADPOConfig, tok: Any) -> tuple[Rows, RenoiseStepRows]:
-    """The rows of a renoising batch and their scorer, for the one update (``adpo_update`` calls
-    this for a :class:`RenoiseBatch`): the chain's self-conditioning is rebuilt under the current
-    policy here, once per update, and the batch's own sampler settings score it."""
-    if cfg.estimator != "adpo":
-        raise ValueError(f"adpo.estimator={cfg.estimator!r}: a renoising chain (DiffusionGemma) has no masked "
-                         "ELBO; only the per-step estimator 'adpo' applies")
+def renoise_rows(model: Any, sub: RenoiseBatch, tok: Any) -> tuple[Rows, RenoiseStepRows]:
+    """The rows of a renoising batch and their scorer, for the one update (the ``adpo`` estimator
+    builds these for a ``"renoise"`` batch; the others have no rows for it, a chain having no masked
+    state to take an ELBO over): the chain's self-conditioning is rebuilt under the current policy
+    here, once per update, and the batch's own sampler settings score it."""
     return action_rows(sub), RenoiseStepRows(model, sub, settings(sub), tok)

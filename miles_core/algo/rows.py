@@ -1,6 +1,7 @@
 """Training rows of a masked-diffusion batch and how one is scored: the state a row sees, the
 positions it scores, and the current policy's log-probs there (the update engine, algo/update.py,
-runs them; the ELBO-based estimators, algo/elbo.py, score several masked copies per row).
+runs them; each estimator, algo/estimators/, picks the kind of row it builds; the ELBO-based ones
+score several masked copies per row, algo/elbo.py).
 
 Every recorded step is an independent row (trajectory b, step k): its state is rebuilt from
 ``step_map``, scored with the same step function that sampled it, and backpropagated on its own.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -50,46 +51,132 @@ def step_commits(step_map: Tensor, step: Tensor, merge: int = 1) -> Tensor:
     return (step_map >= first) & (step_map < first + merge)
 
 
-def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, estimator: str,
-               prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
-               merge: int = 1, scored: Tensor | None = None) -> tuple[Tensor, Tensor, int, Tensor]:
-    """-> x [R, T], attn [R, T], prompt width, commit [R, L] for the given rows.
+class RowView(Protocol):
+    """What state a masked-diffusion row sees and which positions it scores. The estimator modules
+    (algo/estimators/) pick one of the kinds below, or bring their own, so nothing here branches
+    on an estimator's name."""
 
-    ``adpo``: the recorded state before step k (rebuilt from ``step_map``), scoring the tokens
-    committed at k (``merge`` = s: row g is the state before step s*g, scoring the tokens of steps
-    s*g .. s*g + s - 1 at once, TraceRL's shrinkage). ``meanfield``: the whole completion masked, every token scored, prompt tokens
-    masked where ``prompt_mask`` [R, P] says (right-aligned; any estimator may pass one). ``coupled``
-    (and the ELBO copies of algo/elbo.py): the completion masked where ``comp_mask`` [R, L] says,
-    each row scoring the tokens it masks, or only those of them in ``scored`` [R, L] (EBPO's block).
-    """
+    per_epoch: bool  # the rows' masks are redrawn every epoch (the proximal policy is rescored per epoch)
+
+    def state(self, batch: TrajectoryBatch, comp: Tensor, traj: Tensor, step: Tensor, mask_id: int,
+              comp_mask: Tensor | None, scored: Tensor | None) -> tuple[Tensor, Tensor]:
+        """-> the completion state [R, L] the rows see and their commit [R, L] (positions scored)."""
+        ...
+
+    def scored_count(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        """[R] positions each row scores (its logits' share of the memory budget)."""
+        ...
+
+    def behaviour(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor | None:
+        """The sampling policy's log-probs [R, L]; None: rows are on-policy (mu = pi_prox)."""
+        ...
+
+
+class RowScorer(Protocol):
+    """What the update engine (algo/update.py) needs from one kind of recorded trajectory:
+    masked-diffusion rows (:class:`MaskedStepRows`, algo/elbo.py), renoising chains
+    (algo/renoise_rows.py), continuous Gaussian step rows (continuous/train.py)."""
+
+    width: int  # L: scored positions per row (completion length, or 1 for a continuous step)
+
+    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        """Current-policy log-probs [R, L], entropy [R, L] or None, commit mask [R, L] of rows (traj, step)."""
+        ...
+
+    def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
+        """The sampling policy's stored log-probs [R, L]; None: rows are on-policy (mu = pi_prox)."""
+        ...
+
+
+class RecordedStep:
+    """A row is a recorded step (ADPO's row kind): the state before step k, rebuilt from
+    ``step_map``, scoring the tokens committed at k. ``merge`` = s > 1 (TraceRL's shrinkage): row g
+    is the state before step s*g, scoring the tokens of steps s*g .. s*g + s - 1 at once."""
+
+    per_epoch = False  # the recorded states never change: the proximal policy is scored once
+
+    def __init__(self, merge: int = 1) -> None:
+        self.merge = merge
+
+    def state(self, batch: TrajectoryBatch, comp: Tensor, traj: Tensor, step: Tensor, mask_id: int,
+              comp_mask: Tensor | None, scored: Tensor | None) -> tuple[Tensor, Tensor]:
+        """-> completion state [R, L], commit [R, L]."""
+        state = rebuild_state(comp, batch.step_map[traj], step * self.merge, mask_id)
+        return state, step_commits(batch.step_map[traj], step, self.merge)
+
+    def scored_count(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        """[R] positions each row scores."""
+        return step_commits(batch.step_map[traj], step, self.merge).sum(1)
+
+    def behaviour(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor | None:
+        """The recorded mu of each token; a merged row (s > 1) scores tokens at an earlier state than
+        the one they were sampled from, so its ratio is against the proximal policy (TraceRL)."""
+        return batch.logp[traj] if self.merge == 1 else None
+
+
+class FullyMasked:
+    """A row is the whole completion masked, every token scored in one pass (d1's mean-field row)."""
+
+    per_epoch = True   # its prompt masks are redrawn every epoch
+
+    def state(self, batch: TrajectoryBatch, comp: Tensor, traj: Tensor, step: Tensor, mask_id: int,
+              comp_mask: Tensor | None, scored: Tensor | None) -> tuple[Tensor, Tensor]:
+        return torch.full_like(comp, mask_id), torch.ones_like(comp, dtype=torch.bool)
+
+    def scored_count(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        return torch.full_like(traj, batch.completion_len)
+
+    def behaviour(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> None:
+        return None  # outside any recorded state: no behaviour policy, the ratio is against prox
+
+
+class MaskedCopy:
+    """A row is a copy of the completion masked where ``comp_mask`` [R, L] says, scoring the tokens
+    it masks, or only those of them in ``scored`` [R, L] (EBPO's block): coupled-GRPO's rows and
+    the ELBO estimators' copies."""
+
+    per_epoch = True   # its masks are redrawn every epoch
+
+    def state(self, batch: TrajectoryBatch, comp: Tensor, traj: Tensor, step: Tensor, mask_id: int,
+              comp_mask: Tensor | None, scored: Tensor | None) -> tuple[Tensor, Tensor]:
+        assert comp_mask is not None, "masked-copy rows need their completion mask"
+        return comp.masked_fill(comp_mask, mask_id), comp_mask if scored is None else comp_mask & scored
+
+    def scored_count(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        """A mask and its complement: half the completion on average."""
+        return torch.full_like(traj, batch.completion_len // 2)
+
+    def behaviour(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> None:
+        return None  # outside any recorded state: no behaviour policy, the ratio is against prox
+
+
+def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, view: RowView,
+               prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
+               scored: Tensor | None = None) -> tuple[Tensor, Tensor, int, Tensor]:
+    """-> x [R, T], attn [R, T], prompt width, commit [R, L] for the given rows: the completion
+    state and commit of ``view``; prompt tokens masked where ``prompt_mask`` [R, P] says
+    (right-aligned; any row kind may take one: d1's random prompt masking)."""
     prompt, real = left_pad([batch.prompt_ids[i] for i in traj.tolist()], tok.pad_id)
-    comp = batch.completion_ids[traj]
-    if estimator == "adpo":  # merge = s: the state before step s*g, scoring steps s*g .. s*g + s - 1
-        state = rebuild_state(comp, batch.step_map[traj], step * merge, tok.mask_id)
-        commit = step_commits(batch.step_map[traj], step, merge)
-    elif estimator == "coupled":
-        assert comp_mask is not None, "coupled rows need their completion mask"
-        state = comp.masked_fill(comp_mask, tok.mask_id)
-        commit = comp_mask if scored is None else comp_mask & scored
-    else:  # meanfield: everything masked, every token scored at once
-        state = torch.full_like(comp, tok.mask_id)
-        commit = torch.ones_like(comp, dtype=torch.bool)
-    if prompt_mask is not None:  # meanfield, spg: d1's random prompt masking
+    state, commit = view.state(batch, batch.completion_ids[traj], traj, step, tok.mask_id, comp_mask, scored)
+    if prompt_mask is not None:
         prompt = prompt.masked_fill(prompt_mask[:, -prompt.shape[1]:] & real, tok.mask_id)
     x = torch.cat([prompt, state], dim=1)
     attn = torch.cat([real, torch.ones_like(state, dtype=torch.bool)], dim=1)
     return x, attn, prompt.shape[1], commit
 
 
+RECORDED = RecordedStep()
+
+
 def score_rows(model, batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, temperature: float,
-               estimator: str = "adpo", prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
-               merge: int = 1, scored: Tensor | None = None):
+               view: RowView = RECORDED, prompt_mask: Tensor | None = None, comp_mask: Tensor | None = None,
+               scored: Tensor | None = None):
     """Current-policy log-probs of the committed tokens of each row: logp, entropy, commit [R, L].
 
     Logits are computed at the committed positions only (an ADPO row commits a few of L tokens; at
     a 126k vocabulary the whole completion's logits are the update's largest tensor): the n
     positions of the widest row, other rows padded with uncommitted positions that are masked."""
-    x, attn, width, commit = row_inputs(batch, traj, step, tok, estimator, prompt_mask, comp_mask, merge, scored)
+    x, attn, width, commit = row_inputs(batch, traj, step, tok, view, prompt_mask, comp_mask, scored)
     n = max(int(commit.sum(1).max()), 1)                                    # the chunk's one host read
     order = commit.long().argsort(dim=1, descending=True, stable=True)[:, :n]         # [R, n] committed first
     take = commit.gather(1, order)
@@ -111,34 +198,17 @@ def seq_len(batch: TrajectoryBatch) -> int:
 
 @dataclass
 class MaskedStepRows:
-    """Rows of a masked-diffusion batch for the engine, one estimator each:
-
-    * ``adpo``: every recorded step (b, k), its state rebuilt from ``step_map``, scoring the
-      tokens committed at k against their stored behaviour log-probs (the recorded trajectory).
-      ``adpo.step_merge`` = s > 1 is TraceRL's shrinkage (Wang et al., 2025, arXiv:2509.06949):
-      s consecutive steps form one row scored at the first one's state, s times fewer forwards.
-    * ``meanfield``: d1 / diffu-GRPO (Zhao et al., 2025, arXiv:2504.12216): one row per
-      trajectory, the completion fully masked and a random fraction ``adpo.prompt_mask_prob`` of
-      the prompt masked, every token scored in one pass; a fresh prompt mask at every inner
-      iteration (epoch), as d1 draws one per iteration; ``adpo.mask_samples`` draws per trajectory.
-    * ``wd1`` (set up in :func:`adpo_update`): d1's rows, each trajectory weighted by
-      softmax(A) - softmax(-A) in its group, with a ratio-free loss -w log p (arXiv:2507.08838).
-    * ``coupled``: DiffuCoder's coupled-GRPO (Gong et al., 2025, arXiv:2506.20639): two rows per
-      trajectory, a random mask M (each token masked with probability t ~ U(0, 1)) and its
-      complement, so every completion token is scored exactly once per pair; redrawn every epoch,
-      ``adpo.mask_samples`` pairs per trajectory.
-
-    ``meanfield`` and ``coupled`` score tokens outside any recorded state, so their ratio is
-    against the policy before the update and there is no importance weight (behaviour = prox).
-    """
+    """Rows of a masked-diffusion batch for the engine (a :class:`RowScorer`): the state each row
+    sees and what it scores come from ``view``, the row kind its estimator picked
+    (algo/estimators/: ``adpo``'s recorded steps, ``meanfield``'s and ``wd1``'s fully masked
+    completions, ``coupled``'s mask pairs), and the masks drawn for it, one set per epoch."""
 
     batch: TrajectoryBatch
     tok: CharTokenizer
     temperature: float
-    estimator: str
+    view: RowView = RECORDED
     prompt_masks: Tensor | None = None  # [E, n, B, P]: meanfield's n prompt masks per epoch
     comp_masks: Tensor | None = None    # [E, n, B, L]: coupled's n masks M per epoch (each pair: M, ~M)
-    merge: int = 1                      # adpo: s steps per row (adpo.step_merge)
     epoch: int = 0
 
     @property
@@ -147,18 +217,12 @@ class MaskedStepRows:
 
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor:
         """[R] memory of each row in positions: its forward's plus ``head`` per scored position."""
-        if self.estimator == "adpo":
-            scored = step_commits(self.batch.step_map[traj], step, self.merge).sum(1)
-        elif self.estimator == "coupled":  # a mask and its complement: half the completion on average
-            scored = torch.full_like(traj, self.batch.completion_len // 2)
-        else:
-            scored = torch.full_like(traj, self.batch.completion_len)
-        return seq_len(self.batch) + head * scored.float()
+        return seq_len(self.batch) + head * self.view.scored_count(self.batch, traj, step).float()
 
     @property
     def per_epoch(self) -> bool:
         """Rows change between epochs (fresh masks), so the proximal policy is scored per epoch."""
-        return self.estimator != "adpo"
+        return self.view.per_epoch
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
@@ -174,10 +238,7 @@ class MaskedStepRows:
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         pm, cm = self.masks(traj, step)
-        return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.estimator, pm, cm,
-                          self.merge)
+        return score_rows(model, self.batch, traj, step, self.tok, self.temperature, self.view, pm, cm)
 
     def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
-        """The recorded mu of each token; a merged row (s > 1) scores tokens at an earlier state than
-        the one they were sampled from, so its ratio is against the proximal policy (TraceRL)."""
-        return self.batch.logp[traj] if self.estimator == "adpo" and self.merge == 1 else None
+        return self.view.behaviour(self.batch, traj, step)

@@ -4,49 +4,34 @@
 torchrun learner with a ``World``, the continuous trainer): proximal log-probs, epochs x
 minibatches x row chunks, the ADPO loss, gradient sync, clipping, the optimizer and LR steps, and
 the stats. What differs between kinds of trajectory is only how a row is scored, behind a
-:class:`RowScorer`. See ARCHITECTURE.md.
+:class:`~miles_core.algo.rows.RowScorer`; what differs between estimators (what a row is, the
+loss, the advantage transform) is looked up by ``adpo.estimator`` in the registry,
+:mod:`miles_core.algo.estimators`, so nothing here names one. See ARCHITECTURE.md.
 
 Every recorded step is an independent row (trajectory b, step k): its state is rebuilt from
 ``step_map``, scored with the same step function that sampled it, and backpropagated on its own
 (chunks of ``row_chunk`` rows). Nothing is ever backpropagated through the denoising chain, so
 peak memory depends on the chunk size, not on the number of denoising steps.
-
-``estimator="meanfield"`` is the d1 / diffu-GRPO baseline on the same samples: one row per
-trajectory with the whole completion masked (and a fraction of the prompt), scored in one pass.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from miles_core.algo.advantages import wd1_weights
-from miles_core.algo.elbo import CopyScorer, elbo_rows
-from miles_core.algo.loss import SUM_KEYS, ADPOLoss, SequenceRatioLoss
+from miles_core.algo.estimators import get_estimator
+from miles_core.algo.loss import SUM_KEYS
+from miles_core.algo.rows import Rows, RowScorer
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
 from miles_core.parallel import World
-from miles_core.algo.rows import MaskedStepRows, Rows, build_rows
-from miles_core.window import head_weight
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
+from miles_core.window import head_weight
 
-
-class RowScorer(Protocol):
-    """What the engine needs from one kind of recorded trajectory: masked-diffusion step rows
-    (:class:`MaskedStepRows`), continuous Gaussian step rows (continuous/train.py)."""
-
-    width: int  # L: scored positions per row (completion length, or 1 for a continuous step)
-
-    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
-        """Current-policy log-probs [R, L], entropy [R, L] or None, commit mask [R, L] of rows (traj, step)."""
-        ...
-
-    def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
-        """The sampling policy's stored log-probs [R, L]; None: rows are on-policy (mu = pi_prox)."""
-        ...
+__all__ = ["RowScorer", "adpo_update", "estimator_rows", "policy_update"]
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
@@ -62,10 +47,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     tensors (sums and counts) until one reduction and one host read at the end.
     """
     n_rows = rows.traj.numel()
-    loss_fn = SequenceRatioLoss(cfg.clip_eps, cfg.kl_coef, per_token=cfg.estimator == "espo") \
-        if cfg.estimator in ("espo", "ebpo") else \
-        ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef,
-                 ratio_free=cfg.estimator in ("wd1", "spg"))
+    loss_fn = get_estimator(cfg.estimator).loss(cfg)
     params = trainable_parameters(model)
     device = params[0].device if params else torch.device("cpu")
     own = world.shard if world is not None else (lambda idx: idx)
@@ -144,27 +126,12 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     return stats
 
 
-def estimator_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-                   generator: torch.Generator) -> tuple[Rows, MaskedStepRows | CopyScorer]:
-    """The rows of ``cfg.estimator`` on the kept trajectories, and the scorer that scores them.
-    Random draws happen here, in a fixed order, so every rank of a world draws the same."""
-    b, epochs = len(sub), cfg.epochs
-    prompt_width = max(len(p) for p in sub.prompt_ids)
-    if cfg.estimator == "adpo":
-        rows = build_rows(sub, cfg.step_fraction, generator, cfg.step_merge)
-        torch.rand(b, prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
-        return rows, MaskedStepRows(sub, tok, temperature, "adpo", merge=cfg.step_merge)
-    if cfg.estimator in ("spg", "espo", "ebpo"):  # ELBO-based: masked copies of each trajectory (algo/elbo.py)
-        return elbo_rows(sub, cfg, tok, temperature, generator)
-    n = cfg.mask_samples  # Monte-Carlo mask draws per trajectory, each row weighted 1/n
-    if cfg.estimator in ("meanfield", "wd1"):  # wd1 scores d1's rows; its weights and loss differ
-        rows = Rows(torch.arange(b).repeat_interleave(n), torch.arange(n).repeat(b), torch.full((b * n,), 1 / n))
-        masks = torch.rand(epochs, n, b, prompt_width, generator=generator) < cfg.prompt_mask_prob
-        return rows, MaskedStepRows(sub, tok, temperature, "meanfield", prompt_masks=masks)
-    t = torch.rand(epochs, n, b, 1, generator=generator)
-    comp = torch.rand(epochs, n, b, sub.completion_len, generator=generator) < t
-    rows = Rows(torch.arange(b).repeat_interleave(2 * n), torch.arange(2 * n).repeat(b), torch.full((2 * b * n,), 1 / n))
-    return rows, MaskedStepRows(sub, tok, temperature, "coupled", comp_masks=comp)
+def estimator_rows(sub: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+                   generator: torch.Generator, model: Any = None) -> tuple[Rows, RowScorer]:
+    """The rows ``cfg.estimator`` builds for the kept trajectories (by the batch's ``kind``), and the
+    scorer that scores them. Random draws happen here, in a fixed order, so every rank of a world
+    draws the same. ``model``: what a renoising chain's rows rebuild its self-conditioning with."""
+    return get_estimator(cfg.estimator).rows(sub, cfg, tok, temperature, generator, model)
 
 
 def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
@@ -172,8 +139,9 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
                 scheduler: Any = None, world: World | None = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch`` (see :func:`policy_update` for ``world``):
     rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine.
-    A renoising batch (DiffusionGemma) has its own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`;
-    its temperature schedule travels with the batch, so ``temperature`` is not read for it)."""
+    A renoising batch (DiffusionGemma) has its own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`,
+    built by the estimators that declare its kind; its temperature schedule travels with the batch,
+    so ``temperature`` is not read for it)."""
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
@@ -182,20 +150,14 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     if keep.numel() == 0:
         return stats
     sub = batch.select(keep)
-    if isinstance(sub, RenoiseBatch):
-        from miles_core.algo.renoise_rows import renoise_rows
-
-        rows, scorer = renoise_rows(model, sub, cfg, tok)
-    else:
-        rows, scorer = estimator_rows(sub, cfg, tok, temperature, generator)
+    estimator = get_estimator(cfg.estimator)
+    rows, scorer = estimator.rows(sub, cfg, tok, temperature, generator, model)
     if rows.traj.numel() == 0:  # renoising rows that all stopped after one step: nothing carries an action
         return stats
     # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
     # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
     normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
-    adv = torch.nan_to_num(sub.advantage, nan=0.0)
-    if cfg.estimator == "wd1":  # ratio-free weighted likelihood: softmax(A) - softmax(-A) per group
-        adv = wd1_weights(adv, sub.group_id)
+    adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub)   # [B_kept]
     stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world))
     return stats

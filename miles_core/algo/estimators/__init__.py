@@ -1,0 +1,104 @@
+"""Every estimator by name: what ``adpo.estimator`` names, and what the update engine looks up.
+
+Why a registry: an estimator is what a row is, its loss and its advantage transform; the engine
+(algo/update.py) only runs rows, so it holds no estimator's name. One module per estimator here
+declares all three and registers itself by name with :func:`register_estimator` (as verl's
+``core_algos`` registers its policy losses); :func:`get_estimator` finds it. Adding an estimator
+is one module, imported at the bottom of this file (docs/concepts/estimators.md shows one).
+
+Each estimator also says which ``ADPOConfig`` fields are its own (``reads``): the recipe schema
+sits below the algorithms, so it is told the registered names and their fields
+(``config.ESTIMATORS``) and rejects an unknown ``adpo.estimator`` at load, naming the registered
+ones. A field an estimator never reads is not rejected: the shipped recipes set ADPO's
+``step_fraction`` and are run with every estimator (benchmarks/estimators.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar, TypeVar
+
+import torch
+from torch import Tensor
+
+from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.rows import Rows, RowScorer
+from miles_core.config import ESTIMATORS, ADPOConfig, ConfigError
+from miles_core.tokenizer import CharTokenizer
+
+# (batch, cfg, tok, temperature, generator, model) -> the rows of the batch and their scorer
+RowBuilder = Callable[[Any, ADPOConfig, CharTokenizer, float, torch.Generator, Any], tuple[Rows, RowScorer]]
+
+
+class Estimator:
+    """One estimator: the rows it builds for each kind of batch it supports, its loss and its
+    advantage transform. Subclass, set ``name``, ``reads`` and ``row_builders``, and decorate with
+    :func:`register_estimator`."""
+
+    name: ClassVar[str] = ""
+    reads: ClassVar[tuple[str, ...]] = ()   # the ADPOConfig fields of its own (engine-wide ones aside)
+
+    def row_builders(self) -> dict[str, RowBuilder]:
+        """Batch kind (``TrajectoryBatch.kind``, ``RenoiseBatch.kind``) -> the rows built for it."""
+        return {}
+
+    def loss(self, cfg: ADPOConfig) -> Any:
+        """The loss module the engine calls on every chunk (algo/loss.py): ADPO's clipped ratio,
+        its importance weight capped at ``adpo.is_cap``, by default."""
+        return ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
+
+    def advantages(self, adv: Tensor, batch: Any) -> Tensor:
+        """[B] what the loss weights each kept trajectory by, from its advantage [B]: itself by default."""
+        return adv
+
+    def rows(self, batch: Any, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+             generator: torch.Generator, model: Any = None) -> tuple[Rows, RowScorer]:
+        """The rows of ``batch`` and their scorer, by the batch's kind; a kind this estimator has no
+        rows for fails naming both (a renoising chain has no masked states to score an ELBO on)."""
+        builders = self.row_builders()
+        build = builders.get(batch.kind)
+        if build is None:
+            can = [e.name for e in _REGISTRY.values() if batch.kind in e.row_builders()]
+            raise ValueError(f"adpo.estimator={self.name!r} builds no rows for a {batch.kind!r} batch ("
+                             f"{type(batch).__name__}); estimators that do: {', '.join(map(repr, can))}")
+        return build(batch, cfg, tok, temperature, generator, model)
+
+
+_REGISTRY: dict[str, Estimator] = {}
+E = TypeVar("E", bound=type[Estimator])
+
+
+def register_estimator(name: str) -> Callable[[E], E]:
+    """Class decorator: register an :class:`Estimator` subclass under ``name`` (``adpo.estimator``),
+    and tell the recipe schema its name and the fields it reads."""
+    def deco(cls: E) -> E:
+        if name in _REGISTRY:
+            raise ValueError(f"estimator {name!r} is already registered ({type(_REGISTRY[name]).__name__})")
+        cls.name = name
+        _REGISTRY[name] = cls()
+        ESTIMATORS[name] = tuple(cls.reads)
+        return cls
+    return deco
+
+
+def unregister_estimator(name: str) -> None:
+    """Remove ``name`` from the registry (tests registering a toy estimator clean up with this)."""
+    _REGISTRY.pop(name, None)
+    ESTIMATORS.pop(name, None)
+
+
+def get_estimator(name: str) -> Estimator:
+    """The estimator registered under ``name``, or a ConfigError naming ``adpo.estimator`` and the
+    registered names."""
+    est = _REGISTRY.get(name)
+    if est is None:
+        raise ConfigError(f"adpo.estimator: {name!r} is not a registered estimator; registered: "
+                          f"{', '.join(map(repr, sorted(_REGISTRY)))}")
+    return est
+
+
+def estimator_names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+# registration happens on import: one line per estimator module
+from miles_core.algo.estimators import adpo, coupled, ebpo, espo, meanfield, spg, wd1  # noqa: E402,F401

@@ -1,0 +1,41 @@
+"""``coupled``: DiffuCoder's coupled-GRPO (Gong et al., 2025, arXiv:2506.20639). Two rows per
+trajectory and mask draw: a random mask M (each token masked with probability t ~ U(0, 1)) and
+its complement, so every completion token is scored exactly once per pair; redrawn every epoch,
+``adpo.mask_samples`` = n pairs per trajectory, each row of weight 1/n.
+
+Its tokens are scored outside any recorded state, so the ratio is against the policy before the
+update and there is no importance weight (behaviour = prox).
+
+Reads ``adpo.mask_samples``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from miles_core.algo.estimators import Estimator, register_estimator
+from miles_core.algo.estimators.meanfield import draw_rows
+from miles_core.algo.rows import MaskedCopy, MaskedStepRows, Rows
+from miles_core.config import ADPOConfig
+from miles_core.tokenizer import CharTokenizer
+from miles_core.types import TrajectoryBatch
+
+
+def coupled_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+                 generator: torch.Generator, model: Any = None) -> tuple[Rows, MaskedStepRows]:
+    """2n rows per trajectory (row 2i: M_i, row 2i + 1: ~M_i) and the masks M [E, n, B, L], drawn now:
+    each draw's level t [E, n, B, 1] first, then its tokens."""
+    b, n = len(sub), cfg.mask_samples
+    t = torch.rand(cfg.epochs, n, b, 1, generator=generator)
+    comp = torch.rand(cfg.epochs, n, b, sub.completion_len, generator=generator) < t
+    return draw_rows(b, n, per_draw=2), MaskedStepRows(sub, tok, temperature, MaskedCopy(), comp_masks=comp)
+
+
+@register_estimator("coupled")
+class Coupled(Estimator):
+    reads = ("mask_samples",)
+
+    def row_builders(self) -> dict[str, Any]:
+        return {"masked": coupled_rows}

@@ -1,0 +1,98 @@
+"""``spg``: SPG, Sandwiched Policy Gradient (Wang et al., 2025, arXiv:2510.09541; code
+facebookresearch/SPG ``spg/spg_trainer.py``). REINFORCE with no ratio: a trajectory with A > 0
+raises a lower bound of log pi (the ELBO), one with A <= 0 lowers an upper bound (the EUBO), or
+``adpo.spg_mix`` = w of it mixed with the ELBO. With J = ``adpo.mask_samples`` masked copies,
+m_jk = 1 where copy j masks token k and t_j = sum_k m_jk / L:
+
+    ELBO  = (1/L) (1/J) sum_j sum_k m_jk log p_jk / t_j
+    EUBO  = (1/(beta |K|)) sum_{k in K} log[(1/J) sum_j m_jk p_jk^beta / t_j]      K: tokens some copy masks
+    loss  = -sum_b A_b L S_b / (B L),   S_b = ELBO if A_b > 0 else w EUBO + (1 - w) ELBO
+
+Copies are block-wise (SPG's ``block_random``): a random block of ``adpo.mask_block`` tokens
+(0: the completion is one block) has a uniform number 1..m of its tokens masked, every later
+block is masked whole, earlier blocks stay clean. The prompt is masked with
+``adpo.prompt_mask_prob`` as in d1; unlike SPG's code, that mask never reaches the completion.
+
+Reads ``adpo.mask_samples`` (J), ``adpo.mask_block``, ``adpo.prompt_mask_prob``, ``adpo.eubo_beta``
+and ``adpo.spg_mix``; its loss is ADPO's with no ratio (``ratio_free``).
+
+Within an update, the policy, the proximal policy and the reference see the same masks (common
+random numbers: VRPO's "antithetic" sampling, LLaDA 1.5, arXiv:2505.19223); they are redrawn at
+every epoch. The copy scorer they share is algo/elbo.py::CopyScorer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from miles_core.algo.estimators import Estimator, register_estimator
+from miles_core.algo.elbo import CopyScorer, effective_block, one_row_each, uniform_subset
+from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.rows import Rows
+from miles_core.config import ADPOConfig
+from miles_core.tokenizer import CharTokenizer
+from miles_core.types import TrajectoryBatch
+
+
+def block_masks(gen: torch.Generator, shape: tuple[int, ...], length: int, block: int) -> Tensor:
+    """SPG's block-wise copies [*shape, L]: in a uniform random block, a uniform count 1..m of its m
+    tokens masked at random positions; every later block masked; earlier blocks clean."""
+    block = effective_block(length, block)
+    n_blocks = -(-length // block)
+    pos = torch.arange(length)
+    which = torch.randint(n_blocks, shape, generator=gen)[..., None]                  # [*shape, 1]
+    start = which * block
+    size = (torch.clamp(start + block, max=length) - start)                            # m of that block
+    count = (torch.rand(size.shape, generator=gen) * size).long() + 1                 # 1..m
+    inside = (pos >= start) & (pos < start + size)
+    return uniform_subset(gen, (*shape, length), count, inside) | (pos >= start + size)
+
+
+@dataclass
+class SandwichRows(CopyScorer):
+    """SPG: a row per trajectory; its per-token bound contributions s [R, L] sum to L S_b."""
+
+    beta: float = 1.5
+    mix: float = 0.5
+    advantage: Tensor | None = None     # [B]: the sign picks the bound
+
+    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, None, Tensor]:
+        logp, mask = self.copies(model, traj, step)                                     # [J, R, L]
+        m = mask.float()
+        length = m.shape[-1]
+        t = m.sum(-1, keepdim=True).clamp_min(1) / length                                # [J, R, 1]
+        elbo = (m * logp / t).mean(0)                                                    # [R, L]
+        scored = m.amax(0) > 0                                                           # K
+        avg = (m * torch.exp(self.beta * logp) / t).mean(0)
+        size = scored.sum(-1, keepdim=True).clamp_min(1)
+        eubo = torch.where(scored, torch.log(avg.clamp_min(1e-30)), 0.0) / self.beta * (length / size)
+        neg = (self.advantage[traj] <= 0).to(logp.device)[:, None]
+        return torch.where(neg, self.mix * eubo + (1 - self.mix) * elbo, elbo), None, scored
+
+
+def spg_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+             generator: torch.Generator, model: Any = None) -> tuple[Rows, SandwichRows]:
+    """One row per kept trajectory; its J block-wise copies, then their prompt masks, drawn now."""
+    b, n, length = len(sub), cfg.mask_samples, sub.completion_len
+    rows = one_row_each(b)
+    comp = block_masks(generator, (cfg.epochs, n, b), length, cfg.mask_block)
+    width = max(len(p) for p in sub.prompt_ids)
+    prompt = torch.rand(cfg.epochs, n, b, width, generator=generator) < cfg.prompt_mask_prob
+    return rows, SandwichRows(sub, tok, temperature, comp, prompt, beta=cfg.eubo_beta, mix=cfg.spg_mix,
+                              advantage=torch.nan_to_num(sub.advantage, nan=0.0))
+
+
+@register_estimator("spg")
+class SPG(Estimator):
+    reads = ("mask_samples", "mask_block", "prompt_mask_prob", "eubo_beta", "spg_mix")
+
+    def row_builders(self) -> dict[str, Any]:
+        return {"masked": spg_rows}
+
+    def loss(self, cfg: ADPOConfig) -> ADPOLoss:
+        """REINFORCE on the bounds: no ratio, no clip, no importance weight."""
+        return ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef, ratio_free=True)

@@ -1,0 +1,33 @@
+"""``wd1`` (Tang et al., 2025, arXiv:2507.08838; code xiaohangt/wd1): d1's rows (meanfield.py),
+each trajectory weighted by w = softmax(A) - softmax(-A) within its group, with a ratio-free loss
+-w log p: a weighted likelihood, no clip and no importance weight.
+
+Reads ``adpo.mask_samples`` and ``adpo.prompt_mask_prob`` (through d1's rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+from miles_core.algo.advantages import wd1_weights
+from miles_core.algo.estimators import Estimator, register_estimator
+from miles_core.algo.estimators.meanfield import meanfield_rows
+from miles_core.algo.loss import ADPOLoss
+from miles_core.config import ADPOConfig
+
+
+@register_estimator("wd1")
+class WD1(Estimator):
+    reads = ("mask_samples", "prompt_mask_prob")
+
+    def row_builders(self) -> dict[str, Any]:
+        return {"masked": meanfield_rows}
+
+    def loss(self, cfg: ADPOConfig) -> ADPOLoss:
+        return ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef, ratio_free=True)
+
+    def advantages(self, adv: Tensor, batch: Any) -> Tensor:
+        """[B] softmax(A) - softmax(-A) over each group (``batch.group_id``)."""
+        return wd1_weights(adv, batch.group_id)
