@@ -11,7 +11,7 @@ from conftest import train_tiny_base
 
 from miles_core.config import ConfigError, load_recipe
 from miles_core.data.registry import build_task
-from miles_core.learner.runtime import open_step_run
+from miles_core.learner.runtime import open_step_run, start_step_run
 from miles_core.storage.run import RunStore
 from tasks import training
 
@@ -80,3 +80,26 @@ def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, bas
     longer = load_recipe("tiny", BASE + ["train.iterations=5"]).to_dict()  # a resumable setting
     with training.learner(run_dir):
         assert training.init_learner.fn(str(run_dir), longer, str(base_dir), store, resume=True)["iteration"] == 1
+
+
+def test_a_sync_iteration_writes_its_batch_once_and_never_reads_it_back(tmp_path: Path, base_dir: Path) -> None:
+    """collect commits the scored batch (one write); consume in the same process updates on the
+    batch collect holds (no read, no not-found probe). A consume in another process reads it once."""
+    cfg = load_recipe("tiny", BASE)
+    run, _ = start_step_run(str(tmp_path / "r"), cfg, str(base_dir), str(tmp_path / "store"))
+    calls = {"write_batch": 0, "read_batch": 0}
+    store = run.rs.trajectories
+    for name in calls:
+        def counted(*a, _f=getattr(store, name), _n=name, **k):
+            calls[_n] += 1
+            return _f(*a, **k)
+        setattr(store, name, counted)
+    bid, batch, reused = run.collect(0)
+    assert not reused and not batch.reward.isnan().any() and batch.advantage is not None
+    assert run.consume(bid)[0] == "consumed"
+    assert calls == {"write_batch": 1, "read_batch": 0}
+    assert store.list_batches() == [bid] and not run.rs.exists("rollouts")
+    other = open_step_run(tmp_path / "r")  # the next batch, consumed by a learner that did not collect it
+    bid1, _, _ = run.collect(1)
+    other.rs.trajectories.read_batch = run.rs.trajectories.read_batch  # count its reads too
+    assert other.consume(bid1)[0] == "consumed" and calls == {"write_batch": 2, "read_batch": 1}
