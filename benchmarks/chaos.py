@@ -22,7 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import start_loopback_s3, table, usable_cpus, write_result
+from benchmarks.harness import table, usable_cpus, write_result
+from tests.helpers.s3 import start_loopback_s3
 
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=15", "async_rl.max_pending=2",
                      "async_rl.checkpoint_every=2", "adpo.max_staleness=3", "sft.steps=300",

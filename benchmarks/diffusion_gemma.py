@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import table, write_result
 from miles_core.eval.passk import paired_sign_test
 
 SIZES = dict(hidden=64, layers=2, heads=4, experts=4)

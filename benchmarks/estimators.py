@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import table, write_result
 from miles_core.eval.passk import paired_sign_test
 
 ESTIMATORS = ("adpo", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
@@ -68,13 +68,13 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
     import torch
 
     torch.set_num_threads(1)
-    from benchmarks.memory import SavedTensorMeter
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.eval.evaluate import run_eval
     from miles_core.flops import FlopMeter
     from miles_core.learner.baseline import train_baseline
     from miles_core.learner.policy import Learner
+    from miles_core.memory import SavedTensorMeter
 
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)

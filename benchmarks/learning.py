@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import table, write_result
 from miles_core.eval.passk import paired_sign_test
 
 # SFT gets up to 6000 steps and stops earlier at its plateau (no validation gain for 3 evals); ADPO

@@ -27,7 +27,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.common import RESULTS, table, write_result
+from benchmarks.harness import RESULTS, table, write_result
 from benchmarks.sim import Params, simulate, update_time
 
 GPUS = (8, 64, 512, 4096)

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import table, write_result
 
 DEFAULT_OVERRIDES = ["sft.steps=4000"]
 
