@@ -14,16 +14,14 @@ Writes benchmarks/results/async_vs_sync.json. Run: python -m benchmarks.async_vs
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import table, usable_cpus, write_result
+from benchmarks.harness import ASYNC_OVERRIDES, bench_args, sft_checkpoint, table, usable_cpus, workdir, write_result
 
 # 150 batches (the arith recipe's train.iterations) of 16 x 8 completions. Measured on the quiet
 # 2-core machine (single thread: a rollout 0.49 s, an update 0.16 s; sync with 2 threads: 0.31 s
@@ -36,10 +34,7 @@ from benchmarks.harness import table, usable_cpus, write_result
 #     peft in each arm), 1.27x with it.
 # LoRA r=4 on q_proj/v_proj (the LoRA paper's choice) and bfloat16 adapter sync: 1/77 of the base's
 # bytes per version (r=16 on every projection in float32: 1/3).
-DEFAULT_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150", "async_rl.max_pending=3",
-                     "async_rl.shared_budget=true", "async_rl.learner_samples=true", "async_rl.sync_dtype=bfloat16",
-                     "lora.r=4", "lora.targets=q_proj,v_proj", "async_rl.checkpoint_every=10",
-                     "adpo.max_staleness=5", "sft.steps=2500"]
+DEFAULT_OVERRIDES = ASYNC_OVERRIDES  # benchmarks/harness.py: components.py measures the same run's parts
 
 
 def timed_loop(cfg_json: str, base: str, threads: int, batches: int):
@@ -219,11 +214,7 @@ def evaluate(cfg, base: str, adapter: str) -> tuple[float, list[bool]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
-    ap.add_argument("--checkpoint", default=None, help="SFT checkpoint to start from (trained if omitted)")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default=None, help="the result JSON (default: benchmarks/results/async_vs_sync.json)")
+    ap = bench_args(__doc__, checkpoint=True, workdir=True)
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring this machine's speedup ceiling "
                     "(the async run's batches redone by single-thread processes at once, ~1 minute)")
@@ -235,19 +226,16 @@ def main() -> None:
     from miles_core.asyncrl.launch import prepare_run, run_local
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
-    from miles_core.learner.baseline import train_baseline
 
     cores = usable_cpus()
     overrides = DEFAULT_OVERRIDES + args.set
     cfg = load_recipe("arith", overrides)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-async-"))
-    base = args.checkpoint
-    if base is None:
-        torch.set_num_threads(cores)
-        base = str(work / "sft")
-        t = time.perf_counter()
-        train_baseline(cfg, build_task(cfg), base, progress=True)
-        print(f"SFT checkpoint trained in {time.perf_counter() - t:.0f}s", flush=True)
+    work = workdir(args, "async")
+    torch.set_num_threads(cores)
+    sft = sft_checkpoint(cfg, cfg.sft.seed, work, args.checkpoint, build_task(cfg), validate=False, progress=True)
+    base = sft["path"]
+    if sft["trained"]:
+        print(f"SFT checkpoint trained in {sft['seconds']:.0f}s", flush=True)
 
     # --- sync
     t0 = time.perf_counter()
@@ -316,6 +304,7 @@ def main() -> None:
         "learner_self_sample_fraction": summary.get("self_sample_fraction", 0.0),
         "lora": {"r": cfg.lora.r, "targets": cfg.lora.targets or "backend default"}, "sync_dtype": cfg.async_rl.sync_dtype,
         "store": "s3 (loopback moto)" if args.s3 else "local folder", "overrides": overrides,
+        "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"},
         "async_workers": "fresh interpreters" if args.cold else "forked from one preloaded server",
         "learner_seconds_per_update": learner_time,
         "pass1_agreement": sum(a == b for a, b in zip(sync_correct, async_correct)) / max(len(sync_correct), 1),

@@ -25,7 +25,7 @@ from miles_core.flops import FlopMeter
 from miles_core.models.base import load_checkpoint
 from miles_core.rewards.registry import get_reward
 from miles_core.data.registry import build_task
-from miles_core.eval.evaluate import eval_config, run_eval
+from miles_core.eval.evaluate import eval_config
 
 
 def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> list[dict]:

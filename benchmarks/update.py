@@ -16,7 +16,7 @@ advantages are drawn, then one update runs through the production engine (algo/u
   recomputed in backward, so a chunk keeps only the layers' inputs; memory for compute.
 
 Each configuration runs in a fresh process. Peak memory is measured twice: the peak bytes autograd
-holds for backward (benchmarks/memory.py's SavedTensorMeter: deterministic, the activation memory
+holds for backward (miles_core/memory.py's SavedTensorMeter: deterministic, the activation memory
 the methods differ in), and the growth of the peak resident set over the resident set just before
 the update (Linux: the peak is reset through /proc/self/clear_refs after the model is loaded and
 one small update has warmed up; allocator caching makes it noisier).
