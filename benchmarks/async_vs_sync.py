@@ -14,16 +14,14 @@ Writes benchmarks/results/async_vs_sync.json. Run: python -m benchmarks.async_vs
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, usable_cpus, write_result
+from benchmarks.harness import ASYNC_OVERRIDES, bench_args, sft_checkpoint, table, usable_cpus, workdir, write_result
 
 # 150 batches (the arith recipe's train.iterations) of 16 x 8 completions. Measured on the quiet
 # 2-core machine (single thread: a rollout 0.49 s, an update 0.16 s; sync with 2 threads: 0.31 s
@@ -36,10 +34,7 @@ from benchmarks.common import table, usable_cpus, write_result
 #     peft in each arm), 1.27x with it.
 # LoRA r=4 on q_proj/v_proj (the LoRA paper's choice) and bfloat16 adapter sync: 1/77 of the base's
 # bytes per version (r=16 on every projection in float32: 1/3).
-DEFAULT_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150", "async_rl.max_pending=3",
-                     "async_rl.shared_budget=true", "async_rl.learner_samples=true", "async_rl.sync_dtype=bfloat16",
-                     "lora.r=4", "lora.targets=q_proj,v_proj", "async_rl.checkpoint_every=10",
-                     "adpo.max_staleness=5", "sft.steps=2500"]
+DEFAULT_OVERRIDES = ASYNC_OVERRIDES  # benchmarks/harness.py: components.py measures the same run's parts
 
 
 def timed_loop(cfg_json: str, base: str, threads: int, batches: int):
@@ -76,17 +71,112 @@ def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
     Path(out, "timing.json").write_text(json.dumps({"rollout_s": roll, "update_s": upd, "batches": n, "rows": rows}))
 
 
+# ---- the compute floor of the async run: its own work, redone with no asynchrony at all
+#
+# The compute floor of one asynchronous run: its own work, redone with no asynchrony at all.
+#
+# An asynchronous run's batches differ from any other run's: their prompts and noise are seeded by
+# (worker, sequence number), the policy that sampled each is a different version, and the number of
+# rows an update scores (the denoising steps of every trajectory whose group had a reward spread)
+# varies from batch to batch by a factor of two. A floor measured on a few other batches is therefore
+# a floor for other work: the 8-batch probe this benchmark used before held 232 rows per update
+# where the run it was compared with held 300, and that alone put the floor ~5 s low.
+#
+# So the floor replays the run. Every consumed batch is sampled again with the adapter version that
+# sampled it (same worker seed, same sequence number: ``sample_batch`` is deterministic in them) and
+# its stored copy is updated on again, each in a single-thread process, the batches dealt out over
+# as many such processes as the run had cores, all starting at one instant (so they contend for
+# caches and memory bandwidth as the run's processes did). Nothing is read, written, published or
+# polled inside the timed region. The floor is the total of those seconds over the number of
+# processes: the wall clock of a perfectly balanced split of the same work with no coordination.
+
+
+def replay_share(cfg_json: str, base: str, run_uri: str, bids: list[str], start_at: float) -> dict[str, Any]:
+    """Redo ``bids`` (rollout with the batch's own adapter version, then the update on its stored
+    copy), one torch thread, from wall-clock ``start_at`` -> seconds and how faithful the replay was."""
+    import torch
+
+    torch.set_num_threads(1)
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from miles_core.algo.rl import batch_seq, sample_batch
+    from miles_core.allocator import apply_heap_setting
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.learner.policy import Learner
+    from miles_core.models.base import load_base
+    from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
+    from miles_core.rewards.registry import reward_for_recipe
+    from miles_core.storage.run import RunStore
+
+    cfg = load_recipe(json.loads(cfg_json))
+    apply_heap_setting(cfg.async_rl.retain_heap_mb)  # as the run's workers do (miles_core/allocator.py)
+    rs = RunStore(run_uri)
+    model, tok = load_base(cfg, base)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(0)
+    model = add_lora_from(model, cfg.lora, dropout=0.0)  # as a sampler builds it
+    learner = Learner(cfg, base, seed=cfg.train.seed, total_updates=len(bids))
+    data, reward_fn = build_task(cfg), reward_for_recipe(cfg)
+    stored = {bid: rs.trajectories.read_batch(bid) for bid in bids}
+    adapters = {}
+    with TemporaryDirectory() as tmp:
+        for v in sorted({int(b.policy_version.min()) for b in stored.values()}):
+            adapters[v] = load_file(str(rs.adapters.fetch(v, Path(tmp) / f"v{v}") / ADAPTER_WEIGHTS))
+    time.sleep(max(0.0, start_at - time.time()))
+    roll = upd = 0.0
+    identical, rows = 0, {}
+    for bid in bids:
+        batch = stored[bid]
+        version = int(batch.policy_version.min())
+        worker = bid.split("-", 1)[1]
+        index = cfg.async_rl.num_samplers if worker == "learner" else int(worker[1:])
+        set_peft_model_state_dict(model, adapters[version])
+        t0 = time.perf_counter()
+        again = sample_batch(cfg, model, tok, data, reward_fn, worker, index, batch_seq(bid), version)
+        t1 = time.perf_counter()
+        stats = learner.update(batch)
+        t2 = time.perf_counter()
+        roll, upd = roll + t1 - t0, upd + t2 - t1
+        identical += bool(torch.equal(again.completion_ids, batch.completion_ids))
+        rows[bid] = float(stats.get("rows", 0.0))
+    return {"rollout_s": roll, "update_s": upd, "identical": identical, "rows": rows}
+
+
+def replay_floor(cfg: Any, base: str, run_uri: str, consumed: list[dict[str, Any]], history: list[dict[str, Any]],
+                 processes: int) -> dict[str, Any]:
+    """Replay the run's ``consumed`` batches over ``processes`` single-thread processes -> the floor
+    and the per-batch costs it is made of. ``history`` (the learner's, in the same order) gives the
+    rows each real update scored, to check that the replay did the same work."""
+    bids = [e["id"] for e in consumed]
+    shares = [bids[i::processes] for i in range(processes)]
+    cfg_json = json.dumps(cfg.to_dict())
+    with mp.get_context("spawn").Pool(processes) as pool:
+        start = time.time() + 25  # every process has loaded and read its batches before the shared start
+        parts = pool.starmap(replay_share, [(cfg_json, base, run_uri, s, start) for s in shares])
+    n = len(bids)
+    roll = sum(p["rollout_s"] for p in parts)
+    upd = sum(p["update_s"] for p in parts)
+    replay_rows = {k: v for p in parts for k, v in p["rows"].items()}
+    real_rows = {e["id"]: float(h.get("rows", 0.0)) for e, h in zip(consumed, history)}
+    return {"batches": n, "processes": processes, "rollout_s_per_batch": roll / max(n, 1),
+            "update_s_per_batch": upd / max(n, 1), "async_compute_floor_s": (roll + upd) / processes,
+            "rollouts_identical": sum(p["identical"] for p in parts) / max(n, 1),
+            "update_rows_per_batch": sum(real_rows.values()) / max(n, 1),
+            "update_rows_matching": sum(replay_rows.get(k) == v for k, v in real_rows.items()) / max(n, 1)}
+
+
 def machine_ceiling(cfg, base: str, run_uri: str, sync_timing: dict, consumed: list[dict], history: list[dict]) -> dict:
     """The best asynchronous time this machine allows for this run's work, measured, not assumed.
 
     Async runs single-threaded processes side by side, so its floor is the single-thread work of
-    every batch it consumed, redone two processes at once (benchmarks/async_floor.py) and spread
+    every batch it consumed, redone two processes at once (``replay_floor`` above) and spread
     over the cores. Sync's compute is what the sync arm measured with all threads. Their ratio
     bounds the speedup before start-up costs (equal in both arms); the rows each arm's updates
     scored say how much of the ratio is the two runs' different batches.
     """
-    from benchmarks.async_floor import replay_floor
-
     f = replay_floor(cfg, base, run_uri, consumed, history, min(usable_cpus(), cfg.async_rl.num_samplers + 1))
     n = sync_timing["batches"]
     sync_compute = sync_timing["rollout_s"] + sync_timing["update_s"]
@@ -124,11 +214,7 @@ def evaluate(cfg, base: str, adapter: str) -> tuple[float, list[bool]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
-    ap.add_argument("--checkpoint", default=None, help="SFT checkpoint to start from (trained if omitted)")
-    ap.add_argument("--workdir", default=None)
-    ap.add_argument("--out", default=None, help="the result JSON (default: benchmarks/results/async_vs_sync.json)")
+    ap = bench_args(__doc__, checkpoint=True, workdir=True)
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring this machine's speedup ceiling "
                     "(the async run's batches redone by single-thread processes at once, ~1 minute)")
@@ -140,19 +226,16 @@ def main() -> None:
     from miles_core.asyncrl.launch import prepare_run, run_local
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
-    from miles_core.learner.baseline import train_baseline
 
     cores = usable_cpus()
     overrides = DEFAULT_OVERRIDES + args.set
     cfg = load_recipe("arith", overrides)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-async-"))
-    base = args.checkpoint
-    if base is None:
-        torch.set_num_threads(cores)
-        base = str(work / "sft")
-        t = time.perf_counter()
-        train_baseline(cfg, build_task(cfg), base, progress=True)
-        print(f"SFT checkpoint trained in {time.perf_counter() - t:.0f}s", flush=True)
+    work = workdir(args, "async")
+    torch.set_num_threads(cores)
+    sft = sft_checkpoint(cfg, cfg.sft.seed, work, args.checkpoint, build_task(cfg), validate=False, progress=True)
+    base = sft["path"]
+    if sft["trained"]:
+        print(f"SFT checkpoint trained in {sft['seconds']:.0f}s", flush=True)
 
     # --- sync
     t0 = time.perf_counter()
@@ -169,7 +252,7 @@ def main() -> None:
     env: dict[str, str] = {}
     run_uri = str(work / "async_run")
     if args.s3:
-        from benchmarks.common import start_loopback_s3
+        from tests.helpers.s3 import start_loopback_s3
 
         server, env = start_loopback_s3("miles-bench")
         os.environ.update(env)
@@ -221,6 +304,7 @@ def main() -> None:
         "learner_self_sample_fraction": summary.get("self_sample_fraction", 0.0),
         "lora": {"r": cfg.lora.r, "targets": cfg.lora.targets or "backend default"}, "sync_dtype": cfg.async_rl.sync_dtype,
         "store": "s3 (loopback moto)" if args.s3 else "local folder", "overrides": overrides,
+        "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"},
         "async_workers": "fresh interpreters" if args.cold else "forked from one preloaded server",
         "learner_seconds_per_update": learner_time,
         "pass1_agreement": sum(a == b for a, b in zip(sync_correct, async_correct)) / max(len(sync_correct), 1),

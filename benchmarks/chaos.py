@@ -14,15 +14,13 @@ Writes benchmarks/results/chaos.json. Run: python -m benchmarks.chaos [--kills 8
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import signal
-import tempfile
 import time
-from pathlib import Path
 
-from benchmarks.common import start_loopback_s3, table, usable_cpus, write_result
+from benchmarks.harness import bench_args, sft_checkpoint, table, usable_cpus, workdir, write_result
+from tests.helpers.s3 import start_loopback_s3
 
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=15", "async_rl.max_pending=2",
                      "async_rl.checkpoint_every=2", "adpo.max_staleness=3", "sft.steps=300",
@@ -54,13 +52,11 @@ def learner_started(rs) -> bool:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_args(__doc__, checkpoint=True, workdir=True)
     ap.add_argument("--kills", type=int, default=8, help="SIGKILLs to deliver (bounded)")
     ap.add_argument("--min-gap", type=float, default=4.0, help="seconds between kills, at least")
     ap.add_argument("--max-gap", type=float, default=12.0, help="seconds between kills, at most")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
-    ap.add_argument("--checkpoint", default=None, help="SFT checkpoint (a short SFT is trained if omitted)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     args = ap.parse_args()
     import torch
 
@@ -68,15 +64,11 @@ def main() -> None:
     from miles_core.storage.run import RunStore
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
-    from miles_core.learner.baseline import train_baseline
 
     cfg = load_recipe("arith", DEFAULT_OVERRIDES + args.set)
-    work = Path(tempfile.mkdtemp(prefix="miles-chaos-"))
-    base = args.checkpoint
-    if base is None:
-        torch.set_num_threads(usable_cpus())
-        base = str(work / "sft")
-        train_baseline(cfg, build_task(cfg), base)
+    work = workdir(args, "chaos")
+    torch.set_num_threads(usable_cpus())
+    base = sft_checkpoint(cfg, cfg.sft.seed, work, args.checkpoint, build_task(cfg), validate=False)["path"]  # a short SFT
     server, env = start_loopback_s3("miles-chaos")
     os.environ.update(env)
     run_uri = "s3://miles-chaos/run"
@@ -132,7 +124,7 @@ def main() -> None:
     print(table([[payload[k] for k in keys]], keys))
     print(f"{'OK' if ok else 'FAILED'}: lost={result['batches_lost']} duplicated={result['batches_duplicated']} "
           f"staleness {result['max_staleness_seen']} <= {cfg.adpo.max_staleness}; {seconds:.0f}s")
-    print(f"wrote {write_result('chaos', payload)}")
+    print(f"wrote {write_result('chaos', payload, args.out)}")
 
 
 if __name__ == "__main__":

@@ -10,25 +10,21 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      pinned greedy eval config; pass@1 = the completion passes every test in the sandbox.
 ``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
 (it adds RL's wall-clock again, so it is off by default).
-``--reuse-sft --workdir DIR`` starts from the SFT checkpoints an earlier run with the same model,
-task and sft settings left in DIR (RL settings may differ), so RL variants need not retrain SFT.
-Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE]
+``--checkpoint DIR`` keeps the SFT checkpoints in DIR (``seed{N}/sft``): trained there when absent,
+and a later run with the same model, task and sft settings (RL settings may differ) starts from
+them instead of training again (benchmarks/harness.py's ``sft_checkpoint``).
+Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE] [--checkpoint DIR]
 Every measured setting, and why the SFT baseline's length and machine matter: benchmarks/CODE.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
-import multiprocessing as mp
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.common import table, write_result
-from miles_core.eval.passk import paired_sign_test
+from benchmarks.harness import bench_args, finish, over_seeds, paired, seed_mean, sft_checkpoint, table, workdir
 
 DEFAULT_OVERRIDES: list[str] = []
 # SFT runs all sft.steps and keeps its best-validation weights. No plateau stop: on 200 validation
@@ -72,49 +68,7 @@ def val_pass1(model, tok, cfg, data) -> float:
     return run_eval(model, tok, cfg, data, split="val").pass_at["pass@1"]
 
 
-def sft_checkpoint(cfg, data, ckpt: Path, seed: int, on_eval=None, reuse: bool = False) -> tuple[list[dict], float]:
-    """Train the SFT baseline into ``ckpt`` (best-validation weights) and return its validation
-    curve and seconds; with ``reuse``, take the checkpoint an earlier run left there instead. The
-    model, task and sft settings it was trained with are stored beside it (sft_run.json) and must
-    equal this run's, so RL variants compared on one baseline really share it."""
-    from miles_core.learner.baseline import train_baseline
-
-    def as_stored(d: dict) -> dict:  # JSON's view: lists, not tuples
-        return json.loads(json.dumps(d))
-
-    key = as_stored({k: cfg.to_dict()[k] for k in ("model", "task", "sft")})
-    meta = ckpt.parent / "sft_run.json"
-    if reuse and meta.exists():
-        prev = json.loads(meta.read_text())
-        # a setting the record lacks was added after that checkpoint was trained, so it was trained
-        # with the setting's default (e.g. sft.lr_schedule): fill the record's sections with defaults
-        old = {sec: {**as_stored(dataclasses.asdict(type(getattr(cfg, sec))())), **prev.get("key", {}).get(sec, {})}
-               for sec in key}
-        diff = [f"{sec}.{f}" for sec in key for f in sorted(set(key[sec]) | set(old[sec]))
-                if key[sec].get(f) != old[sec].get(f)]
-        if diff:
-            raise ValueError(f"--reuse-sft: {meta} was trained with other settings ({', '.join(diff)}); "
-                             f"remove {ckpt.parent} or drop --reuse-sft")
-        print(f"[seed {seed}] reusing the SFT checkpoint {ckpt} ({prev['seconds']:.0f}s when trained)", flush=True)
-        return prev["curve"], prev["seconds"]
-    curve: list[dict] = []
-
-    def record(step: int, pass1: float, stats: dict) -> None:
-        curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
-        if on_eval is not None:
-            on_eval(step, pass1, stats)
-
-    t0 = time.perf_counter()
-    train_baseline(cfg, data, ckpt, seed=seed, on_eval=record, patience=PATIENCE)  # saves the best-validation weights
-    seconds = time.perf_counter() - t0
-    meta.write_text(json.dumps({"key": key, "curve": curve, "seconds": seconds}))
-    return curve, seconds
-
-
-def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, reuse_sft: bool = False) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
+def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, checkpoint: str | None = None) -> dict:
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.rewards.code import code_tests_reward
@@ -125,12 +79,8 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
 
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
-    ckpt = Path(out) / f"seed{seed}" / "sft"
-
-    def on_eval(step: int, pass1: float, stats: dict) -> None:  # validation = unlabelled non-test functions
-        print(f"[seed {seed}] sft step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
-
-    sft_curve, sft_seconds = sft_checkpoint(cfg, data, ckpt, seed, on_eval, reuse_sft)
+    sft = sft_checkpoint(cfg, seed, out, checkpoint, data, patience=PATIENCE)  # validation: non-test functions
+    ckpt, sft_curve, sft_seconds = Path(sft["path"]), sft["curve"], sft["seconds"]
     base, tok = load_checkpoint(ckpt)
     seq = cfg.task.completion_len  # one token per denoising pass: how much is lost to parallel decoding
     results = {"sft": code_eval(base, tok, cfg, data), "sft_sequential": code_eval(base, tok, cfg, data, steps=seq),
@@ -176,71 +126,58 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, r
     return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_curve": sft_curve,
             "reward_seconds": reward_seconds[0], "completions": n, "reward_status_counts": dict(statuses),
             "adpo_curve": curve, "sandbox_layers": shared_pool().layers,
-            "guard_rollbacks": learner.guard.rollbacks if learner.guard else 0}
+            "guard_rollbacks": learner.guard.rollbacks if learner.guard else 0, "sft_trained": sft["trained"]}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
-    ap.add_argument("--workdir", default=None)
+    ap = bench_args(__doc__, seeds=(0, 1), checkpoint=True, workdir=True)
     ap.add_argument("--sft-continued", action="store_true", help="also run the continued-SFT control arm")
-    ap.add_argument("--reuse-sft", action="store_true", help="with --workdir: start from the SFT checkpoints an "
-                    "earlier run left there (same model/task/sft settings, checked) instead of training them again")
     args = ap.parse_args()
-    if args.reuse_sft and not args.workdir:
-        ap.error("--reuse-sft needs --workdir (the folder holding seed*/sft from an earlier run)")
     overrides = DEFAULT_OVERRIDES + args.set
     t0 = time.perf_counter()
-    work = args.workdir or tempfile.mkdtemp(prefix="miles-code-")
-    with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
-        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_continued, args.reuse_sft) for s in args.seeds])
+    per_seed = over_seeds(run_seed, args.seeds, overrides, str(workdir(args, "code")), args.sft_continued, args.checkpoint)
     arms = ("sft", "adpo", "sft_continued") if args.sft_continued else ("sft", "adpo")
-
-    def seed_mean(result: str, metric: str) -> float:
-        return sum(p["results"][result][metric] for p in per_seed) / len(per_seed)
-
-    mean = {a: seed_mean(a, "pass1") for a in arms}
+    mean = {a: seed_mean(per_seed, lambda p: p["results"][a]["pass1"]) for a in arms}
     k = f"pass@{PASS_K}"
-    sampled = {a: {m: seed_mean(f"{a}_sampled", m) for m in ("pass@1", k)} for a in ("sft", "adpo")}
-    st = paired_sign_test([c for p in per_seed for c in p["results"]["adpo"]["correct"]],
-                          [c for p in per_seed for c in p["results"]["sft"]["correct"]])
-    wins, losses = st.wins, st.losses
+    sampled = {a: {m: seed_mean(per_seed, lambda p: p["results"][f"{a}_sampled"][m]) for m in ("pass@1", k)}
+               for a in ("sft", "adpo")}
+    st = paired([c for p in per_seed for c in p["results"]["adpo"]["correct"]],
+                [c for p in per_seed for c in p["results"]["sft"]["correct"]])
     rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
     rows.append(["mean"] + [mean[a] for a in arms])
     print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
-    p_value = st.p
-    val = {a: seed_mean(f"{a}_val", "pass1") for a in ("sft", "adpo")}
-    print(table([[a, v["pass@1"], v[k], val[a]] for a, v in sampled.items()],
-                ["arm", "T=1 pass@1", f"T=1 {k}", "val greedy pass@1"]))
-    print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {len(per_seed[0]['results']['sft']['correct'])} "
-          f"held-out tasks; sign test wins {wins} losses {losses} p = {p_value:.3g}")
+    val = {a: seed_mean(per_seed, lambda p: p["results"][f"{a}_val"]["pass1"]) for a in ("sft", "adpo")}
+    n_tasks = len(per_seed[0]["results"]["sft"]["correct"])
+    print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {n_tasks} "
+          f"held-out tasks; sign test wins {st['wins']} losses {st['losses']} p = {st['p']:.3g}")
     payload = {
         "sft_pass1": mean["sft"], "adpo_pass1": mean["adpo"], "adpo_minus_sft": mean["adpo"] - mean["sft"],
         **({"sft_continued_pass1": mean["sft_continued"]} if args.sft_continued else {}),
-        "target_gain": 0.10, "paired_sign_test_p": p_value, "sign_test_wins": wins, "sign_test_losses": losses,
-        "seconds": time.perf_counter() - t0, "seeds": args.seeds, "overrides": overrides, "sft_reused": args.reuse_sft,
-        "eval_config": per_seed[0]["results"]["sft"]["config"],
-        "num_heldout_tasks": len(per_seed[0]["results"]["sft"]["correct"]),
+        "target_gain": 0.10, "paired_sign_test_p": st["p"], "sign_test_wins": st["wins"], "sign_test_losses": st["losses"],
+        "seconds": time.perf_counter() - t0, "seeds": args.seeds, "overrides": overrides,
+        "sft_reused": not any(p["sft_trained"] for p in per_seed), "checkpoint": args.checkpoint,
+        "eval_config": per_seed[0]["results"]["sft"]["config"], "num_heldout_tasks": n_tasks,
         "sandbox_layers": per_seed[0]["sandbox_layers"],
-        "sequential_decoding_pass1": {a: seed_mean(f"{a}_sequential", "pass1") for a in ("sft", "adpo")},
+        "sequential_decoding_pass1": {a: seed_mean(per_seed, lambda p: p["results"][f"{a}_sequential"]["pass1"])
+                                      for a in ("sft", "adpo")},
         "val_pass1": val,
         f"sampled_t1_pass_at_{PASS_K}": sampled,
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
-                      "sft_sequential_pass1": p["results"]["sft_sequential"]["pass1"],
-                      "adpo_sequential_pass1": p["results"]["adpo_sequential"]["pass1"],
-                      "sft_val_pass1": p["results"]["sft_val"]["pass1"], "adpo_val_pass1": p["results"]["adpo_val"]["pass1"],
+                      **{f"{a}_{m}": p["results"][f"{a}_{r}"]["pass1"] for a in ("sft", "adpo")
+                         for m, r in (("sequential_pass1", "sequential"), ("val_pass1", "val"))},
                       "sft_sampled": p["results"]["sft_sampled"], "adpo_sampled": p["results"]["adpo_sampled"],
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],
                       "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"], "sft_curve": p["sft_curve"],
+                      "sft_trained": p["sft_trained"],
                       "reward_seconds": p["reward_seconds"], "completions_scored": p["completions"],
                       "reward_status_counts": p["reward_status_counts"], "adpo_curve": p["adpo_curve"],
                       "guard_rollbacks": p["guard_rollbacks"],
                       "sft_samples": p["results"]["sft"]["samples"], "adpo_samples": p["results"]["adpo"]["samples"]}
                      for p in per_seed],
     }
-    print(f"wrote {write_result('code', payload)}")
+    finish("code", payload, [[a, v["pass@1"], v[k], val[a]] for a, v in sampled.items()],
+           ["arm", "T=1 pass@1", f"T=1 {k}", "val greedy pass@1"], args.out)
 
 
 if __name__ == "__main__":

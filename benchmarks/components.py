@@ -3,7 +3,7 @@
     python -m benchmarks.components [--reps 30]
 
 Measured with the real code paths, on the ``arith`` recipe with the async benchmark's settings
-(benchmarks/async_vs_sync.py DEFAULT_OVERRIDES: LoRA r=4 on q/v, bf16 adapter sync), one torch
+(benchmarks/harness.py ASYNC_OVERRIDES: LoRA r=4 on q/v, bf16 adapter sync), one torch
 thread (what an async worker gets): a rollout + reward of one batch (``algo/rl.py::sample_batch``),
 one ADPO update of it (``Learner.update``; random-init weights, so rewards are set to one winner
 per group, as benchmarks/scaling.py does, and every row carries signal), and the store operations, against a local folder and
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from benchmarks.async_vs_sync import DEFAULT_OVERRIDES
-from benchmarks.common import start_loopback_s3, table, write_result
+from benchmarks.harness import ASYNC_OVERRIDES, table, write_result
+from tests.helpers.s3 import start_loopback_s3
 
 
 def _median(fn: Callable[[int], Any], reps: int) -> float:
@@ -91,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     from miles_core.config import load_recipe
 
-    cfg = load_recipe("arith", DEFAULT_OVERRIDES)
+    cfg = load_recipe("arith", ASYNC_OVERRIDES)
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         compute = compute_costs(cfg, work, args.reps)
@@ -110,7 +110,7 @@ def main() -> None:
     print(table([[k, *(f"{1000 * s[k]:.2f} ms" if k.endswith("_s") else f"{s[k]:.0f} B" for s in stores.values())]
                  for k in keys], ["store operation", *stores]))
     path = write_result("components", {"compute": compute, "store": stores, "threads": 1, "reps": args.reps,
-                                       "overrides": DEFAULT_OVERRIDES})
+                                       "overrides": ASYNC_OVERRIDES})
     print(f"\nwrote {path}")
 
 

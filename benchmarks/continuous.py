@@ -17,7 +17,7 @@ import argparse
 import random
 import time
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import table, write_result
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict:

@@ -15,14 +15,11 @@ Writes benchmarks/results/diffusion_gemma.json. Run: python -m benchmarks.diffus
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import random
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
-from miles_core.eval.passk import paired_sign_test
+from benchmarks.harness import bench_args, finish, over_seeds, paired, table, workdir
 
 SIZES = dict(hidden=64, layers=2, heads=4, experts=4)
 RENOISE = dict(max_steps=16)      # generate's defaults otherwise (entropy bound 0.1, T 0.8 -> 0.4)
@@ -47,7 +44,6 @@ def evaluate(model, tok, problems, rcfg, reward_fn, batch: int = 250) -> list[bo
 def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
     import torch
 
-    torch.set_num_threads(1)
     from miles_core.algo.advantages import group_advantages
     from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning
     from miles_core.algo.update import adpo_update
@@ -171,8 +167,7 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap = bench_args(__doc__, seeds=(0, 1), workdir=True, sets=False)
     ap.add_argument("--sft-steps", type=int, default=3000)
     ap.add_argument("--sft-eval-every", type=int, default=500)
     ap.add_argument("--sft-lr", type=float, default=3e-3)
@@ -184,18 +179,15 @@ def main() -> None:
     ap.add_argument("--num-test", type=int, default=500)
     ap.add_argument("--generate-checks", type=int, default=20)
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     t0 = time.perf_counter()
-    work = args.workdir or tempfile.mkdtemp(prefix="miles-dgemma-")
-    with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
-        per_seed = pool.starmap(run_seed, [(s, args, work) for s in args.seeds])
+    per_seed = over_seeds(run_seed, args.seeds, args, str(workdir(args, "dgemma")))
     rows, tests = [], []
     for p in per_seed:
-        t = paired_sign_test(p["adpo_correct"], p["sft_correct"])
+        t = paired(p["adpo_correct"], p["sft_correct"])
         tests.append(t)
         n = len(p["sft_correct"])
-        rows.append([p["seed"], sum(p["sft_correct"]) / n, sum(p["adpo_correct"]) / n, f"{t.wins}/{t.losses}", t.p,
+        rows.append([p["seed"], sum(p["sft_correct"]) / n, sum(p["adpo_correct"]) / n, f"{t['wins']}/{t['losses']}", t["p"],
                      p["seconds_per_iteration"], p["steps_mean"], p["generate_match"], p["logp_gap_max"]])
     print(table(rows, ["seed", "SFT pass@1", "ADPO pass@1", "gained/lost", "p", "s/iter", "NFE", "generate_match",
                        "max |logp gap|"]))
@@ -205,24 +197,25 @@ def main() -> None:
     print(table(bias_rows, ["seed", "top-k", "on-policy mean", "on p99", "off-policy mean", "off p99",
                             "|log pi_theta - log mu| mean"]))
     n_all = sum(len(p["sft_correct"]) for p in per_seed)
-    pooled = paired_sign_test([c for p in per_seed for c in p["adpo_correct"]], [c for p in per_seed for c in p["sft_correct"]])
+    pooled = paired([c for p in per_seed for c in p["adpo_correct"]], [c for p in per_seed for c in p["sft_correct"]])
     payload = {
         "generate_match": min(p["generate_match"] for p in per_seed),
         "logp_reproduced": max(p["logp_gap_max"] for p in per_seed) <= 1e-5,
         "logp_gap_max": max(p["logp_gap_max"] for p in per_seed),
         "sft_pass1": sum(sum(p["sft_correct"]) for p in per_seed) / n_all,
         "adpo_pass1": sum(sum(p["adpo_correct"]) for p in per_seed) / n_all,
-        "pooled_sign_test": {"gained": pooled.wins, "lost": pooled.losses, "p": pooled.p},
+        "pooled_sign_test": {"gained": pooled["wins"], "lost": pooled["losses"], "p": pooled["p"]},
         "seconds_per_iteration": sum(p["seconds_per_iteration"] for p in per_seed) / len(per_seed),
         "per_seed": [{k: v for k, v in p.items() if not k.endswith("_correct")} | {
             "sft_pass1": sum(p["sft_correct"]) / len(p["sft_correct"]),
             "adpo_pass1": sum(p["adpo_correct"]) / len(p["adpo_correct"]),
-            "sign_test": {"gained": t.wins, "lost": t.losses, "p": t.p}} for p, t in zip(per_seed, tests)],
-        "settings": {k: v for k, v in vars(args).items() if k != "workdir"} | {"sizes": SIZES, "renoise": RENOISE},
+            "sign_test": {"gained": t["wins"], "lost": t["losses"], "p": t["p"]}} for p, t in zip(per_seed, tests)],
+        "settings": {k: v for k, v in vars(args).items() if k not in ("workdir", "out")} | {"sizes": SIZES, "renoise": RENOISE},
         "wall_seconds": time.perf_counter() - t0,
     }
     print(f"\npooled: SFT {payload['sft_pass1']:.3f} -> ADPO {payload['adpo_pass1']:.3f} "
-          f"({pooled.wins} gained, {pooled.losses} lost, p = {pooled.p:.3g}); wrote {write_result('diffusion_gemma', payload)}")
+          f"({pooled['wins']} gained, {pooled['losses']} lost, p = {pooled['p']:.3g})")
+    finish("diffusion_gemma", payload, out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Every estimator in the update engine on equal samples and (about) equal update compute.
 
 Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
-  1. one SFT checkpoint: trained to its validation plateau, or taken from ``--sft-dir``
-     (``DIR/seed{N}/sft``, e.g. the work folder ``benchmarks.learning`` prints);
+  1. one SFT checkpoint: ``--checkpoint DIR``'s ``seed{N}/sft`` (e.g. the work folder
+     ``benchmarks.learning`` used, same settings), trained there to its validation plateau when absent;
   2. from it, one arm per ``adpo.estimator``, each sampling the same number of completions
      (``train.iterations`` x prompts x group, same seed);
   3. update compute made about equal by Monte-Carlo mask samples: ADPO scores ``step_fraction`` x
@@ -18,20 +18,16 @@ trajectory an update kept, since how many groups have a reward spread depends on
 peak bytes of autograd-saved tensors in one update, wall-clock of the updates, paired sign test
 against ADPO.
 Writes benchmarks/results/estimators.json (estimators_RECIPE.json for ``--recipe`` other than arith).
-Run: python -m benchmarks.estimators [--sft-dir DIR] [--seeds 0 1 2 3] [--recipe countdown --set ...]
+Run: python -m benchmarks.estimators [--checkpoint DIR] [--seeds 0 1 2 3] [--recipe countdown --set ...]
 """
 
 from __future__ import annotations
 
-import argparse
 import math
-import multiprocessing as mp
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
-from miles_core.eval.passk import paired_sign_test
+from benchmarks.harness import bench_args, finish, over_seeds, paired, sft_checkpoint, workdir
 
 ESTIMATORS = ("adpo", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
 TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
@@ -65,22 +61,16 @@ def arm_overrides(cfg, estimator: str) -> list[str]:
 
 def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, estimators: list[str],
              recipe: str = "arith") -> dict:
-    import torch
-
-    torch.set_num_threads(1)
-    from benchmarks.memory import SavedTensorMeter
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.eval.evaluate import run_eval
     from miles_core.flops import FlopMeter
-    from miles_core.learner.baseline import train_baseline
     from miles_core.learner.policy import Learner
+    from miles_core.memory import SavedTensorMeter
 
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
-    ckpt = Path(sft_dir) / f"seed{seed}" / "sft" if sft_dir else Path(out) / f"seed{seed}" / "sft"
-    if not (ckpt / "config.json").exists():
-        train_baseline(cfg, data, ckpt, seed=seed, on_eval=lambda *a: None, eval_problems=200, patience=3)
+    ckpt = Path(sft_checkpoint(cfg, seed, out, sft_dir, data, eval_problems=200, patience=3)["path"])
     results: dict[str, dict] = {}
     for arm in ["sft", *estimators]:
         if arm == "sft":
@@ -122,11 +112,8 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap = bench_args(__doc__, seeds=(0, 1), checkpoint=True, workdir=True)
     ap.add_argument("--recipe", default="arith", help="a built-in recipe (arith; countdown needs a larger model)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
-    ap.add_argument("--sft-dir", default=None, help="reuse DIR/seed{N}/sft checkpoints (e.g. benchmarks.learning's)")
     ap.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS + DIAGNOSTIC,
                     help=f"arms (default: all but the diagnostic {', '.join(DIAGNOSTIC)}); adpo is always run")
     args = ap.parse_args()
@@ -134,18 +121,16 @@ def main() -> None:
         args.estimators = ["adpo", *args.estimators]
     overrides = DEFAULT_OVERRIDES + args.set
     t0 = time.perf_counter()
-    work = tempfile.mkdtemp(prefix="miles-estimators-")
-    with mp.get_context("spawn").Pool(min(len(args.seeds), 2)) as pool:
-        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.sft_dir, args.estimators, args.recipe)
-                                           for s in args.seeds])
+    per_seed = over_seeds(run_seed, args.seeds, overrides, str(workdir(args, "estimators")), args.checkpoint,
+                          args.estimators, args.recipe)
     rows, out = [], []
     for arm in ["sft", *args.estimators]:
         res = [p["results"][arm] for p in per_seed]
-        st = paired_sign_test([c for p in per_seed for c in p["results"][arm]["correct"]],
-                              [c for p in per_seed for c in p["results"]["adpo"]["correct"]])
+        st = paired([c for p in per_seed for c in p["results"][arm]["correct"]],
+                    [c for p in per_seed for c in p["results"]["adpo"]["correct"]])
         entry = {"name": arm, "pass1": sum(r["pass1"] for r in res) / len(res),
-                 "p_vs_adpo": None if arm == "adpo" else st.p,
-                 "wins_vs_adpo": st.wins, "losses_vs_adpo": st.losses}
+                 "p_vs_adpo": None if arm == "adpo" else st["p"],
+                 "wins_vs_adpo": st["wins"], "losses_vs_adpo": st["losses"]}
         if arm != "sft":
             for key in ("update_flops", "flops_per_trajectory", "peak_mem_bytes", "update_seconds", "samples",
                         "mask_samples"):
@@ -158,14 +143,14 @@ def main() -> None:
                      f"{entry['flops_per_trajectory']:.3g}" if trained else "-",
                      f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",
                      f"{entry['update_seconds']:.0f}" if trained else "-",
-                     "-" if entry["p_vs_adpo"] is None else f"{st.wins}/{st.losses}",
+                     "-" if entry["p_vs_adpo"] is None else f"{st['wins']}/{st['losses']}",
                      "-" if entry["p_vs_adpo"] is None else f"{entry['p_vs_adpo']:.3g}"])
-    print(table(rows, ["estimator", "pass@1", "mask draws", "update FLOPs", "FLOPs / kept traj", "peak saved MiB",
-                       "update s", "won/lost vs adpo", "p vs adpo"]))
     payload = {"estimators": out, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides,
                "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["adpo"]["eval_config"],
-               "sft_dir": args.sft_dir}
-    print(f"wrote {write_result('estimators' if args.recipe == 'arith' else f'estimators_{args.recipe}', payload)}")
+               "sft_dir": args.checkpoint}
+    finish("estimators" if args.recipe == "arith" else f"estimators_{args.recipe}", payload, rows,
+           ["estimator", "pass@1", "mask draws", "update FLOPs", "FLOPs / kept traj", "peak saved MiB",
+            "update s", "won/lost vs adpo", "p vs adpo"], args.out)
 
 
 if __name__ == "__main__":

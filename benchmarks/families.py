@@ -25,7 +25,7 @@ import time
 import traceback
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import table, write_result
 
 FAMILIES = ("llada", "dream", "sdar", "bidir_qwen3", "modernbert", "bidir_llama")
 

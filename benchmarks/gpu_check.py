@@ -38,8 +38,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.rollout import reference_generate
-from benchmarks.update import synthetic_batch
+from benchmarks.harness import synthetic_batch
+from tests.helpers.llada_reference import reference_generate
 from miles_core.config import ADPOConfig, SamplerConfig
 from miles_core.models.families import SPECS
 from miles_core.models.hf import HFDiffusion, native_classes, tiny_tokenizer

@@ -7,19 +7,15 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      (a) ADPO (per-step trajectory likelihood), (b) the d1 mean-field estimator,
      and (c) SFT continued on the labelled data for the wall-clock time (a) took;
   3. every arm evaluated on the same >= 500 held-out problems with one pinned eval config.
-Writes benchmarks/results/learning.json. Run: python -m benchmarks.learning [--seeds 0 1]
+Writes benchmarks/results/learning.json. Run: python -m benchmarks.learning [--seeds 0 1] [--checkpoint DIR]
 """
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing as mp
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
-from miles_core.eval.passk import paired_sign_test
+from benchmarks.harness import bench_args, finish, over_seeds, paired, seed_mean, sft_checkpoint, workdir
 
 # SFT gets up to 6000 steps and stops earlier at its plateau (no validation gain for 3 evals); ADPO
 # runs 300 iterations. Sized so that two seeds (one per core) finish within 30 minutes on 2 cores.
@@ -27,30 +23,20 @@ DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
 VAL_EVERY = 50  # ADPO / mean-field iterations between validation checks (their time is not counted)
 
 
-def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
+def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int, checkpoint: str | None = None) -> dict:
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.data.registry import build_task
     from miles_core.eval.evaluate import run_eval
-    from miles_core.learner.baseline import continue_sft, train_baseline
+    from miles_core.learner.baseline import continue_sft
     from miles_core.learner.policy import Learner
 
     cfg = load_recipe("arith", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
-    work = Path(out) / f"seed{seed}"
-    ckpt = work / "sft"
-    curve: list[dict] = []
-
-    def on_eval(step: int, pass1: float, stats: dict) -> None:
-        curve.append({"step": step, "pass1": pass1, "loss": stats["loss"]})
-        print(f"[seed {seed}] sft step {step} val pass@1(200) {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
-
-    t0 = time.perf_counter()  # to the plateau: no validation gain for plateau_patience evaluations
-    train_baseline(cfg, data, ckpt, seed=seed, on_eval=on_eval, eval_problems=200, patience=plateau_patience)
-    sft_seconds = time.perf_counter() - t0
+    # to the plateau: no gain in validation pass@1 (200 problems) for plateau_patience evaluations
+    sft = sft_checkpoint(cfg, seed, out, checkpoint, data, eval_problems=200, patience=plateau_patience)
+    ckpt, sft_seconds = Path(sft["path"]), sft["seconds"]
+    curve = [{"step": c["step"], "pass1": c["val_pass1"], "loss": c["loss"]} for c in sft["curve"]]
 
     def final_eval(model, tok) -> dict:
         r = run_eval(model, tok, cfg, data)
@@ -92,7 +78,7 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int) -
     arms_time["sft_continued"] = time.perf_counter() - t2
     results["sft_continued"] = final_eval(model, tok)
     print(f"[seed {seed}] sft_continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
-    return {"seed": seed, "results": results, "sft_curve": curve, "sft_seconds": sft_seconds,
+    return {"seed": seed, "results": results, "sft_curve": curve, "sft_seconds": sft_seconds, "sft_trained": sft["trained"],
             "arm_seconds": arms_time, "samples": samples, "rl_curves": rl_curves}
 
 
@@ -127,41 +113,32 @@ def plot_curves(per_seed: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    ap = bench_args(__doc__, seeds=(0, 1), checkpoint=True, workdir=True)
     ap.add_argument("--patience", type=int, default=3, help="SFT evals without improvement = plateau")
-    ap.add_argument("--workdir", default=None)
     args = ap.parse_args()
     overrides = DEFAULT_OVERRIDES + args.set
     t0 = time.perf_counter()
-    work = args.workdir or tempfile.mkdtemp(prefix="miles-learning-")
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(min(len(args.seeds), 2)) as pool:
-        per_seed = pool.starmap(run_seed, [(s, overrides, work, args.patience) for s in args.seeds])
+    per_seed = over_seeds(run_seed, args.seeds, overrides, str(workdir(args, "learning")), args.patience, args.checkpoint)
     arms = ["sft", "adpo", "meanfield", "sft_continued"]
-    mean = {a: sum(p["results"][a]["pass1"] for p in per_seed) / len(per_seed) for a in arms}
-    st = paired_sign_test([c for p in per_seed for c in p["results"]["adpo"]["correct"]],
-                          [c for p in per_seed for c in p["results"]["sft"]["correct"]])
-    wins, losses = st.wins, st.losses
+    mean = {a: seed_mean(per_seed, lambda p: p["results"][a]["pass1"]) for a in arms}
+    st = paired([c for p in per_seed for c in p["results"]["adpo"]["correct"]],
+                [c for p in per_seed for c in p["results"]["sft"]["correct"]])
     rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
     rows.append(["mean"] + [mean[a] for a in arms])
-    print(table(rows, ["seed", "sft", "adpo", "meanfield", "sft_continued"]))
-    p_value = st.p
-    print(f"ADPO - SFT = {mean['adpo'] - mean['sft']:+.4f}; sign test wins {wins} losses {losses} p = {p_value:.3g}")
+    print(f"ADPO - SFT = {mean['adpo'] - mean['sft']:+.4f}; sign test wins {st['wins']} losses {st['losses']} p = {st['p']:.3g}")
     payload = {
         "sft_pass1": mean["sft"], "adpo_pass1": mean["adpo"], "meanfield_pass1": mean["meanfield"],
         "sft_continued_pass1": mean["sft_continued"], "adpo_minus_sft": mean["adpo"] - mean["sft"],
-        "paired_sign_test_p": p_value, "sign_test_wins": wins, "sign_test_losses": losses,
+        "paired_sign_test_p": st["p"], "sign_test_wins": st["wins"], "sign_test_losses": st["losses"],
         "seeds": args.seeds, "samples": {str(p["seed"]): p["samples"] for p in per_seed},
         "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["sft"]["config"],
-        "overrides": overrides,
+        "overrides": overrides, "checkpoint": args.checkpoint,
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
-                      "sft_curve": p["sft_curve"], "sft_seconds": p["sft_seconds"], "rl_curves": p["rl_curves"],
-                      "arm_seconds": p["arm_seconds"]} for p in per_seed],
+                      "sft_curve": p["sft_curve"], "sft_seconds": p["sft_seconds"], "sft_trained": p["sft_trained"],
+                      "rl_curves": p["rl_curves"], "arm_seconds": p["arm_seconds"]} for p in per_seed],
     }
     plot_curves(per_seed)
-    print(f"wrote {write_result('learning', payload)}")
+    finish("learning", payload, rows, ["seed", "sft", "adpo", "meanfield", "sft_continued"], args.out)
 
 
 if __name__ == "__main__":

@@ -4,33 +4,28 @@ Part 1, sampling: on >= 500 held-out problems (greedy), the static schedule with
 step and the LLaDA-style fixed K, against NSD at several confidence thresholds.
 Part 2, training: ADPO from the same SFT checkpoint with static versus NSD rollouts for the same
 number of sampled completions; total denoiser FLOPs (sampling + update) and final pass@1 under
-one pinned eval config, averaged over ``--train-seeds`` (one run is within its own noise of 2 points:
+one pinned eval config, averaged over ``--seeds`` (one run is within its own noise of 2 points:
 a binomial SE of 2.1 points on 500 problems alone). FLOPs are measured with torch.utils.flop_counter.
-Run: python -m benchmarks.nsd [--checkpoint DIR] [--set key=value ...]
+The SFT checkpoint (seed ``sft.seed``) is ``--checkpoint DIR``'s, trained there when absent.
+Run: python -m benchmarks.nsd [--checkpoint DIR] [--seeds 0 1] [--set key=value ...]
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import multiprocessing as mp
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import bench_args, finish, over_seeds, sft_checkpoint, table, train_arm, workdir
 from miles_core.config import SamplerConfig, load_recipe
 from miles_core.eval.evaluate import evaluate
 from miles_core.flops import FlopMeter
 from miles_core.models.base import load_checkpoint
 from miles_core.rewards.registry import get_reward
 from miles_core.data.registry import build_task
-from miles_core.eval.evaluate import eval_config, run_eval
-from miles_core.learner.baseline import train_baseline
-from miles_core.learner.policy import Learner
+from miles_core.eval.evaluate import eval_config
 
 
 def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> list[dict]:
@@ -56,63 +51,33 @@ def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> lis
     return rows
 
 
-def training_part(cfg, data, ckpt: Path, sampler: SamplerConfig, iterations: int, seed: int,
-                  thr_start: float | None = None) -> dict:
-    learner = Learner(cfg, ckpt)
-    meter = FlopMeter()
-    n = 0
-    t0 = time.perf_counter()
-    for it in range(iterations):
-        s = sampler
-        if sampler.kind == "nsd" and thr_start is not None:  # threshold schedule: strict early, target later
-            frac = it / max(iterations - 1, 1)
-            s = dataclasses.replace(s, threshold=thr_start + (sampler.threshold - thr_start) * min(1.0, 2 * frac))
-        with meter.measure("sample"):
-            batch = learner.sample(data, it, cfg=dataclasses.replace(cfg, sampler=s))
-        n += len(batch)
-        with meter.measure("update"):
-            learner.update(batch, temperature=sampler.temperature)
-    seconds = time.perf_counter() - t0
-    r = run_eval(learner.model, learner.tok, cfg, data)
-    return {"pass1": r.pass_at["pass@1"], "flops": meter.total, "sample_flops": meter.totals.get("sample", 0),
-            "update_flops": meter.totals.get("update", 0), "completions": n, "seconds": seconds}
-
-
 def _mean_runs(runs: list[dict], seeds: list[int]) -> dict:
     """Seed-averaged pass@1 and FLOPs; the per-seed runs kept alongside."""
     keys = ("pass1", "flops", "sample_flops", "update_flops", "completions", "seconds")
     return {**{k: sum(r[k] for r in runs) / len(runs) for k in keys}, "seeds": seeds, "per_seed": runs}
 
 
-def _train_job(job: tuple) -> dict:
-    """One (arm, seed) training run in its own process with one torch thread (runs in parallel)."""
-    overrides, ckpt, sampler, iterations, seed, thr_start = job
-    torch.set_num_threads(1)
+def _train_job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
+    """One (rollout sampler, threshold start, seed) training run (``over_seeds`` runs them in parallel)."""
+    sampler, thr_start, seed = job
     cfg = load_recipe("arith", [*overrides, f"train.seed={seed}"])
-    return training_part(cfg, build_task(cfg), Path(ckpt), sampler, iterations, seed, thr_start)
+    return train_arm(cfg, build_task(cfg), Path(ckpt), sampler, iterations, thr_start)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", default=None, help="SFT checkpoint folder (trained here when absent)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    ap = bench_args(__doc__, seeds=(0, 1), checkpoint=True, workdir=True)
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9, 0.95])
     ap.add_argument("--train-threshold", type=float, default=0.9)
     ap.add_argument("--problems", type=int, default=500)
     ap.add_argument("--iterations", type=int, default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--train-seeds", type=int, nargs="+", default=[0, 1],
-                    help="ADPO seeds per arm (part 2 runs them two at a time, one thread each)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads (state it with the figures)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of part 1 (state it with the figures)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
     cfg = load_recipe("arith", args.set)
     data = build_task(cfg)
-    ckpt = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="miles-nsd-")) / "sft"
-    if not (ckpt / "config.json").exists():
-        print("training the SFT checkpoint ...", flush=True)
-        train_baseline(cfg, data, ckpt, seed=args.seed)
+    sft = sft_checkpoint(cfg, cfg.sft.seed, workdir(args, "nsd"), args.checkpoint, data, validate=False)
+    ckpt = Path(sft["path"])
     print("part 1: sampling", flush=True)
     rows = sampling_part(cfg, data, ckpt, args.thresholds, args.problems)
     static1 = rows[0]
@@ -126,16 +91,10 @@ def main() -> None:
     static_s = replace(cfg.sampler, kind="static")
     nsd_s = replace(cfg.sampler, kind="nsd", threshold=args.train_threshold)
     thr0 = min(0.99, args.train_threshold + 0.05)
-    jobs = [(args.set, str(ckpt), sm, iters, sd, ts) for sm, ts in ((static_s, None), (nsd_s, thr0))
-            for sd in args.train_seeds]
-    with mp.get_context("spawn").Pool(2) as pool:
-        runs = pool.map(_train_job, jobs)
-    k = len(args.train_seeds)
-    tr_static, tr_nsd = (_mean_runs(runs[:k], args.train_seeds), _mean_runs(runs[k:], args.train_seeds))
-    print(table([["static", tr_static["pass1"], tr_static["sample_flops"] / 1e9, tr_static["update_flops"] / 1e9,
-                  tr_static["flops"] / 1e9],
-                 ["nsd", tr_nsd["pass1"], tr_nsd["sample_flops"] / 1e9, tr_nsd["update_flops"] / 1e9,
-                  tr_nsd["flops"] / 1e9]], ["rollouts", "final pass@1", "sample GFLOP", "update GFLOP", "total GFLOP"]))
+    jobs = [(sm, ts, sd) for sm, ts in ((static_s, None), (nsd_s, thr0)) for sd in args.seeds]
+    runs = over_seeds(_train_job, jobs, args.set, str(ckpt), iters)
+    k = len(args.seeds)
+    tr_static, tr_nsd = (_mean_runs(runs[:k], args.seeds), _mean_runs(runs[k:], args.seeds))
     payload = {
         "static_flops": static1["flops"], "nsd_flops": chosen["flops"],
         "flops_reduction": 1 - chosen["flops"] / static1["flops"], "static_pass1": static1["pass1"],
@@ -144,12 +103,14 @@ def main() -> None:
         "train_nsd_pass1": tr_nsd["pass1"], "train_static": tr_static, "train_nsd": tr_nsd,
         "train_static_sampler": static_s.__dict__, "train_nsd_sampler": nsd_s.__dict__, "sampling_rows": rows,
         "problems": args.problems, "overrides": args.set, "threads": args.threads, "seconds": time.perf_counter() - t_all,
-        "eval_config": eval_config(cfg).to_dict(),
+        "eval_config": eval_config(cfg).to_dict(), "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"},
     }
     print(f"flops_reduction {payload['flops_reduction']:.3f} (pass@1 {chosen['pass1']:.3f} vs {static1['pass1']:.3f}); "
           f"train_flops_reduction {payload['train_flops_reduction']:.3f} "
           f"(pass@1 {tr_nsd['pass1']:.3f} vs {tr_static['pass1']:.3f})")
-    print(f"wrote {write_result('nsd', payload)}")
+    finish("nsd", payload, [[name, r["pass1"], r["sample_flops"] / 1e9, r["update_flops"] / 1e9, r["flops"] / 1e9]
+                            for name, r in (("static", tr_static), ("nsd", tr_nsd))],
+           ["rollouts", "final pass@1", "sample GFLOP", "update GFLOP", "total GFLOP"], args.out)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import table, write_result
-from miles_core.algo.rows import score_rows
+from benchmarks.harness import SPEED_SIZE, table, write_result
 from miles_core.config import SamplerConfig, load_recipe
 from miles_core.data.registry import build_task
 from miles_core.eval.evaluate import eval_config, evaluate
@@ -43,64 +42,7 @@ from miles_core.rewards.registry import get_reward
 from miles_core.samplers.hostreads import HostReads
 from miles_core.samplers.sampler import sample
 from miles_core.window import attention_grid
-
-SPEED_SIZE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024}
-
-
-@torch.no_grad()
-def reference_generate(model, prompt: torch.Tensor, mask_id: int, forbidden: list[int], gen_length: int,
-                       block_length: int, steps: int, max_steps: int | None = None,
-                       grid: int = 0) -> tuple[torch.Tensor, int]:
-    """LLaDA's ``generate`` at temperature 0 with low-confidence remasking (ML-GSAI/LLaDA generate.py):
-    every step a full forward and the whole sequence's logits; ``get_num_transfer_tokens`` per block.
-    ``grid`` > 0: SDAR's decoder instead (JetAstra/SDAR ``generate.py``): blocks at absolute
-    multiples of the model's attention block ``grid``, starting with the prompt's last, partial one,
-    each given ``steps // (gen_length // grid)`` steps for its masks (here the last block ends at the
-    sequence end instead of running past it). Changes: ids Miles never samples ([MASK], pad) are
-    suppressed, as Miles' SUBS rule does, the confidence is float32 exp(log-softmax), and equal
-    confidences go to the lower position. Stops after ``max_steps`` steps (timing).
-    -> (x [B, P + L], steps run)."""
-    b, p = prompt.shape
-    t = p + gen_length
-    x = torch.full((b, t), mask_id, dtype=torch.long)
-    x[:, :p] = prompt
-    attn = torch.ones_like(x, dtype=torch.bool)
-    if grid:
-        per_block = steps // (gen_length // grid)
-        edges = [max(p, k * grid) for k in range(p // grid, -(-t // grid))] + [t]
-    else:
-        per_block = steps // (gen_length // block_length)
-        edges = list(range(p, t + 1, block_length))
-    done = 0
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        m = hi - lo                                                     # the block's masks
-        counts = [m // per_block + (i < m % per_block) for i in range(per_block)]   # get_num_transfer_tokens
-        for i in range(per_block):
-            if max_steps is not None and done >= max_steps:
-                return x, done
-            if counts[i] == 0:
-                break
-            mask_index = x == mask_id
-            logits = model(x, attn)                                     # [B, T, V]: every position, every step
-            logits[..., forbidden] = float("-inf")
-            x0 = logits.argmax(-1)
-            # LLaDA: F.softmax(logits); exp(log_softmax) is the same p rounded as Miles rounds it, so a
-            # near-tie between two positions' confidences cannot decide the comparison
-            x0_p = torch.log_softmax(logits.float(), dim=-1).gather(-1, x0[..., None]).squeeze(-1).exp()
-            x0_p[:, hi:] = float("-inf")
-            x0 = torch.where(mask_index, x0, x)
-            confidence = torch.where(mask_index, x0_p, torch.tensor(float("-inf")))
-            transfer = torch.zeros_like(x0, dtype=torch.bool)
-            for j in range(b):
-                # LLaDA: torch.topk, whose order among equal values is unspecified; ties go to the lower
-                # position here, as in Miles (Dream's shift makes neighbouring masks tie exactly)
-                sel = confidence[j].sort(descending=True, stable=True).indices[:int(counts[i])]
-                transfer[j, sel] = True
-            x[transfer] = x0[transfer]
-            done += 1
-    return x, done
-
+from tests.helpers.llada_reference import logp_gap, reference_generate
 
 class StopTiming(Exception):
     pass
@@ -177,21 +119,6 @@ def greedy_check(model, tok, args) -> bool:
     same = bool(torch.equal(ref[:, args.prompt_len:], got.completion_ids))
     print(f"  greedy check ({args.check_batch} x {L}): Miles == reference: {same}", flush=True)
     return same
-
-
-def logp_gap(model, tok, prompts: list[list[int]], cfg: SamplerConfig, length: int) -> tuple[float, float]:
-    """|log mu - log pi| over committed tokens: recorded by the (cached) sampler vs the learner's
-    uncached score of the same (trajectory, step)."""
-    batch = sample(model, tok, prompts, cfg, length, torch.Generator().manual_seed(0))
-    gaps = []
-    with torch.no_grad():
-        for b in range(len(batch)):
-            k = int(batch.num_steps[b])
-            traj, step = torch.full((k,), b), torch.arange(k)
-            lp, _, commit = score_rows(model, batch, traj, step, tok, cfg.temperature)
-            gaps.append((lp - batch.logp[traj].to(lp.device)).abs()[commit].cpu())
-    g = torch.cat(gaps)
-    return float(g.mean()), float(g.quantile(0.99))
 
 
 def accuracy_part(args) -> dict:

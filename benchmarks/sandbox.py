@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from benchmarks.common import table, usable_cpus, write_result
+from benchmarks.harness import table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
 BASELINE_REV = "03fa119"  # the last commit whose runs were forked from the worker holding the job

@@ -27,7 +27,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.common import RESULTS, table, write_result
+from benchmarks.harness import RESULTS, table, write_result
 from benchmarks.sim import Params, simulate, update_time
 
 GPUS = (8, 64, 512, 4096)
@@ -90,7 +90,7 @@ def validation(toy: Params) -> list[dict[str, Any]]:
     av = _load("async_vs_sync")
     if av:
         mc, lsu = av["machine_ceiling"], av["learner_seconds_per_update"]
-        # measured: the run's own batches redone by two single-thread processes at once (async_floor.py)
+        # measured: the run's own batches redone by two single-thread processes at once (async_vs_sync.py replay_floor)
         p = replace(toy, samplers=1, batches=av["completions"] // 128, rollout_s=mc["rollout_s_per_batch"],
                     update_s=mc["update_s_per_batch"], max_pending=3, max_staleness=av["staleness_bound"],
                     store_latency_s=(lsu["read_s"] + lsu["publish_s"]) / 4, learner_samples=True, shared_budget=True)

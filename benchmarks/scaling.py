@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, usable_cpus, write_result
+from benchmarks.harness import table, usable_cpus, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "llama_tiny"

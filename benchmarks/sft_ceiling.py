@@ -14,13 +14,10 @@ Writes benchmarks/results/sft_ceiling.json. Run: python -m benchmarks.sft_ceilin
 
 from __future__ import annotations
 
-import argparse
-import multiprocessing as mp
-import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import table, write_result
+from benchmarks.harness import bench_args, finish, over_seeds, workdir
 
 DEFAULT_OVERRIDES = ["sft.steps=4000"]
 
@@ -45,10 +42,7 @@ def largest_train_split(task, start: int, exclude: list[str], cap: int = 100_000
     return task.split("train", lo, seed=0, exclude=exclude)
 
 
-def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> dict:
-    import torch
-
-    torch.set_num_threads(1)
+def run_arm(all_labels: bool, recipe: str, overrides: list[str], out: str) -> dict:
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.data.registry import build_task
@@ -76,22 +70,18 @@ def run_arm(recipe: str, overrides: list[str], all_labels: bool, out: str) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = bench_args(__doc__, workdir=True)
     ap.add_argument("--recipe", default="arith")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
     args = ap.parse_args()
     overrides = DEFAULT_OVERRIDES + args.set
-    work = tempfile.mkdtemp(prefix="miles-ceiling-")
     t0 = time.perf_counter()
-    with mp.get_context("spawn").Pool(2) as pool:
-        scarce, full = pool.starmap(run_arm, [(args.recipe, overrides, all_labels, work) for all_labels in (False, True)])
+    scarce, full = over_seeds(run_arm, [False, True], args.recipe, overrides, str(workdir(args, "ceiling")))
     rows = [[a["num_train"], a["best_val_pass1"], a["test_pass1"], f"{a['seconds']:.0f}"] for a in (scarce, full)]
-    print(table(rows, ["labelled problems", "best val pass@1", "test pass@1", "seconds"]))
     payload = {"recipe": args.recipe, "overrides": overrides, "scarce": scarce, "all_labels": full,
                "test_gain_from_all_labels": full["test_pass1"] - scarce["test_pass1"],
                "seconds": time.perf_counter() - t0}
     print(f"all labels - scarce labels = {payload['test_gain_from_all_labels']:+.3f} test pass@1")
-    print(f"wrote {write_result('sft_ceiling', payload)}")
+    finish("sft_ceiling", payload, rows, ["labelled problems", "best val pass@1", "test pass@1", "seconds"], args.out)
 
 
 if __name__ == "__main__":

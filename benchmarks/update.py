@@ -16,7 +16,7 @@ advantages are drawn, then one update runs through the production engine (algo/u
   recomputed in backward, so a chunk keeps only the layers' inputs; memory for compute.
 
 Each configuration runs in a fresh process. Peak memory is measured twice: the peak bytes autograd
-holds for backward (benchmarks/memory.py's SavedTensorMeter: deterministic, the activation memory
+holds for backward (miles_core/memory.py's SavedTensorMeter: deterministic, the activation memory
 the methods differ in), and the growth of the peak resident set over the resident set just before
 the update (Linux: the peak is reset through /proc/self/clear_refs after the model is loaded and
 one small update has warmed up; allocator caching makes it noisier).
@@ -34,30 +34,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import table, write_result
-
-
-def synthetic_batch(tok, batch: int, prompt_len: int, length: int, k: int, seed: int):
-    """B trajectories of L tokens committed over K steps (L/K per step, random order)."""
-    from miles_core.types import TrajectoryBatch
-
-    g = torch.Generator().manual_seed(seed)
-    comp = torch.randint(200, 100_000, (batch, length), generator=g)
-    step_map = torch.stack([torch.randperm(length, generator=g) * k // length for _ in range(batch)])   # [B, L]
-    b = TrajectoryBatch(prompt_ids=[torch.randint(200, 100_000, (prompt_len,), generator=g).tolist()
-                                    for _ in range(batch)],
-                        completion_ids=comp, step_map=step_map, logp=-12.0 + 0.1 * torch.randn(batch, length, generator=g),
-                        nfe=torch.full((batch,), k), group_id=torch.zeros(batch, dtype=torch.long),
-                        policy_version=torch.zeros(batch, dtype=torch.long))
-    b.advantage = torch.tensor([1.0, -1.0] * (batch // 2) + [1.0] * (batch % 2))
-    return b
+from benchmarks.harness import SPEED_SIZE, synthetic_batch, table, write_result
 
 
 def run_one(job: tuple) -> dict:
     """One update in this (fresh) process: seconds and peak-memory growth."""
     folder, arm, k, s, args = job
     torch.set_num_threads(args["threads"])
-    from benchmarks.memory import SavedTensorMeter
+    from miles_core.memory import SavedTensorMeter
     from miles_core.algo.update import adpo_update
     from miles_core.config import ADPOConfig
     from miles_core.models.activations import checkpoint_layers
@@ -122,7 +106,6 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=4096, help="adpo.chunk_tokens of the Miles arm")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
-    from benchmarks.rollout import SPEED_SIZE
     from miles_core.models.hf import init_tiny
 
     t_all = time.perf_counter()

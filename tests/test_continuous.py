@@ -263,7 +263,7 @@ def test_table_of_a_batch_is_self_describing() -> None:
 
 
 def test_adpo_peak_memory_does_not_grow_with_steps_but_the_chain_does() -> None:
-    from benchmarks.memory import SavedTensorMeter
+    from miles_core.memory import SavedTensorMeter
 
     model = add_lora(tiny_policy(), r=4, alpha=8, targets=LORA_TARGETS)
     params = trainable_parameters(model)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.rollout import logp_gap, reference_generate
+from tests.helpers.llada_reference import logp_gap, reference_generate
 from miles_core.algo.rows import score_rows
 from miles_core.config import ConfigError, SamplerConfig
 from miles_core.models.base import load_checkpoint

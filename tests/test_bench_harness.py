@@ -1,6 +1,7 @@
-"""benchmarks.code --reuse-sft: RL variants start from one stored SFT baseline only when it was
-trained with this run's model, task and sft settings; a mismatch names the differing fields and
-the file, and leaves the stored checkpoint alone."""
+"""The benchmark harness's SFT checkpoint rule (benchmarks.code --checkpoint and every benchmark
+that starts from one): arms start from one stored SFT baseline only when it was trained with this
+run's model, task and sft settings; a mismatch names the differing fields and the file, and leaves
+the stored checkpoint alone."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.code import sft_checkpoint
+from benchmarks.harness import sft_checkpoint
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 
@@ -22,19 +23,22 @@ def test_sft_checkpoint_is_trained_once_then_reused_and_mismatch_is_refused(tmp_
     data = build_task(cfg)
     ckpt = tmp_path / "seed0" / "sft"
     seen: list[int] = []
-    curve, seconds = sft_checkpoint(cfg, data, ckpt, 0, on_eval=lambda step, p, st: seen.append(step), reuse=True)
+    first = sft_checkpoint(cfg, 0, tmp_path, data=data, on_eval=lambda step, p, st: seen.append(step))
+    curve, seconds = first["curve"], first["seconds"]
+    assert first["trained"] and first["path"] == str(ckpt)
     assert [c["step"] for c in curve] == seen == [2, 4] and seconds > 0  # nothing stored yet: trained
     weights = ckpt / "model.safetensors"
     stamp = weights.stat().st_mtime_ns
     stored = json.loads((ckpt.parent / "sft_run.json").read_text())
     assert stored["key"]["sft"]["steps"] == 4 and stored["curve"] == curve
 
-    again, again_s = sft_checkpoint(cfg, data, ckpt, 0, reuse=True)  # same settings: reused, not retrained
-    assert again == curve and again_s == seconds and weights.stat().st_mtime_ns == stamp
+    again = sft_checkpoint(cfg, 0, tmp_path, checkpoint=tmp_path, data=data)  # same settings: reused, not retrained
+    assert not again["trained"] and again["curve"] == curve and again["seconds"] == seconds
+    assert weights.stat().st_mtime_ns == stamp
 
     other = load_recipe("code", SMALL + ["sft.lr=0.01", "task.num_train=12"])
     with pytest.raises(ValueError, match=r"sft_run\.json was trained with other settings") as e:
-        sft_checkpoint(other, build_task(other), ckpt, 0, reuse=True)
+        sft_checkpoint(other, 0, tmp_path, data=build_task(other))
     assert "sft.lr" in str(e.value) and "task.num_train" in str(e.value)
     assert weights.stat().st_mtime_ns == stamp  # the stored baseline is untouched
 
@@ -45,12 +49,12 @@ def test_a_setting_added_after_the_checkpoint_counts_as_its_default(tmp_path: Pa
     cfg = load_recipe("code", SMALL)
     data = build_task(cfg)
     ckpt = tmp_path / "seed0" / "sft"
-    curve, _ = sft_checkpoint(cfg, data, ckpt, 0, reuse=True)
+    curve = sft_checkpoint(cfg, 0, tmp_path, data=data)["curve"]
     meta = ckpt.parent / "sft_run.json"
     stored = json.loads(meta.read_text())
-    del stored["key"]["sft"]["lr_schedule"]
+    del stored["key"]["sft"]["lr_schedule"], stored["key"]["train_baseline"]  # a record from before both
     meta.write_text(json.dumps(stored))
-    assert sft_checkpoint(cfg, data, ckpt, 0, reuse=True)[0] == curve
+    assert sft_checkpoint(cfg, 0, tmp_path, data=data)["curve"] == curve
     cosine = load_recipe("code", SMALL + ["sft.lr_schedule=cosine"])
     with pytest.raises(ValueError, match=r"\(sft\.lr_schedule\)"):
-        sft_checkpoint(cosine, build_task(cosine), ckpt, 0, reuse=True)
+        sft_checkpoint(cosine, 0, tmp_path, data=build_task(cosine))

@@ -1,0 +1,252 @@
+"""The benchmark harness: the shape every benchmark shares, written once.
+
+A benchmark here is: standard arguments (``bench_args``), an SFT checkpoint per seed, trained or
+reused by one rule (``sft_checkpoint``), arms run over seeds in a process pool with one torch
+thread each (``over_seeds``), a paired comparison of two arms on the same problems (``paired``),
+and a printed table plus ``benchmarks/results/NAME.json`` (``finish``). Each benchmark keeps only
+its arms and its table. Also here: settings and pieces more than one benchmark measures with
+(``ASYNC_OVERRIDES``, ``SPEED_SIZE``, ``synthetic_batch``, ``train_arm``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing as mp
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+RESULTS = Path(__file__).parent / "results"
+
+# The asynchronous benchmark's settings (benchmarks/async_vs_sync.py explains each); components.py
+# measures the parts of that same run.
+ASYNC_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150", "async_rl.max_pending=3",
+                   "async_rl.shared_budget=true", "async_rl.learner_samples=true", "async_rl.sync_dtype=bfloat16",
+                   "lora.r=4", "lora.targets=q_proj,v_proj", "async_rl.checkpoint_every=10",
+                   "adpo.max_staleness=5", "sft.steps=2500"]
+
+# A bidirectional Qwen3 of ~41M parameters with the real 151,936-row vocabulary: the size rollout.py
+# and update.py time the engine at (the logits cost is real).
+SPEED_SIZE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024}
+
+
+# ---- arguments --------------------------------------------------------------------------------
+
+def bench_args(description: str, seeds: Sequence[int] | None = None, checkpoint: bool = False,
+               workdir: bool = False, sets: bool = True, out: bool = True) -> argparse.ArgumentParser:
+    """A parser with the standard flags, one spelling each: ``--seeds`` (when ``seeds`` gives the
+    default), ``--set KEY=VALUE`` (recipe overrides), ``--checkpoint DIR`` (see ``sft_checkpoint``),
+    ``--workdir DIR`` (default: a fresh temporary folder) and ``--out FILE`` (the result JSON,
+    default ``benchmarks/results/NAME.json``). The benchmark adds its own flags after."""
+    ap = argparse.ArgumentParser(description=description.strip().splitlines()[0])
+    if seeds is not None:
+        ap.add_argument("--seeds", type=int, nargs="+", default=list(seeds), help="seeds (one process each)")
+    if sets:
+        ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="recipe override")
+    if checkpoint:
+        ap.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="SFT checkpoint: a checkpoint folder, or one holding seed{N}/sft; trained there "
+                             "when absent, reused when present (its recorded settings must match)")
+    if workdir:
+        ap.add_argument("--workdir", default=None, metavar="DIR", help="working folder (default: a temporary one)")
+    if out:
+        ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/NAME.json)")
+    return ap
+
+
+def workdir(args: argparse.Namespace, name: str) -> Path:
+    """``--workdir``, or a fresh temporary folder named after the benchmark."""
+    return Path(getattr(args, "workdir", None) or tempfile.mkdtemp(prefix=f"miles-{name}-"))
+
+
+# ---- SFT checkpoints --------------------------------------------------------------------------
+
+def _as_stored(d: dict) -> dict:  # JSON's view: lists, not tuples
+    return json.loads(json.dumps(d))
+
+
+def checkpoint_path(seed: int, work: str | Path, checkpoint: str | Path | None = None) -> Path:
+    """Where seed ``seed``'s SFT checkpoint lives: ``checkpoint`` itself when it is a checkpoint
+    folder (one for every seed), else ``checkpoint/seed{N}/sft``, else ``work/seed{N}/sft``."""
+    if checkpoint is not None and (Path(checkpoint) / "config.json").exists():
+        return Path(checkpoint)
+    return Path(checkpoint if checkpoint is not None else work) / f"seed{seed}" / "sft"
+
+
+def sft_checkpoint(cfg, seed: int, work: str | Path, checkpoint: str | Path | None = None, data=None,
+                   validate: bool = True, on_eval: Callable[[int, float, dict], Any] | None = None,
+                   **train_kw) -> dict[str, Any]:
+    """Seed ``seed``'s SFT checkpoint (``checkpoint_path``), trained or reused by one rule: a
+    checkpoint already there is reused, one that is not is trained there (``train_baseline``,
+    ``train_kw`` passed on; with ``validate``, validation every ``sft.eval_every`` steps is printed
+    and recorded, and the best-validation weights are kept, else the last). Training records the model, task and sft
+    settings and ``train_kw`` beside it (``sft_run.json``); a reused checkpoint's record must match
+    this run's, so arms compared on one baseline really share it (a setting the record lacks was
+    added after it was trained: it counts as its default). A checkpoint with no record (made
+    elsewhere) is taken as it is. Returns what the result should say: ``path``, ``trained``,
+    ``seconds`` (training's, also when reused) and the validation ``curve``."""
+    from miles_core.learner.baseline import train_baseline
+
+    ckpt = checkpoint_path(seed, work, checkpoint)
+    train_kw = {**train_kw, "validate": validate}
+    how = {k: v for k, v in train_kw.items() if k != "progress"}  # what shapes the weights
+    key = _as_stored({k: cfg.to_dict()[k] for k in ("model", "task", "sft")} | {"train_baseline": how})
+    meta = ckpt.parent / "sft_run.json" if ckpt.name == "sft" else ckpt / "sft_run.json"
+    if (ckpt / "config.json").exists():
+        prev = json.loads(meta.read_text()) if meta.exists() else {"key": key, "curve": [], "seconds": 0.0}
+        stored = prev.get("key", {})
+        old = {sec: {**_as_stored(dataclasses.asdict(type(getattr(cfg, sec))())), **stored.get(sec, {})}
+               for sec in ("model", "task", "sft")} | {"train_baseline": stored.get("train_baseline", how)}
+        diff = [f"{sec}.{f}" for sec in key for f in sorted(set(key[sec]) | set(old[sec]))
+                if key[sec].get(f) != old[sec].get(f)]
+        if diff:
+            raise ValueError(f"{meta} was trained with other settings ({', '.join(diff)}); "
+                             f"remove {ckpt} or point --checkpoint elsewhere")
+        print(f"[seed {seed}] reusing the SFT checkpoint {ckpt} ({prev['seconds']:.0f}s when trained)", flush=True)
+        return {"path": str(ckpt), "trained": False, "seconds": prev["seconds"], "curve": prev["curve"]}
+    curve: list[dict] = []
+
+    def record(step: int, pass1: float, stats: dict) -> None:
+        curve.append({"step": step, "val_pass1": pass1, "loss": stats["loss"]})
+        print(f"[seed {seed}] sft step {step} val pass@1 {pass1:.3f} loss {stats['loss']:.3f}", flush=True)
+        if on_eval is not None:
+            on_eval(step, pass1, stats)
+
+    if data is None:
+        from miles_core.data.registry import build_task
+
+        data = build_task(cfg)
+    t0 = time.perf_counter()
+    train_baseline(cfg, data, ckpt, seed=seed, on_eval=record if validate else None,
+                   **{k: v for k, v in train_kw.items() if k != "validate"})
+    seconds = time.perf_counter() - t0
+    meta.write_text(json.dumps({"key": key, "curve": curve, "seconds": seconds}))
+    return {"path": str(ckpt), "trained": True, "seconds": seconds, "curve": curve}
+
+
+# ---- arms over seeds ----------------------------------------------------------------------------
+
+def _one_thread(fn: Callable, item: Any, args: tuple) -> Any:
+    import torch
+
+    torch.set_num_threads(1)
+    return fn(item, *args)
+
+
+def over_seeds(fn: Callable, items: Sequence[Any], *args: Any, processes: int = 2) -> list[Any]:
+    """``[fn(item, *args) for item in items]``, each call in a fresh (spawned) process with one torch
+    thread, ``processes`` at a time (two: one per core of the 2-core machine the figures come from).
+    An item is a seed, or whatever one run is keyed by (an (arm, seed) pair). ``fn`` must be a
+    module-level function."""
+    with mp.get_context("spawn").Pool(max(1, min(len(items), processes))) as pool:
+        return pool.starmap(_one_thread, [(fn, item, args) for item in items])
+
+
+def seed_mean(per_seed: Sequence[dict], get: Callable[[dict], float]) -> float:
+    """The mean over seeds of ``get(seed's result)``."""
+    return sum(get(p) for p in per_seed) / len(per_seed)
+
+
+def paired(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> dict[str, float]:
+    """Arm a against arm b on the same problems (same order): ``gain`` (a's pass rate minus b's),
+    the paired sign test's ``wins`` (a right, b wrong), ``losses`` and two-sided ``p``."""
+    from miles_core.eval.passk import paired_sign_test
+
+    st = paired_sign_test(list(a_correct), list(b_correct))
+    n = max(len(a_correct), 1)
+    return {"gain": (sum(map(bool, a_correct)) - sum(map(bool, b_correct))) / n,
+            "wins": st.wins, "losses": st.losses, "p": st.p}
+
+
+# ---- results ------------------------------------------------------------------------------------
+
+def usable_cpus() -> int:
+    """CPUs this process may run on: its affinity mask (taskset, a cgroup's cpuset), not every CPU
+    the machine has, so a benchmark confined to 4 of 16 cores sizes its threads for 4."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def write_result(name: str, payload: dict[str, Any], path: str | Path | None = None) -> Path:
+    """``payload`` with run metadata, to ``benchmarks/results/NAME.json`` or ``path``."""
+    path = Path(path) if path is not None else RESULTS / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    payload = {**payload, "_meta": {"benchmark": name, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                                    "python": platform.python_version(), "machine": platform.machine()}}
+    path.write_text(json.dumps(payload, indent=2, default=str))
+    return path
+
+
+def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
+    """Aligned text columns; floats with four decimals."""
+    cells = [[str(h) for h in header]] + [[f"{c:.4f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths)] + [line(r) for r in cells[1:]])
+
+
+def finish(name: str, payload: dict[str, Any], rows: Sequence[Sequence[Any]] | None = None,
+           header: Sequence[str] | None = None, out: str | Path | None = None) -> Path:
+    """Print the table (when ``rows``), write the result file (``out`` or results/NAME.json), say where."""
+    if rows is not None:
+        print(table(rows, header or []))
+    path = write_result(name, payload, out)
+    print(f"wrote {path}")
+    return path
+
+
+# ---- pieces several benchmarks measure with ------------------------------------------------------
+
+def train_arm(cfg, data, ckpt: Path, sampler, iterations: int, thr_start: float | None = None) -> dict:
+    """ADPO from ``ckpt`` for ``iterations`` with rollouts from ``sampler`` (NSD: with ``thr_start``,
+    a threshold schedule strict early, the target from halfway), FLOPs of sampling and of updates
+    counted, then pass@1 on the held-out problems."""
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.flops import FlopMeter
+    from miles_core.learner.policy import Learner
+
+    learner = Learner(cfg, ckpt)
+    meter = FlopMeter()
+    n = 0
+    t0 = time.perf_counter()
+    for it in range(iterations):
+        s = sampler
+        if sampler.kind == "nsd" and thr_start is not None:
+            frac = it / max(iterations - 1, 1)
+            s = dataclasses.replace(s, threshold=thr_start + (sampler.threshold - thr_start) * min(1.0, 2 * frac))
+        with meter.measure("sample"):
+            batch = learner.sample(data, it, cfg=dataclasses.replace(cfg, sampler=s))
+        n += len(batch)
+        with meter.measure("update"):
+            learner.update(batch, temperature=sampler.temperature)
+    seconds = time.perf_counter() - t0
+    r = run_eval(learner.model, learner.tok, cfg, data)
+    return {"pass1": r.pass_at["pass@1"], "flops": meter.total, "sample_flops": meter.totals.get("sample", 0),
+            "update_flops": meter.totals.get("update", 0), "completions": n, "seconds": seconds}
+
+
+def synthetic_batch(tok, batch: int, prompt_len: int, length: int, k: int, seed: int):
+    """B trajectories of L tokens committed over K steps (L/K per step, random order), advantages
+    +1/-1 so every row carries signal: an update's work without sampling first."""
+    import torch
+
+    from miles_core.types import TrajectoryBatch
+
+    g = torch.Generator().manual_seed(seed)
+    comp = torch.randint(200, 100_000, (batch, length), generator=g)
+    step_map = torch.stack([torch.randperm(length, generator=g) * k // length for _ in range(batch)])   # [B, L]
+    b = TrajectoryBatch(prompt_ids=[torch.randint(200, 100_000, (prompt_len,), generator=g).tolist()
+                                    for _ in range(batch)],
+                        completion_ids=comp, step_map=step_map, logp=-12.0 + 0.1 * torch.randn(batch, length, generator=g),
+                        nfe=torch.full((batch,), k), group_id=torch.zeros(batch, dtype=torch.long),
+                        policy_version=torch.zeros(batch, dtype=torch.long))
+    b.advantage = torch.tensor([1.0, -1.0] * (batch // 2) + [1.0] * (batch % 2))
+    return b
