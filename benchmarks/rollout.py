@@ -42,7 +42,7 @@ from miles_core.models.hf import init_tiny
 from miles_core.rewards.registry import get_reward
 from miles_core.samplers.hostreads import HostReads
 from miles_core.samplers.sampler import sample
-from miles_core.window import attention_grid
+from miles_core.models.window import attention_grid
 
 SPEED_SIZE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 8, "num_attention_heads": 4,
               "num_key_value_heads": 2, "head_dim": 32, "max_position_embeddings": 1024}

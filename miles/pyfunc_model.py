@@ -98,7 +98,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         A renoising family (DiffusionGemma) samples with the recipe's ``renoise`` schedule instead."""
         import torch
 
-        from miles_core.canvas import is_renoising
+        from miles_core.models.canvas import is_renoising
         from miles_core.samplers.renoise import sample_seeded
         from miles_core.samplers.sampler import sample
 

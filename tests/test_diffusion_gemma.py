@@ -14,7 +14,7 @@ import torch
 from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows
 from miles_core.algo.update import adpo_update
 from miles_core.config import ADPOConfig, RenoiseConfig
-from miles_core import canvas
+from miles_core.models import canvas
 from miles_core.models import diffusion_gemma as dg
 from miles_core.models.lora import add_lora
 from miles_core.samplers import renoise as rn

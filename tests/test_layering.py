@@ -113,7 +113,7 @@ def layer_names() -> list[list[str]]:
 LAYER_TREE = {f"miles_core/{m}.py": "" for floor in layer_names() for m in floor} | {
     "miles_core/__init__.py": "",
     "miles_core/config.py": "import miles_core.learner\n",
-    "miles_core/models.py": "from miles_core import data\n",
+    "miles_core/samplers.py": "from miles_core import data\n",
     "miles_core/storage.py": "import miles_core.types\nimport miles_core.algo\n",
 }
 
@@ -161,12 +161,12 @@ def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
 
 
 def test_import_linter_layers_contract_fails_on_a_tree_that_breaks_the_floors(tmp_path: Path) -> None:
-    assert layer_names()[-1] == ["types", "config", "tokenizer", "allocator"] and len(layer_names()) == 7
+    assert layer_names()[-1] == ["types", "config", "tokenizer", "allocator"] and len(layer_names()) == 8
     _write(tmp_path, {**LAYER_TREE, "tasks/__init__.py": "", "flows/__init__.py": "", "miles/__init__.py": ""})
     result = lint_imports(tmp_path)
     out = result.stdout
     assert result.returncode != 0, out + result.stderr
     assert "Contracts: 2 kept, 1 broken" in out, out
     assert "miles_core.config -> miles_core.learner" in out  # a bottom floor importing a runtime
-    assert "miles_core.models -> miles_core.data" in out  # siblings on one floor are independent
+    assert "miles_core.samplers -> miles_core.data" in out  # siblings on one floor are independent
     assert "miles_core.storage -> miles_core.algo" in out

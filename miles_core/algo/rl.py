@@ -14,7 +14,7 @@ import torch
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
 from miles_core.config import RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData
-from miles_core.canvas import is_renoising
+from miles_core.models.canvas import is_renoising
 from miles_core.samplers.renoise import sample_seeded
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import CharTokenizer

@@ -17,7 +17,7 @@ from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
 from miles_core.eval.presets import preset_values
 from miles_core.progress import track
 from miles_core.rewards.registry import reward_for_recipe
-from miles_core.canvas import is_renoising
+from miles_core.models.canvas import is_renoising
 from miles_core.samplers.renoise import sample_seeded
 from miles_core.samplers.sampler import sample
 from miles_core.tokenizer import PROMPT_PREFILL, CharTokenizer

@@ -1,6 +1,6 @@
 """DiffusionGemma through transformers' own class: its config, a tiny checkpoint in the published
 layout, loading, and the decoder-only LoRA targets (the forwards the sampler and the learner share
-are miles_core/canvas.py).
+are miles_core/models/canvas.py).
 
 transformers 5.24 ships ``DiffusionGemmaForBlockDiffusion`` (``models/diffusion_gemma/``,
 checkpoint google/diffusiongemma-26B-A4B-it). It is not absorbing-mask diffusion: an encoder (the

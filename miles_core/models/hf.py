@@ -5,7 +5,7 @@ attention_mask [B, T] bool) -> [B, T, V]``.
 
 * Positions count real tokens only (``cumsum(mask) - 1``), and block boundaries of block-causal
   families follow those positions, so a row's logits do not depend on its batch's padding.
-* Every pass goes through ``window`` (miles_core/window.py), which hands the backbone a bool 4D
+* Every pass goes through ``window`` (miles_core/models/window.py), which hands the backbone a bool 4D
   mask (True = may attend) that transformers passes to every layer as-is
   (masking_utils._preprocess_mask_arguments): ``[B, 1, 1, Tk]`` real keys for full attention
   (``config.is_causal=False`` and every module's flag are set too, see models/llama.py), and
@@ -35,7 +35,7 @@ from miles_core.config import ConfigError
 from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.hf_tokenizer import HFTokenizer
 from miles_core.models.llama import make_bidirectional, model_inputs
-from miles_core.window import KVCache, Out, Span, hf_window, select_out
+from miles_core.models.window import KVCache, Out, Span, hf_window, select_out
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -80,7 +80,7 @@ class HFDiffusion(nn.Module):
 
     def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
                keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
-        """miles_core/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
+        """miles_core/models/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
         if self.spec.native == "modernbert":
             if cache is not None or keep:
                 raise ValueError("modernbert has no KV cache here: use sampler.cache=none")
@@ -311,10 +311,10 @@ def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
     t0 = time.perf_counter()
     model, tok = load_checkpoint(directory, family=family)  # the path training takes
     load_s = time.perf_counter() - t0
-    from miles_core.canvas import is_renoising
+    from miles_core.models.canvas import is_renoising
 
     if is_renoising(model):  # no masked forward: the prompt encoded, one canvas decoded
-        from miles_core import canvas
+        from miles_core.models import canvas
 
         width = int(canvas.core(model).config.canvas_length)
         ids = torch.tensor([tok.encode("1+2=")])

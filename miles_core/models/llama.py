@@ -39,7 +39,7 @@ from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
 from miles_core.models.lora import TARGETS_BY_MODEL_TYPE
 
 if TYPE_CHECKING:
-    from miles_core.window import KVCache
+    from miles_core.models.window import KVCache
 
 # peft LoRA targets: attention and MLP projections of every decoder layer.
 LLAMA_LORA_TARGETS = TARGETS_BY_MODEL_TYPE["llama"]
@@ -104,8 +104,8 @@ class LlamaDiffusion(nn.Module):
 
     def window(self, ids: Tensor, mask: Tensor, query: tuple[int, int], out: tuple[int, int],
                cache: "KVCache | None" = None, keep: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor, "KVCache | None"]:
-        """miles_core/window.py: logits of ``out`` from a bidirectional pass over ``query``."""
-        from miles_core.window import hf_window
+        """miles_core/models/window.py: logits of ``out`` from a bidirectional pass over ``query``."""
+        from miles_core.models.window import hf_window
 
         return hf_window(self.lm, ids, mask, query, out, cache, keep)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles_core.models.checkpoint import load_module, save_module
-from miles_core.window import KVCache, Out, Span, key_mask, kept_spans, out_logits
+from miles_core.models.window import KVCache, Out, Span, key_mask, kept_spans, out_logits
 
 
 @dataclass
@@ -101,7 +101,7 @@ class TinyDenoiser(nn.Module):
 
     def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
                keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
-        """miles_core/window.py: logits of ``out`` from a pass over ``query`` attending to ``cache`` too."""
+        """miles_core/models/window.py: logits of ``out`` from a pass over ``query`` attending to ``cache`` too."""
         dev = self.lm_head.weight.device  # samplers may hand CPU tensors to a model on a GPU
         ids, mask = ids.to(dev), mask.to(dev).bool()
         b, total = ids.shape

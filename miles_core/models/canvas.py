@@ -1,8 +1,9 @@
 """The forwards of a renoising canvas model (DiffusionGemma, transformers'
 ``DiffusionGemmaForBlockDiffusion``) that its sampler (samplers/renoise.py), learner rows
 (algo/renoise_rows.py) and SFT (algo/renoise_sft.py) share: encode the prompts once into the KV
-cache, decode a canvas under a self-conditioning signal. A floor below models and samplers, as
-window.py is for the masked families, so neither has to import the other.
+cache, decode a canvas under a self-conditioning signal. A shared helper at the bottom of
+models/, as window.py is for the masked families, so the samplers above call it and the
+DiffusionGemma backend builds on it.
 
 Why a hook for self-conditioning. The decoder takes the previous logits [B, L, V] and folds them to
 a soft embedding [B, L, d] itself; at V = 262,144 the logits of every recorded step cannot be kept
