@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -42,6 +42,8 @@ class TrajectoryBatch:
       reward          [B]    float  NaN where not scored yet (or reward fn returned None)
       advantage       [B]    float  NaN where not computed yet
     """
+
+    kind: ClassVar[str] = "masked"  # what learner and store dispatch on (models/family.py: batch_kind)
 
     prompt_ids: list[list[int]]
     completion_ids: Tensor
@@ -148,6 +150,8 @@ class RenoiseBatch:
       sampler         the sampler's settings (config.RenoiseConfig as a dict): the learner scores
                       with the temperature schedule the batch was sampled with, never another
     """
+
+    kind: ClassVar[str] = "renoise"  # what learner and store dispatch on (models/family.py: batch_kind)
 
     prompt_ids: list[list[int]]
     completion_ids: Tensor

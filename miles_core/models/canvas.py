@@ -23,18 +23,13 @@ import torch
 from torch import Tensor, nn
 
 
-def is_renoising(model: nn.Module) -> bool:
-    """A DiffusionGemma (bare or under peft): it samples with samplers/renoise.py, not the masked sampler."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return type(base).__name__ == "DiffusionGemmaForBlockDiffusion"
-
-
 def core(model: nn.Module) -> nn.Module:
-    """The ``DiffusionGemmaModel`` inside a (peft-wrapped) ``DiffusionGemmaForBlockDiffusion``."""
+    """The ``DiffusionGemmaModel`` inside a (peft-wrapped) ``DiffusionGemmaForBlockDiffusion``: the
+    module holding both the prompt encoder and the canvas decoder."""
     for _, m in model.named_modules():
-        if type(m).__name__ == "DiffusionGemmaModel":
+        if isinstance(getattr(m, "encoder", None), nn.Module) and isinstance(getattr(m, "decoder", None), nn.Module):
             return m
-    raise TypeError(f"{type(model).__name__} holds no DiffusionGemmaModel")
+    raise TypeError(f"{type(model).__name__} holds no module with an encoder and a decoder (a DiffusionGemmaModel)")
 
 
 @dataclass
