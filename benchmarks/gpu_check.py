@@ -46,7 +46,7 @@ from miles_core.models.hf import HFDiffusion, native_classes, tiny_tokenizer
 from miles_core.models.hf_tokenizer import HFTokenizer
 from miles_core.samplers.hostreads import HostReads
 from miles_core.samplers.sampler import sample
-from miles_core.window import attention_grid
+from miles_core.models.window import attention_grid
 
 SHAPES = {
     "llada_8b": ("llada", {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,

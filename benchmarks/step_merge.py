@@ -23,7 +23,7 @@ from miles_core.data.registry import build_task
 def _job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
     """One (s, seed) training run (``over_seeds`` runs them two at a time, one torch thread each)."""
     s, seed = job
-    cfg = load_recipe("arith", [*overrides, f"adpo.step_merge={s}"])
+    cfg = load_recipe("arith", [*overrides, f"adpo.step_merge={s}", f"train.seed={seed}"])  # the seed: LoRA init, prompts, noise
     return {"s": s, "seed": seed, **train_arm(cfg, build_task(cfg), Path(ckpt), cfg.sampler, iterations)}
 
 

@@ -119,7 +119,7 @@ class SamplerConfig:
     threshold: float = bounded(0.9, 1e-09, 1.0)              # nsd: commit every position with confidence >= threshold
     max_per_step: int = bounded(8, 1)               # nsd: cap on positions committed in one step
     min_per_step: int = bounded(1, 1)               # nsd: always commit at least this many
-    cache: Literal["none", "prefix", "dual"] = "none"  # KV cache (miles_core/window.py): prompt + finished blocks, + suffix
+    cache: Literal["none", "prefix", "dual"] = "none"  # KV cache (miles_core/models/window.py): prompt + finished blocks, + suffix
     sync_every: int = bounded(4, 1)                 # nsd: steps between the host's checks for finished rows
     eos_stop: bool = False              # a row whose finished blocks hold EOS skips its later blocks (all EOS)
 

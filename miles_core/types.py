@@ -43,7 +43,7 @@ class TrajectoryBatch:
       advantage       [B]    float  NaN where not computed yet
     """
 
-    kind: ClassVar[str] = "masked"   # what an estimator builds rows for (algo/estimators/): masked-diffusion steps
+    kind: ClassVar[str] = "masked"   # what estimators build rows for and the store's layout is picked by: masked-diffusion steps
     prompt_ids: list[list[int]]
     completion_ids: Tensor
     step_map: Tensor
@@ -150,7 +150,7 @@ class RenoiseBatch:
                       with the temperature schedule the batch was sampled with, never another
     """
 
-    kind: ClassVar[str] = "renoise"  # what an estimator builds rows for (algo/estimators/): renoising chains
+    kind: ClassVar[str] = "renoise"  # what estimators build rows for and the store's layout is picked by: renoising chains
     prompt_ids: list[list[int]]
     completion_ids: Tensor
     accepted: Tensor

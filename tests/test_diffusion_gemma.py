@@ -14,7 +14,7 @@ import torch
 from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows
 from miles_core.algo.update import adpo_update
 from miles_core.config import ADPOConfig, RenoiseConfig
-from miles_core import canvas
+from miles_core.models import canvas
 from miles_core.models import diffusion_gemma as dg
 from miles_core.models.lora import add_lora
 from miles_core.samplers import renoise as rn
@@ -188,7 +188,7 @@ def test_record_round_trips_through_the_store_and_bad_rows_are_named(model, tmp_
 def test_models_init_and_check_know_the_family(tmp_path):
     """``python -m miles_core.models init --family diffusion_gemma`` and ``miles models check``."""
     from miles_core.models.__main__ import init
-    from miles_core.models.hf import check
+    from miles_core.models.__main__ import check
 
     info = check(init("diffusion_gemma", str(tmp_path / "dg")))
     assert info["family"] == "diffusion_gemma" and info["finite"] and info["canvas_length"] == 24

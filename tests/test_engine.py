@@ -1,4 +1,4 @@
-"""The rollout engine (samplers/sampler.py, miles_core/window.py): greedy output equals the plain
+"""The rollout engine (samplers/sampler.py, miles_core/models/window.py): greedy output equals the plain
 LLaDA-style reference, the learner rescoring an uncached rollout reproduces its log-probs exactly,
 caches are exact where they must be and their gap is what the benchmark reports, a row does not
 depend on its batch, the host never waits inside the step loop, and eos_stop skips finished rows."""
@@ -17,7 +17,7 @@ from miles_core.config import ConfigError, SamplerConfig
 from miles_core.models.base import load_checkpoint
 from miles_core.models.hf import init_tiny
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
-from miles_core.window import attention_grid, logit_shift
+from miles_core.models.window import attention_grid, logit_shift
 from miles_core.samplers.hostreads import HostReads
 from miles_core.samplers.sampler import sample as miles_sample
 from miles_core.samplers.step import rebuild_state

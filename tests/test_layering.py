@@ -105,19 +105,23 @@ VIOLATING_TREE = {
 }
 
 
-def layer_names() -> list[list[str]]:
-    """miles_core's floors as the contract file lists them, highest first."""
-    text = CONFIG.read_text().split("[importlinter:contract:core-layers]", 1)[1]
+def layer_names(contract: str = "core-layers") -> list[list[str]]:
+    """A layers contract's floors as the contract file lists them, highest first."""
+    text = CONFIG.read_text().split(f"[importlinter:contract:{contract}]", 1)[1]
     block = text.split("layers =", 1)[1].split("exhaustive", 1)[0]
     return [[m.strip() for m in line.split("|")] for line in block.strip().splitlines()]
 
 
+# models/ as a package with every module its own contract lists (empty: the contract is kept).
+MODELS_TREE = {f"miles_core/models/{m}.py": "" for floor in layer_names("models-layers") for m in floor} | {
+    "miles_core/models/__init__.py": ""}
+
 # Every floor present (empty modules), then three ways to break the floors: a bottom module
 # importing a runtime, one sibling importing another, and a chain that climbs only indirectly.
-LAYER_TREE = {f"miles_core/{m}.py": "" for floor in layer_names() for m in floor} | {
+LAYER_TREE = {f"miles_core/{m}.py": "" for floor in layer_names() for m in floor if m != "models"} | MODELS_TREE | {
     "miles_core/__init__.py": "",
     "miles_core/config.py": "import miles_core.learner\n",
-    "miles_core/models.py": "from miles_core import data\n",
+    "miles_core/samplers.py": "from miles_core import data\n",
     "miles_core/storage.py": "import miles_core.types\nimport miles_core.algo\n",
 }
 
@@ -135,7 +139,7 @@ def test_repo_import_linter_contracts_kept() -> None:
         assert (REPO / package / "__init__.py").exists(), f"{package}/__init__.py missing: import-linter needs a package"
     result = lint_imports(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 4 kept, 0 broken" in result.stdout, result.stdout
+    assert "Contracts: 5 kept, 0 broken" in result.stdout, result.stdout
 
 
 # ----------------------------------------------------------------------------- the checkers can fail
@@ -161,20 +165,44 @@ def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
     _write(tmp_path, {**LAYER_TREE, **VIOLATING_TREE})
     result = lint_imports(tmp_path)
     assert result.returncode != 0, result.stdout + result.stderr
-    assert "Contracts: 0 kept, 4 broken" in result.stdout, result.stdout
+    assert "Contracts: 1 kept, 4 broken" in result.stdout, result.stdout
     assert "miles_core.algo -> prefect" in result.stdout
     assert "flows.train -> torch" in result.stdout
     assert "tracking.runs -> tasks.run" in result.stdout  # a lower package importing a higher one
 
 
 def test_import_linter_layers_contract_fails_on_a_tree_that_breaks_the_floors(tmp_path: Path) -> None:
-    assert layer_names()[-1] == ["types", "config", "tokenizer", "allocator"] and len(layer_names()) == 7
+    assert layer_names()[-1] == ["types", "config", "tokenizer", "allocator"] and len(layer_names()) == 8
     _write(tmp_path, {**LAYER_TREE, "tracking/__init__.py": "", "tasks/__init__.py": "", "flows/__init__.py": "",
                       "miles/__init__.py": ""})
     result = lint_imports(tmp_path)
     out = result.stdout
     assert result.returncode != 0, out + result.stderr
-    assert "Contracts: 3 kept, 1 broken" in out, out
+    assert "Contracts: 4 kept, 1 broken" in out, out
     assert "miles_core.config -> miles_core.learner" in out  # a bottom floor importing a runtime
-    assert "miles_core.models -> miles_core.data" in out  # siblings on one floor are independent
+    assert "miles_core.samplers -> miles_core.data" in out  # siblings on one floor are independent
     assert "miles_core.storage -> miles_core.algo" in out
+
+
+def test_import_linter_models_contract_fails_on_a_circle_inside_models(tmp_path: Path) -> None:
+    """The circle models/ once had (base -> hf -> base, the second import inside a function, and a
+    backend reaching another) breaks the ``models-layers`` contract and nothing else."""
+    assert layer_names("models-layers")[2] == ["registry"]
+    circle = {
+        "miles_core/models/base.py": "from miles_core.models import registry\n",
+        "miles_core/models/registry.py": "from miles_core.models import hf\n",
+        "miles_core/models/hf.py": "def check():\n    from miles_core.models.base import load_checkpoint\n",
+        "miles_core/models/llama.py": "from miles_core.models import lora\n",
+        "miles_core/models/lora.py": "from miles_core.models import diffusion_gemma\n",
+        "miles_core/models/diffusion_gemma.py": "from miles_core.models import hf\n",
+    }
+    _write(tmp_path, {**LAYER_TREE, "miles_core/config.py": "", "miles_core/samplers.py": "",
+                      "miles_core/storage.py": "import miles_core.types\n", **circle,
+                      "tracking/__init__.py": "", "tasks/__init__.py": "", "flows/__init__.py": "", "miles/__init__.py": ""})
+    result = lint_imports(tmp_path)
+    out = result.stdout
+    assert result.returncode != 0, out + result.stderr
+    assert "Contracts: 4 kept, 1 broken" in out, out
+    assert "miles_core.models.hf -> miles_core.models.base" in out  # a backend importing the loading API
+    assert "miles_core.models.llama -> miles_core.models.lora" in out  # a backend importing LoRA
+    assert "miles_core.models.diffusion_gemma -> miles_core.models.hf" in out  # one backend another

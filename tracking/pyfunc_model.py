@@ -95,12 +95,11 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
     # signature keeps its sampling params and no "Add type hints" warning is printed at load
     def predict(self, context: Any, model_input: pd.DataFrame, params: dict[str, Any] | None = None) -> list[str]:
         """One completion per prompt (greedy by default, as evaluated; ``temperature``/``seed`` params).
-        A renoising family (DiffusionGemma) samples with the recipe's ``renoise`` schedule instead."""
+        The model's family picks the sampler (samplers/registry.py): a renoising one (DiffusionGemma)
+        samples with the recipe's ``renoise`` schedule instead."""
         import torch
 
-        from miles_core.canvas import is_renoising
-        from miles_core.samplers.renoise import sample_seeded
-        from miles_core.samplers.sampler import sample
+        from miles_core.samplers.registry import sample_for
 
         params = dict(params or {})
         prompts = [self._canonical(p) for p in prompts_from_input(model_input)]
@@ -121,8 +120,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         step = max(int(self.cfg.eval.batch_size), 1)
         for start in range(0, len(prompts), step):
             part = ids[start:start + step]
-            batch = sample_seeded(self.model, self.tok, part, self.cfg.renoise, self.completion_len, gen) \
-                if is_renoising(self.model) else sample(self.model, self.tok, part, scfg, self.completion_len, gen)
+            batch = sample_for(self.model, self.tok, part, scfg, self.completion_len, gen, renoise_cfg=self.cfg.renoise)
             out.extend(batch.completions)
         return out
 

@@ -26,7 +26,7 @@ from torch import Tensor
 
 from miles_core.algo.rows import Rows
 from miles_core.config import RenoiseConfig
-from miles_core import canvas
+from miles_core.models import canvas
 from miles_core.samplers.renoise import replay_states, settings, temperature, token_logp
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch

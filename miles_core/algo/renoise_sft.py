@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from miles_core import canvas
+from miles_core.models import canvas
 from miles_core.config import RenoiseConfig
 from miles_core.samplers.step import left_pad
 

@@ -14,9 +14,7 @@ import torch
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
 from miles_core.config import RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData
-from miles_core.canvas import is_renoising
-from miles_core.samplers.renoise import sample_seeded
-from miles_core.samplers.sampler import sample
+from miles_core.samplers.registry import sample_for
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
 
@@ -27,16 +25,14 @@ def rollout(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence
             completion_len: int, group_size: int, generator: torch.Generator, policy_version: int = 0,
             group_offset: int = 0, threshold: float | None = None,
             renoise: RenoiseConfig | None = None) -> TrajectoryBatch | RenoiseBatch:
-    """Sample ``group_size`` completions per prompt; rows of one prompt share a group id. A
-    renoising family (DiffusionGemma) samples with ``renoise`` (the recipe's ``renoise`` section)."""
+    """Sample ``group_size`` completions per prompt; rows of one prompt share a group id. The
+    model's family picks the sampler (samplers/registry.py): a renoising one (DiffusionGemma)
+    samples with ``renoise`` (the recipe's ``renoise`` section), the masked ones with ``cfg``."""
     model.eval()
     ids = [tok.encode_prompt(p) for p in prompts for _ in range(group_size)]
     gid = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
-    if is_renoising(model):
-        batch: TrajectoryBatch | RenoiseBatch = sample_seeded(
-            model, tok, ids, renoise or RenoiseConfig(), completion_len, generator, gid, policy_version)
-    else:
-        batch = sample(model, tok, ids, cfg, completion_len, generator, gid, policy_version, threshold)
+    batch: TrajectoryBatch | RenoiseBatch = sample_for(model, tok, ids, cfg, completion_len, generator, gid,
+                                                       policy_version, threshold, renoise)
     batch.meta = [{"answer": a} for a in answers for _ in range(group_size)]
     return batch
 

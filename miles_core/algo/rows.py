@@ -19,7 +19,7 @@ from torch import Tensor
 from miles_core.samplers.step import left_pad, rebuild_state, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
-from miles_core.window import model_device, window_logits
+from miles_core.models.window import model_device, window_logits
 
 
 @dataclass

@@ -29,7 +29,7 @@ from miles_core.models.lora import reference_policy, trainable_parameters
 from miles_core.parallel import World
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
-from miles_core.window import head_weight
+from miles_core.models.window import head_weight
 
 __all__ = ["RowScorer", "adpo_update", "estimator_rows", "policy_update"]
 

@@ -17,9 +17,7 @@ from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
 from miles_core.eval.presets import preset_values
 from miles_core.progress import track
 from miles_core.rewards.registry import reward_for_recipe
-from miles_core.canvas import is_renoising
-from miles_core.samplers.renoise import sample_seeded
-from miles_core.samplers.sampler import sample
+from miles_core.samplers.registry import sample_for
 from miles_core.tokenizer import PROMPT_PREFILL, CharTokenizer
 
 
@@ -34,8 +32,9 @@ def sampler_for(ec: EvalConfig) -> SamplerConfig:
 def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence[str], ec: EvalConfig,
              reward_fn: Callable[..., list], batch_size: int = 250, progress: bool = False,
              sampler: SamplerConfig | None = None, renoise: RenoiseConfig | None = None) -> EvalResult:
-    """Sample ``ec.n_samples`` completions per problem; correct = reward >= 1. A renoising family
-    (DiffusionGemma) samples with ``renoise`` (its row seeds drawn from ``ec.seed``'s stream)."""
+    """Sample ``ec.n_samples`` completions per problem; correct = reward >= 1. The model's family
+    picks the sampler (samplers/registry.py): a renoising one (DiffusionGemma) samples with
+    ``renoise`` (its row seeds drawn from ``ec.seed``'s stream)."""
     if len(prompts) != len(answers):
         raise ValueError(f"evaluate: {len(prompts)} prompts but {len(answers)} answers")
     scfg = sampler or sampler_for(ec)
@@ -49,8 +48,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     for start in chunks:
         part = order[start:start + batch_size]
         ids = [tok.encode_prompt(prompts[i]) for i, _ in part]
-        batch = sample_seeded(model, tok, ids, renoise or RenoiseConfig(), ec.completion_len, gen) \
-            if is_renoising(model) else sample(model, tok, ids, scfg, ec.completion_len, gen)
+        batch = sample_for(model, tok, ids, scfg, ec.completion_len, gen, renoise_cfg=renoise)
         rewards = reward_fn([prompts[i] for i, _ in part], batch.completions, answer=[answers[i] for i, _ in part])
         for (i, s), c, r in zip(part, batch.completions, rewards):
             ok = r is not None and r >= 1.0

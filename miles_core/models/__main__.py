@@ -8,37 +8,46 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from pathlib import Path
+from typing import Any
 
-from miles_core.models.families import SPECS
+import torch
+
+from miles_core.models.base import load_checkpoint
+from miles_core.models.registry import families, family_named, family_of
 
 
 def init(family: str, out: str, seed: int = 0) -> str:
-    """A tiny random-init checkpoint of ``family`` in its published layout (bidir_llama: a plain
-    Hugging Face Llama folder; tiny: Miles' own character model; diffusion_gemma: transformers' own
-    DiffusionGemma class with the character tokenizer)."""
-    if family == "bidir_llama":
-        from miles_core.models.llama import init_checkpoint
+    """A tiny random-init checkpoint of ``family`` in its published layout (the family's ``init``:
+    bidir_llama a plain Hugging Face Llama folder, tiny Miles' own character model, diffusion_gemma
+    transformers' own class with the character tokenizer)."""
+    make = family_named(family).init
+    if make is None:
+        raise ValueError(f"--family: {family!r} has no tiny layout")
+    return str(make(Path(out), seed))
 
-        return str(init_checkpoint(out, seed=seed))
-    if family == "tiny":
-        import torch
 
-        from miles_core.models.base import save_checkpoint
-        from miles_core.models.tiny import TinyConfig, TinyDenoiser
-        from miles_core.tokenizer import CharTokenizer
-
-        torch.manual_seed(seed)
-        tok = CharTokenizer()
-        save_checkpoint(TinyDenoiser(TinyConfig(tok.vocab_size, 32, 1, 2, 64, 64)), tok, out)
-        return out
-    if family == "diffusion_gemma":  # canvas 24: the tiny recipe's completion length
-        from miles_core.models.diffusion_gemma import write_tiny_checkpoint
-        from miles_core.tokenizer import CharTokenizer
-
-        return str(write_tiny_checkpoint(out, CharTokenizer(), canvas_length=24, seed=seed, hidden=32, heads=2))
-    from miles_core.models.hf import init_tiny
-
-    return str(init_tiny(family, out, seed))
+def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
+    """What ``miles models check`` prints: family, size, dtype, ids, attention, and a smoke forward
+    (the family's own ``smoke`` where it has no masked forward)."""
+    t0 = time.perf_counter()
+    model, tok = load_checkpoint(directory, family=family)  # the path training takes
+    load_s = time.perf_counter() - t0
+    fam = family_of(model)
+    if fam.smoke is not None:
+        return {**fam.smoke(model, tok), "load_s": load_s}
+    ids = torch.tensor([tok.encode("1+2=") + [tok.mask_id] * 4])
+    with torch.no_grad():
+        logits = model(ids, torch.ones_like(ids, dtype=torch.bool))
+    spec = getattr(model, "spec", None)
+    block = spec is not None and spec.attention == "block"
+    return {"family": fam.name, "native": spec.native if spec else str(getattr(model.config, "model_type", fam.name)),
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype),
+            "mask_id": tok.mask_id, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
+            "logit_shift": bool(spec and spec.logit_shift),
+            "attention": f"block-causal, block {model.block_size}" if block else "bidirectional",
+            "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,17 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     i = sub.add_parser("init", help="write a tiny random-init checkpoint in a family's published layout")
     i.add_argument("out", help="output folder")
-    i.add_argument("--family", required=True, choices=sorted([*SPECS, "bidir_llama", "tiny", "diffusion_gemma"]))
+    i.add_argument("--family", required=True, choices=sorted(f.name for f in families() if f.init is not None))
     i.add_argument("--seed", type=int, default=0)
     c = sub.add_parser("check", help="load a checkpoint folder, print what it is, run one smoke forward")
     c.add_argument("dir")
-    c.add_argument("--family", default="auto", choices=["auto", *sorted(SPECS), "bidir_llama", "tiny", "diffusion_gemma"])
+    c.add_argument("--family", default="auto", choices=["auto", *sorted(f.name for f in families())])
     a = p.parse_args(argv)
     if a.command == "init":
         print(f"wrote {init(a.family, a.out, a.seed)}")
         return 0
-    from miles_core.models.hf import check
-
     info = check(a.dir, a.family)
     width = max(map(len, info))
     for k, v in info.items():

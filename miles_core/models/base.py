@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from miles_core.config import ConfigError
+from miles_core.models.family import LoadOptions
+from miles_core.models.registry import family_for_checkpoint
 from miles_core.tokenizer import PROMPT_PREFILL, CharTokenizer
 
 if TYPE_CHECKING:
@@ -91,10 +93,10 @@ def local_model_dir(path: str | Path) -> Path:
 
 def load_checkpoint(directory: str | Path, mask_token: str | None = None, family: str = "auto",
                     trust_remote_code: bool = False, dtype: str = "float32") -> tuple[nn.Module, AnyTokenizer]:
-    """Load a base denoiser and its tokenizer from a folder: a Miles tiny checkpoint, a Hugging
-    Face Llama (``bidir_llama``, models/llama.py) or a published diffusion family (models/families.py:
-    llada, dream, sdar, bidir_qwen3) or DiffusionGemma (models/diffusion_gemma.py, transformers' own
-    class), by ``family`` or (``auto``) by config.json's model_type.
+    """Load a base denoiser and its tokenizer from a folder through its family (models/registry.py:
+    a Miles tiny checkpoint, a Hugging Face Llama run bidirectionally, a published diffusion family
+    such as llada, dream, sdar, bidir_qwen3, or DiffusionGemma), by ``family`` or (``auto``) by
+    config.json's model_type.
 
     ``mask_token`` only matters for a Llama whose tokenizer registers no mask token. ``remote_code``
     (an explicit opt-in with ``trust_remote_code``) runs the folder's own modeling code. ``dtype``
@@ -103,27 +105,8 @@ def load_checkpoint(directory: str | Path, mask_token: str | None = None, family
     cfg_path = d / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"checkpoint folder {d} has no config.json")
-    model_type = json.loads(cfg_path.read_text()).get("model_type")
-    if family == "tiny" or (family == "auto" and model_type == "miles-tiny"):
-        from miles_core.models.tiny import TinyDenoiser
-
-        return TinyDenoiser.from_pretrained(d), CharTokenizer.load(d)
-    if family == "diffusion_gemma" or (family == "auto" and model_type == "diffusion_gemma"):
-        from miles_core.models.diffusion_gemma import load_diffusion_gemma  # transformers' own class
-
-        return load_diffusion_gemma(d, dtype=getattr(torch, dtype))
-    if family == "bidir_llama" or (family == "auto" and model_type == "llama"):
-        from miles_core.models.llama import load_llama
-
-        return load_llama(d, mask_token=mask_token, dtype=getattr(torch, dtype))
-    from miles_core.models.hf import load_family, load_remote_code
-
-    from miles_core.models.families import SPECS
-
-    known = any(model_type in s.model_types for s in SPECS.values())
-    if family == "remote_code" or (family == "auto" and trust_remote_code and not known):
-        return load_remote_code(d, trust_remote_code)
-    return load_family(d, family, dtype=getattr(torch, dtype))
+    fam = family_for_checkpoint(json.loads(cfg_path.read_text()), family, trust_remote_code, str(cfg_path))
+    return fam.load(d, LoadOptions(mask_token=mask_token, dtype=dtype, trust_remote_code=trust_remote_code))
 
 
 def load_base(cfg: "RecipeConfig", directory: str | Path) -> tuple[nn.Module, AnyTokenizer]:

@@ -1,6 +1,9 @@
 """DiffusionGemma through transformers' own class: its config, a tiny checkpoint in the published
-layout, loading, and the decoder-only LoRA targets (the forwards the sampler and the learner share
-are miles_core/canvas.py).
+layout, loading, the decoder-only LoRA targets, and its :data:`FAMILY` record (the forwards the
+sampler and the learner share are miles_core/models/canvas.py).
+
+The only module that tells a DiffusionGemma by its type (:func:`is_diffusion_gemma`): everything
+else asks the family registry (models/registry.py) for its sampler ``renoise`` and batch kind.
 
 transformers 5.24 ships ``DiffusionGemmaForBlockDiffusion`` (``models/diffusion_gemma/``,
 checkpoint google/diffusiongemma-26B-A4B-it). It is not absorbing-mask diffusion: an encoder (the
@@ -23,6 +26,10 @@ import torch
 from torch import nn
 
 from miles_core.config import ConfigError
+from miles_core.models import canvas
+from miles_core.models.family import Family, LoadOptions
+from miles_core.models.hf_tokenizer import load_tokenizer
+from miles_core.tokenizer import CharTokenizer
 
 # peft target regex (full match on module names): decoder projections and the self-conditioning MLP.
 DECODER_LORA_TARGETS = (r".*decoder\.(layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -83,14 +90,42 @@ def load_diffusion_gemma(directory: str | Path, dtype: torch.dtype = torch.float
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(d), dtype=dtype, local_files_only=True).eval()
     tok_file = d / "tokenizer.json"
     if tok_file.exists() and json.loads(tok_file.read_text()).get("type") == "char":
-        from miles_core.tokenizer import CharTokenizer
-
         tok: Any = CharTokenizer.load(d)
     else:
-        from miles_core.models.hf import load_tokenizer
-
         tok = load_tokenizer(d, int(model.config.text_config.pad_token_id or 0))
     if tok.vocab_size > model.config.text_config.vocab_size:
         raise ConfigError(f"{d}: the tokenizer has {tok.vocab_size} tokens, the embedding only "
                           f"{model.config.text_config.vocab_size}")
     return model, tok
+
+
+def is_diffusion_gemma(model: nn.Module) -> bool:
+    """A bare ``DiffusionGemmaForBlockDiffusion`` (the registry unwraps peft before asking)."""
+    return type(model).__name__ == "DiffusionGemmaForBlockDiffusion"
+
+
+def smoke(model: nn.Module, tok: Any) -> dict[str, Any]:
+    """``miles models check``: no masked forward here, so the prompt encoded and one canvas decoded."""
+    width = int(canvas.core(model).config.canvas_length)
+    ids = torch.tensor([tok.encode("1+2=")])
+    with torch.no_grad():
+        enc = canvas.encode(model, ids, torch.ones_like(ids, dtype=torch.bool), width)
+        logits = canvas.decode(model, enc, torch.randint(0, tok.vocab_size, (1, width)), None)
+    return {"family": "diffusion_gemma", "native": "diffusion_gemma",
+            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype),
+            "eos_id": tok.eos_id, "vocab_size": tok.vocab_size, "canvas_length": width,
+            "attention": "causal prompt encoder + bidirectional canvas decoder",
+            "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all())}
+
+
+def _load(directory: Path, opts: LoadOptions) -> tuple[nn.Module, Any]:
+    return load_diffusion_gemma(directory, dtype=getattr(torch, opts.dtype))
+
+
+def _init(out: Path, seed: int) -> Path:  # canvas 24: the tiny recipe's completion length
+    return write_tiny_checkpoint(out, CharTokenizer(), canvas_length=24, seed=seed, hidden=32, heads=2)
+
+
+# Renoising, not masked: its own sampler (samplers/renoise.py) records a RenoiseBatch ("renoise").
+FAMILY = Family("diffusion_gemma", load=_load, owns=is_diffusion_gemma, lora_targets=lambda m: DECODER_LORA_TARGETS,
+                model_types=("diffusion_gemma",), sampler="renoise", batch_kind="renoise", init=_init, smoke=smoke)

@@ -5,7 +5,7 @@ attention_mask [B, T] bool) -> [B, T, V]``.
 
 * Positions count real tokens only (``cumsum(mask) - 1``), and block boundaries of block-causal
   families follow those positions, so a row's logits do not depend on its batch's padding.
-* Every pass goes through ``window`` (miles_core/window.py), which hands the backbone a bool 4D
+* Every pass goes through ``window`` (miles_core/models/window.py), which hands the backbone a bool 4D
   mask (True = may attend) that transformers passes to every layer as-is
   (masking_utils._preprocess_mask_arguments): ``[B, 1, 1, Tk]`` real keys for full attention
   (``config.is_causal=False`` and every module's flag are set too, see models/llama.py), and
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +32,10 @@ from torch import Tensor, nn
 
 from miles_core.config import ConfigError
 from miles_core.models.families import SPECS, FamilySpec, family_for
-from miles_core.models.hf_tokenizer import HFTokenizer
-from miles_core.models.llama import make_bidirectional, model_inputs
-from miles_core.window import KVCache, Out, Span, hf_window, select_out
+from miles_core.models.family import Family, LoadOptions
+from miles_core.models.hf_native import PROJECTIONS, make_bidirectional, model_inputs
+from miles_core.models.hf_tokenizer import HFTokenizer, load_tokenizer
+from miles_core.models.window import KVCache, Out, Span, hf_window, select_out
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -80,7 +80,7 @@ class HFDiffusion(nn.Module):
 
     def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
                keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
-        """miles_core/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
+        """miles_core/models/window.py: logits of ``out`` from a pass over ``query`` (block-causal for sdar)."""
         if self.spec.native == "modernbert":
             if cache is not None or keep:
                 raise ValueError("modernbert has no KV cache here: use sampler.cache=none")
@@ -218,21 +218,6 @@ def _own_mask_id(d: Path) -> int | None:
     return None
 
 
-def load_tokenizer(d: Path, mask_id: int) -> HFTokenizer:
-    """The folder's own tokenizer with the token at ``mask_id`` as [MASK] (tokenizer.json is read
-    directly: AutoTokenizer would also read config.json and warn about the published model_type)."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
-    if (d / "tokenizer.json").exists():
-        hf = PreTrainedTokenizerFast.from_pretrained(str(d), local_files_only=True)
-    else:
-        hf = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    name = hf.convert_ids_to_tokens(mask_id) if 0 <= mask_id < len(hf) else None
-    if not isinstance(name, str):
-        raise ConfigError(f"{d}: the tokenizer has no token with the mask id {mask_id}")
-    return HFTokenizer(hf, mask_token=name)
-
-
 def tiny_tokenizer(spec: FamilySpec, vocab_size: int) -> Any:
     """A character-level fast tokenizer of ``vocab_size`` entries with the family's special tokens
     at their published ids (the rest reserved), so ids in tests are the real checkpoint's ids."""
@@ -304,43 +289,6 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, A
     return out
 
 
-def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
-    """What ``miles models check`` prints: family, size, dtype, ids, attention, and a smoke forward."""
-    from miles_core.models.base import load_checkpoint
-
-    t0 = time.perf_counter()
-    model, tok = load_checkpoint(directory, family=family)  # the path training takes
-    load_s = time.perf_counter() - t0
-    from miles_core.canvas import is_renoising
-
-    if is_renoising(model):  # no masked forward: the prompt encoded, one canvas decoded
-        from miles_core import canvas
-
-        width = int(canvas.core(model).config.canvas_length)
-        ids = torch.tensor([tok.encode("1+2=")])
-        with torch.no_grad():
-            enc = canvas.encode(model, ids, torch.ones_like(ids, dtype=torch.bool), width)
-            logits = canvas.decode(model, enc, torch.randint(0, tok.vocab_size, (1, width)), None)
-        return {"family": "diffusion_gemma", "native": "diffusion_gemma",
-                "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype),
-                "eos_id": tok.eos_id, "vocab_size": tok.vocab_size, "canvas_length": width,
-                "attention": "causal prompt encoder + bidirectional canvas decoder",
-                "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
-    ids = torch.tensor([tok.encode("1+2=") + [tok.mask_id] * 4])
-    with torch.no_grad():
-        logits = model(ids, torch.ones_like(ids, dtype=torch.bool))
-    spec = getattr(model, "spec", None)
-    name = spec.name if spec else {"TinyDenoiser": "tiny", "LlamaDiffusion": "bidir_llama"}.get(
-        type(model).__name__, "remote_code")
-    block = spec is not None and spec.attention == "block"
-    return {"family": name, "native": spec.native if spec else str(getattr(model.config, "model_type", name)),
-            "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype),
-            "mask_id": tok.mask_id, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
-            "logit_shift": bool(spec and spec.logit_shift),
-            "attention": f"block-causal, block {model.block_size}" if block else "bidirectional",
-            "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
-
-
 class RemoteCodeDiffusion(nn.Module):
     """``model.family=remote_code``: a folder's own modeling code (``auto_map`` in its config.json),
     run as a bidirectional denoiser through transformers' Auto classes. An explicit opt-in
@@ -382,3 +330,29 @@ def load_remote_code(directory: str | Path, trust_remote_code: bool) -> tuple[Re
     mask_id = published.get("mask_token_id")
     tok = load_tokenizer(d, int(mask_id)) if mask_id is not None else HFTokenizer.load(d)
     return RemoteCodeDiffusion(lm.eval()), tok
+
+
+def _spec_family(spec: FamilySpec) -> Family:
+    """The registry's record of one published-layout family (families.py's spec)."""
+    return Family(spec.name, load=lambda d, o: load_family(d, spec.name, dtype=getattr(torch, o.dtype)),
+                  owns=lambda m: isinstance(m, HFDiffusion) and m.spec.name == spec.name,
+                  lora_targets=lambda m: PROJECTIONS[spec.native], model_types=spec.model_types,
+                  init=(lambda out, seed: init_tiny(spec.name, out, seed)) if spec.name in VOCAB else None)
+
+
+def native_targets(model: nn.Module) -> tuple[str, ...]:
+    """A native architecture's projections when the model's config names one (remote code, a
+    denoiser built in code), else the common ``q/k/v/o_proj, fc1, fc2`` set."""
+    native = str(getattr(model.config, "model_type", ""))
+    return PROJECTIONS.get(native, ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2"))
+
+
+def _remote_load(d: Path, o: LoadOptions) -> tuple[RemoteCodeDiffusion, HFTokenizer]:
+    return load_remote_code(d, o.trust_remote_code)
+
+
+# The published families, then remote code (picked by name, or under ``auto`` with
+# ``trust_remote_code`` for a model_type no family claims; its module names are unknown).
+FAMILIES: tuple[Family, ...] = (*(_spec_family(s) for s in SPECS.values()), Family(
+    "remote_code", load=_remote_load, owns=lambda m: isinstance(m, RemoteCodeDiffusion),
+    lora_targets=native_targets))

@@ -14,9 +14,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
+
+from miles_core.config import ConfigError
 
 from miles_core.tokenizer import DEFAULT_CHARS, eos_padded
+
+if TYPE_CHECKING:  # transformers loads when a tokenizer does, not when the family registry is read
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 MASK = "[MASK]"
 EOS = "[EOS]"
@@ -34,7 +39,7 @@ class HFTokenizer:
       matrix must have ``vocab_size`` rows.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, mask_token: str | None = None) -> None:
+    def __init__(self, tokenizer: "PreTrainedTokenizerBase", mask_token: str | None = None) -> None:
         self.hf = tokenizer
         before = len(tokenizer)
         if mask_token:  # a named token (e.g. '<|mdm_mask|>'): register it as the mask token
@@ -110,10 +115,12 @@ class HFTokenizer:
         d = Path(directory)
         if not any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
             raise FileNotFoundError(f"{d} holds no Hugging Face tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+        from transformers import AutoTokenizer
+
         return cls(AutoTokenizer.from_pretrained(str(d), local_files_only=True), mask_token=mask_token)
 
 
-def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
+def char_tokenizer(chars: str = DEFAULT_CHARS) -> "PreTrainedTokenizerFast":
     """A character-level fast tokenizer built locally (no download): one token per character.
 
     A BPE model with no merges splits text into single characters; ``Fuse`` joins them back
@@ -121,6 +128,7 @@ def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     No mask token on purpose: :class:`HFTokenizer` adds it, the path a real checkpoint takes.
     """
     from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
 
     if len(set(chars)) != len(chars):
         raise ValueError("char_tokenizer: chars must be unique")
@@ -130,3 +138,18 @@ def char_tokenizer(chars: str = DEFAULT_CHARS) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", eos_token=EOS, unk_token="[UNK]",
                                    clean_up_tokenization_spaces=False)
+
+
+def load_tokenizer(d: Path, mask_id: int) -> "HFTokenizer":
+    """The folder's own tokenizer with the token at ``mask_id`` as [MASK] (tokenizer.json is read
+    directly: AutoTokenizer would also read config.json and warn about the published model_type)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if (d / "tokenizer.json").exists():
+        hf = PreTrainedTokenizerFast.from_pretrained(str(d), local_files_only=True)
+    else:
+        hf = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    name = hf.convert_ids_to_tokens(mask_id) if 0 <= mask_id < len(hf) else None
+    if not isinstance(name, str):
+        raise ConfigError(f"{d}: the tokenizer has no token with the mask id {mask_id}")
+    return HFTokenizer(hf, mask_token=name)

@@ -26,58 +26,22 @@ standard checkpoint. Nothing downloads at run time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
-from transformers import LlamaConfig, LlamaForCausalLM
-from transformers.utils import logging as hf_logging
 
+from miles_core.models.family import Family, LoadOptions
+from miles_core.models.hf_native import PROJECTIONS, make_bidirectional, quiet_progress
 from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
-from miles_core.models.lora import TARGETS_BY_MODEL_TYPE
+from miles_core.models.window import KVCache, hf_window
 
-if TYPE_CHECKING:
-    from miles_core.window import KVCache
+if TYPE_CHECKING:  # transformers loads with a model, not when the family registry is read
+    from transformers import LlamaForCausalLM
 
 # peft LoRA targets: attention and MLP projections of every decoder layer.
-LLAMA_LORA_TARGETS = TARGETS_BY_MODEL_TYPE["llama"]
-
-
-@contextlib.contextmanager
-def quiet_progress() -> Iterator[None]:
-    """No per-shard progress bars while loading/saving tiny checkpoints (restored afterwards)."""
-    was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was:
-            hf_logging.enable_progress_bar()
-
-
-def make_bidirectional(lm: LlamaForCausalLM) -> int:
-    """Turn off causal attention in config and in every attention module; return how many modules."""
-    lm.config.is_causal = False
-    n = 0
-    for m in lm.modules():
-        if hasattr(m, "is_causal") and isinstance(m.is_causal, bool):
-            m.is_causal = False
-            n += 1
-    if n == 0:
-        raise ValueError("make_bidirectional: found no attention module with an `is_causal` flag; "
-                         "this transformers version builds Llama attention differently")
-    return n
-
-
-def model_inputs(lm: nn.Module, input_ids: Tensor, attention_mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-    """(ids, bool mask, positions) on ``lm``'s device. Positions count real tokens only
-    (``cumsum(mask) - 1``), so left padding never shifts a row's rotary positions."""
-    dev = lm.get_input_embeddings().weight.device
-    ids = input_ids.to(dev)
-    mask = torch.ones_like(ids, dtype=torch.bool) if attention_mask is None else attention_mask.to(dev).bool()
-    return ids, mask, (mask.long().cumsum(1) - 1).clamp_min(0)                          # [B, T] each
+LLAMA_LORA_TARGETS = PROJECTIONS["llama"]
 
 
 class LlamaDiffusion(nn.Module):
@@ -103,10 +67,8 @@ class LlamaDiffusion(nn.Module):
         return self.window(input_ids, mask, (0, t), (0, t))[0].to(input_ids.device)       # [B, T, V]
 
     def window(self, ids: Tensor, mask: Tensor, query: tuple[int, int], out: tuple[int, int],
-               cache: "KVCache | None" = None, keep: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor, "KVCache | None"]:
-        """miles_core/window.py: logits of ``out`` from a bidirectional pass over ``query``."""
-        from miles_core.window import hf_window
-
+               cache: KVCache | None = None, keep: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor, KVCache | None]:
+        """miles_core/models/window.py: logits of ``out`` from a bidirectional pass over ``query``."""
         return hf_window(self.lm, ids, mask, query, out, cache, keep)
 
     def save_pretrained(self, directory: str | Path) -> None:
@@ -134,7 +96,7 @@ def _grow_vocab(lm: LlamaForCausalLM, new_size: int) -> None:
 
 
 def load_llama(directory: str | Path, mask_token: str | None = None, dtype: torch.dtype = torch.float32,
-               attn_implementation: str = "sdpa") -> tuple[LlamaDiffusion, HFTokenizer]:
+               attn_implementation: str = "sdpa") -> tuple["LlamaDiffusion", HFTokenizer]:
     """Load a local Hugging Face Llama folder as a bidirectional denoiser plus its tokenizer.
 
     ``mask_token``: name of the token to use as [MASK] when the tokenizer registers none (e.g.
@@ -145,6 +107,8 @@ def load_llama(directory: str | Path, mask_token: str | None = None, dtype: torc
         raise FileNotFoundError(f"Llama checkpoint {d} has no config.json")
     if not any(d.glob("*.safetensors")) and not any(d.glob("*.bin")):
         raise FileNotFoundError(f"Llama checkpoint {d} has no weights (*.safetensors)")
+    from transformers import LlamaForCausalLM
+
     tok = HFTokenizer.load(d, mask_token=mask_token)
     with quiet_progress():
         lm = LlamaForCausalLM.from_pretrained(str(d), local_files_only=True, dtype=dtype,
@@ -163,6 +127,8 @@ def random_llama(vocab_size: int, hidden: int = 32, layers: int = 2, heads: int 
                  intermediate: int = 64, max_positions: int = 128, seed: int = 0, pad_id: int | None = None,
                  eos_id: int | None = None) -> LlamaDiffusion:
     """A randomly initialised Llama-Diffusion of the given size (tests, toy recipes, GPU checks)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     if hidden % heads != 0:
         raise ValueError(f"hidden={hidden} must be divisible by heads={heads}")
     torch.manual_seed(seed)
@@ -188,6 +154,16 @@ def init_checkpoint(out_dir: str | Path, hidden: int = 32, layers: int = 2, head
     model.save_pretrained(out)
     hf.save_pretrained(str(out))
     return out
+
+
+def _load(directory: Path, opts: LoadOptions) -> tuple[nn.Module, HFTokenizer]:
+    return load_llama(directory, mask_token=opts.mask_token, dtype=getattr(torch, opts.dtype))
+
+
+# A Hugging Face Llama folder (config.json model_type "llama") run bidirectionally.
+FAMILY = Family("bidir_llama", load=_load, owns=lambda m: isinstance(m, LlamaDiffusion),
+                lora_targets=lambda m: LLAMA_LORA_TARGETS, model_types=("llama",),
+                init=lambda out, seed: init_checkpoint(out, seed=seed))
 
 
 def main(argv: list[str] | None = None) -> None:

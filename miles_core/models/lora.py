@@ -16,40 +16,31 @@ from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dic
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from miles_core.models.registry import family_of
+
 if TYPE_CHECKING:
     from miles_core.config import LoraSettings
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the tensors of a peft adapter folder
 BASE_FILE = "miles_base.json"                  # what the adapter belongs to: the base's name and weight hash
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
-# Attention and MLP projections per backend, keyed by the base's ``config.model_type``.
-TARGETS_BY_MODEL_TYPE: dict[str, tuple[str, ...]] = {
-    "miles-tiny": DEFAULT_TARGETS,
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    "qwen2": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    "qwen3": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
-    "modernbert": ("Wqkv", "Wo", "Wi"),
-}
 
 
-def lora_targets(model: nn.Module) -> tuple[str, ...]:
-    """The LoRA target module names for this base (``DEFAULT_TARGETS`` for unknown model types)."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return TARGETS_BY_MODEL_TYPE.get(str(model_type), DEFAULT_TARGETS)
+def lora_targets(model: nn.Module) -> tuple[str, ...] | str:
+    """The LoRA targets the base's family picks (models/registry.py): module names, or one
+    full-match regex where names are ambiguous (DiffusionGemma's decoder, beside a tied encoder)."""
+    return family_of(model).lora_targets(model)
 
 
 def add_lora(model: nn.Module, r: int = 16, alpha: int = 32, dropout: float = 0.0,
              targets: tuple[str, ...] | None = None) -> PeftModel:
     """Wrap a base denoiser with a fresh LoRA adapter (B initialised to zero: output unchanged).
 
-    ``targets=None`` picks the backend's attention/MLP projections (:func:`lora_targets`); for
-    DiffusionGemma, its decoder's only (a regex: the tied encoder has the same module names).
+    ``targets=None`` picks the family's attention/MLP projections (:func:`lora_targets`); a
+    family's regex (DiffusionGemma's decoder only) goes to peft as it is.
     """
-    if targets is None and getattr(getattr(model, "config", None), "model_type", None) == "diffusion_gemma":
-        from miles_core.models.diffusion_gemma import DECODER_LORA_TARGETS
-
+    if targets is None and isinstance(regex := lora_targets(model), str):
         return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout,
-                                                target_modules=DECODER_LORA_TARGETS, bias="none"))
+                                                target_modules=regex, bias="none"))
     targets = lora_targets(model) if targets is None else targets
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     missing = [t for t in targets if t not in names]

@@ -18,7 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from miles_core.models.checkpoint import load_module, save_module
-from miles_core.window import KVCache, Out, Span, key_mask, kept_spans, out_logits
+from miles_core.models.family import Family, LoadOptions
+from miles_core.models.window import KVCache, Out, Span, key_mask, kept_spans, out_logits
+from miles_core.tokenizer import CharTokenizer
 
 
 @dataclass
@@ -101,7 +103,7 @@ class TinyDenoiser(nn.Module):
 
     def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
                keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
-        """miles_core/window.py: logits of ``out`` from a pass over ``query`` attending to ``cache`` too."""
+        """miles_core/models/window.py: logits of ``out`` from a pass over ``query`` attending to ``cache`` too."""
         dev = self.lm_head.weight.device  # samplers may hand CPU tensors to a model on a GPU
         ids, mask = ids.to(dev), mask.to(dev).bool()
         b, total = ids.shape
@@ -131,3 +133,25 @@ class TinyDenoiser(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "TinyDenoiser":
         return load_module(directory, "miles-tiny", lambda cfg: cls(TinyConfig(**cfg)))
+
+
+# peft targets: the attention and MLP projections, named as a Llama's are
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
+
+
+def _load(directory: Path, opts: LoadOptions) -> tuple[nn.Module, CharTokenizer]:
+    return TinyDenoiser.from_pretrained(directory), CharTokenizer.load(directory)
+
+
+def init_checkpoint(out: str | Path, seed: int = 0) -> Path:
+    """A random-init tiny checkpoint with the character tokenizer (``models init --family tiny``)."""
+    torch.manual_seed(seed)
+    tok = CharTokenizer()
+    TinyDenoiser(TinyConfig(tok.vocab_size, 32, 1, 2, 64, 64)).save_pretrained(out)
+    tok.save(out)
+    return Path(out)
+
+
+# Miles' own character model (config.json model_type "miles-tiny").
+FAMILY = Family("tiny", load=_load, owns=lambda m: isinstance(m, TinyDenoiser), lora_targets=lambda m: LORA_TARGETS,
+                model_types=("miles-tiny",), init=init_checkpoint)

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from miles_core.config import RenoiseConfig
-from miles_core import canvas
+from miles_core.models import canvas
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
 

@@ -8,7 +8,7 @@ positions in their current block, and a commit rule picks which positions to rev
     most ``max_per_step`` (Native Speculative Denoising).
 
 Everything lives on the model's device: state, seeded noise, commit rules. Logits are computed
-for the current block only (miles_core/window.py) and never leave the device; what comes back to the
+for the current block only (miles_core/models/window.py) and never leave the device; what comes back to the
 host is the final tokens, ``step_map``, log-probs and NFE. The host reads the device once per
 block (which rows have work) and, under NSD, one [B] flag every ``sampler.sync_every`` steps
 (which rows finished); a static block has a known number of steps and no read at all, so a GPU
@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from miles_core.config import ConfigError, SamplerConfig
-from miles_core.window import KVCache, attention_grid, logit_shift, model_device, supports_cache, window_logits
+from miles_core.models.window import KVCache, attention_grid, logit_shift, model_device, supports_cache, window_logits
 from miles_core.samplers.step import left_pad, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch

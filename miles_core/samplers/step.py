@@ -43,11 +43,11 @@ def denoise_step(model, x: Tensor, attn: Tensor, prompt_width: int, *, temperatu
                  tokens: Tensor | None = None) -> StepOut:
     """Run the denoiser once on state x [B, T] and sample (tokens=None) or score tokens [B, L].
 
-    The completion occupies x[:, prompt_width:]; only its logits are computed (miles_core/window.py).
+    The completion occupies x[:, prompt_width:]; only its logits are computed (miles_core/models/window.py).
     Sampling is Gumbel-max on pi_T with the given seeded generator, so it is an exact draw and
     reproducible; temperature 0 is argmax.
     """
-    from miles_core.window import window_logits
+    from miles_core.models.window import window_logits
 
     t = x.shape[1]
     logits, _ = window_logits(model, x, attn, (0, t), (prompt_width, t))   # [B, L, V]

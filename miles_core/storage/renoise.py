@@ -40,6 +40,7 @@ import pyarrow as pa
 import torch
 
 from miles_core.storage.errors import SchemaError
+from miles_core.storage.layouts import BatchCodec, register_layout
 from miles_core.types import RenoiseBatch
 
 SCHEMA_VERSION = 1
@@ -160,3 +161,6 @@ def describe(batch: RenoiseBatch) -> dict[str, Any]:
             "created_at": datetime.fromtimestamp(batch.created_at, timezone.utc).isoformat(),
             "created_at_unix": batch.created_at}
 
+
+# RenoiseBatch.kind "renoise": the store writes and reads renoising batches in this layout.
+LAYOUT = register_layout("renoise", BatchCodec(KIND, SCHEMA_VERSION, to_table, from_table, check_schema, describe))

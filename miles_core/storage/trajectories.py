@@ -7,8 +7,8 @@ batch is never overwritten. The marker carries the SHA-256 of the Parquet bytes 
 corruption, quarantine the file, and keep going. See ``SCHEMA.md`` next to this file.
 
 The protocol does not depend on what a batch holds: a :class:`BatchCodec` turns a batch into an
-Arrow table and back. The default (:data:`DIFFUSION`) holds masked-diffusion batches and renoising
-(DiffusionGemma) ones, each in its own layout;
+Arrow table and back. The default (:data:`DIFFUSION`) holds every batch kind registered in
+storage/layouts.py (masked-diffusion and renoising ones), each in its own layout;
 continuous trajectories pass theirs (miles_core/continuous/storage.py), so both get the same
 markers, checksums and quarantine.
 """
@@ -23,7 +23,6 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -33,25 +32,13 @@ import pyarrow.parquet as pq
 from miles_core.storage import uri as U
 from miles_core.storage.arrow import KIND, SCHEMA_VERSION, check_schema, from_arrow, to_arrow
 from miles_core.storage.errors import BatchExistsError, BatchNotFoundError, CorruptBatchError, SchemaError
-from miles_core.storage import renoise as R
-from miles_core.types import RenoiseBatch, TrajectoryBatch
+from miles_core.storage import renoise  # noqa: F401  (registers the renoising layout)
+from miles_core.storage.layouts import BatchCodec, layout_of, layout_read, register_layout
+from miles_core.types import TrajectoryBatch
 
 log = logging.getLogger(__name__)
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
-
-
-@dataclass(frozen=True)
-class BatchCodec:
-    """How one kind of batch is stored: to and from an Arrow table, the schema check a reader
-    runs, and the fields its commit marker adds (so readers can plan without reading the data)."""
-
-    kind: str
-    schema_version: int
-    to_table: Callable[[Any], pa.Table]
-    from_table: Callable[[pa.Table], Any]
-    check_schema: Callable[[pa.Schema], Any]  # raises SchemaError / ValueError on a foreign schema
-    describe: Callable[[Any], dict[str, Any]]
 
 
 def _describe_discrete(batch: TrajectoryBatch) -> dict[str, Any]:
@@ -64,21 +51,18 @@ def _describe_discrete(batch: TrajectoryBatch) -> dict[str, Any]:
             "created_at_unix": batch.created_at}
 
 
-DISCRETE = BatchCodec(KIND, SCHEMA_VERSION, to_arrow, from_arrow, check_schema, _describe_discrete)
+# TrajectoryBatch.kind "masked"
+DISCRETE = register_layout("masked", BatchCodec(KIND, SCHEMA_VERSION, to_arrow, from_arrow, check_schema,
+                                                _describe_discrete))
 
-
-def _kind(schema: pa.Schema) -> str:
-    return (schema.metadata or {}).get(b"miles.kind", b"").decode()
-
-
-# The store's default: masked-diffusion batches, and renoising ones (storage/renoise.py), told
-# apart by type when written and by the file's ``miles.kind`` when read.
+# The store's default: every registered layout (storage/layouts.py; renoising batches register in
+# storage/renoise.py), picked by the batch's ``kind`` when written and the file's ``miles.kind`` when read.
 DIFFUSION = BatchCodec(
     KIND, SCHEMA_VERSION,
-    to_table=lambda b: R.to_table(b) if isinstance(b, RenoiseBatch) else to_arrow(b),
-    from_table=lambda t: R.from_table(t) if _kind(t.schema) == R.KIND else from_arrow(t),
-    check_schema=lambda s: R.check_schema(s) if _kind(s) == R.KIND else check_schema(s),
-    describe=lambda b: R.describe(b) if isinstance(b, RenoiseBatch) else _describe_discrete(b))
+    to_table=lambda b: layout_of(b).to_table(b),
+    from_table=lambda t: layout_read(t.schema).from_table(t),
+    check_schema=lambda s: layout_read(s).check_schema(s),
+    describe=lambda b: layout_of(b).describe(b))
 
 
 def new_batch_id() -> str:

@@ -1,8 +1,9 @@
 """The forwards of a renoising canvas model (DiffusionGemma, transformers'
 ``DiffusionGemmaForBlockDiffusion``) that its sampler (samplers/renoise.py), learner rows
 (algo/renoise_rows.py) and SFT (algo/renoise_sft.py) share: encode the prompts once into the KV
-cache, decode a canvas under a self-conditioning signal. A floor below models and samplers, as
-window.py is for the masked families, so neither has to import the other.
+cache, decode a canvas under a self-conditioning signal. A shared helper at the bottom of
+models/, as window.py is for the masked families, so the samplers above call it and the
+DiffusionGemma backend builds on it.
 
 Why a hook for self-conditioning. The decoder takes the previous logits [B, L, V] and folds them to
 a soft embedding [B, L, d] itself; at V = 262,144 the logits of every recorded step cannot be kept
@@ -22,18 +23,13 @@ import torch
 from torch import Tensor, nn
 
 
-def is_renoising(model: nn.Module) -> bool:
-    """A DiffusionGemma (bare or under peft): it samples with samplers/renoise.py, not the masked sampler."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return type(base).__name__ == "DiffusionGemmaForBlockDiffusion"
-
-
 def core(model: nn.Module) -> nn.Module:
-    """The ``DiffusionGemmaModel`` inside a (peft-wrapped) ``DiffusionGemmaForBlockDiffusion``."""
+    """The ``DiffusionGemmaModel`` inside a (peft-wrapped) ``DiffusionGemmaForBlockDiffusion``: the
+    module holding both the prompt encoder and the canvas decoder."""
     for _, m in model.named_modules():
-        if type(m).__name__ == "DiffusionGemmaModel":
+        if isinstance(getattr(m, "encoder", None), nn.Module) and isinstance(getattr(m, "decoder", None), nn.Module):
             return m
-    raise TypeError(f"{type(model).__name__} holds no DiffusionGemmaModel")
+    raise TypeError(f"{type(model).__name__} holds no module with an encoder and a decoder (a DiffusionGemmaModel)")
 
 
 @dataclass
