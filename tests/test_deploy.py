@@ -238,21 +238,41 @@ def test_deploy_and_run_miles_train_through_a_worker(services: dict[str, Any]) -
 # ----------------------------------------------------------------------------- S3 endpoint script
 
 def test_start_s3_script_serves_a_bucket(tmp_path: Path) -> None:
+    """The default server (SeaweedFS): a real round trip with the printed credentials, a refusal
+    without them, data under MILES_S3_DIR, and no weed process left once the script is stopped."""
     boto3 = pytest.importorskip("boto3")
+    botocore_exceptions = pytest.importorskip("botocore.exceptions")
     port = free_port()
-    env = {**service_env(tmp_path, free_port()), "MILES_S3_PORT": str(port), "MILES_S3_BUCKET": "miles-ci"}
+    data = tmp_path / "s3data"
+    env = {**service_env(tmp_path, free_port()), "MILES_S3_PORT": str(port), "MILES_S3_BUCKET": "miles-ci",
+           "MILES_S3_DIR": str(data)}
     log = tmp_path / "s3.log"
     proc = start(["bash", "infra/start-s3.sh"], env, log)
     try:
-        wait_for("the bucket banner", lambda: "bucket 'miles-ci'" in log.read_text(), 90, [log], every=0.5,
-                 procs=[proc])
-        s3 = boto3.client("s3", endpoint_url=f"http://127.0.0.1:{port}", region_name="us-east-1",
+        wait_for("the bucket banner", lambda: "bucket 'miles-ci'" in log.read_text(), 90, [log, data / "weed.log"],
+                 every=0.5, procs=[proc])
+        assert "AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing" in log.read_text()
+        url = f"http://127.0.0.1:{port}"
+        s3 = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
                           aws_access_key_id="testing", aws_secret_access_key="testing")
         s3.put_object(Bucket="miles-ci", Key="probe.txt", Body=b"ok")
         assert s3.get_object(Bucket="miles-ci", Key="probe.txt")["Body"].read() == b"ok"
+        stranger = boto3.client("s3", endpoint_url=url, region_name="us-east-1",
+                                aws_access_key_id="testing", aws_secret_access_key="wrong")
+        with pytest.raises(botocore_exceptions.ClientError):
+            stranger.get_object(Bucket="miles-ci", Key="probe.txt")
+        assert (data / "data").is_dir()
     finally:
         stop(proc)
     assert proc.returncode is not None
+    left = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if str(data) in cmdline.read_bytes().decode(errors="replace"):
+                left.append(cmdline)
+        except OSError:  # the process ended while we looked
+            continue
+    assert not left, f"weed still running: {left}"
 
 
 def test_prefect_script_uses_the_cli_home_and_tells_the_ui_its_port(tmp_path: Path) -> None:
