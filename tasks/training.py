@@ -109,7 +109,8 @@ def collect(run_dir: str, iteration: int) -> dict[str, Any]:
                     "answer": str(batch.meta[i].get("answer", "")) if batch.meta else "",
                     "reward": float(batch.reward[i]), "advantage": float(batch.advantage[i])}
                    for i in range(min(SAMPLE_ROWS, len(batch)))]
-        return {"batch_id": bid, "uri": f"{run.rs.trajectories.root_uri}/batches/{bid}.parquet", "reused": reused,
+        # the commit marker: it names the data object that counts (storage/SCHEMA.md)
+        return {"batch_id": bid, "uri": f"{run.rs.trajectories.root_uri}/commits/{bid}.json", "reused": reused,
                 "stats": stats, "samples": samples}
     return _guarded(run_dir, go)
 

@@ -217,7 +217,7 @@ def test_sigkill_during_batch_write_and_mid_update_loses_and_duplicates_nothing(
     # 1. sampler killed between its data object and its commit marker: nothing visible
     run_until_paused(command("sampler", run, "w0", 0, cache_dir=tmp_path / "sc"), tmp_path, "marker")
     first = batch_id(0, "w0")
-    assert Path(rs.trajectories.data_path(first)).exists() and rs.trajectories.list_batches() == []
+    assert list((Path(rs.trajectories.root) / "batches" / first).glob("*.parquet")) and rs.trajectories.list_batches() == []
     # restarted, it rewrites that batch and finishes the budget, each sequence number once
     subprocess.run(command("sampler", run, "w0", 0, cache_dir=tmp_path / "sc"), env=local_env(), check=True,
                    capture_output=True, timeout=300)

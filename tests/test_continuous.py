@@ -4,6 +4,7 @@ trajectories, the task split and the Arrow layout. Tiny models, one thread, seco
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -207,7 +208,7 @@ def test_arrow_round_trip_and_schema_checks(tmp_path) -> None:
     store.write_batch(batch, "batch-0")
     assert store.list_batches() == ["batch-0"] and store.commit_info("batch-0")["kind"] == "continuous_trajectory"
     back = store.read_batch("batch-0")
-    path = tmp_path / "traj" / "batches" / "batch-0.parquet"
+    path = Path(store.data_path("batch-0"))  # the object its marker names
     for name in ("prompt_ids", "latents", "timesteps", "logp", "group_id", "policy_version"):
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
     assert torch.equal(back.reward.isnan(), batch.reward.isnan())

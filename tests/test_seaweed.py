@@ -127,7 +127,7 @@ def test_trajectory_store_round_trip(seaweed_server: Any) -> None:
     info = store.commit_info(second)
     assert info["rows"] == 4 and info["policy_version_max"] == 5
     # Data without a marker (a writer died before committing) stays invisible.
-    store.fs.pipe_file(store.data_path("b-orphan"), b"half")
+    store.fs.pipe_file(f"{store.root}/batches/b-orphan/deadwriter.parquet", b"half")
     fresh = TrajectoryStore(store.root_uri, seaweed_server.storage_options)
     assert fresh.list_batches() == sorted([first, second])
     assert [bid for bid, _ in fresh.iter_new([first])] == [second]
@@ -148,42 +148,24 @@ def _looks_before_commit(monkeypatch: pytest.MonkeyPatch, blind: int) -> None:
     monkeypatch.setattr(U, "exists", exists)
 
 
-def test_second_writer_of_a_batch_id_loses_at_the_data_object(seaweed_server: Any,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writer B checked marker and data before writer A wrote either: B's exclusive create of the
-    data object is refused by the server (412), B gets BatchExistsError, A's batch stays whole."""
+def test_second_writer_of_a_batch_id_never_touches_the_winner(seaweed_server: Any,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writer B looked for the marker before writer A committed (a race, made deterministic): B
+    writes its own data object, the server refuses B's marker (412), B gets BatchExistsError and
+    removes its object; A's batch reads back whole."""
     uri = seaweed_server.fresh_root()
     a, b = (TrajectoryStore(uri, seaweed_server.storage_options) for _ in range(2))
     batches = [make_batch(seed=10, version=3), make_batch(seed=11, version=4)]
     assert a.write_batch(batches[0], batch_id="same") == "same"
-    _looks_before_commit(monkeypatch, blind=3)  # marker check, data check, create_exclusive's pre-check
-    with pytest.raises(BatchExistsError, match="another writer"):
+    _looks_before_commit(monkeypatch, blind=1)  # create_exclusive's pre-check of the marker
+    with pytest.raises(BatchExistsError, match="already committed"):
         b.write_batch(batches[1], batch_id="same")
     monkeypatch.undo()
     reader = TrajectoryStore(uri, seaweed_server.storage_options)
     assert reader.list_batches() == ["same"]
     assert_same(batches[0], reader.read_batch("same"))
-
-
-@pytest.mark.xfail(strict=True, raises=CorruptBatchError, reason=(
-    "commit protocol gap: a writer that saw no marker but found the data object treats it as a dead "
-    "writer's leftover and overwrites it; if the other writer commits meanwhile, the committed "
-    "marker's sha256 no longer matches the data (write_batch, 'uncommitted leftover' branch)"))
-def test_second_writer_of_a_batch_id_never_corrupts_the_winner(seaweed_server: Any,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """Writer B checked the marker before A committed, then found A's data object: B must lose
-    without touching what A committed. Also seen with two real threads racing."""
-    uri = seaweed_server.fresh_root()
-    a, b = (TrajectoryStore(uri, seaweed_server.storage_options) for _ in range(2))
-    batches = [make_batch(seed=10, version=3), make_batch(seed=11, version=4)]
-    assert a.write_batch(batches[0], batch_id="same") == "same"
-    _looks_before_commit(monkeypatch, blind=1)  # only the marker check predates A's commit
-    with pytest.raises(BatchExistsError):
-        b.write_batch(batches[1], batch_id="same")
-    monkeypatch.undo()
-    reader = TrajectoryStore(uri, seaweed_server.storage_options)
-    assert reader.list_batches() == ["same"]
-    assert_same(batches[0], reader.read_batch("same"))
+    files = reader.fs.find(f"{reader.root}/batches/same")
+    assert [f.rsplit("/", 1)[-1] for f in files] == [reader.data_path("same").rsplit("/", 1)[-1]]
 
 
 def test_adapter_registry_publish_and_fetch(seaweed_server: Any, tmp_path: Path) -> None:
@@ -207,10 +189,10 @@ def test_request_counter_on_one_write_and_one_read(seaweed_server: Any) -> None:
     counter = RequestCounter()
     assert counter.attach(store.fs) and counter.attach(store.fs)  # the second attach adds nothing
     bid = store.write_batch(make_batch())
-    # write_batch: 4 existence checks of objects that are not there yet (marker, data, and the
-    # pre-checks inside the two exclusive creates); s3fs answers each with HeadObject (404) and
-    # then ListObjectsV2 (is it a folder?). Then 2 PutObject: the data, the marker.
-    assert counter.snapshot() == {"HeadObject": 4, "ListObjectsV2": 4, "PutObject": 2}
+    # write_batch: one PutObject of the writer's own data object; then the marker's exclusive
+    # create: its pre-check (HeadObject 404, then ListObjectsV2: s3fs asks whether it is a folder)
+    # and the conditional PutObject.
+    assert counter.snapshot() == {"HeadObject": 1, "ListObjectsV2": 1, "PutObject": 2}
     counter.reset()
     store.read_batch(bid)
     # read_batch: cat_file of the marker and of the data; s3fs asks the size first (HeadObject,

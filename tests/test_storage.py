@@ -28,6 +28,7 @@ from miles_core.storage import (
     resolve,
     to_arrow,
 )
+from miles_core.storage import uri as U
 from miles_core.types import TrajectoryBatch
 
 try:
@@ -145,16 +146,44 @@ def test_uncommitted_batch_is_invisible(root: tuple[str, dict | None]) -> None:
     store = TrajectoryStore(*root)
     good = store.write_batch(make_batch())
     fs, _ = resolve(*root)
-    half = store.data_path("00000000000000000001-deadbeef")
+    half = f"{store.root}/batches/00000000000000000001-deadbeef/deadwriter.parquet"
     fs.pipe_file(half, b"PAR1 partial upload from a killed writer")
     assert store.list_batches() == [good]
     with pytest.raises(BatchNotFoundError):
         store.read_batch("00000000000000000001-deadbeef")
     assert [i for i, _ in store.iter_new(set())] == [good]
-    # A retry of the dead writer with the same id replaces the leftover and commits.
+    # A retry of the dead writer with the same id writes its own object beside the leftover and commits.
     store.write_batch(make_batch(seed=2), batch_id="00000000000000000001-deadbeef")
     assert store.list_batches() == sorted([good, "00000000000000000001-deadbeef"])
     assert_same(make_batch(seed=2), store.read_batch("00000000000000000001-deadbeef"))
+    assert store.data_path("00000000000000000001-deadbeef") != half and fs.exists(half)
+    store.delete_batch("00000000000000000001-deadbeef")  # the leftover goes with it
+    assert not fs.exists(half)
+
+
+def test_a_second_writer_of_an_id_never_touches_the_winner(root: tuple[str, dict | None],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writer A's data lands, writer B (same id: a retried task, a restarted sampler whose old
+    process still runs) writes and commits, then A's commit loses: B's batch reads back whole, and
+    A's object is gone."""
+    store = TrajectoryStore(*root)
+    fs, _ = resolve(*root)
+    a, b = make_batch(seed=1), make_batch(seed=2)
+    real_create = U.create_exclusive
+    calls: list[str] = []
+
+    def b_commits_first(fs_, path, data):  # A is about to commit its marker: B writes and commits first
+        if path.endswith("commits/same.json") and not calls:
+            calls.append("b")
+            store.write_batch(b, batch_id="same")
+        return real_create(fs_, path, data)
+    monkeypatch.setattr(U, "create_exclusive", b_commits_first)
+    with pytest.raises(BatchExistsError, match="same"):
+        store.write_batch(a, batch_id="same")
+    assert calls == ["b"]
+    assert_same(b, store.read_batch("same"))
+    assert [p.rsplit("/", 1)[-1] for p in fs.find(f"{store.root}/batches/same")] == \
+        [store.data_path("same").rsplit("/", 1)[-1]]
 
 
 def test_double_commit_raises_and_keeps_original(root: tuple[str, dict | None]) -> None:
@@ -180,7 +209,7 @@ def test_corrupt_batch_is_reported_and_quarantined(root: tuple[str, dict | None]
     raw = bytearray(fs.cat_file(store.data_path(bad)))
     raw[len(raw) // 2] ^= 0xFF
     fs.pipe_file(store.data_path(bad), bytes(raw))
-    with pytest.raises(CorruptBatchError, match="b-bad.parquet") as err:
+    with pytest.raises(CorruptBatchError, match="b-bad/") as err:
         store.read_batch(bad)
     assert "sha256" in str(err.value) and err.value.batch_id == bad
     dest = store.quarantine(bad, str(err.value))

@@ -76,7 +76,8 @@ def new_batch_id() -> str:
 class TrajectoryStore:
     """Committed trajectory batches under ``root_uri`` (local folder, ``file://`` or ``s3://``).
 
-    Layout: ``batches/{id}.parquet`` (data), ``commits/{id}.json`` (marker, written last),
+    Layout: ``batches/{id}/{writer token}.parquet`` (data, one object per writer),
+    ``commits/{id}.json`` (marker, written last, naming the data object that counts),
     ``quarantine/{id}/`` (corrupt batches moved aside with ``reason.json``).
     """
 
@@ -90,7 +91,15 @@ class TrajectoryStore:
         return f"TrajectoryStore({self.root_uri!r})"
 
     def data_path(self, batch_id: str) -> str:
-        return U.join(self.root, "batches", f"{batch_id}.parquet")
+        """The committed data object of ``batch_id``: the file its commit marker names."""
+        return U.join(self.root, self.commit_info(batch_id)["file"])
+
+    def _leftovers(self, batch_id: str) -> list[str]:
+        """Data objects of ``batch_id`` no marker names: writers that lost, or died before committing
+        (and the one-file-per-id layout older stores wrote)."""
+        folder, legacy = U.join(self.root, "batches", batch_id), U.join(self.root, "batches", f"{batch_id}.parquet")
+        files = [U.join(folder, n) for n in U.list_names(self.fs, folder) if n.endswith(".parquet")]
+        return files + ([legacy] if U.exists(self.fs, legacy) else [])
 
     def marker_path(self, batch_id: str) -> str:
         return U.join(self.root, "commits", f"{batch_id}.json")
@@ -103,33 +112,32 @@ class TrajectoryStore:
     def write_batch(self, batch: Any, batch_id: str | None = None) -> str:
         """Write and commit ``batch``; return its id. Raises :class:`BatchExistsError` if committed.
 
-        Order: data object (exclusive create, or overwrite of an uncommitted leftover from a dead
-        writer), then the marker with an exclusive create. Only the marker makes it visible.
+        Order: the data, in an object of this writer's own (``batches/{id}/{token}.parquet``), then
+        the marker naming it, with an exclusive create. Only the marker makes it visible, and no
+        writer ever touches another's data: two writers of one id (a retried task, a restarted
+        sampler whose old process still runs) cannot damage the batch that wins.
         """
         bid = batch_id if batch_id is not None else new_batch_id()
         self._check_id(bid)
-        data_path, marker = self.data_path(bid), self.marker_path(bid)
-        if U.exists(self.fs, marker):
-            raise BatchExistsError(f"trajectory batch {bid!r} is already committed ({marker}); not overwriting")
+        marker = self.marker_path(bid)
         table = self.codec.to_table(batch)
         buf = io.BytesIO()
         pq.write_table(table, buf, compression="zstd")
         data = buf.getvalue()
-        if U.exists(self.fs, data_path):  # uncommitted leftover of a killed writer: replace it
-            U.write_bytes_atomic(self.fs, data_path, data)
-        else:
-            try:
-                U.create_exclusive(self.fs, data_path, data)
-            except U.AlreadyExistsError as e:
-                raise BatchExistsError(f"trajectory batch {bid!r} is being written by another writer ({data_path})") from e
-        info = {"batch_id": bid, "file": f"batches/{bid}.parquet", "rows": len(batch), "bytes": len(data),
+        rel = f"batches/{bid}/{uuid.uuid4().hex[:16]}.parquet"
+        U.write_bytes_atomic(self.fs, U.join(self.root, rel), data)
+        info = {"batch_id": bid, "file": rel, "rows": len(batch), "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(), "schema_version": self.codec.schema_version,
                 "kind": self.codec.kind, **self.codec.describe(batch),
                 "committed_at": datetime.now(timezone.utc).isoformat()}
         try:
             U.create_exclusive(self.fs, marker, U.dumps(info))
         except U.AlreadyExistsError as e:
-            raise BatchExistsError(f"trajectory batch {bid!r} was committed concurrently by another writer ({marker})") from e
+            try:
+                self.fs.rm_file(U.join(self.root, rel))  # ours, never named by a marker
+            except OSError:
+                pass  # an orphan costs space, never correctness: readers follow markers only
+            raise BatchExistsError(f"trajectory batch {bid!r} is already committed ({marker}); not overwriting") from e
         return bid
 
     def list_batches(self) -> list[str]:
@@ -151,7 +159,7 @@ class TrajectoryStore:
     def read_table(self, batch_id: str) -> pa.Table:
         """Read and verify a committed batch as an Arrow table (checksum, row count, schema)."""
         info = self.commit_info(batch_id)
-        path = self.data_path(batch_id)
+        path = U.join(self.root, info.get("file") or f"batches/{batch_id}.parquet")
         try:
             data = self.fs.cat_file(path)
         except FileNotFoundError as e:
@@ -177,7 +185,19 @@ class TrajectoryStore:
         try:
             return self.codec.from_table(table)
         except (SchemaError, ValueError) as e:
-            raise CorruptBatchError(batch_id, self.data_path(batch_id), str(e)) from e
+            raise CorruptBatchError(batch_id, self.marker_path(batch_id), str(e)) from e
+
+    def _committed_and_leftover_files(self, batch_id: str, has_marker: bool) -> list[str]:
+        """Every data object of ``batch_id``, the committed one first (a marker that no longer
+        parses names none)."""
+        committed: list[str] = []
+        if has_marker:
+            try:
+                committed = [self.data_path(batch_id)]
+            except (CorruptBatchError, KeyError):
+                committed = []
+            committed = [p for p in committed if U.exists(self.fs, p)]
+        return committed + [p for p in self._leftovers(batch_id) if p not in committed]
 
     def quarantine(self, batch_id: str, reason: str) -> str:
         """Move a batch's data and marker to ``quarantine/{id}/`` with ``reason.json``; return that folder.
@@ -185,9 +205,10 @@ class TrajectoryStore:
         The marker is removed first, so the batch leaves :meth:`list_batches` as early as possible.
         """
         self._check_id(batch_id)
-        data_path, marker = self.data_path(batch_id), self.marker_path(batch_id)
-        has_data, has_marker = U.exists(self.fs, data_path), U.exists(self.fs, marker)
-        if not (has_data or has_marker):
+        marker = self.marker_path(batch_id)
+        has_marker = U.exists(self.fs, marker)
+        data = self._committed_and_leftover_files(batch_id, has_marker)
+        if not (data or has_marker):
             raise BatchNotFoundError(f"nothing to quarantine for batch {batch_id!r} under {self.root_uri}")
         dest = U.join(self.root, "quarantine", batch_id)
         if U.exists(self.fs, dest):
@@ -197,8 +218,8 @@ class TrajectoryStore:
         if has_marker:
             self.fs.pipe_file(U.join(dest, f"{batch_id}.json"), self.fs.cat_file(marker))
             self.fs.rm_file(marker)
-        if has_data:
-            self.fs.mv(data_path, U.join(dest, f"{batch_id}.parquet"))
+        for i, path in enumerate(data):  # the committed data first: {id}.parquet
+            self.fs.mv(path, U.join(dest, f"{batch_id}.parquet" if i == 0 else f"{batch_id}.{i}.parquet"))
         U.refresh(self.fs, self.root)
         log.warning("quarantined trajectory batch %s -> %s: %s", batch_id, dest, reason)
         return dest
@@ -210,12 +231,12 @@ class TrajectoryStore:
     def delete_batch(self, batch_id: str) -> None:
         """Uncommit (marker first) and delete a batch. Raises :class:`BatchNotFoundError` if absent."""
         self._check_id(batch_id)
-        data_path, marker = self.data_path(batch_id), self.marker_path(batch_id)
+        marker = self.marker_path(batch_id)
+        has_marker = U.exists(self.fs, marker)
         found = False
-        for path in (marker, data_path):
-            if U.exists(self.fs, path):
-                self.fs.rm_file(path)
-                found = True
+        for path in ([marker] if has_marker else []) + self._committed_and_leftover_files(batch_id, has_marker):
+            self.fs.rm_file(path)
+            found = True
         U.refresh(self.fs, self.root)
         if not found:
             raise BatchNotFoundError(f"no trajectory batch {batch_id!r} under {self.root_uri}")
