@@ -25,7 +25,7 @@ RESULTS = Path(__file__).parent / "results"
 
 # The asynchronous benchmark's settings (benchmarks/async_vs_sync.py explains each); components.py
 # measures the parts of that same run.
-ASYNC_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150", "async_rl.max_pending=3",
+ASYNC_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150",
                    "async_rl.shared_budget=true", "async_rl.learner_samples=true", "async_rl.sync_dtype=bfloat16",
                    "lora.r=4", "lora.targets=q_proj,v_proj", "async_rl.checkpoint_every=10",
                    "adpo.max_staleness=5", "sft.steps=2500"]

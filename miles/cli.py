@@ -47,11 +47,12 @@ class FlowCommand:
 FLOW_COMMANDS = {
     "train": FlowCommand("train", "train_flow", P.TrainParams, ("recipe", "overrides"),
                          "ADPO training on top of an SFT checkpoint (Prefect flow)",
-                         "Synchronous ADPO: rollout -> reward -> update -> eval, per iteration."),
+                         "Synchronous ADPO: collect (sample + reward) -> update -> eval, per iteration."),
     "async-train": FlowCommand("async_train", "async_train_flow", P.AsyncTrainParams, ("recipe", "overrides"),
                                "asynchronous ADPO: sampler workers + learner through the store",
-                               "Decoupled samplers and one learner that share only the store URI; bounded staleness "
-                               "(adpo.max_staleness), back-pressure (async_rl.max_pending). Workers that crash are "
+                               "Decoupled samplers and one learner that share only the store URI; a sampler starts a batch "
+                               "only while it will be at most adpo.max_staleness versions stale; one update per "
+                               "async_rl.global_batch completions. Workers that crash are "
                                "restarted and resume; see docs/getting-started/async.md."),
     "sft": FlowCommand("sft", "sft_flow", P.SFTParams, ("recipe", "overrides"),
                        "supervised (SFT) baseline (Prefect flow)",

@@ -207,11 +207,16 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class AsyncSettings:
-    """Decoupled samplers and learner (miles_core/asyncrl). Staleness S is ``adpo.max_staleness``."""
+    """Decoupled samplers and learner (miles_core/asyncrl). Staleness S is ``adpo.max_staleness``:
+    a sampler starts batch slot k only while k < (S + v + 1) x B, v the learner's version and B
+    the sampler batches of one update (AReaL's admission rule), so what it samples is still fresh
+    enough to use when the learner gets to it."""
 
     num_samplers: int = bounded(1, 1, 4096)
     batches_per_sampler: int = bounded(10, 1)       # sample budget: each sampler commits this many batches
-    max_pending: int = bounded(2, 1)                # back-pressure: committed batches the learner has not taken yet
+    # completions one update consumes, assembled from whole sampler batches (0: one sampler batch,
+    # train.prompts_per_iter x train.group_size); sets the version rate, whatever the fleet size
+    global_batch: int = bounded(0, 0, 1 << 20)
     checkpoint_every: int = bounded(1, 1)           # learner checkpoint to the store every N updates (and on stop)
     poll_interval: float = bounded(0.05, 1e-06, 3600.0)         # seconds between store polls while waiting
     # each empty poll multiplies the wait by poll_backoff, up to poll_max_interval (1.0: no back-off).
@@ -289,6 +294,10 @@ class RecipeConfig:
     eval: EvalSettings = field(default_factory=EvalSettings)
     sandbox: SandboxSettings = field(default_factory=SandboxSettings)
     torch_threads: int = bounded(0, 0, 1024)               # 0: leave torch's default
+
+    def batches_per_update(self) -> int:
+        """B: sampler batches one update consumes (``async_rl.global_batch`` in completions)."""
+        return max(1, self.async_rl.global_batch // (self.train.prompts_per_iter * self.train.group_size))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -377,6 +386,15 @@ def validate(obj: Any, path: str = "") -> None:
     if isinstance(obj, AsyncSettings):
         need(obj.shared_budget or not obj.learner_samples, "learner_samples",
              "needs shared_budget=true (the learner claims slots of the shared sample budget)")
+    if isinstance(obj, RecipeConfig):
+        per = obj.train.prompts_per_iter * obj.train.group_size
+        a = obj.async_rl
+        need(a.global_batch % per == 0, "async_rl.global_batch",
+             f"{a.global_batch} is not a whole number of sampler batches of {per} completions "
+             "(train.prompts_per_iter x train.group_size)")
+        need((a.num_samplers * a.batches_per_sampler) % obj.batches_per_update() == 0, "async_rl.batches_per_sampler",
+             f"the budget of {a.num_samplers} x {a.batches_per_sampler} sampler batches is not a whole number of "
+             f"updates of {obj.batches_per_update()} (async_rl.global_batch)")
     if isinstance(obj, TaskConfig):
         need(1 <= obj.min_ops <= obj.max_ops, "min_ops", "need 1 <= min_ops <= max_ops")
         need(obj.name != "code" or 3 <= obj.num_examples <= 10, "num_examples", "need 3 <= num_examples <= 10")

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from miles_core.algo.rl import assign_advantages
 from miles_core.asyncrl.launch import command, local_env, prepare_run
 from miles_core.storage.run import RunSpecMismatch, RunStore
 from miles_core.asyncrl.learner import AsyncLearner
-from miles_core.asyncrl.sampler import SamplerWorker, batch_id
+from miles_core.asyncrl.sampler import admits, SamplerWorker, batch_id
 from miles_core.config import ConfigError, load_recipe
 from miles_core.models.base import load_checkpoint
 from miles_core.models.lora import load_adapter
@@ -55,14 +56,15 @@ def lora_state(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 
-def test_staleness_bound_holds_with_a_fast_sampler_and_a_slow_learner(tmp_path: Path, base_dir: Path) -> None:
-    # the sampler commits 5 batches from v0 before the learner takes any: the learner must use
-    # the first S+1 (staleness 0..S) and drop the rest, counting them
-    run, _ = make_run(tmp_path, base_dir, "adpo.max_staleness=1", "async_rl.batches_per_sampler=5",
-                      "async_rl.max_pending=10")
+def test_the_learner_still_drops_what_admission_let_go_stale(tmp_path: Path, base_dir: Path) -> None:
+    # batches admission would never let start (5 sampled from v0 with S=1) committed by hand: the
+    # learner must use the first S+1 (staleness 0..S) and drop the rest, counting them
+    run, _ = make_run(tmp_path, base_dir, "adpo.max_staleness=1", "async_rl.batches_per_sampler=5")
     learner = AsyncLearner(run, str(tmp_path / "lc"))  # publishes v0
-    st = SamplerWorker(run, "w0", 0, str(tmp_path / "sc")).run()
-    assert st["committed"] == 5 and st["version"] == 0
+    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
+    sampler.sync_adapter()
+    for seq in range(5):
+        sampler.run_store.trajectories.write_batch(sampler.make_batch(seq), batch_id(seq, "w0"))
     out = learner.run()
     consumed, dropped = learner.ledger["consumed"], learner.ledger["dropped"]
     assert [e["staleness"] for e in consumed] == [0, 1]
@@ -72,8 +74,7 @@ def test_staleness_bound_holds_with_a_fast_sampler_and_a_slow_learner(tmp_path: 
 
 
 def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path: Path, base_dir: Path) -> None:
-    run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2",
-                        "async_rl.max_pending=1", "adpo.max_staleness=8")
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2", "adpo.max_staleness=8")
     learner = AsyncLearner(run, str(tmp_path / "lc"))
     samplers = [SamplerWorker(run, f"w{i}", i, str(tmp_path / f"sc{i}")) for i in range(2)]
     base_ptrs = [s.base_ptr for s in samplers]
@@ -121,7 +122,7 @@ def test_importance_weights_are_one_on_policy(tmp_path: Path, base_dir: Path) ->
 
 
 def test_corrupt_batch_is_quarantined_and_the_run_continues(tmp_path: Path, base_dir: Path) -> None:
-    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.max_pending=10")
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3")
     learner = AsyncLearner(run, str(tmp_path / "lc"))
     SamplerWorker(run, "w0", 0, str(tmp_path / "sc")).run()
     store = learner.rs.trajectories
@@ -134,8 +135,12 @@ def test_corrupt_batch_is_quarantined_and_the_run_continues(tmp_path: Path, base
 
 
 def test_run_spec_and_async_config_errors_name_the_field(tmp_path: Path, base_dir: Path) -> None:
-    with pytest.raises(ConfigError, match=r"async_rl.max_pending: 0 is out of bounds \[1, inf\]"):
-        load_recipe("tiny", ["async_rl.max_pending=0"])
+    with pytest.raises(ConfigError, match=r"async_rl.num_samplers: 0 is out of bounds \[1, 4096\]"):
+        load_recipe("tiny", ["async_rl.num_samplers=0"])
+    with pytest.raises(ConfigError, match=r"async_rl.global_batch: 24 is not a whole number of sampler batches of 16"):
+        load_recipe("tiny", ["async_rl.global_batch=24"])
+    with pytest.raises(ConfigError, match=r"async_rl.batches_per_sampler: the budget of 1 x 3 sampler batches"):
+        load_recipe("tiny", ["async_rl.global_batch=32", "async_rl.batches_per_sampler=3"])
     with pytest.raises(ConfigError, match="unknown config key 'async_rl.samplers'"):
         load_recipe("tiny", ["async_rl.samplers=2"])
     run, _ = make_run(tmp_path, base_dir)
@@ -150,7 +155,7 @@ def test_async_learner_resume_is_bit_identical(tmp_path: Path, signal_base: Path
     same adapter as an uninterrupted one over the same committed batches."""
     adapters = []
     for name, stops in (("straight", [None]), ("resumed", [2, None])):
-        run, _ = make_run(tmp_path / name, signal_base, "async_rl.batches_per_sampler=4", "async_rl.max_pending=10",
+        run, _ = make_run(tmp_path / name, signal_base, "async_rl.batches_per_sampler=4",
                           "adpo.max_staleness=10", "async_rl.checkpoint_every=3")
         AsyncLearner(run, str(tmp_path / name / "lc0"))  # v0
         SamplerWorker(run, "w0", 0, str(tmp_path / name / "sc")).run()
@@ -209,7 +214,7 @@ def run_until_paused(cmd: list[str], tmp: Path, point: str) -> None:
 
 
 def test_sigkill_during_batch_write_and_mid_update_loses_and_duplicates_nothing(tmp_path: Path, base_dir: Path) -> None:
-    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=4", "async_rl.max_pending=10",
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=4",
                       "adpo.max_staleness=10")
     rs = RunStore(run)
     AsyncLearner(run, str(tmp_path / "lc0"))  # v0, so the sampler can start
@@ -241,7 +246,7 @@ def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_si
     # with their own pid and log; one SIGKILLed mid-run is restarted and the run completes exactly once
     from miles_core.asyncrl.launch import LocalRun, summarize
 
-    run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.max_pending=1",
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3",
                         "adpo.max_staleness=8", "async_rl.sampler_nice=5", "async_rl.pin_samplers=true")
     lr = LocalRun(run, 1, local_env(), tmp_path / "logs", warm=True)
     lr.start_all()
@@ -273,7 +278,7 @@ def test_shared_budget_lets_a_fast_sampler_take_a_slow_ones_share_exactly_once(t
     # committing; w0 then runs alone and takes every free slot (3); w1 restarts, redoes its claimed
     # batch and finds no slot left. The learner gets exactly the 4 batches it expects.
     run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2",
-                        "async_rl.shared_budget=true", "async_rl.max_pending=10", "adpo.max_staleness=8")
+                        "async_rl.shared_budget=true", "adpo.max_staleness=8")
     learner = AsyncLearner(run, str(tmp_path / "lc"))
     rs = RunStore(run)
     from miles_core.storage import uri as U
@@ -294,7 +299,7 @@ def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: P
     # and never committed it; the sampler then took the 2 free slots. The restarted learner redoes its
     # claimed batch with the current policy, consumes all 3 exactly once and never sleeps.
     run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.shared_budget=true",
-                      "async_rl.learner_samples=true", "async_rl.max_pending=10", "adpo.max_staleness=8")
+                      "async_rl.learner_samples=true", "adpo.max_staleness=8")
     rs = RunStore(run)
     from miles_core.storage import uri as U
 
@@ -307,32 +312,38 @@ def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: P
     assert out["idle_s"] == 0.0 and out["self_sample_s"] > 0
 
 
-def test_back_pressure_counts_the_samplers_backlog_not_the_learners_own_batches(tmp_path: Path, base_dir: Path) -> None:
-    # max_pending bounds how far samplers run ahead; a batch the learner sampled itself (and takes
-    # next) must not fill one of those places, or the sampler waits while the learner is busy
-    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=4", "async_rl.shared_budget=true",
-                      "async_rl.learner_samples=true", "async_rl.max_pending=2")
+def test_a_sampler_starts_only_the_slots_the_learners_version_admits(tmp_path: Path, base_dir: Path) -> None:
+    """AReaL's rule k < (S + v + 1) B: with B = 2 sampler batches per update and S = 0, version 0
+    admits slots 0-1 only; each update admits two more, so every batch is used at staleness 0 and
+    none is dropped. The learner updates once per two batches (global batch), the ledger says which."""
+    assert [k for k in range(8) if admits(k, 0, 2, 1)] == [0, 1, 2, 3]
+    assert [k for k in range(8) if admits(k, 1, 1, 0)] == [0, 1]
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=6", "adpo.max_staleness=0",
+                        "async_rl.global_batch=32", "train.prompts_per_iter=4", "train.group_size=4")
+    assert cfg.batches_per_update() == 2
     rs = RunStore(run)
-    learner = AsyncLearner(run, str(tmp_path / "lc"), max_updates=0)
-    assert learner.sample_self() and learner.sample_self()  # two of the learner's own batches committed
-    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "s0"))
-    assert sampler.pending() == 0
-    sampler.sync_adapter()
-    rs.trajectories.write_batch(sampler.make_batch(0), batch_id=batch_id(0, "w0"))
-    assert sampler.pending() == 1  # 3 committed, 2 of them the learner's own
-    learner.consume(batch_id(0, "learner"))
-    rs.write_json(learner.status(), "learner", "status.json")
-    assert learner.status()["self_consumed"] == 1 and sampler.pending() == 1
-    # the learner names the batch it takes before updating on it: the sampler's place frees at once
-    rs.write_json(learner.status(taking=batch_id(0, "w0")), "learner", "status.json")
-    assert sampler.pending() == 0
-    learner.consume(batch_id(0, "w0"))
-    rs.write_json(learner.status(taking=batch_id(1, "w0")), "learner", "status.json")  # named, not committed yet
-    assert sampler.pending() == 0 and learner.status()["consumed"] == 2
-    rs.trajectories.write_batch(sampler.make_batch(1), batch_id=batch_id(1, "w0"))
-    assert sampler.pending() == 0  # committed and being taken
-    rs.write_json(learner.status(taking=batch_id(1, "learner")), "learner", "status.json")
-    assert sampler.pending() == 1  # the learner's own batch taken: the sampler's is still waiting
+    learner = AsyncLearner(run, str(tmp_path / "lc"), max_updates=1)  # publishes v0
+    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
+    thread = threading.Thread(target=sampler.run, daemon=True)
+    thread.start()
+
+    def committed_settles_at(n: int) -> None:
+        deadline = time.monotonic() + 120
+        while len(rs.trajectories.list_batches()) < n:
+            assert thread.is_alive() and time.monotonic() < deadline, rs.trajectories.list_batches()
+            time.sleep(0.05)
+        time.sleep(1.0)  # the sampler keeps polling: it must not start the next slot
+        assert len(rs.trajectories.list_batches()) == n
+
+    committed_settles_at(2)
+    learner.run()  # one update on both batches: version 1 admits slots 2-3
+    committed_settles_at(4)
+    out = AsyncLearner(run, str(tmp_path / "lc2")).run()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and out["done"]
+    assert out["updates"] == 3 and out["consumed"] == 6 and out["dropped"] == 0 and out["max_staleness_seen"] == 0
+    assert [e["update"] for e in rs.read_json("learner", "history.json")["ledger"]["consumed"]] == [1, 1, 2, 2, 3, 3]
+    assert rs.read_json("samplers", "w0.json")["wait_s"] > 0
 
 
 def test_learner_alone_samples_the_whole_budget_on_policy(tmp_path: Path, base_dir: Path) -> None:

@@ -1,11 +1,13 @@
 """The asynchronous learner: the run's :class:`~miles_core.learner.runtime.LearnerRun` in a loop.
 
-Per pass: write status.json for the samplers' back-pressure, naming the batch it takes now, then
-take the oldest committed batch not in the ledger and ``consume`` it (read, staleness check,
-update, checkpoint, publish: learner/runtime.py, the same code the synchronous flow runs). When
-no batch is waiting: with ``async_rl.learner_samples`` it claims a slot of the shared sample
-budget and samples that batch itself with the current policy (committed like any sampler's, so
-the ledger and restarts treat it the same), else it sleeps and the wait counts as idle. See
+Per pass: list the committed batches not in the ledger; once B of them wait (B sampler batches
+make one global batch, ``async_rl.global_batch``), ``consume`` the oldest B in one update (read,
+staleness check, update, checkpoint, publish: learner/runtime.py, the same code the synchronous
+flow runs) and write status.json for operators. Publishing moves ``adapters/LATEST``, which is
+all the samplers read: a new version admits the next B slots (sampler.py::admits). While fewer
+than B wait: with ``async_rl.learner_samples`` it claims a slot of the shared sample budget and
+samples that batch itself with the current policy (committed like any sampler's, so the ledger
+and restarts treat it the same), else it sleeps with back-off and the wait counts as idle. See
 ARCHITECTURE.md.
 """
 
@@ -22,7 +24,7 @@ import torch
 from miles_core.algo.rl import batch_id, batch_seq
 from miles_core.allocator import apply_heap_setting
 from miles_core.asyncrl.sampler import SELF_WORKER as SELF  # the worker name of batches the learner samples itself
-from miles_core.asyncrl.sampler import SlotClaims, poll_intervals
+from miles_core.asyncrl.sampler import SlotClaims, admits, poll_intervals
 from miles_core.config import load_recipe
 from miles_core.learner.runtime import LearnerRun
 from miles_core.storage.run import RunStore
@@ -38,9 +40,10 @@ class AsyncLearner(LearnerRun):
         cfg = load_recipe(RunStore(run_uri, storage_options).read_spec()["cfg"])
         torch.set_num_threads(cfg.async_rl.learner_threads)
         apply_heap_setting(cfg.async_rl.retain_heap_mb)  # else its self-sampled batches fault in fresh pages every step
-        # one update per batch: the LR schedule spans the run's batch budget
+        # one update per B sampler batches: the LR schedule spans the run's budget of updates
         super().__init__(run_uri, cache_dir, storage_options, cfg,
-                         total_updates=cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler)
+                         total_updates=cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
+                         // cfg.batches_per_update())
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
         self._init_self_sampling()
 
@@ -48,7 +51,7 @@ class AsyncLearner(LearnerRun):
     def _init_self_sampling(self) -> None:
         a = self.cfg.async_rl
         self.claims = SlotClaims(self.rs, self.expected) if a.learner_samples else None
-        self._redo: list[str] = []
+        self._redo: list[tuple[str, int]] = []  # (batch id, slot) claimed before a restart, not committed
         self._next_seq = 0
         if self.claims is None:
             return
@@ -56,23 +59,35 @@ class AsyncLearner(LearnerRun):
         committed = set(self.rs.retry(self.rs.trajectories.list_batches, "listing trajectories"))
         quarantined = set(self.rs.retry(self.rs.trajectories.list_quarantined, "listing quarantine"))
         # claimed, then killed before the commit: redo those first (never one already handled or quarantined)
-        self._redo = sorted(mine - committed - quarantined - self.handled())
+        self._redo = sorted((b, k) for b, k in mine.items() if b not in committed | quarantined | self.handled())
         self._next_seq = 1 + max((batch_seq(b) for b in mine), default=-1)
 
     def sample_self(self) -> bool:
-        """Sample one batch of the shared budget with the current policy; False once the budget is claimed."""
+        """Sample one batch of the shared budget with the current policy, if the admission rule
+        lets its slot start now; False when it does not, or once the budget is claimed."""
         if self.claims is None:
             return False
+        a, per = self.cfg.async_rl, self.cfg.batches_per_update()
         if self._redo:
-            bid = self._redo.pop(0)
+            bid, slot = self._redo[0]
         else:
+            stripe = a.num_samplers + 1
+            prefer = a.num_samplers + stripe * self._next_seq  # its own stripe: worker index num_samplers
+            if not admits(prefer, self.learner.version, per, self.cfg.adpo.max_staleness):
+                return False
             bid = batch_id(self._next_seq, SELF)
-            if not self.claims.claim(bid):
+            got = self.claims.claim(bid, prefer=prefer)
+            if got is None:
                 self.claims = None  # every slot is taken: from now on only wait for the samplers' batches
                 return False
             self._next_seq += 1
+            self._redo.append((bid, got))
+            slot = got
+        if not admits(slot, self.learner.version, per, self.cfg.adpo.max_staleness):
+            return False  # claimed, sampled once the version admits it
+        self._redo.pop(0)
         t0 = time.perf_counter()
-        _, _, reused = self.collect(batch_seq(bid), SELF, self.cfg.async_rl.num_samplers)
+        _, _, reused = self.collect(batch_seq(bid), SELF, a.num_samplers)
         if reused:
             log.info("batch %s was already committed; the stored one counts", bid)
         self.totals["sample_s"] = self.totals.get("sample_s", 0.0) + time.perf_counter() - t0  # rollout + commit
@@ -84,15 +99,14 @@ class AsyncLearner(LearnerRun):
     def expected(self) -> int:
         return self.cfg.async_rl.num_samplers * self.cfg.async_rl.batches_per_sampler
 
-    def status(self, done: bool = False, taking: str | None = None) -> dict[str, Any]:
-        """Progress for samplers and operators. ``taking``: the batch the learner is taking now,
-        not yet in ``consumed``/``dropped`` (the samplers count it as taken: their backlog is what
-        the learner has not started on)."""
+    def status(self, done: bool = False) -> dict[str, Any]:
+        """Progress for operators and benchmarks (samplers read only ``adapters/LATEST``)."""
         st = [e["staleness"] for e in self.ledger["consumed"]]
         wall = max(self.totals["wall_s"], 1e-9)
-        return {"version": self.learner.version, "updates": len(self.ledger["consumed"]),
+        return {"version": self.learner.version, "updates": len(self.history),
+                "batches_per_update": self.cfg.batches_per_update(),
                 "consumed": len(self.ledger["consumed"]), "dropped": len(self.ledger["dropped"]),
-                # of those consumed, batches it sampled itself: samplers' back-pressure leaves them out
+                # of those consumed, batches it sampled itself
                 "self_consumed": sum(e["id"].endswith(f"-{SELF}") for e in self.ledger["consumed"]),
                 "quarantined": len(self.ledger["quarantined"]), "expected": self.expected, "done": done,
                 "staleness_hist": {str(k): v for k, v in sorted(Counter(st).items())},
@@ -108,10 +122,11 @@ class AsyncLearner(LearnerRun):
                 "self_sampled_batches": self.totals.get("self_batches", 0),
                 "self_sample_s": self.totals.get("sample_s", 0.0),
                 "self_sample_fraction": self.totals.get("sample_s", 0.0) / wall,
-                "completions": sum(e["rows"] for e in self.ledger["consumed"]), "taking": taking}
+                "completions": sum(e["rows"] for e in self.ledger["consumed"]),
+                "requests": self.rs.requests.snapshot()}
 
     def run(self) -> dict[str, Any]:
-        a, rs = self.cfg.async_rl, self.rs
+        a, rs, per = self.cfg.async_rl, self.rs, self.cfg.batches_per_update()
         start, updates_here = time.perf_counter(), 0
         waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)
         last = start
@@ -124,12 +139,13 @@ class AsyncLearner(LearnerRun):
                 stopped = True
                 break
             pending = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories") if b not in handled]
+            need = min(per, self.expected - len(handled))  # the run's last update may be short (drops, quarantine)
             now = time.perf_counter()
             self.totals["wall_s"] += now - last
             last = now
-            if not pending and self.sample_self():
+            if len(pending) < need and self.sample_self():
                 continue  # its time is counted as wall (not idle) at the top of the next pass
-            if not pending:
+            if len(pending) < need:
                 time.sleep(next(waits))
                 waited = time.perf_counter() - last
                 self.totals["idle_s"] += waited
@@ -138,12 +154,11 @@ class AsyncLearner(LearnerRun):
                     self.totals["fill_s"] = self.totals.get("fill_s", 0.0) + waited
                 last = time.perf_counter()
                 continue
-            waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # a batch came: poll fast again
-            # Before the update, not after it: the batch being updated on is taken, so the samplers get
-            # all max_pending places while it runs (written after, it held one of them).
-            rs.write_json(self.status(taking=pending[0]), "learner", "status.json")
-            outcome, _ = self.consume(pending[0])
+            waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # batches came: poll fast again
+            take = pending[:need]
+            outcome, _ = self.consume(take)
             updates_here += outcome == "consumed"
+            rs.write_json(self.status(), "learner", "status.json")
         now = time.perf_counter()
         self.totals["wall_s"] += now - last
         self.checkpoint()

@@ -2,10 +2,18 @@
 
 The loop, per batch:
 
-    wait while the learner has >= max_pending samplers' batches it has not taken (back-pressure)
+    take the batch's slot k of the run's sample budget (its own stripe, or a claimed slot)
+    wait until the learner's version v admits it: k < (S + v + 1) x B (:func:`admits`), reading
+        only ``adapters/LATEST`` (and ``control/STOP``) per poll, with back-off
     load the newest published adapter if it changed (LoRA tensors only: the base stays put)
     sample prompts_per_iter prompts x G completions, score rewards, group advantages
     commit the batch as ``{seq:06d}-{worker}`` tagged with the adapter version that sampled it
+
+Why admission instead of dropping stale batches at the learner: a finished rollout dropped for
+staleness is wasted compute and biases the data toward short rollouts; admitting work only when
+its result will be fresh enough keeps drops at zero in steady state. And why a version pointer:
+it is one small object whatever the fleet, so polls cost the same per committed batch from 1 to
+4,096 samplers (the learner versions once per B sampler batches, ``async_rl.global_batch``).
 
 Restart safety: batch ids are deterministic and each batch's randomness is seeded from (run seed,
 worker, seq), so a killed sampler resumes at its first uncommitted sequence number; a batch it
@@ -41,6 +49,15 @@ log = logging.getLogger(__name__)
 SELF_WORKER = "learner"  # the worker name of the batches the learner samples itself
 
 
+def admits(slot: int, version: int, per_update: int, staleness: int) -> bool:
+    """Whether batch slot ``slot`` may start while the learner is at ``version``: AReaL's capacity
+    rule (areal/infra/staleness_manager.py: capacity = (S + v + 1) B - (accepted + running)), with
+    slots numbered in the order they are taken. Update u consumes slots [uB, (u+1)B), so a slot
+    admitted at version v >= slot // B - S is at most S versions stale when it is used (unless
+    it is much slower than the batches around it; the learner's drop check stays as the guard)."""
+    return slot < (staleness + version + 1) * per_update
+
+
 def poll_intervals(first: float, backoff: float, cap: float) -> Iterator[float]:
     """Waits between polls: ``first``, then times ``backoff`` each, never above ``max(cap, first)``."""
     interval = first
@@ -61,33 +78,40 @@ class SlotClaims:
         self.rs, self.total = rs, total
         self.folder = rs.path("samplers", "claims")
 
-    def own(self, worker: str) -> set[str]:
-        """Batch ids ``worker`` claimed before a restart (a claim without a commit is redone first)."""
-        rs, out = self.rs, set()
+    def own(self, worker: str) -> dict[str, int]:
+        """Batch id -> slot of what ``worker`` claimed before a restart (a claim without a commit
+        is redone first)."""
+        rs, out = self.rs, {}
         for name in rs.retry(lambda: U.list_names(rs.fs, self.folder), "listing claims"):
             if name.startswith("slot-"):
                 bid = rs.retry(lambda: U.read_json(rs.fs, U.join(self.folder, name)), f"reading claim {name}")["batch"]
                 if bid.endswith(f"-{worker}"):
-                    out.add(bid)
+                    out[bid] = int(name[len("slot-"):])
         return out
 
-    def claim(self, bid: str) -> bool:
-        """Take the lowest free slot for ``bid``; False when every slot is taken."""
+    def _try(self, k: int, bid: str) -> bool:
+        rs, name = self.rs, f"slot-{k:06d}"
+        try:
+            rs.retry(lambda: U.create_exclusive(rs.fs, U.join(self.folder, name), U.dumps({"batch": bid})),
+                     f"claiming {name}")
+            return True
+        except U.AlreadyExistsError:  # another worker won it, or our own write whose reply was lost
+            got = rs.retry(lambda: U.read_json(rs.fs, U.join(self.folder, name)), f"reading claim {name}")
+            return got.get("batch") == bid
+
+    def claim(self, bid: str, prefer: int | None = None) -> int | None:
+        """Take a slot for ``bid`` -> its number, or None when every slot is taken. ``prefer``:
+        the worker's next slot in its own stripe, tried first with one exclusive create, so a claim
+        costs one request however many workers there are; only when another worker took it (a
+        fast one taking a slow one's share) are the claims listed for the lowest free slot."""
+        if prefer is not None and prefer < self.total and self._try(prefer, bid):
+            return prefer
         rs = self.rs
         taken = set(rs.retry(lambda: U.list_names(rs.fs, self.folder), "listing claims"))
         for k in range(self.total):
-            name = f"slot-{k:06d}"
-            if name in taken:
-                continue
-            try:
-                rs.retry(lambda: U.create_exclusive(rs.fs, U.join(self.folder, name), U.dumps({"batch": bid})),
-                         f"claiming {name}")
-                return True
-            except U.AlreadyExistsError:  # another worker won it, or our own write whose reply was lost
-                got = rs.retry(lambda: U.read_json(rs.fs, U.join(self.folder, name)), f"reading claim {name}")
-                if got.get("batch") == bid:
-                    return True
-        return False
+            if f"slot-{k:06d}" not in taken and self._try(k, bid):
+                return k
+        return None
 
 
 class SamplerWorker:
@@ -124,6 +148,7 @@ class SamplerWorker:
         self.data = build_task(self.cfg)
         self.reward_fn = reward_for_recipe(self.cfg)
         self.version: int | None = None
+        self._latest: int | None = None  # the version the last admission poll read
         prev = self.run_store.read_json("samplers", f"{worker}.json") or {}
         self.stats: dict[str, Any] = {"worker": worker, "committed": prev.get("committed", 0),
                                       "next_seq": prev.get("next_seq", 0), "sync_bytes": prev.get("sync_bytes", 0),
@@ -133,10 +158,12 @@ class SamplerWorker:
                                       "wait_s": 0.0, "startup_wait_s": 0.0, "restarts": prev.get("restarts", -1) + 1, "done": False}
 
     # ------------------------------------------------------------------ adapter hot-swap
-    def sync_adapter(self) -> bool:
-        """Load the newest published adapter into the resident model if it is newer; True if swapped."""
+    def sync_adapter(self, latest: int | None = None) -> bool:
+        """Load adapter ``latest`` (default: the newest published) into the resident model if it
+        is not the one loaded; True if swapped."""
         rs = self.run_store
-        latest = rs.retry(rs.adapters.latest_version, "polling adapters/LATEST")
+        if latest is None:
+            latest = rs.retry(rs.adapters.latest_version, "polling adapters/LATEST")
         if latest is None or latest == self.version:
             return False
         t0 = time.perf_counter()
@@ -161,30 +188,23 @@ class SamplerWorker:
         self.version = latest
         return True
 
-    # ------------------------------------------------------------------ back-pressure
-    def pending(self) -> int:
-        """Samplers' committed batches the learner has not taken (consumed, dropped or quarantined) yet.
-
-        A batch the learner sampled itself (``async_rl.learner_samples``) is not counted: it samples
-        one only when nothing waits and takes it next, so it is no sampler's backlog. Counting it
-        made the sampler wait 4.1 s in 18 pauses of a 51 s run: each time the learner
-        sampled while a sampler batch landed, its own batch filled one of the max_pending places.
-        The batch the learner is updating on (``taking`` in its status) counts as taken, so the
-        sampler has all max_pending places while that update runs.
-        """
+    # ------------------------------------------------------------------ admission
+    def learner_version(self) -> int | None:
+        """The newest published adapter version (``adapters/LATEST``: one small read)."""
         rs = self.run_store
-        committed = rs.retry(rs.trajectories.list_batches, "listing trajectories")
-        status = rs.read_json("learner", "status.json") or {}
-        taken = int(status.get("consumed", 0)) - int(status.get("self_consumed", 0)) + int(status.get("dropped", 0))
-        taking = status.get("taking")  # the batch being updated on: taken, though not counted in consumed yet
-        if taking and not taking.endswith(f"-{SELF_WORKER}") and taking in committed:
-            taken += 1
-        return sum(not b.endswith(f"-{SELF_WORKER}") for b in committed) - taken
+        self.stats["polls"] = self.stats.get("polls", 0) + 1
+        self._latest = rs.retry(rs.adapters.pointer, "polling adapters/LATEST")
+        return self._latest
+
+    def admitted(self, slot: int) -> bool:
+        """Whether the learner's version now admits batch slot ``slot`` (:func:`admits`)."""
+        v = self.learner_version()
+        return v is not None and admits(slot, v, self.cfg.batches_per_update(), self.cfg.adpo.max_staleness)
 
     def _wait(self, cond, poll: float, key: str = "wait_s") -> bool:
         """Sleep until ``cond()``, each empty poll waiting ``async_rl.poll_backoff`` times longer (up
         to ``poll_max_interval``); False if a stop was requested meanwhile. The time waited adds to
-        ``stats[key]``: ``wait_s`` (back-pressure) or ``startup_wait_s`` (for the first adapter)."""
+        ``stats[key]``: ``wait_s`` (admission) or ``startup_wait_s`` (for the first adapter)."""
         a = self.cfg.async_rl
         t0 = time.perf_counter()
         try:
@@ -208,30 +228,34 @@ class SamplerWorker:
         a = self.cfg.async_rl
         rs = self.run_store
         quarantined = set(rs.retry(rs.trajectories.list_quarantined, "listing quarantine"))
-        if not self._wait(lambda: rs.retry(rs.adapters.latest_version, "polling adapters") is not None, a.poll_interval,
-                          "startup_wait_s"):
+        if not self._wait(lambda: self.learner_version() is not None, a.poll_interval, "startup_wait_s"):
             return self._finish(stopped=True)
         seq = int(self.stats["next_seq"])
+        stripe = a.num_samplers + int(a.learner_samples)  # the learner samples as worker num_samplers
         claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
-        mine = claims.own(self.worker) if a.shared_budget else set()
+        mine = claims.own(self.worker) if a.shared_budget else {}
         while a.shared_budget or seq < a.batches_per_sampler:
             bid = batch_id(seq, self.worker)
-            marker = rs.trajectories.marker_path(bid)
-            if bid in quarantined or rs.retry(lambda: U.exists(rs.trajectories.fs, marker), f"checking {bid}"):
-                seq += 1  # committed before a restart: never sampled twice
+            if bid in quarantined:
+                seq += 1
                 continue
-            if a.shared_budget and bid not in mine:
-                if not claims.claim(bid):
+            if not a.shared_budget:
+                slot: int | None = seq * a.num_samplers + self.index
+            elif bid in mine:
+                slot = mine[bid]
+            else:  # its own stripe first: index, index + stripe, ... (one request when nobody took it)
+                slot = claims.claim(bid, prefer=self.index + stripe * len(mine))
+                if slot is None:
                     break  # every slot of the run's budget is taken
-                mine.add(bid)
-            if not self._wait(lambda: self.pending() < a.max_pending, a.poll_interval):
+                mine[bid] = slot
+            if not self._wait(lambda: self.admitted(slot), a.poll_interval):
                 return self._finish(stopped=True, next_seq=seq)
             t0 = time.perf_counter()
-            self.sync_adapter()
+            self.sync_adapter(self._latest)
             t1 = time.perf_counter()
             batch = self.make_batch(seq)
             t2 = time.perf_counter()
-            try:
+            try:  # a commit that landed before a restart (stats not yet written) is not made twice
                 rs.retry(lambda: rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
                 self.stats["committed"] += 1
             except BatchExistsError:
@@ -241,14 +265,15 @@ class SamplerWorker:
             self.stats["busy_s"] += t3 - t0
             self.stats["sample_s"] += t2 - t1  # rollout + reward alone
             self.stats["commit_s"] += t3 - t2
-            self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch))
+            self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch), slot=slot,
+                              requests=rs.requests.snapshot())
             rs.write_json(self.stats, "samplers", f"{self.worker}.json")
         return self._finish(stopped=False, next_seq=seq)
 
     def _finish(self, stopped: bool, next_seq: int | None = None) -> dict[str, Any]:
         if next_seq is not None:
             self.stats["next_seq"] = next_seq
-        self.stats.update(done=not stopped, stopped=stopped)
+        self.stats.update(done=not stopped, stopped=stopped, requests=self.run_store.requests.snapshot())
         self.run_store.write_json(self.stats, "samplers", f"{self.worker}.json")
         if self.owns_cache:
             shutil.rmtree(self.cache, ignore_errors=True)

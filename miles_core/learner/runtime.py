@@ -143,33 +143,61 @@ class LearnerRun:
         self._collected = (bid, batch)
         return bid, batch, reused
 
-    def consume(self, bid: str) -> tuple[str, dict[str, float]]:
-        """Handle one committed batch -> ('consumed' | 'dropped' | 'quarantined', update stats)."""
-        rs, S = self.rs, self.cfg.adpo.max_staleness
-        t_read = time.perf_counter()
+    def _read(self, bid: str) -> TrajectoryBatch | None:
+        """Batch ``bid`` (the one :meth:`collect` holds, else read); a corrupt one is quarantined,
+        recorded in the ledger, and None returned."""
+        if self._collected is not None and self._collected[0] == bid:
+            batch, self._collected = self._collected[1], None  # committed by this process: no read back
+            return batch
+        rs = self.rs
         try:
-            if self._collected is not None and self._collected[0] == bid:
-                batch, self._collected = self._collected[1], None  # committed by this process: no read back
-            else:
-                batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
+            return rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
         except CorruptBatchError as e:
             reason = str(e)
             rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")
             self.ledger["quarantined"].append({"id": bid, "reason": reason[:300]})
-            return "quarantined", {}
-        behaviour_version = int(batch.policy_version.min())
-        staleness = self.learner.version - behaviour_version
-        if staleness > S:
-            self.ledger["dropped"].append({"id": bid, "staleness": staleness})
-            return "dropped", {}
+            return None
+
+    def consume(self, bids: str | list[str]) -> tuple[str, dict[str, float]]:
+        """One update on the committed batches ``bids`` (one global batch: ``async_rl.global_batch``
+        completions) -> ('consumed' | 'dropped' | 'quarantined', update stats). Each batch is
+        checked on its own: a corrupt one is quarantined, one staler than ``adpo.max_staleness``
+        dropped, both recorded; the rest are updated on together, and the ledger lists each with
+        the update that consumed it."""
+        bids = [bids] if isinstance(bids, str) else list(bids)
+        S, t_read = self.cfg.adpo.max_staleness, time.perf_counter()
+        fresh: list[tuple[str, TrajectoryBatch, int]] = []  # (id, batch, behaviour version)
+        dropped = 0
+        for bid in bids:
+            batch = self._read(bid)
+            if batch is None:
+                continue
+            behaviour_version = int(batch.policy_version.min())
+            if self.learner.version - behaviour_version > S:
+                self.ledger["dropped"].append({"id": bid, "staleness": self.learner.version - behaviour_version})
+                dropped += 1
+                continue
+            fresh.append((bid, batch, behaviour_version))
+        if not fresh:
+            return ("dropped" if dropped else "quarantined"), {}
+        kind = type(fresh[0][1])
+        if len(fresh) > 1 and not hasattr(kind, "concat"):
+            raise ValueError(f"async_rl.global_batch: {kind.__name__} batches cannot be joined into one update; "
+                             "use one sampler batch per update (async_rl.global_batch=0)")
+        batch = fresh[0][1] if len(fresh) == 1 else kind.concat([b for _, b, _ in fresh])
+        version_before = self.learner.version
+        staleness = version_before - min(v for _, _, v in fresh)
         t0 = time.perf_counter()
         stats = self.learner.update(batch)
         t1 = time.perf_counter()
-        stats.update(staleness=float(staleness), seconds=t1 - t0, tokens_per_s=stats.get("tokens", 0.0) / max(t1 - t0, 1e-9))
+        stats.update(staleness=float(staleness), seconds=t1 - t0, batches=float(len(fresh)),
+                     tokens_per_s=stats.get("tokens", 0.0) / max(t1 - t0, 1e-9))
+        update = len(self.history) + 1
+        for bid, b, v in fresh:
+            self.ledger["consumed"].append({"id": bid, "staleness": version_before - v, "policy_version": v,
+                                            "learner_version": self.learner.version, "rows": len(b), "update": update})
         reward = torch.nan_to_num(batch.reward, nan=0.0)
-        self.ledger["consumed"].append({"id": bid, "staleness": staleness, "policy_version": behaviour_version,
-                                        "learner_version": self.learner.version, "rows": len(batch)})
-        self.history.append({"update": len(self.ledger["consumed"]), "version": self.learner.version,
+        self.history.append({"update": update, "version": self.learner.version, "batches": len(fresh),
                              "staleness": staleness, "reward_mean": float(reward.mean()),
                              "read_s": t0 - t_read, "update_s": t1 - t0, "guard_event": self.learner.guard_event,
                              **{k: float(v) for k, v in stats.items() if k in HISTORY_KEYS}})

@@ -73,7 +73,8 @@ class AdapterRegistry:
                 found.add(int(m.group(1)))
         return sorted(found)
 
-    def _pointer(self) -> int | None:
+    def pointer(self) -> int | None:
+        """The version ``LATEST`` names: one small read, what pollers read (moved after the commit)."""
         try:
             v = U.read_json(self.fs, U.join(self.root, "LATEST")).get("version")
         except (FileNotFoundError, ValueError):
@@ -82,7 +83,7 @@ class AdapterRegistry:
 
     def latest_version(self) -> int | None:
         """Latest committed version: the ``LATEST`` pointer if it names a committed version, else a scan."""
-        v = self._pointer()
+        v = self.pointer()
         if v is not None and self.is_committed(v):
             return v
         committed = self.versions()
@@ -134,7 +135,7 @@ class AdapterRegistry:
             U.create_exclusive(self.fs, U.join(vdir, COMMITTED), U.dumps({"version": version, "files": manifest}))
         except U.AlreadyExistsError as e:
             raise AdapterExistsError(f"adapter version {version} was committed concurrently at {vdir}") from e
-        current = self._pointer()
+        current = self.pointer()
         if current is None or version > current or not self.is_committed(current):
             U.write_bytes_atomic(self.fs, U.join(self.root, "LATEST"), U.dumps({"version": version}))
         return version

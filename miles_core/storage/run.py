@@ -30,6 +30,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from miles_core.config import ConfigError, RecipeConfig
+from miles_core.storage.requests import PROCESS
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage import uri as U
 from miles_core.storage.retry import call_with_retry
@@ -65,6 +66,9 @@ class RunStore:
         self.trajectories = TrajectoryStore(f"{self.uri}/trajectories", storage_options)
         self.adapters = AdapterRegistry(self.uri, storage_options)
         self.retry_budget_s = retry_budget_s
+        self.requests = PROCESS  # this process's S3 requests, reported in its status file
+        for fs in (self.fs, self.trajectories.fs, self.adapters.fs):
+            PROCESS.attach(fs)
 
     def path(self, *parts: str) -> str:
         return U.join(self.root, *parts)
