@@ -148,7 +148,9 @@ def learner_rank(args: argparse.Namespace) -> None:
     cfg = load_recipe(RECIPE, args.overrides)
     learner = Learner(cfg, args.base)
     batches = {n: TrajectoryStore(args.store).read_batch(f"procs{n}") for n in (1, 2)}
-    learner.update(batches[2], world=world)  # warm-up, both ranks
+    first = torch.arange(len(batches[2])) < len(batches[2]) // 2
+    mine = first if world.rank == 0 else ~first  # each rank holds half the trajectories (learner/shares.py)
+    learner.update(batches[2], world=world, owned=mine)  # warm-up, both ranks
     recs = []
     for r in range(args.rounds):
         for n in (1, 2, 0):  # 0: both ranks run 1-rank updates side by side, no collectives (machine ceiling)
@@ -158,7 +160,8 @@ def learner_rank(args: argparse.Namespace) -> None:
             for _ in range(args.updates):
                 if n != 1 or world.rank == 0:
                     t0, c0 = time.perf_counter(), time.process_time()
-                    stats = learner.update(batches[max(n, 1)], world=world if n == 2 else World())
+                    stats = learner.update(batches[max(n, 1)], world=world, owned=mine) if n == 2 else \
+                        learner.update(batches[1])
                     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 else:
                     dt, cpu, stats = 0.0, 0.0, {"rows": 0.0}

@@ -1,8 +1,30 @@
-"""Data-parallel primitives: this process's place in the group (:class:`World`), row sharding,
-joining and leaving the process group. The update engine (algo/update.py) imports them for real,
-so a single process is ``World()`` (every method a no-op) and the torchrun learner
-(miles_core/distributed.py) is the same code with a bigger world. Why gradients are summed by
-hand instead of DDP: see miles_core/distributed.py.
+"""Data-parallel primitives: this process's place in the group (:class:`World`), joining and
+leaving the process group, and the few collectives the learner uses. The update engine
+(algo/update.py) imports them for real, so a single process is ``World()`` (every method a no-op)
+and the learner under torchrun (``python -m miles_core.asyncrl learner`` as D ranks) is the same
+code with a bigger world.
+
+How an update is split: every rank builds the same global batch (its share read, the others'
+rows as skeletons: learner/shares.py) and holds the same generator state, so the rows, their
+permutation into minibatches and the loss normaliser are identical everywhere; each rank scores
+the rows of the trajectories it holds. Gradients are summed, not averaged: each rank's loss is
+already divided by the *global* normaliser, so the sum is the single-process gradient (up to
+float summation order), and clipping and the AdamW step then run on identical gradients, so the
+replicas stay equal without broadcasting weights after a step.
+
+Why a manual all-reduce instead of DDP: the update backpropagates row chunk by row chunk; with
+DDP that needs ``no_sync()`` on all but the last chunk, and a rank holding fewer rows of a
+minibatch runs fewer backward passes and would hang DDP's collective. One flattened all-reduce of
+the trainable (LoRA) gradients per optimizer step is what DDP does with a single bucket, works
+with any number of chunks per rank, and keeps the model a plain PeftModel. LoRA gradients are
+small, so DDP's overlap of communication with backward would buy little.
+
+FSDP2 when the frozen base does not fit one device (not exercised on CPU here): apply
+``torch.distributed.fsdp.fully_shard`` to each decoder layer and then the root *after* adding
+LoRA, so frozen base weights and LoRA tensors are sharded together; drop :meth:`World.sync_grads`
+(FSDP reduce-scatters during backward) and call ``set_gradient_divide_factor(1.0)`` so it sums;
+with chunked backward, ``set_requires_gradient_sync(False)`` for all but the last chunk, and give
+every rank the same number of chunks (pad a short share with a zero-weight row).
 """
 
 from __future__ import annotations
@@ -10,17 +32,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-
-
-def shard_bounds(n: int, rank: int, size: int) -> tuple[int, int]:
-    """[lo, hi) of rank ``rank``'s contiguous block of n items; sizes differ by at most one."""
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside a world of size {size}")
-    return n * rank // size, n * (rank + 1) // size
 
 
 @dataclass
@@ -36,11 +52,6 @@ class World:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    def shard(self, idx: Tensor) -> Tensor:
-        """This rank's rows of a minibatch ``idx`` [R] -> [R_rank] (a contiguous block)."""
-        lo, hi = shard_bounds(idx.numel(), self.rank, self.size)
-        return idx[lo:hi]
 
     def all_reduce_(self, t: Tensor, op: str = "sum") -> Tensor:
         """In-place sum (or max) over ranks of a tensor on any device (moved for the backend)."""
@@ -85,6 +96,14 @@ class World:
 
     def sum_over_ranks(self, value: float) -> float:
         return float(self.all_reduce_(torch.tensor([value], dtype=torch.float64))[0])
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` (picklable) on every rank: what rank 0 decided."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
 
     def barrier(self) -> None:
         if self.size > 1:

@@ -36,21 +36,24 @@ __all__ = ["RowScorer", "adpo_update", "estimator_rows", "policy_update"]
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
                   normaliser: float, cfg: ADPOConfig, generator: torch.Generator, scheduler: Any = None,
-                  world: World | None = None) -> dict[str, float]:
+                  world: World | None = None, owned: Tensor | None = None) -> dict[str, float]:
     """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``.
 
     ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update, so chunked
     backward passes (``row_chunk`` rows each, or as many as ``chunk_tokens`` positions allow) add up to
     the full-batch gradient. ``world`` (data
-    parallel): every rank holds the same rows and generator state and scores only ``world.shard``
-    of every minibatch; gradients are summed over ranks before clipping and the step. Stats stay
-    tensors (sums and counts) until one reduction and one host read at the end.
+    parallel): every rank holds the same rows and generator state, and ``owned`` [B] (bool) says
+    which trajectories it holds (it read its share of the global batch; learner/shares.py); it
+    scores only their rows, and gradients are summed over ranks before clipping and the step.
+    Stats stay tensors (sums and counts) until one reduction and one host read at the end.
     """
     n_rows = rows.traj.numel()
     loss_fn = get_estimator(cfg.estimator).loss(cfg)
     params = trainable_parameters(model)
     device = params[0].device if params else torch.device("cpu")
-    own = world.shard if world is not None else (lambda idx: idx)
+    if world is not None and world.size > 1 and owned is None:
+        raise ValueError("policy_update: a world of several ranks needs `owned`, the trajectories each rank holds")
+    own = (lambda idx: idx) if owned is None else (lambda idx: idx[owned[rows.traj[idx]]])  # noqa: E731
 
     # adpo.chunk_tokens: a memory budget in positions per forward/backward. A row costs its sequence
     # positions plus its scored positions weighted by what their logits hold (window.head_weight), so
@@ -136,7 +139,7 @@ def estimator_rows(sub: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig, tok: Ch
 
 def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
                 tok: CharTokenizer, temperature: float, generator: torch.Generator,
-                scheduler: Any = None, world: World | None = None) -> dict[str, float]:
+                scheduler: Any = None, world: World | None = None, owned: Tensor | None = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch`` (see :func:`policy_update` for ``world``):
     rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine.
     A renoising batch (DiffusionGemma) has its own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`,
@@ -159,5 +162,6 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
     normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
     adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub)   # [B_kept]
-    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world))
+    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world,
+                               None if owned is None else owned[keep]))
     return stats

@@ -27,30 +27,33 @@ from miles_core.asyncrl.sampler import SELF_WORKER as SELF  # the worker name of
 from miles_core.asyncrl.sampler import SlotClaims, admits, poll_intervals
 from miles_core.config import load_recipe
 from miles_core.learner.runtime import LearnerRun
+from miles_core.parallel import World
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
 
 
 class AsyncLearner(LearnerRun):
-    """The single learner process of an asynchronous run. ``run()`` returns its final status."""
+    """The learner of an asynchronous run: one process, or D data-parallel ranks under torchrun
+    (``world``; rank 0 lists, decides and writes, every rank reads its share of each global batch
+    and takes part in the update). ``run()`` returns the final status."""
 
     def __init__(self, run_uri: str, cache_dir: str | None = None, storage_options: dict[str, Any] | None = None,
-                 max_updates: int | None = None) -> None:
+                 max_updates: int | None = None, world: World | None = None) -> None:
         cfg = load_recipe(RunStore(run_uri, storage_options).read_spec()["cfg"])
         torch.set_num_threads(cfg.async_rl.learner_threads)
         apply_heap_setting(cfg.async_rl.retain_heap_mb)  # else its self-sampled batches fault in fresh pages every step
         # one update per B sampler batches: the LR schedule spans the run's budget of updates
         super().__init__(run_uri, cache_dir, storage_options, cfg,
                          total_updates=cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
-                         // cfg.batches_per_update())
+                         // cfg.batches_per_update(), world=world)
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
         self._init_self_sampling()
 
     # ------------------------------------------------------------------ sampling instead of waiting
     def _init_self_sampling(self) -> None:
         a = self.cfg.async_rl
-        self.claims = SlotClaims(self.rs, self.expected) if a.learner_samples else None
+        self.claims = SlotClaims(self.rs, self.expected) if a.learner_samples and self.world.is_main else None
         self._redo: list[tuple[str, int]] = []  # (batch id, slot) claimed before a restart, not committed
         self._next_seq = 0
         if self.claims is None:
@@ -125,46 +128,54 @@ class AsyncLearner(LearnerRun):
                 "completions": sum(e["rows"] for e in self.ledger["consumed"]),
                 "requests": self.rs.requests.snapshot()}
 
+    def _decide(self, waits: Any) -> tuple[str, Any]:
+        """Rank 0's next step: ("stop" | "done", None), ("update", batch ids), ("sampled", None)
+        after sampling a batch itself, or ("waited", seconds) after one back-off sleep."""
+        a, rs = self.cfg.async_rl, self.rs
+        handled = self.handled()
+        if len(handled) >= self.expected:
+            return "done", None
+        if rs.stop_requested() or (self.max_updates is not None and self._updates_here >= self.max_updates):
+            return "stop", None
+        pending = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories") if b not in handled]
+        need = min(self.cfg.batches_per_update(), self.expected - len(handled))  # the last may be short (drops)
+        if len(pending) >= need:
+            return "update", pending[:need]
+        if self.sample_self():
+            return "sampled", None
+        t0 = time.perf_counter()
+        time.sleep(next(waits))
+        return "waited", time.perf_counter() - t0
+
     def run(self) -> dict[str, Any]:
-        a, rs, per = self.cfg.async_rl, self.rs, self.cfg.batches_per_update()
-        start, updates_here = time.perf_counter(), 0
+        a, rs, world = self.cfg.async_rl, self.rs, self.world
+        self._updates_here = 0
         waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)
-        last = start
-        stopped = False
-        while len(handled := self.handled()) < self.expected:
-            if rs.stop_requested():
-                stopped = True
-                break
-            if self.max_updates is not None and updates_here >= self.max_updates:
-                stopped = True
-                break
-            pending = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories") if b not in handled]
-            need = min(per, self.expected - len(handled))  # the run's last update may be short (drops, quarantine)
+        last = time.perf_counter()
+        while True:
+            # every rank takes the same step; the others wait at most one poll interval for it
+            kind, arg = world.broadcast_object(self._decide(waits) if world.is_main else None)
             now = time.perf_counter()
+            if kind in ("done", "stop"):
+                break
+            if kind == "waited":
+                self.totals["idle_s"] += arg
+                if not self.handled():  # nothing ever arrived yet: the pipeline is still filling
+                    self.totals["fill_s"] = self.totals.get("fill_s", 0.0) + arg
+            elif kind == "update":
+                waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # poll fast again
+                outcome, _ = self.consume(arg)
+                self._updates_here += outcome == "consumed"
+                if world.is_main:
+                    rs.write_json(self.status(), "learner", "status.json")
             self.totals["wall_s"] += now - last
             last = now
-            if len(pending) < need and self.sample_self():
-                continue  # its time is counted as wall (not idle) at the top of the next pass
-            if len(pending) < need:
-                time.sleep(next(waits))
-                waited = time.perf_counter() - last
-                self.totals["idle_s"] += waited
-                self.totals["wall_s"] += waited
-                if not handled:  # nothing ever arrived yet: the pipeline is still filling
-                    self.totals["fill_s"] = self.totals.get("fill_s", 0.0) + waited
-                last = time.perf_counter()
-                continue
-            waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # batches came: poll fast again
-            take = pending[:need]
-            outcome, _ = self.consume(take)
-            updates_here += outcome == "consumed"
-            rs.write_json(self.status(), "learner", "status.json")
-        now = time.perf_counter()
-        self.totals["wall_s"] += now - last
+        self.totals["wall_s"] += time.perf_counter() - last
         self.checkpoint()
-        status = self.status(done=not stopped)
-        rs.write_json(status, "learner", "status.json")
-        rs.write_json({"history": self.history, "ledger": self.ledger}, "learner", "history.json")
+        status = self.status(done=kind == "done")
+        if world.is_main:
+            rs.write_json(status, "learner", "status.json")
+            rs.write_json({"history": self.history, "ledger": self.ledger}, "learner", "history.json")
         if self.owns_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
         return status

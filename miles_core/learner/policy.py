@@ -79,13 +79,14 @@ class Learner:
                             self.version)
 
     def update(self, batch: TrajectoryBatch, temperature: float | None = None,
-               world: World | None = None) -> dict[str, float]:
+               world: World | None = None, owned: torch.Tensor | None = None) -> dict[str, float]:
         """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
         then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th
         unhealthy batch in a row) the last healthy policy is restored and published as a new
         version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and ``self.guard_event`` says why.
         Raises CollapseError when rolling back no longer helps. ``world``: data-parallel ranks
-        (torchrun), each scoring its shard of the rows; the guard sees the same batch on every rank."""
+        (torchrun), each scoring the rows of the trajectories ``owned`` [B] says it holds
+        (learner/shares.py); the guard sees the same batch on every rank."""
         self.guard_event = ""
         if self.guard is not None:
             h = batch_health(batch)
@@ -104,7 +105,7 @@ class Learner:
                         "guard_rollbacks": float(self.guard.rollbacks)}
             self.guard.accept(h)
         t = self.cfg.sampler.temperature if temperature is None else temperature
-        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched, world)
+        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched, world, owned)
         self.version += 1
         if self.guard is not None:
             self.guard.offer(self.version, self._policy_state)

@@ -34,11 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from miles_core.algo.rl import batch_id
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.policy import Learner
+from miles_core.learner.shares import Verdict, agree, my_share
+from miles_core.parallel import World
 from miles_core.storage import BatchExistsError, CorruptBatchError
 from miles_core.types import TrajectoryBatch
 from miles_core.storage import uri as U
@@ -63,7 +66,8 @@ class LearnerRun:
 
     def __init__(self, run_uri: str, cache_dir: str | None = None, storage_options: dict[str, Any] | None = None,
                  cfg: RecipeConfig | None = None, total_updates: int | None = None,
-                 checkpoint_every: int | None = None) -> None:
+                 checkpoint_every: int | None = None, world: World | None = None) -> None:
+        self.world = world or World()  # D data-parallel ranks: one ledger, rank 0 writes and publishes
         self.rs = RunStore(run_uri, storage_options)
         spec = self.rs.read_spec()
         if cfg is not None:
@@ -92,6 +96,7 @@ class LearnerRun:
                         self.learner.version, latest, latest + 1)
             self.learner.version = latest
             self.totals["version_skips"] += 1
+        self.world.broadcast_(self.learner.params)  # as DDP does at start (equal already: same seed or checkpoint)
         self._since_ckpt = 0
         self._data: TaskData | None = None
         self._collected: tuple[str, TrajectoryBatch] | None = None  # the batch collect() just committed
@@ -103,14 +108,18 @@ class LearnerRun:
         return {e["id"] for entries in self.ledger.values() for e in entries}
 
     def checkpoint(self) -> None:
+        self._since_ckpt = 0
+        if not self.world.is_main:  # every rank holds the same state; rank 0 writes it
+            return
         blob = {"learner": self.learner.state(), "ledger": self.ledger, "history": self.history,
                 "totals": self.totals, "version": self.learner.version}
         self.rs.save_checkpoint(blob, self.learner.version)
-        self._since_ckpt = 0
 
     def publish(self) -> None:
         """Upload the current adapter as version ``learner.version`` (idempotent on resume)."""
         v = self.learner.version
+        if not self.world.is_main:
+            return
         with tempfile.TemporaryDirectory(dir=self.cache) as tmp:
             self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype))
             self.rs.retry(lambda: self.rs.adapters.is_committed(v) or
@@ -143,41 +152,47 @@ class LearnerRun:
         self._collected = (bid, batch)
         return bid, batch, reused
 
-    def _read(self, bid: str) -> TrajectoryBatch | None:
-        """Batch ``bid`` (the one :meth:`collect` holds, else read); a corrupt one is quarantined,
-        recorded in the ledger, and None returned."""
+    def _judge(self, bid: str) -> tuple[Verdict, TrajectoryBatch | None]:
+        """Read batch ``bid`` (the one :meth:`collect` holds, else from the store) and judge it:
+        corrupt (quarantined in the store here), staler than ``adpo.max_staleness``, or fresh."""
         if self._collected is not None and self._collected[0] == bid:
             batch, self._collected = self._collected[1], None  # committed by this process: no read back
-            return batch
-        rs = self.rs
-        try:
-            return rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
-        except CorruptBatchError as e:
-            reason = str(e)
-            rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")
-            self.ledger["quarantined"].append({"id": bid, "reason": reason[:300]})
-            return None
+        else:
+            rs = self.rs
+            try:
+                batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
+            except CorruptBatchError as e:
+                reason = str(e)
+                rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")
+                return ("quarantined", reason), None
+        behaviour_version = int(batch.policy_version.min())
+        staleness = self.learner.version - behaviour_version
+        if staleness > self.cfg.adpo.max_staleness:
+            return ("dropped", staleness), None
+        return ("fresh", behaviour_version), batch
 
     def consume(self, bids: str | list[str]) -> tuple[str, dict[str, float]]:
         """One update on the committed batches ``bids`` (one global batch: ``async_rl.global_batch``
         completions) -> ('consumed' | 'dropped' | 'quarantined', update stats). Each batch is
-        checked on its own: a corrupt one is quarantined, one staler than ``adpo.max_staleness``
+        judged on its own: a corrupt one is quarantined, one staler than ``adpo.max_staleness``
         dropped, both recorded; the rest are updated on together, and the ledger lists each with
-        the update that consumed it."""
+        the update that consumed it. With D ranks each reads only its share (learner/shares.py)."""
         bids = [bids] if isinstance(bids, str) else list(bids)
-        S, t_read = self.cfg.adpo.max_staleness, time.perf_counter()
+        t_read, world = time.perf_counter(), self.world
+        share = my_share(bids, world) if world.size > 1 else range(len(bids))
+        fates = agree(len(bids), {j: self._judge(bids[j]) for j in share}, world)
         fresh: list[tuple[str, TrajectoryBatch, int]] = []  # (id, batch, behaviour version)
+        held: list[Tensor] = []
         dropped = 0
-        for bid in bids:
-            batch = self._read(bid)
-            if batch is None:
-                continue
-            behaviour_version = int(batch.policy_version.min())
-            if self.learner.version - behaviour_version > S:
-                self.ledger["dropped"].append({"id": bid, "staleness": self.learner.version - behaviour_version})
+        for bid, ((what, info), batch, here) in zip(bids, fates):
+            if what == "quarantined":
+                self.ledger["quarantined"].append({"id": bid, "reason": str(info)[:300]})
+            elif what == "dropped":
+                self.ledger["dropped"].append({"id": bid, "staleness": info})
                 dropped += 1
-                continue
-            fresh.append((bid, batch, behaviour_version))
+            else:
+                fresh.append((bid, batch, info))
+                held.append(torch.full((len(batch),), here))
         if not fresh:
             return ("dropped" if dropped else "quarantined"), {}
         kind = type(fresh[0][1])
@@ -188,7 +203,8 @@ class LearnerRun:
         version_before = self.learner.version
         staleness = version_before - min(v for _, _, v in fresh)
         t0 = time.perf_counter()
-        stats = self.learner.update(batch)
+        multi = world.size > 1
+        stats = self.learner.update(batch, world=world if multi else None, owned=torch.cat(held) if multi else None)
         t1 = time.perf_counter()
         stats.update(staleness=float(staleness), seconds=t1 - t0, batches=float(len(fresh)),
                      tokens_per_s=stats.get("tokens", 0.0) / max(t1 - t0, 1e-9))

@@ -1,0 +1,140 @@
+"""The asynchronous learner as D data-parallel ranks under torchrun (gloo on CPU): a global batch
+read in shares gives the update one process reading it all gives, and a rank SIGKILLed mid-update
+makes torchrun restart the group from the last checkpoint with every batch consumed once."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import train_tiny_base
+from safetensors.torch import load_file
+
+from miles_core.algo.rl import assign_advantages, batch_id
+from miles_core.asyncrl.launch import prepare_run
+from miles_core.asyncrl.learner import AsyncLearner
+from miles_core.asyncrl.sampler import SamplerWorker
+from miles_core.config import load_recipe
+from miles_core.storage.run import RunStore
+
+pytestmark = pytest.mark.e2e
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4", "task.completion_len=16",
+        "async_rl.poll_interval=0.01", "adpo.max_staleness=10", "adpo.num_minibatches=2", "adpo.row_chunk=5",
+        "adpo.step_fraction=0.5", "adpo.kl_coef=0.1"]
+
+# Pauses rank MILES_TEST_RANK inside its second update (after its first chunk's backward, before the
+# gradients' all-reduce), once: the flag file holds its pid, so the parent can SIGKILL it there.
+HARNESS = textwrap.dedent("""
+    import os, sys, time
+    flag, rank = os.environ["MILES_TEST_FLAG"], os.environ["MILES_TEST_RANK"]
+    if os.environ.get("RANK") == rank and not os.path.exists(flag):
+        import miles_core.parallel as P
+        real, calls = P.World.sync_grads, [0]
+        def sync_grads(self, params):
+            calls[0] += 1
+            if calls[0] == 3:  # update 2 (num_minibatches=2: two syncs per update), mid-update
+                with open(flag, "w") as f:
+                    f.write(str(os.getpid()))
+                time.sleep(600)
+            return real(self, params)
+        P.World.sync_grads = sync_grads
+    from miles_core.asyncrl.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return train_tiny_base(tmp_path_factory, BASE, "ranks")
+
+
+def committed_run(tmp: Path, base: Path, batches: int, *overrides: str) -> str:
+    """A run with ``batches`` sampler batches committed from v0, every group with a reward spread."""
+    cfg = load_recipe("tiny", [*BASE, f"async_rl.batches_per_sampler={batches}", *overrides])
+    run = str(tmp / "run")
+    prepare_run(run, cfg, base)
+    AsyncLearner(run, str(tmp / "lc0"))  # publishes v0
+    sampler = SamplerWorker(run, "w0", 0, str(tmp / "sc"))
+    sampler.sync_adapter()
+    for seq in range(batches):
+        b = sampler.make_batch(seq)
+        b.reward = torch.arange(len(b), dtype=torch.float32) % 2
+        sampler.run_store.trajectories.write_batch(assign_advantages(b), batch_id(seq, "w0"))
+    return run
+
+
+def torchrun(run: str, tmp: Path, nproc: int, *extra: str, restarts: int = 0,
+             env: dict[str, str] | None = None) -> subprocess.Popen:
+    script = tmp / "harness.py"
+    script.write_text(HARNESS)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(nproc), "--max-restarts", str(restarts), str(script), "learner", run, "--backend", "gloo",
+           "--cache-dir", str(tmp / "cache"), *extra]
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "MILES_TEST_FLAG": str(tmp / "flag"),
+            "MILES_TEST_RANK": "-1", **(env or {})}
+    return subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=open(tmp / "torchrun.log", "wb"), stderr=subprocess.STDOUT)
+
+
+def test_a_global_batch_read_in_shares_by_two_ranks_is_the_one_process_update(tmp_path: Path, base_dir: Path) -> None:
+    """Four sampler batches make one update (async_rl.global_batch=32): rank 0 reads batches 0 and
+    2, rank 1 batches 1 and 3, and the adapter they publish equals one process's, which reads all."""
+    run = committed_run(tmp_path / "one", base_dir, 4, "async_rl.global_batch=32")
+    two = tmp_path / "two" / "run"
+    shutil.copytree(run, two)
+    read: list[str] = []
+    from miles_core.storage.trajectories import TrajectoryStore
+
+    real_read = TrajectoryStore.read_batch
+    TrajectoryStore.read_batch = lambda self, bid: read.append(bid) or real_read(self, bid)  # type: ignore[method-assign]
+    try:
+        single = AsyncLearner(run, str(tmp_path / "one" / "lc")).run()
+    finally:
+        TrajectoryStore.read_batch = real_read  # type: ignore[method-assign]
+    assert single["done"] and single["updates"] == 1 and len(read) == 4
+    proc = torchrun(str(two), tmp_path / "two", 2)
+    assert proc.wait(timeout=300) == 0, (tmp_path / "two" / "torchrun.log").read_text()[-4000:]
+    status = RunStore(str(two)).read_json("learner", "status.json")
+    assert status["done"] and status["updates"] == 1 and status["consumed"] == 4
+    ledger = RunStore(str(two)).read_json("learner", "history.json")["ledger"]["consumed"]
+    assert [e["id"] for e in ledger] == [batch_id(s, "w0") for s in range(4)] and {e["update"] for e in ledger} == {1}
+    a = load_file(str(RunStore(run).adapters.fetch(1, tmp_path / "a1") / "adapter_model.safetensors"))
+    b = load_file(str(RunStore(str(two)).adapters.fetch(1, tmp_path / "b1") / "adapter_model.safetensors"))
+    assert a.keys() == b.keys()
+    moved = 0
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+        moved += int(a[k].abs().sum() > 0 and "lora_B" in k)
+    assert moved > 0  # the update moved the adapter: equality is not two zero LoRAs
+
+
+def test_sigkill_of_one_learner_rank_mid_update_resumes_with_every_batch_consumed_once(tmp_path: Path,
+                                                                                          base_dir: Path) -> None:
+    run = committed_run(tmp_path, base_dir, 6, "async_rl.global_batch=16")  # 3 updates of 2 batches
+    proc = torchrun(run, tmp_path, 2, restarts=1, env={"MILES_TEST_RANK": "1"})
+    flag, deadline = tmp_path / "flag", time.monotonic() + 240
+    while not (flag.exists() and flag.read_text()):
+        assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-4000:]
+        assert time.monotonic() < deadline, "rank 1 never reached its second update"
+        time.sleep(0.05)
+    ckpt = RunStore(run).load_checkpoint()
+    assert [e["update"] for e in ckpt["ledger"]["consumed"]] == [1, 1]  # update 2 is in flight
+    os.kill(int(flag.read_text()), 9)
+    assert proc.wait(timeout=300) == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+    rs = RunStore(run)
+    status = rs.read_json("learner", "status.json")
+    ledger = rs.read_json("learner", "history.json")["ledger"]
+    ids = [e["id"] for e in ledger["consumed"]]
+    assert ids == [batch_id(s, "w0") for s in range(6)] and len(set(ids)) == 6  # each once, none lost
+    assert [e["update"] for e in ledger["consumed"]] == [1, 1, 2, 2, 3, 3] and not ledger["dropped"]
+    assert status["done"] and status["resumes"] >= 1 and status["version"] == 3
+    assert json.loads(json.dumps(status))["max_staleness_seen"] <= 10
