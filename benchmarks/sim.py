@@ -2,31 +2,29 @@
 
 What it models, and how each part maps to the code:
 
-* **Samplers** (``asyncrl/sampler.py``): wait for the first adapter; before each batch, poll the
-  back-pressure count (one LIST of ``trajectories/`` plus a GET of ``learner/status.json``) until
-  fewer than ``max_pending`` batches wait; GET the adapter pointer and, when it moved, the adapter;
-  roll out (a lognormal time: rollout times vary with completion lengths and NSD); PUT the Parquet
-  batch and its commit marker. With ``shared_budget`` every batch first claims a slot (one PUT).
-* **The learner** (``asyncrl/learner.py``): D data-parallel ranks acting as one. It LISTs the
-  committed batches; with none waiting it samples a batch itself (``learner_samples``) or sleeps a
-  poll interval; else it GETs the oldest batch, drops it when older than ``max_staleness``
-  versions, updates (the per-rank share of the batch plus a ring all-reduce of the adapter's
-  gradient), PUTs a checkpoint every ``checkpoint_every`` updates and publishes the adapter (PUT
-  adapter, PUT pointer).
+* **Samplers** (``asyncrl/sampler.py``): wait for the first adapter; per batch take a slot (its
+  own stripe, one PUT with ``shared_budget``), then wait until the learner's version admits it,
+  slot < (S + v + 1) B (``admits``; each poll one GET of ``adapters/LATEST`` and one HEAD of
+  ``control/STOP``); GET the adapter when it moved; roll out (a lognormal time: rollout times vary
+  with completion lengths and NSD); commit (PUT the data, the marker's existence check, PUT the
+  marker) and PUT its status file.
+* **The learner** (``asyncrl/learner.py``): D data-parallel ranks. Rank 0 LISTs the committed
+  batches; with fewer than B waiting it samples a batch itself (``learner_samples``) or sleeps a
+  poll interval (with back-off); else the ranks read their shares of the B oldest in parallel (a
+  GET of the marker and of the data each), drop any older than ``max_staleness`` versions, update
+  (B x ``update_s`` / D plus a ring all-reduce of the adapter's gradient), PUT a checkpoint every
+  ``checkpoint_every`` updates, publish the adapter (PUT files, PUT ``LATEST``) and PUT status.json.
 * **The store as a service** (:class:`Store`): every request waits for a rate slot of its prefix
   and class, then takes a latency plus its bytes over the per-connection bandwidth. Rate limits are
   S3's documented per-prefix rates (3,500 PUT/COPY/POST/DELETE and 5,500 GET/HEAD per second per
   partitioned prefix, "Best practices design patterns: optimizing Amazon S3 performance"); LIST
-  is counted with GET. ``prefixes`` spreads keys over that many prefixes (1: Miles' layout today).
-* **Design changes** the scale model evaluates: ``batches_per_update`` (the learner merges waiting
-  batches into one update: sharded ingest), ``adapter_share`` (one adapter fetch per node,
-  hierarchical fan-out), ``prefixes`` (object names spread over prefixes), ``push`` (the store
-  notifies instead of being polled) and poll back-off.
+  is counted with GET. ``prefixes`` spreads keys over that many prefixes (1: Miles' layout).
 * **Polling** every ``poll_s``, growing by ``poll_backoff`` per empty poll up to ``poll_max_s``
-  (``async_rl.poll_backoff`` / ``poll_max_interval``; 1.0 = no back-off, today's default).
+  (``async_rl.poll_backoff`` / ``poll_max_interval``).
 
 The building blocks are checked against closed forms (tests/test_scale_model.py: an M/M/1 queue,
-a pipeline without contention) before any prediction is read. benchmarks/scale_model.py runs it.
+a pipeline without contention) before any prediction is read; benchmarks/emulate.py's runs of the
+real code validate the whole. benchmarks/scale_model.py runs it.
 """
 
 from __future__ import annotations
@@ -70,13 +68,11 @@ class Params:
     poll_s: float = 0.05
     poll_backoff: float = 1.0
     poll_max_s: float = 1.0
-    max_pending: int = 3
     max_staleness: int = 5
-    learner_samples: bool = True       # the learner samples a batch itself when none waits
+    learner_samples: bool = True       # the learner samples a batch itself when fewer than B wait
     shared_budget: bool = True
-    batches_per_update: int = 1        # the learner takes up to this many waiting batches per update (Miles: 1)
+    batches_per_update: int = 1        # B: sampler batches one update consumes (async_rl.global_batch)
     adapter_share: int = 1             # samplers per node sharing one adapter fetch (hierarchical fan-out; Miles: 1)
-    push: bool = False                 # notifications instead of polling: waits cost no requests
     seed: int = 0
     service: str = "deterministic"     # rate-slot service times: deterministic, or "exponential" (M/M/1 tests)
 
@@ -129,6 +125,7 @@ class Run:
     sampler_wait_s: float = 0.0
     end_s: float = 0.0
     staleness: list[int] = field(default_factory=list)
+    consumed_at: list[tuple[float, int]] = field(default_factory=list)  # (time, completions) per update
     waiting: list[tuple[int, int]] = field(default_factory=list)  # committed (seq, version), oldest first
 
 
@@ -156,35 +153,40 @@ def _wait(env: simpy.Environment, p: Params, cond, poll) -> Generator:
     """Poll ``cond`` (each poll costs the requests ``poll`` makes) with back-off until it holds."""
     interval = p.poll_s
     while True:
-        if not p.push:
-            yield from poll()
+        yield from poll()
         if cond():
             return
         yield env.timeout(interval)
         interval = min(interval * p.poll_backoff, max(p.poll_max_s, p.poll_s))
 
 
+def admits(slot: int, version: int, p: Params) -> bool:
+    """asyncrl/sampler.py::admits: slot < (S + v + 1) B."""
+    return slot < (p.max_staleness + version + 1) * p.batches_per_update
+
+
 def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, rng: random.Random) -> Generator:
     version = -1
-    yield from _wait(env, p, lambda: run.version >= 0, lambda: store.request("get", "adapters/LATEST"))
+
+    def poll() -> Generator:
+        yield from store.request("get", "adapters/LATEST")
+        yield from store.request("get", "control/STOP")
+    yield from _wait(env, p, lambda: run.version >= 0, poll)
     seq = 0
     while True:
         if p.shared_budget:
             if run.claimed >= p.batches:
                 return
+            slot = run.claimed
             run.claimed += 1
             yield from store.request("put", f"claims/{i}-{seq}")
         elif seq >= p.batches // p.samplers:
             return
+        else:
+            slot = seq * p.samplers + i
         t0 = env.now
-
-        def poll() -> Generator:
-            yield from store.request("get", "trajectories/")
-            yield from store.request("get", "learner/status.json")
-        yield from _wait(env, p, lambda: len(run.waiting) < p.max_pending, poll)
+        yield from _wait(env, p, lambda: admits(slot, run.version, p), poll)
         t1 = env.now
-        if not p.push:
-            yield from store.request("get", "adapters/LATEST")
         if run.version != version:
             version = run.version
             if i % p.adapter_share == 0:  # the node's fetcher; the others read its local copy
@@ -193,7 +195,9 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
         yield env.timeout(_rollout(p, rng))
         run.sampler_compute_s += env.now - t2
         yield from store.request("put", f"trajectories/{i}-{seq}", p.batch_bytes)
+        yield from store.request("get", f"trajectories/{i}-{seq}.ok")  # the marker's existence check
         yield from store.request("put", f"trajectories/{i}-{seq}.ok")
+        yield from store.request("put", f"samplers/{i}.json")
         run.waiting.append((seq, version))
         run.committed += 1
         run.sampler_wait_s += t1 - t0
@@ -208,8 +212,9 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
     while run.consumed + run.dropped < p.batches:
         t0 = env.now
         yield from store.request("get", "trajectories/")
-        if not run.waiting:
-            if p.learner_samples and run.claimed < p.batches:
+        need = min(p.batches_per_update, p.batches - run.consumed - run.dropped)
+        if len(run.waiting) < need:
+            if p.learner_samples and run.claimed < p.batches and admits(run.claimed, run.version, p):
                 run.claimed += 1
                 run.self_sampled += 1
                 t1 = env.now
@@ -223,14 +228,15 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
             run.learner_idle_s += env.now - t0
             continue
         interval = p.poll_s
-        taken = [run.waiting.pop(0) for _ in range(min(p.batches_per_update, len(run.waiting)))]
+        taken = [run.waiting.pop(0) for _ in range(need)]
         fresh = []
 
-        def ingest() -> Generator:  # claim and read one batch
-            yield from store.request("put", "learner/claim")
-            yield from store.request("get", "trajectories/batch", p.batch_bytes)
-        for k in range(0, len(taken), p.learner_ranks):  # a merged update: each rank reads its share at once
-            yield simpy.AllOf(env, [env.process(ingest()) for _ in taken[k:k + p.learner_ranks]])
+        def ingest(share: int) -> Generator:  # one rank reads its share: marker and data of each batch
+            for _ in range(share):
+                yield from store.request("get", "trajectories/marker")
+                yield from store.request("get", "trajectories/batch", p.batch_bytes)
+        ranks = min(p.learner_ranks, len(taken))
+        yield simpy.AllOf(env, [env.process(ingest(len(taken[r::ranks]))) for r in range(ranks)])
         for _, version in taken:
             if run.version - version > p.max_staleness:
                 run.dropped += 1
@@ -244,19 +250,22 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
         yield env.timeout(update_time(p, len(fresh)))
         run.learner_compute_s += env.now - t1
         run.version += 1
-        before = run.consumed
+        before = run.version - 1
         run.consumed += len(fresh)
-        if p.checkpoint_every and run.consumed // p.checkpoint_every > before // p.checkpoint_every:
+        run.consumed_at.append((env.now, len(fresh) * p.completions_per_batch))
+        if p.checkpoint_every and run.version // p.checkpoint_every > before // p.checkpoint_every:
             yield from store.request("put", "learner/checkpoint", p.checkpoint_bytes)
         yield from store.request("put", f"adapters/v{run.version}", p.adapter_bytes)
         yield from store.request("put", "adapters/LATEST")
+        yield from store.request("put", "learner/status.json")
         run.learner_busy_s += env.now - t0
     run.end_s = env.now
 
 
-def simulate(p: Params, horizon_s: float = 1e7) -> dict[str, Any]:
+def simulate(p: Params, horizon_s: float = 1e7, warmup_s: float = 0.0) -> dict[str, Any]:
     """Run one configuration to the end of its budget or ``horizon_s`` of simulated time (then the
-    rates are those of the horizon: a steady-state estimate); the summary scale_model.py prints."""
+    rates are those of the horizon: a steady-state estimate); the summary scale_model.py prints.
+    ``steady_completions_per_s`` counts only what was consumed after ``warmup_s`` (the pipeline's fill)."""
     rng = random.Random(p.seed)
     env = simpy.Environment()
     store, run = Store(env, p, rng), Run()
@@ -277,10 +286,13 @@ def simulate(p: Params, horizon_s: float = 1e7) -> dict[str, Any]:
     bottleneck = first_saturated([(util, where), (drop_share / 0.2 * 0.9, "staleness bound (batches dropped)"),
                                   (learner_util, "learner ingest (updates + reads)"),
                                   (sampler_compute, "sampler rollouts")])
+    steady = sum(n for t, n in run.consumed_at if t > warmup_s) / max(wall - warmup_s, 1e-9)
     return {"seconds": wall, "completions_per_s": run.consumed * p.completions_per_batch / wall if wall else 0.0,
+            "steady_completions_per_s": steady,
             "consumed": run.consumed, "dropped": run.dropped, "self_sampled": run.self_sampled,
             "learner_idle_fraction": 1 - learner_util, "sampler_idle_fraction": 1 - sampler_util,
             "staleness_hist": hist, "store_requests_per_s": {k: v / wall for k, v in store.counts.items()},
+            "requests_per_batch": sum(store.counts.values()) / max(run.committed + run.self_sampled, 1),
             "store_max_utilisation": util, "learner_compute_fraction": learner_compute,
             "sampler_compute_fraction": sampler_compute, "bottleneck": bottleneck, "update_s": update_time(p),
             "finished": bool(run.end_s)}

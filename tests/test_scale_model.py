@@ -39,7 +39,7 @@ def test_store_rate_slot_is_an_m_m_1_queue() -> None:
 @pytest.mark.parametrize("rollout,update", [(0.2, 0.05), (0.05, 0.2)])
 def test_one_sampler_without_contention_is_a_pipeline(rollout: float, update: float) -> None:
     b = 40
-    p = Params(samplers=1, batches=b, rollout_s=rollout, rollout_cv=0.0, update_s=update, max_pending=10_000,
+    p = Params(samplers=1, batches=b, rollout_s=rollout, rollout_cv=0.0, update_s=update,
                learner_samples=False, shared_budget=False, checkpoint_every=0, max_staleness=10_000, **FAST_STORE)
     r = simulate(p)
     expected = rollout + update + (b - 1) * max(rollout, update)  # fill, then the slowest stage per batch
@@ -56,19 +56,36 @@ def test_ring_allreduce_and_rank_split() -> None:
     assert update_time(Params(learner_ranks=64, update_s=1.6, min_update_s=0.1)) == pytest.approx(0.1)
 
 
-def test_staleness_bound_drops_and_back_off_cuts_polls() -> None:
-    base = Params(samplers=16, batches=200, rollout_s=0.2, update_s=0.05, max_pending=64, max_staleness=2,
-                  learner_samples=False, **{**FAST_STORE, "poll_s": 0.01})
+def test_admission_keeps_staleness_bounded_without_drops_and_back_off_cuts_polls() -> None:
+    """16 fast samplers, a slow learner: admission (slot < (S + v + 1) B) holds the samplers back,
+    so nothing is dropped and no batch is staler than S; with back-off the waiting samplers' polls
+    cost a fraction of the requests."""
+    base = Params(samplers=16, batches=192, rollout_s=0.2, update_s=0.05, max_staleness=2, rollout_cv=0.0,
+                  learner_samples=False, shared_budget=False, batches_per_update=4, **{**FAST_STORE, "poll_s": 0.01})
     r = simulate(base)
-    assert r["dropped"] > 0 and max(r["staleness_hist"]) <= 2
-    slow = Params(**{**base.__dict__, "update_s": 0.5, "max_staleness": 1000, "max_pending": 2})
+    assert r["dropped"] == 0 and max(r["staleness_hist"]) <= 2 and r["consumed"] == 192
+    slow = Params(**{**base.__dict__, "update_s": 0.5})
     plain, backed = simulate(slow), simulate(Params(**{**slow.__dict__, "poll_backoff": 2.0, "poll_max_s": 0.5}))
     assert backed["store_requests_per_s"]["get"] < plain["store_requests_per_s"]["get"] / 3
+    assert plain["dropped"] == backed["dropped"] == 0
+
+
+def test_placement_balances_the_sides_and_sizes_the_global_batch() -> None:
+    from miles_core.asyncrl.placement import batches_per_update, place, predict
+
+    pl = place(10, rollout_s=3.0, update_s=2.0, max_staleness=6)  # 3 : 2 balances 6 samplers : 4 ranks
+    assert (pl.samplers, pl.learner_ranks) == (6, 4) and pl.sampler_idle == pytest.approx(0.0, abs=1e-12)
+    assert pl.learner_idle == pytest.approx(0.0, abs=1e-12) and pl.batches_per_update == 3  # ceil(6 / (6 - 1 - 3))
+    off = predict(8, 2, 3.0, 2.0, 6)  # too many samplers: they wait for the learner
+    assert off.learner_idle == 0.0 and off.sampler_idle == pytest.approx(1 - (2 / 2.0) / (8 / 3.0))
+    assert batches_per_update(100, 4) == 100 and batches_per_update(100, 8) == 25
+    with pytest.raises(ValueError, match="at least 2 devices"):
+        place(1, 1.0, 1.0, 4)
 
 
 def test_poll_back_off_in_the_async_workers() -> None:
     """What the scale model's back-off change runs: each empty poll waits longer, up to the cap;
-    1.0 (the default) keeps today's fixed interval."""
+    1.0 keeps a fixed interval."""
     import itertools
 
     from miles_core.asyncrl.sampler import poll_intervals

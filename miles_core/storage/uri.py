@@ -24,6 +24,9 @@ class AlreadyExistsError(FileExistsError):
     """An exclusive create found the object already present."""
 
 
+S3_CONNECTIONS = 8
+
+
 def _s3_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """Merge caller options with the environment (``MILES_S3_ENDPOINT_URL``).
 
@@ -31,6 +34,9 @@ def _s3_options(storage_options: dict[str, Any] | None) -> dict[str, Any]:
     Miles-specific endpoint variable is handled here. Explicit options always win.
     """
     opts = dict(storage_options or {})
+    # large objects (adapters, checkpoints, a base) move as multipart transfers over 8 connections:
+    # one S3 connection carries ~90 MB/s, so a 335 MB LLaDA-8B adapter takes 0.5 s instead of 3.7 s
+    opts.setdefault("max_concurrency", S3_CONNECTIONS)
     endpoint = os.environ.get(ENDPOINT_ENV)
     client_kwargs = dict(opts.get("client_kwargs") or {})
     if endpoint and "endpoint_url" not in client_kwargs and "endpoint_url" not in opts:

@@ -1,0 +1,65 @@
+"""How to split a run's devices between samplers and learner ranks, and how big a global batch
+keeps every sampler admitted, from measured seconds per completion.
+
+Why from measurements: a device spends ``rollout_s`` sampling and scoring a completion, or
+``update_s`` learning from it (one learner rank). Samplers then make S / rollout_s completions per
+second and D ranks take D / update_s; the run goes at the slower side's pace and the faster side
+idles. The split that balances them (S : D = rollout_s : update_s) leaves neither idle, and
+:func:`place` prints what each side is predicted to idle for any split, so a run never starts on
+an unbalanced split silently.
+
+The global batch: a sampler may start batch slot k only while k < (S_max + v + 1) B
+(sampler.py::admits, S_max = ``adpo.max_staleness``). In steady state the admitted window of
+(S_max + 1) B slots holds one batch in flight per sampler, the B the learner is assembling and
+the B it updates on, so B >= samplers / (S_max - 1) keeps admission from stalling the samplers;
+but then a rollout spans S_max - 1 versions and one slower than the mean arrives staler than
+S_max and is dropped. Three versions of slack for rollout-time variance, B >= samplers /
+(S_max - 4), gave no drops in benchmarks/sim.py at a rollout-time CV of 0.2 from 8 to 4,096 GPUs
+(benchmarks/scale_model.py); with S_max <= 5 that is B = samplers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Placement:
+    samplers: int
+    learner_ranks: int
+    sampler_idle: float        # predicted fraction of time the samplers wait
+    learner_idle: float        # predicted fraction of time the learner ranks wait
+    batches_per_update: int    # B: sampler batches per update (async_rl.global_batch / batch completions)
+
+    def describe(self) -> str:
+        return (f"{self.samplers} samplers : {self.learner_ranks} learner ranks, predicted idle: samplers "
+                f"{self.sampler_idle:.1%}, learner {self.learner_idle:.1%}; {self.batches_per_update} sampler "
+                "batches per update")
+
+
+SLACK_VERSIONS = 3  # for rollout-time variance (module docstring)
+
+
+def batches_per_update(samplers: int, max_staleness: int) -> int:
+    """B whose admission window holds every sampler's batch in flight with slack (module docstring)."""
+    return max(1, math.ceil(samplers / max(max_staleness - 1 - SLACK_VERSIONS, 1)))
+
+
+def predict(samplers: int, learner_ranks: int, rollout_s: float, update_s: float, max_staleness: int) -> Placement:
+    """Idle fractions of a given split, from seconds per completion on one device."""
+    if samplers < 1 or learner_ranks < 1 or rollout_s <= 0 or update_s <= 0:
+        raise ValueError("placement needs >= 1 sampler, >= 1 learner rank and positive seconds per completion "
+                         f"(got {samplers}, {learner_ranks}, {rollout_s}, {update_s})")
+    make, take = samplers / rollout_s, learner_ranks / update_s  # completions per second each side can do
+    pace = min(make, take)
+    return Placement(samplers, learner_ranks, 1 - pace / make, 1 - pace / take,
+                     batches_per_update(samplers, max_staleness))
+
+
+def place(devices: int, rollout_s: float, update_s: float, max_staleness: int) -> Placement:
+    """The split of ``devices`` (>= 2) with the highest throughput; ties go to fewer learner ranks."""
+    if devices < 2:
+        raise ValueError(f"placement needs at least 2 devices (one sampler, one learner rank), got {devices}")
+    splits = [predict(devices - d, d, rollout_s, update_s, max_staleness) for d in range(1, devices)]
+    return max(splits, key=lambda p: (min(p.samplers / rollout_s, p.learner_ranks / update_s), -p.learner_ranks))
