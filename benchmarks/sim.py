@@ -287,8 +287,10 @@ def simulate(p: Params, horizon_s: float = 1e7, warmup_s: float = 0.0) -> dict[s
                                   (learner_util, "learner ingest (updates + reads)"),
                                   (sampler_compute, "sampler rollouts")])
     steady = sum(n for t, n in run.consumed_at if t > warmup_s) / max(wall - warmup_s, 1e-9)
+    late = run.consumed_at[2:]  # what benchmarks/emulate.py measures: after the first two updates
+    after_two = sum(n for _, n in late) / (late[-1][0] - run.consumed_at[1][0]) if len(late) >= 1 else 0.0
     return {"seconds": wall, "completions_per_s": run.consumed * p.completions_per_batch / wall if wall else 0.0,
-            "steady_completions_per_s": steady,
+            "steady_completions_per_s": steady, "after_two_updates_completions_per_s": after_two,
             "consumed": run.consumed, "dropped": run.dropped, "self_sampled": run.self_sampled,
             "learner_idle_fraction": 1 - learner_util, "sampler_idle_fraction": 1 - sampler_util,
             "staleness_hist": hist, "store_requests_per_s": {k: v / wall for k, v in store.counts.items()},

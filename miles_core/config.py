@@ -392,9 +392,6 @@ def validate(obj: Any, path: str = "") -> None:
         need(a.global_batch % per == 0, "async_rl.global_batch",
              f"{a.global_batch} is not a whole number of sampler batches of {per} completions "
              "(train.prompts_per_iter x train.group_size)")
-        need((a.num_samplers * a.batches_per_sampler) % obj.batches_per_update() == 0, "async_rl.batches_per_sampler",
-             f"the budget of {a.num_samplers} x {a.batches_per_sampler} sampler batches is not a whole number of "
-             f"updates of {obj.batches_per_update()} (async_rl.global_batch)")
     if isinstance(obj, TaskConfig):
         need(1 <= obj.min_ops <= obj.max_ops, "min_ops", "need 1 <= min_ops <= max_ops")
         need(obj.name != "code" or 3 <= obj.num_examples <= 10, "num_examples", "need 3 <= num_examples <= 10")

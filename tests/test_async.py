@@ -139,8 +139,6 @@ def test_run_spec_and_async_config_errors_name_the_field(tmp_path: Path, base_di
         load_recipe("tiny", ["async_rl.num_samplers=0"])
     with pytest.raises(ConfigError, match=r"async_rl.global_batch: 24 is not a whole number of sampler batches of 16"):
         load_recipe("tiny", ["async_rl.global_batch=24"])
-    with pytest.raises(ConfigError, match=r"async_rl.batches_per_sampler: the budget of 1 x 3 sampler batches"):
-        load_recipe("tiny", ["async_rl.global_batch=32", "async_rl.batches_per_sampler=3"])
     with pytest.raises(ConfigError, match="unknown config key 'async_rl.samplers'"):
         load_recipe("tiny", ["async_rl.samplers=2"])
     run, _ = make_run(tmp_path, base_dir)

@@ -12,7 +12,7 @@ import torch
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.update import adpo_update
 from miles_core.config import ADPOConfig, SamplerConfig
-from miles_core.learner.shares import agree, my_share, row_meta, skeleton
+from miles_core.learner.shares import agree, first_reader, my_share, owned_rows, row_meta, skeleton
 from miles_core.models.lora import add_lora
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.parallel import World
@@ -52,11 +52,15 @@ def test_world_of_size_one_is_bit_identical_to_no_world() -> None:
     assert a == b and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_shares_partition_the_batches_round_robin() -> None:
-    bids = [f"b{j}" for j in range(7)]
-    shares = [my_share(bids, World(r, 3)) for r in range(3)]
-    assert shares == [[0, 3, 6], [1, 4], [2, 5]]
-    assert sorted(j for s in shares for j in s) == list(range(7))
+def test_ranks_own_equal_blocks_of_rows_and_read_only_the_batches_they_touch() -> None:
+    # 7 sampler batches of 4 rows over 3 ranks: rows 0-8, 9-18, 19-27 (28 * r // 3 boundaries)
+    owned = [torch.cat([owned_rows(j, 4, 7, World(r, 3)) for j in range(7)]) for r in range(3)]
+    assert [int(o.sum()) for o in owned] == [10, 9, 9] and bool(sum(o.int() for o in owned).eq(1).all())
+    assert [my_share(7, 4, World(r, 3)) for r in range(3)] == [[0, 1, 2], [2, 3, 4], [4, 5, 6]]
+    assert [first_reader(2, 4, 7, World(r, 3)) for r in range(3)] == [True, False, False]
+    # fewer batches than ranks: every rank still gets work, each reads one batch
+    assert [my_share(1, 8, World(r, 4)) for r in range(4)] == [[0]] * 4
+    assert [int(owned_rows(0, 8, 1, World(r, 4)).sum()) for r in range(4)] == [2, 2, 2, 2]
 
 
 def test_a_skeleton_carries_what_the_rows_are_drawn_from_and_nothing_to_score() -> None:

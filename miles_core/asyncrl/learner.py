@@ -45,8 +45,8 @@ class AsyncLearner(LearnerRun):
         apply_heap_setting(cfg.async_rl.retain_heap_mb)  # else its self-sampled batches fault in fresh pages every step
         # one update per B sampler batches: the LR schedule spans the run's budget of updates
         super().__init__(run_uri, cache_dir, storage_options, cfg,
-                         total_updates=cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
-                         // cfg.batches_per_update(), world=world)
+                         total_updates=-(-cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
+                                         // cfg.batches_per_update()), world=world)  # the last may be short
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
         self._init_self_sampling()
 
@@ -176,6 +176,8 @@ class AsyncLearner(LearnerRun):
         if world.is_main:
             rs.write_json(status, "learner", "status.json")
             rs.write_json({"history": self.history, "ledger": self.ledger}, "learner", "history.json")
+        else:  # what this rank's share of the reading cost the store
+            rs.write_json({"rank": world.rank, "requests": rs.requests.snapshot()}, "learner", f"rank{world.rank}.json")
         if self.owns_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
         return status

@@ -40,7 +40,7 @@ from miles_core.algo.rl import batch_id
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.policy import Learner
-from miles_core.learner.shares import Verdict, agree, my_share
+from miles_core.learner.shares import Verdict, agree, first_reader, my_share, owned_rows
 from miles_core.parallel import World
 from miles_core.storage import BatchExistsError, CorruptBatchError
 from miles_core.types import TrajectoryBatch
@@ -152,9 +152,10 @@ class LearnerRun:
         self._collected = (bid, batch)
         return bid, batch, reused
 
-    def _judge(self, bid: str) -> tuple[Verdict, TrajectoryBatch | None]:
+    def _judge(self, bid: str, quarantine: bool = True) -> tuple[Verdict, TrajectoryBatch | None]:
         """Read batch ``bid`` (the one :meth:`collect` holds, else from the store) and judge it:
-        corrupt (quarantined in the store here), staler than ``adpo.max_staleness``, or fresh."""
+        corrupt (quarantined in the store here when ``quarantine``: one rank moves it),
+        staler than ``adpo.max_staleness``, or fresh."""
         if self._collected is not None and self._collected[0] == bid:
             batch, self._collected = self._collected[1], None  # committed by this process: no read back
         else:
@@ -163,7 +164,8 @@ class LearnerRun:
                 batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
             except CorruptBatchError as e:
                 reason = str(e)
-                rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")
+                if quarantine:
+                    rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")
                 return ("quarantined", reason), None
         behaviour_version = int(batch.policy_version.min())
         staleness = self.learner.version - behaviour_version
@@ -178,13 +180,14 @@ class LearnerRun:
         dropped, both recorded; the rest are updated on together, and the ledger lists each with
         the update that consumed it. With D ranks each reads only its share (learner/shares.py)."""
         bids = [bids] if isinstance(bids, str) else list(bids)
-        t_read, world = time.perf_counter(), self.world
-        share = my_share(bids, world) if world.size > 1 else range(len(bids))
-        fates = agree(len(bids), {j: self._judge(bids[j]) for j in share}, world)
+        t_read, world, m = time.perf_counter(), self.world, len(bids)
+        n = self.cfg.train.prompts_per_iter * self.cfg.train.group_size  # rows of a sampler batch
+        share = my_share(m, n, world) if world.size > 1 else range(m)
+        fates = agree(m, {j: self._judge(bids[j], first_reader(j, n, m, world)) for j in share}, world)
         fresh: list[tuple[str, TrajectoryBatch, int]] = []  # (id, batch, behaviour version)
         held: list[Tensor] = []
         dropped = 0
-        for bid, ((what, info), batch, here) in zip(bids, fates):
+        for j, (bid, ((what, info), batch, here)) in enumerate(zip(bids, fates)):
             if what == "quarantined":
                 self.ledger["quarantined"].append({"id": bid, "reason": str(info)[:300]})
             elif what == "dropped":
@@ -192,7 +195,11 @@ class LearnerRun:
                 dropped += 1
             else:
                 fresh.append((bid, batch, info))
-                held.append(torch.full((len(batch),), here))
+                if world.size > 1 and len(batch) != n:
+                    raise ValueError(f"batch {bid} has {len(batch)} rows; the ranks split sampler batches of "
+                                     f"{n} (train.prompts_per_iter x train.group_size)")
+                mine = owned_rows(j, n, m, world) if world.size > 1 else torch.full((len(batch),), True)
+                held.append(mine & here)
         if not fresh:
             return ("dropped" if dropped else "quarantined"), {}
         kind = type(fresh[0][1])
@@ -213,7 +220,7 @@ class LearnerRun:
             self.ledger["consumed"].append({"id": bid, "staleness": version_before - v, "policy_version": v,
                                             "learner_version": self.learner.version, "rows": len(b), "update": update})
         reward = torch.nan_to_num(batch.reward, nan=0.0)
-        self.history.append({"update": update, "version": self.learner.version, "batches": len(fresh),
+        self.history.append({"update": update, "version": self.learner.version, "batches": len(fresh), "at": time.time(),
                              "staleness": staleness, "reward_mean": float(reward.mean()),
                              "read_s": t0 - t_read, "update_s": t1 - t0, "guard_event": self.learner.guard_event,
                              **{k: float(v) for k, v in stats.items() if k in HISTORY_KEYS}})

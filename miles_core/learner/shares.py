@@ -1,8 +1,10 @@
 """A global batch read in shares: each learner rank reads only its own sampler batches.
 
-Why: an update consumes ``async_rl.global_batch`` completions (B sampler batches). With D ranks,
-rank r reads batches j = r, r + D, ... of the B (``my_share``), never the whole global batch, so
-what each rank reads from the store falls as D grows. The update must still be the one a single
+Why: an update consumes ``async_rl.global_batch`` completions (B sampler batches of n rows). With
+D ranks, rank r owns the r-th of D equal blocks of the B x n rows (:func:`owned_rows`) and reads
+the sampler batches its block touches (:func:`my_share`): about B / D + 1 of them, never the whole
+global batch when B > 2, so what each rank reads falls as D grows and the compute splits evenly
+even when B < D. The update must still be the one a single
 process reading all B would make (to float summation order): the estimator draws its rows, the
 minibatch permutation and the loss normaliser from the *whole* batch. So the ranks exchange what
 those draws depend on (per row: prompt length, ``step_map``, group, version, reward, advantage,
@@ -27,10 +29,21 @@ from miles_core.types import TrajectoryBatch
 Verdict = tuple[str, Any]  # ("fresh", behaviour version) | ("dropped", staleness) | ("quarantined", reason)
 
 
-def my_share(bids: list[str], world: World) -> list[int]:
-    """Positions in ``bids`` this rank reads: j with j % D == rank (round robin keeps the shares
-    within one batch of each other)."""
-    return [j for j in range(len(bids)) if j % world.size == world.rank]
+def owned_rows(j: int, n: int, batches: int, world: World) -> Tensor:
+    """[n] bool: the rows of sampler batch ``j`` this rank owns: row i of batch j is global row
+    j n + i, and rank r owns rows [r B n / D, (r + 1) B n / D)."""
+    g = torch.arange(j * n, (j + 1) * n)
+    return g * world.size // (batches * n) == world.rank
+
+
+def my_share(batches: int, n: int, world: World) -> list[int]:
+    """The sampler batches (positions 0..batches-1) this rank reads: those holding a row it owns."""
+    return [j for j in range(batches) if bool(owned_rows(j, n, batches, world).any())]
+
+
+def first_reader(j: int, n: int, batches: int, world: World) -> bool:
+    """Whether this rank is the lowest one reading batch ``j`` (it alone quarantines a corrupt one)."""
+    return all(not owned_rows(j, n, batches, World(r, world.size)).any() for r in range(world.rank))
 
 
 def row_meta(batch: TrajectoryBatch) -> dict[str, Any]:

@@ -1,0 +1,216 @@
+"""An asynchronous run at cluster shape on this machine: the real sampler and learner code, real
+processes, the real store protocol on a real S3 server (SeaweedFS) and real torch.distributed
+collectives (gloo), with the model's compute replaced by a calibrated stand-in
+(benchmarks/standin.py: LLaDA-8B's rollout and update times and adapter bytes x ``SCALE``).
+
+    python -m benchmarks.emulate [--processes 4 16 64] [--batches 4] [--chaos]
+
+Per size P: placement.py splits P into samplers and learner ranks from the stand-in's seconds per
+completion (LLaDA-8B's ratio) and sizes the global batch; samplers are forked from this process
+(the stand-in installed, torch imported once: copy-on-write keeps 64 processes in 24 GiB), the
+learner runs under torchrun as D gloo ranks. Reported per run: efficiency (completions/s consumed
+after the first two updates, over the stand-in's ideal N x completions / (rollout + update)),
+learner and sampler idle, dropped batches, the largest staleness, and store requests per
+committed batch (every process's S3 requests, counted by botocore). ``--chaos`` SIGKILLs three
+random samplers (restarted) and one learner rank (torchrun restarts the group) mid-run, then checks
+that every batch was consumed exactly once within the staleness bound.
+Writes benchmarks/results/emulate.json; benchmarks/scale_model.py validates against it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import bench_args, finish, usable_cpus
+from benchmarks.standin import SCALE, settings
+from miles_core.asyncrl.launch import WarmProcess
+from miles_core.config import load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+STALENESS = 6
+OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
+             "adpo.step_fraction=0.5", "adpo.num_minibatches=1", "adpo.kl_coef=0.0", f"adpo.max_staleness={STALENESS}",
+             "lora.r=4", "lora.targets=q_proj,v_proj,ballast", "async_rl.sync_dtype=bfloat16",
+             "async_rl.checkpoint_every=10", "async_rl.poll_interval=0.05", "async_rl.poll_backoff=2.0",
+             "async_rl.poll_max_interval=1.0", "async_rl.retain_heap_mb=0", "guard.enabled=false",
+             "adpo.skip_zero_variance=false"]  # every trajectory is learned on, as at scale (an untrained model scores 0)
+
+
+def _seaweed() -> Any:
+    spec = importlib.util.spec_from_file_location("miles_s3server", REPO / "infra" / "s3server.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def stand_in(cfg: Any) -> dict[str, Any]:
+    """The stand-in's settings for the emulation recipe's batches (benchmarks/standin.py)."""
+    c = cfg.train.prompts_per_iter * cfg.train.group_size
+    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction), "lora_r": cfg.lora.r}
+
+
+def measure_store(server: Any, n: int = 30) -> dict[str, float]:
+    """This SeaweedFS's cost per small request and bytes/s for a 4 MB object (the scale model's
+    store inputs; its rate limit is not reached at these sizes and is set high: an assumption)."""
+    from miles_core.storage import uri as U
+
+    fs, root = U.resolve(f"s3://{server.bucket}/probe")
+    t0 = time.perf_counter()
+    for i in range(n):
+        fs.pipe_file(f"{root}/k{i}", b"x")
+        fs.cat_file(f"{root}/k{i}")
+    latency = (time.perf_counter() - t0) / (2 * n)
+    blob = os.urandom(4 << 20)
+    t0 = time.perf_counter()
+    fs.pipe_file(f"{root}/big", blob)
+    fs.cat_file(f"{root}/big")
+    bw = 2 * len(blob) / max(time.perf_counter() - t0 - 2 * latency, 1e-6)
+    return {"store_latency_s": latency, "store_bytes_s": bw, "store_rate": 1e6, "batch_bytes": 30e3}
+
+
+def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos: bool) -> dict[str, Any]:
+    from miles_core.asyncrl.launch import command
+    from miles_core.asyncrl.placement import place
+    from miles_core.storage.run import RunStore, prepare_run
+
+    probe = load_recipe("tiny", OVERRIDES)
+    c = probe.train.prompts_per_iter * probe.train.group_size
+    st = json.loads(os.environ["MILES_STANDIN"])
+    pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS)
+    cfg = load_recipe("tiny", [*OVERRIDES, f"async_rl.num_samplers={pl.samplers}",
+                               f"async_rl.batches_per_sampler={batches}", f"async_rl.global_batch={pl.batches_per_update * c}"])
+    run = f"s3://{server.bucket}/emulate/{procs}-{int(time.time())}"
+    prepare_run(run, cfg, base)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MILES_STANDIN": json.dumps(st)}
+    logs = work / f"logs-{procs}"
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    nproc = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(pl.learner_ranks), "--max-restarts", "1"]
+    learner = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *nproc, "-m", "benchmarks.standin",
+                                "learner", run, "--backend", "gloo", "--cache-dir", str(work / "cache")],
+                               env=env, cwd=REPO, stdout=open(logs / "learner.log", "wb"), stderr=subprocess.STDOUT)
+    samplers = {f"w{i}": WarmProcess(command("sampler", run, f"w{i}", i, work / "cache" / f"w{i}")[3:],
+                                     logs / f"w{i}.log", env) for i in range(pl.samplers)}
+    rs, killed = RunStore(run), {"samplers": 0, "learner_ranks": 0}
+    chaos_at = pl.samplers * batches // 3
+    while learner.poll() is None:
+        time.sleep(0.5)
+        for name, p in list(samplers.items()):
+            if p.poll() not in (None, 0):  # killed by chaos: a new process resumes it from the store
+                samplers[name] = WarmProcess(command("sampler", run, name, int(name[1:]), work / "cache" / name)[3:],
+                                             logs / f"{name}.log", env)
+        if chaos and not killed["samplers"] and len(rs.trajectories.list_batches()) >= chaos_at:
+            for name in random.Random(procs).sample(sorted(samplers), min(3, len(samplers))):
+                os.kill(samplers[name].pid, signal.SIGKILL)
+                killed["samplers"] += 1
+            ranks = [g for pid in _children(learner.pid) for g in [pid]]
+            if ranks:
+                os.kill(ranks[-1], signal.SIGKILL)  # one rank: torchrun restarts the group from the checkpoint
+                killed["learner_ranks"] += 1
+        if time.time() - t0 > 1800:
+            learner.kill()
+            raise TimeoutError(f"emulated run of {procs} processes did not finish in 30 minutes; logs in {logs}")
+    for p in samplers.values():
+        p.wait(60)
+    if learner.returncode != 0:
+        raise RuntimeError(f"learner exited with {learner.returncode}:\n" + (logs / "learner.log").read_text()[-3000:])
+    return summarize(rs, cfg, pl, st, c, procs, killed)
+
+
+def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int, killed: dict[str, int]) -> dict:
+    status = rs.read_json("learner", "status.json")
+    hist = rs.read_json("learner", "history.json")
+    history, ledger = hist["history"], hist["ledger"]
+    steady = [h for h in history if h["update"] > 2]
+    span = steady[-1]["at"] - history[1]["at"] if len(steady) >= 2 else float("nan")
+    done = sum(h["batches"] for h in steady) * c
+    ideal = procs * c / (st["rollout_s"] + st["update_s"])
+    samp = [rs.read_json("samplers", f"w{i}.json") or {} for i in range(pl.samplers)]
+    ranks = [rs.read_json("learner", f"rank{r}.json") or {} for r in range(1, pl.learner_ranks)]
+    requests = sum(sum(s.get("requests", {}).values()) for s in samp) + sum(status["requests"].values()) + \
+        sum(sum(r.get("requests", {}).values()) for r in ranks)
+    committed = len(rs.trajectories.list_batches())
+    ids = [e["id"] for e in ledger["consumed"]]
+    wait = sum(s.get("wait_s", 0.0) for s in samp)
+    busy = sum(s.get("busy_s", 0.0) for s in samp)
+    sample_s = sum(s.get("sample_s", 0.0) for s in samp) / max(sum(s.get("committed", 0) for s in samp), 1)
+    update_s = sum(h["update_s"] for h in history) / max(sum(h["batches"] for h in history), 1) * pl.learner_ranks
+    exactly_once = len(ids) == len(set(ids)) == committed - len(ledger["dropped"]) - len(ledger["quarantined"])
+    return {"processes": procs, "samplers": pl.samplers, "learner_ranks": pl.learner_ranks,
+            "batches_per_update": pl.batches_per_update, "batches": committed, "completions_per_batch": c,
+            "efficiency": done / span / ideal if span > 0 else float("nan"),
+            "completions_per_s": done / span if span > 0 else float("nan"), "ideal_completions_per_s": ideal,
+            "learner_idle": status["idle_fraction_steady"], "sampler_idle": wait / max(wait + busy, 1e-9),
+            "dropped": status["dropped"], "staleness_max": status["max_staleness_seen"],
+            "staleness_bound": status["staleness_bound"], "requests_per_batch": requests / max(committed, 1),
+            "updates": status["updates"], "exactly_once": exactly_once, "killed": killed,
+            "learner_resumes": status["resumes"], "store": "seaweedfs",
+            # the stand-in, planned and as measured (a calibration check), and what the scale model needs
+            "rollout_s": st["rollout_s"], "update_s": st["update_s"], "measured_rollout_s": sample_s,
+            "measured_update_s": update_s, "adapter_bytes": st["adapter_bytes"],
+            "allreduce_bytes": st["allreduce_bytes"], "link_bytes_s": 1e9,
+            "poll_s": cfg.async_rl.poll_interval, "poll_backoff": cfg.async_rl.poll_backoff,
+            "poll_max_s": cfg.async_rl.poll_max_interval, "max_staleness": cfg.adpo.max_staleness}
+
+
+def main() -> None:
+    ap = bench_args(__doc__, seeds=None, checkpoint=False, workdir=True, sets=False)
+    ap.add_argument("--processes", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--batches", type=int, default=4, help="batches per sampler (each a stand-in rollout)")
+    ap.add_argument("--chaos", action="store_true", help="SIGKILL 3 samplers and 1 learner rank in the largest run")
+    args = ap.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-emulate-"))
+    from miles_core.models.tiny import init_checkpoint
+
+    base = init_checkpoint(work / "base", seed=0)
+    server = _seaweed().start(work / "s3", bucket="miles")
+    os.environ.update({"MILES_S3_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.key,
+                       "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_DEFAULT_REGION": "us-east-1"})
+    probe = load_recipe("tiny", OVERRIDES)
+    os.environ["MILES_STANDIN"] = json.dumps(stand_in(probe))
+    os.environ["MILES_STANDIN_INSTALL"] = "1"  # the forkserver installs it once; forked samplers inherit it
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["miles_core.asyncrl.warm", "benchmarks.standin"])
+    WarmProcess._ctx = ctx
+    store_cost = measure_store(server)
+    runs = []
+    try:
+        for procs in args.processes:
+            chaos = args.chaos and procs == max(args.processes)
+            print(f"emulating {procs} processes{' with chaos' if chaos else ''} ...", flush=True)
+            runs.append({**one_run(procs, args.batches, server, work, base, chaos), **store_cost})
+            r = runs[-1]
+            print(f"  {r['samplers']}:{r['learner_ranks']} B={r['batches_per_update']} eff {r['efficiency']:.3f} "
+                  f"req/batch {r['requests_per_batch']:.1f} dropped {r['dropped']}", flush=True)
+    finally:
+        server.stop()
+    rows = [[r["processes"], f"{r['samplers']}:{r['learner_ranks']}", r["batches_per_update"], f"{r['efficiency']:.3f}",
+             f"{r['learner_idle']:.2f}", f"{r['sampler_idle']:.2f}", r["dropped"], r["staleness_max"],
+             f"{r['requests_per_batch']:.1f}", r["exactly_once"], f"{r['measured_rollout_s']:.2f}/{r['rollout_s']:.2f}",
+             f"{r['measured_update_s']:.2f}/{r['update_s']:.2f}"] for r in runs]
+    finish("emulate", {"runs": runs, "scale": SCALE, "cpus": usable_cpus(), "staleness_bound": STALENESS}, rows,
+           ["procs", "S:D", "B", "eff", "L idle", "S idle", "dropped", "max stale", "req/batch", "once",
+            "rollout s meas/plan", "update s meas/plan"], out=args.out)
+
+
+if __name__ == "__main__":
+    main()
