@@ -36,10 +36,11 @@ class Estimator:
 
     name: ClassVar[str] = ""
     reads: ClassVar[tuple[str, ...]] = ()   # the ADPOConfig fields of its own (engine-wide ones aside)
+    builders: ClassVar[dict[str, RowBuilder]] = {}  # batch kind (TrajectoryBatch.kind ...) -> its rows
 
     def row_builders(self) -> dict[str, RowBuilder]:
         """Batch kind (``TrajectoryBatch.kind``, ``RenoiseBatch.kind``) -> the rows built for it."""
-        return {}
+        return dict(self.builders)
 
     def loss(self, cfg: ADPOConfig) -> Any:
         """The loss module the engine calls on every chunk (algo/loss.py): ADPO's clipped ratio,

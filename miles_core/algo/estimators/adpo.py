@@ -49,5 +49,4 @@ def chain_rows(sub: RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperatu
 class ADPO(Estimator):
     reads = ("step_fraction", "step_merge", "is_cap")
 
-    def row_builders(self) -> dict[str, Any]:
-        return {"masked": step_rows, "renoise": chain_rows}
+    builders = {"masked": step_rows, "renoise": chain_rows}  # batch kind -> its rows

@@ -37,5 +37,4 @@ def coupled_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temp
 class Coupled(Estimator):
     reads = ("mask_samples",)
 
-    def row_builders(self) -> dict[str, Any]:
-        return {"masked": coupled_rows}
+    builders = {"masked": coupled_rows}  # batch kind -> its rows

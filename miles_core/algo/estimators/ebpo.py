@@ -94,8 +94,7 @@ def ebpo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, tempera
 class EBPO(Estimator):
     reads = ("mask_samples", "mask_block")
 
-    def row_builders(self) -> dict[str, Any]:
-        return {"masked": ebpo_rows}
+    builders = {"masked": ebpo_rows}  # batch kind -> its rows
 
     def loss(self, cfg: ADPOConfig) -> SequenceRatioLoss:
         """One clipped ratio per sequence, its exponent the summed block ELBO difference."""

@@ -71,8 +71,7 @@ def espo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, tempera
 class ESPO(Estimator):
     reads = ("mask_samples",)
 
-    def row_builders(self) -> dict[str, Any]:
-        return {"masked": espo_rows}
+    builders = {"masked": espo_rows}  # batch kind -> its rows
 
     def loss(self, cfg: ADPOConfig) -> SequenceRatioLoss:
         """One clipped ratio per sequence, its exponent per token (divided by L)."""

@@ -43,5 +43,4 @@ def meanfield_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, te
 class MeanField(Estimator):
     reads = ("mask_samples", "prompt_mask_prob")
 
-    def row_builders(self) -> dict[str, Any]:
-        return {"masked": meanfield_rows}
+    builders = {"masked": meanfield_rows}  # batch kind -> its rows

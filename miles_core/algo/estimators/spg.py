@@ -90,8 +90,7 @@ def spg_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperat
 class SPG(Estimator):
     reads = ("mask_samples", "mask_block", "prompt_mask_prob", "eubo_beta", "spg_mix")
 
-    def row_builders(self) -> dict[str, Any]:
-        return {"masked": spg_rows}
+    builders = {"masked": spg_rows}  # batch kind -> its rows
 
     def loss(self, cfg: ADPOConfig) -> ADPOLoss:
         """REINFORCE on the bounds: no ratio, no clip, no importance weight."""

@@ -22,8 +22,7 @@ from miles_core.config import ADPOConfig
 class WD1(Estimator):
     reads = ("mask_samples", "prompt_mask_prob")
 
-    def row_builders(self) -> dict[str, Any]:
-        return {"masked": meanfield_rows}
+    builders = {"masked": meanfield_rows}  # batch kind -> its rows
 
     def loss(self, cfg: ADPOConfig) -> ADPOLoss:
         return ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef, ratio_free=True)
