@@ -100,11 +100,14 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
                                f"async_rl.batches_per_sampler={batches}", f"async_rl.global_batch={pl.batches_per_update * c}"])
     run = f"s3://{server.bucket}/emulate/{procs}-{int(time.time())}"
     prepare_run(run, cfg, base)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MILES_STANDIN": json.dumps(st)}
+    # lazy gloo connections: a group of dozens of ranks restarted on 2 busy cores timed out building
+    # its full mesh of connections at once (gloo's connectFullMesh, 3 retries)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "MILES_STANDIN": json.dumps(st),
+           "TORCH_GLOO_LAZY_INIT": "1"}
     logs = work / f"logs-{procs}"
     logs.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    nproc = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(pl.learner_ranks), "--max-restarts", "1"]
+    nproc = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(pl.learner_ranks), "--max-restarts", "3"]
     learner = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *nproc, "-m", "benchmarks.standin",
                                 "learner", run, "--backend", "gloo", "--cache-dir", str(work / "cache")],
                                env=env, cwd=REPO, stdout=open(logs / "learner.log", "wb"), stderr=subprocess.STDOUT)
@@ -129,10 +132,12 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
         if time.time() - t0 > 1800:
             learner.kill()
             raise TimeoutError(f"emulated run of {procs} processes did not finish in 30 minutes; logs in {logs}")
+    if learner.returncode != 0:  # the samplers would wait for versions that never come
+        for p in samplers.values():
+            p.kill()
+        raise RuntimeError(f"learner exited with {learner.returncode}:\n" + (logs / "learner.log").read_text()[-3000:])
     for p in samplers.values():
         p.wait(60)
-    if learner.returncode != 0:
-        raise RuntimeError(f"learner exited with {learner.returncode}:\n" + (logs / "learner.log").read_text()[-3000:])
     return summarize(rs, cfg, pl, st, c, procs, killed)
 
 
