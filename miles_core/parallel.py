@@ -128,6 +128,10 @@ def init_world(backend: str | None = None, timeout_s: float = 600.0) -> World:
             raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use --backend gloo")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    if backend == "gloo":
+        # connect pairs on first use: a group restarted by torchrun after a rank died timed out
+        # building its full mesh of connections at once (gloo connectFullMesh, "connection refused")
+        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return World(dist.get_rank(), dist.get_world_size(), device, local_rank)

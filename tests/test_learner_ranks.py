@@ -120,7 +120,7 @@ def test_a_global_batch_read_in_shares_by_two_ranks_is_the_one_process_update(tm
 def test_sigkill_of_one_learner_rank_mid_update_resumes_with_every_batch_consumed_once(tmp_path: Path,
                                                                                           base_dir: Path) -> None:
     run = committed_run(tmp_path, base_dir, 6, "async_rl.global_batch=16")  # 3 updates of 2 batches
-    proc = torchrun(run, tmp_path, 2, restarts=1, env={"MILES_TEST_RANK": "1"})
+    proc = torchrun(run, tmp_path, 2, restarts=3, env={"MILES_TEST_RANK": "1"})
     flag, deadline = tmp_path / "flag", time.monotonic() + 240
     while not (flag.exists() and flag.read_text()):
         assert proc.poll() is None, (tmp_path / "torchrun.log").read_text()[-4000:]

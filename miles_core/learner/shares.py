@@ -71,12 +71,11 @@ def agree(n: int, mine: dict[int, tuple[Verdict, TrajectoryBatch | None]],
           world: World) -> list[tuple[Verdict, TrajectoryBatch | None, bool]]:
     """Every rank's verdict on its share, gathered: for each of the ``n`` batches in order,
     (verdict, batch, held here). A fresh batch another rank holds comes back as its skeleton."""
+    if world.size == 1:  # one process holds every batch: nothing to exchange
+        return [(v, b, True) for _, (v, b) in sorted(mine.items())]
     local = {j: (v, row_meta(b) if v[0] == "fresh" and b is not None else None) for j, (v, b) in mine.items()}
     gathered: list[Any] = [None] * world.size
-    if world.size > 1:
-        dist.all_gather_object(gathered, local)
-    else:
-        gathered = [local]
+    dist.all_gather_object(gathered, local)
     out: list[tuple[Verdict, TrajectoryBatch | None, bool]] = []
     for j in range(n):
         held = j in mine
