@@ -125,7 +125,7 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
             for name in random.Random(procs).sample(sorted(samplers), min(3, len(samplers))):
                 os.kill(samplers[name].pid, signal.SIGKILL)
                 killed["samplers"] += 1
-            ranks = [g for pid in _children(learner.pid) for g in [pid]]
+            ranks = _children(learner.pid)  # torchrun's agent forks the ranks
             if ranks:
                 os.kill(ranks[-1], signal.SIGKILL)  # one rank: torchrun restarts the group from the checkpoint
                 killed["learner_ranks"] += 1
