@@ -30,6 +30,7 @@ SAMPLER_DEPLOYMENT = "miles-async-sampler/miles-async-sampler"
 LEARNER_DEPLOYMENT = "miles-async-learner/miles-async-learner"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 HISTORY_METRICS = ("staleness", "reward_mean", "loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "update_s")
+PLACEMENT_METRICS = ("sampler_idle", "learner_idle", "rollout_s_per_completion", "update_s_per_completion")
 CURVE_PANELS = [("rollout reward (per update)", ["async/reward_mean"]), ("staleness", ["async/staleness"]),
                 ("importance weight", ["async/iw_mean", "async/iw_max"])]
 
@@ -102,6 +103,7 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
                      experiment: str = "miles", tracking_uri: str | None = None, progress: bool = False,
                      store_uri: str | None = None, base_checkpoint: str | None = None,
                      num_samplers: int | None = None, batches_per_sampler: int | None = None,
+                     learner_ranks: int | None = None, devices: int | None = None,
                      launcher: Literal["processes", "deployments"] = "processes", register_as: str | None = "miles-arith",
                      timeout_s: float = 3600.0) -> dict[str, Any]:
     """Asynchronous ADPO: decoupled sampler workers and one learner sharing a store, bounded staleness."""
@@ -112,6 +114,11 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
     tracking.configure(p.tracking_uri)
     base, sft = base_or_sft(p, out, p.base_checkpoint)
     log = get_run_logger()
+    plan = asyncrun.plan(store, cfg.to_dict(), str(base), p.devices)
+    cfg = load_recipe(p.recipe, [*p.recipe_overrides(), *plan["overrides"]])
+    log.info("placement%s: %s (measured per completion: rollout %.4f s, update %.4f s)",
+             f" of {p.devices} devices" if p.devices else "", plan["describe"], plan["rollout_s_per_completion"],
+             plan["update_s_per_completion"])
     tags = {"miles.kind": "async-train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
             "miles.base_checkpoint": Path(base).resolve(), "miles.launcher": p.launcher,
             "miles.sft_run_id": sft.get("mlflow_run_id", "")}
@@ -119,8 +126,8 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
     with tracking.run(p.experiment, f"async-{cfg.name}", cfg.flat(), tags) as run_id:
         asyncrun.prepare(store, cfg.to_dict(), str(base))
         a = cfg.async_rl
-        log.info("async run %s: %d samplers x %d batches, S=%d, via %s", store, a.num_samplers,
-                 a.batches_per_sampler, cfg.adpo.max_staleness, p.launcher)
+        log.info("async run %s: %d samplers x %d batches, %d learner rank(s), S=%d, via %s", store, a.num_samplers,
+                 a.batches_per_sampler, a.learner_ranks, cfg.adpo.max_staleness, p.launcher)
         t0 = time.perf_counter()
         if p.launcher == "deployments":
             _run_deployments(store, a.num_samplers, p.timeout_s)
@@ -129,6 +136,7 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
         seconds = time.perf_counter() - t0
         summ = asyncrun.summary(store)
         _log_run(run_id, summ)
+        tracking.log_metrics(run_id, {f"placement/{k}": float(plan[k]) for k in PLACEMENT_METRICS}, 0)
         tracking.log_metrics(run_id, {"async/seconds": seconds}, int(summ.get("updates") or 0))
         version = int(summ["version"])
         adapter_dir = evaluation.fetch_adapter(asyncrun.adapter_uri(store, version), str(out / "adapter"))
@@ -146,7 +154,8 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
               "adapter_dir": adapter_dir, "mlflow_run_id": run_id, "run_dir": str(out),
               "learner_idle_fraction": summ.get("idle_fraction"), "max_staleness_seen": summ.get("max_staleness_seen"),
               "dropped_batches": summ.get("dropped"), "consumed_batches": summ.get("consumed"),
-              "model_uri": reg.get("model_uri"), "promoted": reg.get("promoted")}
+              "model_uri": reg.get("model_uri"), "promoted": reg.get("promoted"),
+              "placement": {k: plan[k] for k in ("samplers", "learner_ranks", "batches_per_update", *PLACEMENT_METRICS)}}
     log.info("async train done: %s", result)
     return result
 

@@ -94,14 +94,23 @@ class AsyncTrainParams(FlowParams):
     base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
     num_samplers: int | None = Field(None, ge=1, description="sampler workers (overrides async_rl.num_samplers)", json_schema_extra=ALIAS("--samplers"))
     batches_per_sampler: int | None = Field(None, ge=1, description="sample budget per sampler (overrides async_rl.batches_per_sampler)", json_schema_extra=ALIAS("--batches"))
+    learner_ranks: int | None = Field(None, ge=1, description="data-parallel learner ranks under torchrun (overrides async_rl.learner_ranks)", json_schema_extra=ALIAS("--ranks"))
+    devices: int | None = Field(None, ge=2, description="split this many devices into samplers and learner ranks from measured seconds per completion, with the global batch that keeps them admitted (replaces num_samplers, learner_ranks and async_rl.global_batch)")
     launcher: Literal["processes", "deployments"] = Field(
         "processes", description="processes: local subprocesses; deployments: flow runs of miles-async-sampler / miles-async-learner on their work pools")
     register_as: str | None = Field("miles-arith", description="MLflow registered model for the final adapter (empty: do not register)")
     timeout_s: float = Field(3600.0, gt=0, description="seconds: fail if the samplers and learner have not finished by then", json_schema_extra=ALIAS("--timeout"))
 
+    @model_validator(mode="after")
+    def _devices_or_split(self) -> "AsyncTrainParams":
+        if self.devices and (self.num_samplers or self.learner_ranks):
+            raise ValueError("devices chooses num_samplers and learner_ranks itself: give devices, or the split, not both")
+        return self
+
     def recipe_overrides(self) -> list[str]:
         extra = [f"async_rl.num_samplers={self.num_samplers}"] if self.num_samplers else []
         extra += [f"async_rl.batches_per_sampler={self.batches_per_sampler}"] if self.batches_per_sampler else []
+        extra += [f"async_rl.learner_ranks={self.learner_ranks}"] if self.learner_ranks else []
         return [*self.overrides, *extra]
 
 
@@ -226,11 +235,9 @@ def add_arguments(parser: argparse.ArgumentParser, model: type[BaseModel], posit
 
 
 def call_values(args: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
-    """The parsed options that were given (None dropped; ``--register-as ''`` means do not register)."""
-    out = {k: getattr(args, k) for k in model.model_fields if getattr(args, k, None) is not None}
-    if out.get("register_as") == "":
-        out["register_as"] = None
-    return out
+    """The parsed options that were given (None dropped). ``--register-as ''`` stays the empty
+    string, which the flows read as "do not register": None would mean "the flow's default"."""
+    return {k: getattr(args, k) for k in model.model_fields if getattr(args, k, None) is not None}
 
 
 def flag_message(err: Exception, model: type[BaseModel]) -> str:

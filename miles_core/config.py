@@ -213,6 +213,8 @@ class AsyncSettings:
     enough to use when the learner gets to it."""
 
     num_samplers: int = bounded(1, 1, 4096)
+    # data-parallel learner ranks a local run starts under torchrun (at scale: torchrun's --nproc-per-node x --nnodes)
+    learner_ranks: int = bounded(1, 1, 4096)
     batches_per_sampler: int = bounded(10, 1)       # sample budget: each sampler commits this many batches
     # completions one update consumes, assembled from whole sampler batches (0: one sampler batch,
     # train.prompts_per_iter x train.group_size); sets the version rate, whatever the fleet size

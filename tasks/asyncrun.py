@@ -4,12 +4,15 @@ all as local processes, and read back the run's summary. Arguments are URIs and 
 
 from __future__ import annotations
 
+import subprocess
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from prefect import task
 
-from miles_core.asyncrl.launch import prepare_run, run_local, summarize
+from miles_core.asyncrl.launch import learner_command, local_env, prepare_run, run_local, summarize
+from miles_core.asyncrl.placement import measure, place, predict
 from miles_core.storage.run import RunStore
 from miles_core.config import load_recipe
 from tasks.common import LIGHT, STORAGE
@@ -20,6 +23,30 @@ def prepare(run_uri: str, cfg: dict[str, Any], base_checkpoint: str) -> dict[str
     """Write run.json and upload the base once; re-opening the same run is allowed, another recipe is not."""
     spec = prepare_run(run_uri, load_recipe(cfg), base_checkpoint)
     return {"run_uri": run_uri, "base_source": spec["base_source"]}
+
+
+@task(name="plan-async-placement", **LIGHT)
+def plan(run_uri: str, cfg: dict[str, Any], base_checkpoint: str, devices: int | None) -> dict[str, Any]:
+    """Seconds per completion measured with the base (asyncrl/placement.py::measure), then the split of
+    ``devices`` that balances samplers and learner ranks, with its global batch; without ``devices``,
+    the recipe's own split judged. A run that already exists keeps the split it was started with.
+    ``overrides``: what the recipe needs to run the planned split; ``describe``: its predicted idle."""
+    recipe = load_recipe(cfg)
+    spec = RunStore(run_uri).read_json("run.json")
+    if spec is not None:  # a resumed run: its split is in run.json, whatever devices says now
+        recipe, devices = load_recipe(spec["cfg"]), None
+    costs = measure(recipe, base_checkpoint)
+    a, per = recipe.async_rl, recipe.train.prompts_per_iter * recipe.train.group_size
+    if devices:
+        pl = place(devices, costs.rollout_s, costs.update_s, recipe.adpo.max_staleness)
+        overrides = [f"async_rl.num_samplers={pl.samplers}", f"async_rl.learner_ranks={pl.learner_ranks}",
+                     f"async_rl.global_batch={pl.batches_per_update * per}"]
+    else:
+        pl = replace(predict(a.num_samplers, a.learner_ranks, costs.rollout_s, costs.update_s,
+                             recipe.adpo.max_staleness), batches_per_update=recipe.batches_per_update())
+        overrides = []
+    return {**asdict(pl), "rollout_s_per_completion": costs.rollout_s, "update_s_per_completion": costs.update_s,
+            "devices": devices, "overrides": overrides, "describe": pl.describe()}
 
 
 @task(name="async-sampler", **LIGHT)
@@ -33,10 +60,16 @@ def run_sampler(run_uri: str, worker: str, index: int) -> dict[str, Any]:
 
 @task(name="async-learner", **LIGHT)
 def run_learner(run_uri: str) -> dict[str, Any]:
-    """The learner until every committed batch of the budget is consumed, dropped or quarantined."""
+    """The learner until every committed batch of the budget is consumed, dropped or quarantined:
+    in this process, or with ``async_rl.learner_ranks`` > 1 as that many torchrun ranks on this
+    worker's machine (a learner spanning machines is one torchrun per node: infra/README.md)."""
     from miles_core.asyncrl.learner import AsyncLearner
 
-    return AsyncLearner(run_uri).run()
+    ranks = int(RunStore(run_uri).read_spec()["cfg"]["async_rl"].get("learner_ranks", 1))
+    if ranks == 1:
+        return AsyncLearner(run_uri).run()
+    subprocess.run(learner_command(run_uri, ranks), env=local_env(), check=True)
+    return summarize(run_uri)
 
 
 @task(name="async-local-processes", **LIGHT)

@@ -117,6 +117,21 @@ def test_source_and_resume_errors(args: list[str], needle: str) -> None:
     assert needle in r.stderr
 
 
+def test_empty_register_as_reaches_the_flow_as_do_not_register() -> None:
+    """``--register-as ''`` must not become None, which call_flow drops in favour of the flow's default name."""
+    from flows.params import AsyncTrainParams, call_values
+    from miles import cli
+
+    args = cli.build_parser().parse_args(["async-train", "tiny", "--register-as", ""])
+    values = call_values(args, AsyncTrainParams)
+    assert values["register_as"] == "" and not AsyncTrainParams.model_validate(values).register_as
+
+
+def test_devices_and_an_explicit_split_are_exclusive() -> None:
+    r = miles("async-train", "tiny", "--devices", "4", "--ranks", "2", timeout=60)
+    assert r.returncode == 2 and "devices" in r.stderr, r.stderr
+
+
 def test_recipes_lists_builtins_with_descriptions() -> None:
     r = miles("recipes")
     assert r.returncode == 0, r.stderr

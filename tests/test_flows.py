@@ -288,3 +288,27 @@ def test_async_train_flow_runs_workers_logs_and_registers(trained: TrainedProjec
     files = _artifact_files(client, run.info.run_id)
     assert {"plots/staleness_histogram.png", "plots/learning_curve.png", "plots/staleness_histogram.json"} <= files
     assert run.data.tags["miles.launcher"] == "processes" and out["model_uri"].startswith("models:/")
+    pl = out["placement"]  # the recipe's split judged from measured seconds per completion
+    assert (pl["samplers"], pl["learner_ranks"]) == (2, 1) and min(pl["sampler_idle"], pl["learner_idle"]) == 0.0
+    assert pl["rollout_s_per_completion"] > 0 and pl["update_s_per_completion"] > 0
+    assert m["placement/learner_idle"] == pytest.approx(pl["learner_idle"])
+
+
+@pytest.mark.e2e
+def test_async_train_flow_places_devices_and_runs_a_torchrun_learner(trained: TrainedProject) -> None:
+    """--devices splits by measured costs (the global batch with it); --ranks 2 runs the learner as two
+    gloo ranks under torchrun inside the local run, consuming every batch once."""
+    from flows.async_train import async_train_flow
+
+    ov = TINY_OVERRIDES + ["async_rl.poll_interval=0.02"]
+    placed = async_train_flow(recipe="tiny", overrides=ov, run_dir=str(trained.root / "placed"),
+                              base_checkpoint=trained.sft["base_checkpoint"], devices=3, batches_per_sampler=1,
+                              experiment=EXPERIMENT, register_as=None, timeout_s=600)
+    pl = placed["placement"]
+    assert pl["samplers"] + pl["learner_ranks"] == 3 and min(pl["sampler_idle"], pl["learner_idle"]) == 0.0
+    assert placed["consumed_batches"] + placed["dropped_batches"] == pl["samplers"]
+    out = async_train_flow(recipe="tiny", overrides=ov, run_dir=str(trained.root / "ranks"),
+                           base_checkpoint=trained.sft["base_checkpoint"], num_samplers=1, learner_ranks=2,
+                           batches_per_sampler=2, experiment=EXPERIMENT, register_as=None, timeout_s=600)
+    assert out["placement"]["learner_ranks"] == 2 and out["consumed_batches"] == out["adapter_version"] == 2
+    assert RunStore(out["store_uri"]).read_json("learner", "status.json")["learner_ranks"] == 2  # the world it ran as

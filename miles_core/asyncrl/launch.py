@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +36,20 @@ def command(role: str, run_uri: str, worker: str | None = None, index: int = 0,
     if cache_dir is not None:
         cmd += ["--cache-dir", str(cache_dir)]
     return cmd
+
+
+def learner_command(run_uri: str, ranks: int, cache_dir: str | os.PathLike[str] | None = None,
+                    max_restarts: int = 3) -> list[str]:
+    """The learner as ``ranks`` data-parallel processes of this machine under torchrun (one
+    process when ``ranks`` is 1). torchrun restarts the whole group when a rank dies, and the group
+    resumes from the last checkpoint; ``--standalone`` picks a free rendezvous port, so two runs
+    on one machine do not meet."""
+    if ranks == 1:
+        return command("learner", run_uri, cache_dir=cache_dir)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(ranks), "--max-restarts", str(max_restarts), "-m", "miles_core.asyncrl",
+           "learner", run_uri]
+    return cmd + (["--cache-dir", str(cache_dir)] if cache_dir is not None else [])
 
 
 class Proc(Protocol):
@@ -113,6 +128,7 @@ class LocalRun:
     env: dict[str, str]
     log_dir: Path
     warm: bool = False
+    learner_ranks: int = 1
     procs: dict[str, Proc] = field(default_factory=dict)
     starts: dict[str, int] = field(default_factory=dict)
     cache_root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="miles-local-")))
@@ -120,16 +136,17 @@ class LocalRun:
     def start(self, name: str) -> Proc:
         cache = self.cache_root / name
         if name == "learner":
-            cmd = command("learner", self.run_uri, cache_dir=cache)
+            cmd = learner_command(self.run_uri, self.learner_ranks, cache)
         else:
             cmd = command("sampler", self.run_uri, name, int(name[1:]), cache_dir=cache)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / f"{name}.log"
-        if self.warm:
+        if self.warm and cmd[2] == "miles_core.asyncrl":
             self.procs[name] = WarmProcess(cmd[3:], log, self.env)  # argv after "python -m miles_core.asyncrl"
-        else:
+        else:  # its own process group: stop() takes torchrun's ranks down with their agent
             out = open(log, "ab")
-            self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT)
+            self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
             out.close()
         self.starts[name] = self.starts.get(name, 0) + 1
         return self.procs[name]
@@ -165,9 +182,14 @@ class LocalRun:
 
     def stop(self) -> None:
         for p in self.procs.values():
+            if isinstance(p, subprocess.Popen):
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the group: torchrun's ranks too, even if the agent exited
+                except ProcessLookupError:
+                    pass
             if p.poll() is None:
                 p.kill()
-                p.wait()
+            p.wait()
 
     def close(self) -> None:
         """Stop every worker and remove the workers' download cache."""
@@ -190,7 +212,8 @@ def run_local(run_uri: str, num_samplers: int, log_dir: str | os.PathLike[str], 
     """Run the learner and ``num_samplers`` samplers as local processes until the sample budget is
     spent; a process that crashes is started again (up to ``max_restarts`` times) and resumes.
     ``warm``: fork them from one preloaded server instead of fresh interpreters (LocalRun)."""
-    run = LocalRun(run_uri, num_samplers, local_env(env), Path(log_dir), warm=warm)
+    ranks = int(RunStore(run_uri).read_spec()["cfg"]["async_rl"].get("learner_ranks", 1))
+    run = LocalRun(run_uri, num_samplers, local_env(env), Path(log_dir), warm=warm, learner_ranks=ranks)
     run.start_all()
     try:
         run.wait(timeout, max_restarts)

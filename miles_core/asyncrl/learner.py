@@ -107,7 +107,7 @@ class AsyncLearner(LearnerRun):
         st = [e["staleness"] for e in self.ledger["consumed"]]
         wall = max(self.totals["wall_s"], 1e-9)
         return {"version": self.learner.version, "updates": len(self.history),
-                "batches_per_update": self.cfg.batches_per_update(),
+                "batches_per_update": self.cfg.batches_per_update(), "learner_ranks": self.world.size,
                 "consumed": len(self.ledger["consumed"]), "dropped": len(self.ledger["dropped"]),
                 # of those consumed, batches it sampled itself
                 "self_consumed": sum(e["id"].endswith(f"-{SELF}") for e in self.ledger["consumed"]),

@@ -21,7 +21,11 @@ S_max and is dropped. Three versions of slack for rollout-time variance, B >= sa
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
+from pathlib import Path
+
+from miles_core.config import RecipeConfig
 
 
 @dataclass(frozen=True)
@@ -63,3 +67,47 @@ def place(devices: int, rollout_s: float, update_s: float, max_staleness: int) -
         raise ValueError(f"placement needs at least 2 devices (one sampler, one learner rank), got {devices}")
     splits = [predict(devices - d, d, rollout_s, update_s, max_staleness) for d in range(1, devices)]
     return max(splits, key=lambda p: (min(p.samplers / rollout_s, p.learner_ranks / update_s), -p.learner_ranks))
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured seconds per completion on this device: sampling + scoring, and one learner rank's update."""
+
+    rollout_s: float
+    update_s: float
+
+
+def measure(cfg: RecipeConfig, base_dir: str | Path, reps: int = 2) -> Costs:
+    """Time ``reps`` batches of the run's own code paths with the base model: ``sample_batch``
+    (through ``Learner.sample``, with ``async_rl.sampler_threads`` torch threads, as a sampler runs)
+    and ``Learner.update`` (with ``learner_threads``). The first batch of each is a warm-up and not
+    counted. A batch whose rewards all tie carries no advantage and its update skips rows; those
+    are given one winner per group for timing only, so the update costs what a learning batch does."""
+    import torch
+
+    from miles_core.algo.rl import assign_advantages
+    from miles_core.data.registry import build_task
+    from miles_core.learner.policy import Learner
+
+    threads = torch.get_num_threads()
+    learner, data = Learner(cfg, base_dir), build_task(cfg)
+    completions = cfg.train.prompts_per_iter * cfg.train.group_size
+    try:
+        torch.set_num_threads(cfg.async_rl.sampler_threads)
+        batches, t_roll = [], 0.0
+        for seq in range(reps + 1):
+            t0 = time.perf_counter()
+            batches.append(learner.sample(data, seq, worker="placement"))
+            t_roll += (time.perf_counter() - t0) if seq else 0.0
+        torch.set_num_threads(cfg.async_rl.learner_threads)
+        t_upd = 0.0
+        for i, b in enumerate(batches):
+            if float(b.reward.std()) == 0.0:
+                b.reward = (torch.arange(len(b)) % cfg.train.group_size == 0).float()
+                assign_advantages(b)
+            t0 = time.perf_counter()
+            learner.update(b)
+            t_upd += (time.perf_counter() - t0) if i else 0.0
+    finally:
+        torch.set_num_threads(threads)
+    return Costs(t_roll / reps / completions, t_upd / reps / completions)
