@@ -211,3 +211,38 @@ def test_request_counter_ignores_local_folders(tmp_path: Path) -> None:
     assert "local" in counter.note
     store.read_batch(store.write_batch(make_batch()))
     assert counter.snapshot() == {} and counter.total() == 0
+
+
+def _async_run_requests(server: Any, tmp: Path, base: Path, samplers: int, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """One asynchronous run of real worker processes on the server: each of ``samplers`` samplers
+    commits 3 batches, the learner consumes one per update -> the run's summary."""
+    from miles_core.asyncrl.launch import prepare_run, run_local
+    from miles_core.config import load_recipe
+
+    env = {"MILES_S3_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.storage_options["key"],
+           "AWS_SECRET_ACCESS_KEY": server.storage_options["secret"], "AWS_DEFAULT_REGION": "us-east-1"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_recipe("tiny", [f"async_rl.num_samplers={samplers}", "async_rl.batches_per_sampler=3",
+                               "async_rl.poll_interval=0.02", "async_rl.poll_backoff=2", "async_rl.checkpoint_every=3"])
+    run = server.fresh_root()
+    prepare_run(run, cfg, base)
+    return run_local(run, samplers, tmp / f"logs{samplers}", timeout=600, env=env, warm=True)
+
+
+def test_requests_per_committed_batch_do_not_grow_with_the_samplers(seaweed_server: Any, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted on the wire in every process (status files): a waiting sampler reads one small pointer
+    with back-off, so three samplers cost no more requests per committed batch than one."""
+    from miles_core.config import load_recipe
+    from miles_core.learner.baseline import new_model
+    from miles_core.models.base import save_checkpoint
+    from miles_core.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    save_checkpoint(new_model(load_recipe("tiny"), tok, 0), tok, tmp_path / "base")
+    one, three = (_async_run_requests(seaweed_server, tmp_path, tmp_path / "base", n, monkeypatch) for n in (1, 3))
+    assert (one["batches_committed"], three["batches_committed"]) == (3, 9)
+    assert one["consumed"] + one["dropped"] == 3 and three["consumed"] + three["dropped"] == 9
+    assert one["store_requests"] > 0 and three["store_requests"] > 0
+    assert three["store_requests_per_batch"] <= 1.2 * one["store_requests_per_batch"], (one, three)

@@ -232,7 +232,12 @@ def summarize(run_uri: str, storage_options: dict[str, Any] | None = None) -> di
     quarantined = rs.retry(rs.trajectories.list_quarantined, "listing quarantine")
     lags = [x for s in samplers for x in s.get("sync_lag_seconds", [])]
     syncs = sum(s.get("syncs", 0) for s in samplers)
-    return {**status, "batches_committed": len(committed) + len(quarantined),
+    ranks = [rs.read_json("learner", f"rank{r}.json") or {} for r in range(1, int(status.get("learner_ranks", 1)))]
+    # S3 requests of every process, counted on the wire (storage/requests.py; 0 on a local folder)
+    requests = sum(sum(x.get("requests", {}).values()) for x in [status, *samplers, *ranks])
+    n = len(committed) + len(quarantined)
+    return {**status, "batches_committed": n, "store_requests": requests,
+            "store_requests_per_batch": requests / max(n, 1),
             "adapter_sync_bytes": sum(s.get("sync_bytes", 0) for s in samplers), "adapter_syncs": syncs,
             "adapter_sync_bytes_mean": sum(s.get("sync_bytes", 0) for s in samplers) / max(syncs, 1),
             "adapter_sync_seconds_mean": sum(s.get("sync_seconds", 0.0) for s in samplers) / max(syncs, 1),

@@ -126,7 +126,8 @@ class AsyncLearner(LearnerRun):
                 "self_sample_s": self.totals.get("sample_s", 0.0),
                 "self_sample_fraction": self.totals.get("sample_s", 0.0) / wall,
                 "completions": sum(e["rows"] for e in self.ledger["consumed"]),
-                "requests": self.rs.requests.snapshot()}
+                "requests": self.rs.requests.snapshot(), "request_steps": self.rs.requests.phases(),
+                "requests_at_start": self.totals.get("requests_at_start", 0)}
 
     def _decide(self, waits: Any) -> tuple[str, Any]:
         """Rank 0's next step: ("stop" | "done", None), ("update", batch ids), ("sampled", None)
@@ -135,9 +136,13 @@ class AsyncLearner(LearnerRun):
         handled = self.handled()
         if len(handled) >= self.expected:
             return "done", None
-        if rs.stop_requested() or (self.max_updates is not None and self._updates_here >= self.max_updates):
+        with rs.requests.phase("stop_check"):
+            stop = rs.stop_requested()
+        if stop or (self.max_updates is not None and self._updates_here >= self.max_updates):
             return "stop", None
-        pending = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories") if b not in handled]
+        with rs.requests.phase("list"):
+            listed = rs.retry(rs.trajectories.list_batches, "listing trajectories")
+        pending = [b for b in listed if b not in handled]
         need = min(self.cfg.batches_per_update(), self.expected - len(handled))  # the last may be short (drops)
         if len(pending) >= need:
             return "update", pending[:need]
@@ -149,6 +154,7 @@ class AsyncLearner(LearnerRun):
 
     def run(self) -> dict[str, Any]:
         a, rs, world = self.cfg.async_rl, self.rs, self.world
+        self.totals["requests_at_start"] = rs.requests.total()  # the spec, the base, checkpoint and adapter checks
         self._updates_here = 0
         waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)
         last = time.perf_counter()
@@ -167,7 +173,8 @@ class AsyncLearner(LearnerRun):
                 outcome, _ = self.consume(arg)
                 self._updates_here += outcome == "consumed"
                 if world.is_main:
-                    rs.write_json(self.status(), "learner", "status.json")
+                    with rs.requests.phase("status"):
+                        rs.write_json(self.status(), "learner", "status.json")
             self.totals["wall_s"] += now - last
             last = now
         self.totals["wall_s"] += time.perf_counter() - last
@@ -177,7 +184,8 @@ class AsyncLearner(LearnerRun):
             rs.write_json(status, "learner", "status.json")
             rs.write_json({"history": self.history, "ledger": self.ledger}, "learner", "history.json")
         else:  # what this rank's share of the reading cost the store
-            rs.write_json({"rank": world.rank, "requests": rs.requests.snapshot()}, "learner", f"rank{world.rank}.json")
+            rs.write_json({"rank": world.rank, "requests": rs.requests.snapshot(), "request_steps": rs.requests.phases(),
+                           "requests_at_start": self.totals["requests_at_start"]}, "learner", f"rank{world.rank}.json")
         if self.owns_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
         return status

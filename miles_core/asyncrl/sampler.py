@@ -168,8 +168,9 @@ class SamplerWorker:
             return False
         t0 = time.perf_counter()
         dest = self.cache / f"adapter-v{latest:06d}"
-        manifest = rs.retry(lambda: rs.adapters.manifest(latest), f"reading adapter v{latest} manifest")
-        rs.retry(lambda: rs.adapters.fetch(latest, dest, manifest), f"fetching adapter v{latest}")
+        with rs.requests.phase("sync"):
+            manifest = rs.retry(lambda: rs.adapters.manifest(latest), f"reading adapter v{latest} manifest")
+            rs.retry(lambda: rs.adapters.fetch(latest, dest, manifest), f"fetching adapter v{latest}")
         state = load_file(str(dest / ADAPTER_WEIGHTS))
         result = set_peft_model_state_dict(self.model, native_adapter_state(self.model.get_base_model(), state))
         if getattr(result, "unexpected_keys", None):
@@ -230,6 +231,8 @@ class SamplerWorker:
         quarantined = set(rs.retry(rs.trajectories.list_quarantined, "listing quarantine"))
         if not self._wait(lambda: self.learner_version() is not None, a.poll_interval, "startup_wait_s"):
             return self._finish(stopped=True)
+        req = rs.requests  # what each protocol step costs on the wire (status: request_steps)
+        self.stats["requests_at_start"] = req.total()  # the spec, the base, the first poll
         seq = int(self.stats["next_seq"])
         stripe = a.num_samplers + int(a.learner_samples)  # the learner samples as worker num_samplers
         claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
@@ -244,11 +247,16 @@ class SamplerWorker:
             elif bid in mine:
                 slot = mine[bid]
             else:  # its own stripe first: index, index + stripe, ... (one request when nobody took it)
-                slot = claims.claim(bid, prefer=self.index + stripe * len(mine))
+                with req.phase("claim"):
+                    slot = claims.claim(bid, prefer=self.index + stripe * len(mine))
                 if slot is None:
                     break  # every slot of the run's budget is taken
                 mine[bid] = slot
-            if not self._wait(lambda: self.admitted(slot), a.poll_interval):
+            polls = self.stats.get("polls", 0)
+            with req.phase("wait"):
+                admitted = self._wait(lambda: self.admitted(slot), a.poll_interval)
+            self.stats["admission_polls"] = self.stats.get("admission_polls", 0) + self.stats["polls"] - polls
+            if not admitted:
                 return self._finish(stopped=True, next_seq=seq)
             t0 = time.perf_counter()
             self.sync_adapter(self._latest)
@@ -256,7 +264,8 @@ class SamplerWorker:
             batch = self.make_batch(seq)
             t2 = time.perf_counter()
             try:  # a commit that landed before a restart (stats not yet written) is not made twice
-                rs.retry(lambda: rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
+                with req.phase("commit"):
+                    rs.retry(lambda: rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
                 self.stats["committed"] += 1
             except BatchExistsError:
                 log.info("batch %s was already committed; skipping", bid)
@@ -266,14 +275,16 @@ class SamplerWorker:
             self.stats["sample_s"] += t2 - t1  # rollout + reward alone
             self.stats["commit_s"] += t3 - t2
             self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch), slot=slot,
-                              requests=rs.requests.snapshot())
-            rs.write_json(self.stats, "samplers", f"{self.worker}.json")
+                              requests=req.snapshot(), request_steps=req.phases())
+            with req.phase("status"):
+                rs.write_json(self.stats, "samplers", f"{self.worker}.json")
         return self._finish(stopped=False, next_seq=seq)
 
     def _finish(self, stopped: bool, next_seq: int | None = None) -> dict[str, Any]:
         if next_seq is not None:
             self.stats["next_seq"] = next_seq
-        self.stats.update(done=not stopped, stopped=stopped, requests=self.run_store.requests.snapshot())
+        self.stats.update(done=not stopped, stopped=stopped, requests=self.run_store.requests.snapshot(),
+                          request_steps=self.run_store.requests.phases())
         self.run_store.write_json(self.stats, "samplers", f"{self.worker}.json")
         if self.owns_cache:
             shutil.rmtree(self.cache, ignore_errors=True)

@@ -113,14 +113,15 @@ class LearnerRun:
             return
         blob = {"learner": self.learner.state(), "ledger": self.ledger, "history": self.history,
                 "totals": self.totals, "version": self.learner.version}
-        self.rs.save_checkpoint(blob, self.learner.version)
+        with self.rs.requests.phase("checkpoint"):
+            self.rs.save_checkpoint(blob, self.learner.version)
 
     def publish(self) -> None:
         """Upload the current adapter as version ``learner.version`` (idempotent on resume)."""
         v = self.learner.version
         if not self.world.is_main:
             return
-        with tempfile.TemporaryDirectory(dir=self.cache) as tmp:
+        with tempfile.TemporaryDirectory(dir=self.cache) as tmp, self.rs.requests.phase("publish"):
             self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype))
             self.rs.retry(lambda: self.rs.adapters.is_committed(v) or
                           self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
@@ -161,7 +162,8 @@ class LearnerRun:
         else:
             rs = self.rs
             try:
-                batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
+                with rs.requests.phase("read"):  # what reading one batch costs on the wire
+                    batch = rs.retry(lambda: rs.trajectories.read_batch(bid), f"reading batch {bid}")
             except CorruptBatchError as e:
                 reason = str(e)
                 if quarantine:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from fsspec import AbstractFileSystem
@@ -34,6 +36,7 @@ class RequestCounter:
         self._counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._clients: set[int] = set()
+        self._phases: dict[str, tuple[int, int]] = {}
         self.note = "not attached to any filesystem"
 
     def attach(self, fs: AbstractFileSystem) -> bool:
@@ -74,6 +77,26 @@ class RequestCounter:
         """Start counting from zero (attached clients stay attached)."""
         with self._lock:
             self._counts.clear()
+            self._phases.clear()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Attribute the requests sent inside the block to protocol step ``name``, once per entry:
+        :meth:`phases` then says what each step costs on the wire (benchmarks/sim.py models the
+        store with these per-step costs)."""
+        before = self.total()
+        try:
+            yield
+        finally:
+            sent = self.total() - before
+            with self._lock:
+                n, times = self._phases.get(name, (0, 0))
+                self._phases[name] = (n + sent, times + 1)
+
+    def phases(self) -> dict[str, dict[str, int]]:
+        """``{step: {"requests": n, "times": entries}}`` for every :meth:`phase` entered so far."""
+        with self._lock:
+            return {k: {"requests": n, "times": t} for k, (n, t) in sorted(self._phases.items())}
 
 
 # One counter per process: what a run reports in its status file.
