@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.harness import ASYNC_OVERRIDES, bench_args, sft_checkpoint, table, usable_cpus, workdir, write_result
+from benchmarks.harness import ASYNC_OVERRIDES, bench_args, evaluate_adapter, sft_checkpoint, table, usable_cpus, workdir, write_result
 
 # 150 batches (the arith recipe's train.iterations) of 16 x 8 completions. Measured on the quiet
 # 2-core machine (single thread: a rollout 0.49 s, an update 0.16 s; sync with 2 threads: 0.31 s
@@ -118,7 +118,7 @@ def replay_share(cfg_json: str, base: str, run_uri: str, bids: list[str], start_
         p.requires_grad_(False)
     torch.manual_seed(0)
     model = add_lora_from(model, cfg.lora, dropout=0.0)  # as a sampler builds it
-    learner = Learner(cfg, base, seed=cfg.train.seed, total_updates=len(bids))
+    learner = Learner(cfg, base, total_updates=len(bids))
     data, reward_fn = build_task(cfg), reward_for_recipe(cfg)
     stored = {bid: rs.trajectories.read_batch(bid) for bid in bids}
     adapters = {}
@@ -199,20 +199,6 @@ def learner_breakdown(history: list[dict], summary: dict) -> dict[str, float]:
     return per
 
 
-def evaluate(cfg, base: str, adapter: str) -> tuple[float, list[bool]]:
-    import torch
-
-    torch.set_num_threads(usable_cpus())
-    from miles_core.models.base import load_checkpoint
-    from miles_core.models.lora import load_adapter
-    from miles_core.data.registry import build_task
-    from miles_core.eval.evaluate import run_eval
-
-    model, tok = load_checkpoint(base)
-    r = run_eval(load_adapter(model, adapter), tok, cfg, build_task(cfg))
-    return r.pass_at["pass@1"], [c[0] for c in r.correct]
-
-
 def main() -> None:
     ap = bench_args(__doc__, checkpoint=True, workdir=True)
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
@@ -276,8 +262,8 @@ def main() -> None:
         if server is not None:
             server.stop()
 
-    sync_pass1, sync_correct = evaluate(cfg, base, str(work / "sync_adapter"))
-    async_pass1, async_correct = evaluate(cfg, base, str(work / "async_adapter"))
+    sync_pass1, sync_correct = evaluate_adapter(cfg, base, str(work / "sync_adapter"))
+    async_pass1, async_correct = evaluate_adapter(cfg, base, str(work / "async_adapter"))
     from miles_core.models.base import load_checkpoint
 
     full_bytes = sum(p.stat().st_size for p in Path(base).glob("*.safetensors"))

@@ -164,6 +164,22 @@ def paired(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> dict[str, fl
             "wins": st.wins, "losses": st.losses, "p": st.p}
 
 
+def evaluate_adapter(cfg, base: str | Path, adapter: str | Path) -> tuple[float, list[bool]]:
+    """pass@1 of ``adapter`` on ``base`` over the recipe's held-out problems with its pinned eval
+    settings (all usable cores), and each problem's first-sample correctness for :func:`paired`."""
+    import torch
+
+    torch.set_num_threads(usable_cpus())
+    from miles_core.data.registry import build_task
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.models.base import load_checkpoint
+    from miles_core.models.lora import load_adapter
+
+    model, tok = load_checkpoint(str(base))
+    r = run_eval(load_adapter(model, str(adapter)), tok, cfg, build_task(cfg))
+    return r.pass_at["pass@1"], [c[0] for c in r.correct]
+
+
 # ---- results ------------------------------------------------------------------------------------
 
 def usable_cpus() -> int:
