@@ -244,8 +244,10 @@ def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_si
     # with their own pid and log; one SIGKILLed mid-run is restarted and the run completes exactly once
     from miles_core.asyncrl.launch import LocalRun, summarize
 
+    # staleness bound 1: admission holds w0's third batch until the learner's first update, so w0
+    # is still running when it is killed (with a loose bound it could finish all three first)
     run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3",
-                        "adpo.max_staleness=8", "async_rl.sampler_nice=5", "async_rl.pin_samplers=true")
+                        "adpo.max_staleness=1", "async_rl.sampler_nice=5", "async_rl.pin_samplers=true")
     lr = LocalRun(run, 1, local_env(), tmp_path / "logs", warm=True)
     lr.start_all()
     try:

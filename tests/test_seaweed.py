@@ -20,6 +20,7 @@ import pytest
 from miles_core.storage import AdapterRegistry, BatchExistsError, CorruptBatchError, TrajectoryStore, resolve
 from miles_core.storage import uri as U
 from miles_core.storage.requests import RequestCounter
+from miles_core.storage.run import RunStore
 
 try:
     from s3_fixture import seaweed_server  # noqa: F401  (pytest fixture)
@@ -190,9 +191,16 @@ def test_request_counter_on_one_write_and_one_read(seaweed_server: Any) -> None:
     assert counter.attach(store.fs) and counter.attach(store.fs)  # the second attach adds nothing
     bid = store.write_batch(make_batch())
     # write_batch: one PutObject of the writer's own data object; then the marker's exclusive
-    # create: its pre-check (HeadObject 404, then ListObjectsV2: s3fs asks whether it is a folder)
-    # and the conditional PutObject.
-    assert counter.snapshot() == {"HeadObject": 1, "ListObjectsV2": 1, "PutObject": 2}
+    # create: its pre-check (one HeadObject 404: uri.object_exists, not s3fs's exists, which then
+    # LISTs to ask whether the path is a folder) and the conditional PutObject.
+    assert counter.snapshot() == {"HeadObject": 1, "PutObject": 2}
+    # control/STOP, which every waiting process checks on each poll: one request
+    run = RunStore(seaweed_server.fresh_root(), seaweed_server.storage_options)
+    counter.attach(run.fs)
+    counter.reset()
+    assert not run.stop_requested()
+    assert counter.snapshot() == {"HeadObject": 1}
+    counter.reset()
     counter.reset()
     store.read_batch(bid)
     # read_batch: cat_file of the marker and of the data; s3fs asks the size first (HeadObject,

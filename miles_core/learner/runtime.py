@@ -42,7 +42,7 @@ from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.policy import Learner
 from miles_core.learner.shares import Verdict, agree, first_reader, my_share, owned_rows
 from miles_core.parallel import World
-from miles_core.storage import BatchExistsError, CorruptBatchError
+from miles_core.storage import AdapterExistsError, BatchExistsError, CorruptBatchError
 from miles_core.types import TrajectoryBatch
 from miles_core.storage import uri as U
 from miles_core.storage.run import RunStore, changed_settings, prepare_run
@@ -123,9 +123,11 @@ class LearnerRun:
             return
         with tempfile.TemporaryDirectory(dir=self.cache) as tmp, self.rs.requests.phase("publish"):
             self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype))
-            self.rs.retry(lambda: self.rs.adapters.is_committed(v) or
-                          self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
-                          f"publishing adapter v{v}")
+            try:  # committed already: an attempt that failed after its commit marker, or a resumed run
+                self.rs.retry(lambda: self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
+                              f"publishing adapter v{v}")
+            except AdapterExistsError:
+                pass
 
     def adapter_uri(self, version: int | None = None) -> str:
         return f"{self.rs.uri}/adapters/v{self.learner.version if version is None else version:06d}"

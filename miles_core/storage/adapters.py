@@ -61,7 +61,7 @@ class AdapterRegistry:
         return U.join(self.root, f"v{int(version):06d}")
 
     def is_committed(self, version: int) -> bool:
-        return U.exists(self.fs, U.join(self.version_path(version), COMMITTED))
+        return U.object_exists(self.fs, U.join(self.version_path(version), COMMITTED))
 
     def versions(self) -> list[int]:
         """Committed versions, ascending. Uncommitted (half-published) folders are ignored."""

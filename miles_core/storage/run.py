@@ -93,8 +93,9 @@ class RunStore:
         self.retry(lambda: U.write_bytes_atomic(self.fs, path, U.dumps(obj)), f"writing {'/'.join(parts)}")
 
     def exists(self, *parts: str) -> bool:
+        """Whether the object (a file, not a folder) ``parts`` names exists."""
         path = self.path(*parts)
-        return self.retry(lambda: U.exists(self.fs, path), f"checking {'/'.join(parts)}")
+        return self.retry(lambda: U.object_exists(self.fs, path), f"checking {'/'.join(parts)}")
 
     # ------------------------------------------------------------------ run spec
     def write_spec(self, spec: dict[str, Any], resumable: tuple[str, ...] = ()) -> dict[str, Any]:

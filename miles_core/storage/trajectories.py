@@ -206,7 +206,7 @@ class TrajectoryStore:
         """
         self._check_id(batch_id)
         marker = self.marker_path(batch_id)
-        has_marker = U.exists(self.fs, marker)
+        has_marker = U.object_exists(self.fs, marker)
         data = self._committed_and_leftover_files(batch_id, has_marker)
         if not (data or has_marker):
             raise BatchNotFoundError(f"nothing to quarantine for batch {batch_id!r} under {self.root_uri}")
@@ -232,7 +232,7 @@ class TrajectoryStore:
         """Uncommit (marker first) and delete a batch. Raises :class:`BatchNotFoundError` if absent."""
         self._check_id(batch_id)
         marker = self.marker_path(batch_id)
-        has_marker = U.exists(self.fs, marker)
+        has_marker = U.object_exists(self.fs, marker)
         found = False
         for path in ([marker] if has_marker else []) + self._committed_and_leftover_files(batch_id, has_marker):
             self.fs.rm_file(path)
