@@ -229,10 +229,11 @@ class SamplerWorker:
         a = self.cfg.async_rl
         rs = self.run_store
         quarantined = set(rs.retry(rs.trajectories.list_quarantined, "listing quarantine"))
-        if not self._wait(lambda: self.learner_version() is not None, a.poll_interval, "startup_wait_s"):
-            return self._finish(stopped=True)
         req = rs.requests  # what each protocol step costs on the wire (status: request_steps)
-        self.stats["requests_at_start"] = req.total()  # the spec, the base, the first poll
+        with req.phase("startup_wait"):  # for the learner's first version
+            if not self._wait(lambda: self.learner_version() is not None, a.poll_interval, "startup_wait_s"):
+                return self._finish(stopped=True)
+        self.stats["requests_at_start"] = req.total()  # the spec, the base, the wait for version 0
         seq = int(self.stats["next_seq"])
         stripe = a.num_samplers + int(a.learner_samples)  # the learner samples as worker num_samplers
         claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
