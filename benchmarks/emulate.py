@@ -35,6 +35,7 @@ from typing import Any
 from benchmarks.harness import bench_args, finish, usable_cpus
 from benchmarks.standin import SCALE, settings
 from miles_core.asyncrl.launch import WarmProcess
+from miles_core.asyncrl.launch import summarize as run_summary
 from miles_core.config import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,10 +63,30 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def stand_in(cfg: Any) -> dict[str, Any]:
+def stand_in(cfg: Any, scale: float = SCALE) -> dict[str, Any]:
     """The stand-in's settings for the emulation recipe's batches (benchmarks/standin.py)."""
     c = cfg.train.prompts_per_iter * cfg.train.group_size
-    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction), "lora_r": cfg.lora.r}
+    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction, scale), "lora_r": cfg.lora.r}
+
+
+def cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of this machine so far (/proc/stat): how busy the run kept the CPUs."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n")[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def trained_bytes(cfg: Any, base: Path) -> float:
+    """float32 gradient bytes each optimizer step all-reduces: the tiny model's own LoRA (the
+    stand-in's ballast is not trained, benchmarks/standin.py says why)."""
+    from miles_core.models.base import load_base
+    from miles_core.models.lora import add_lora_from
+
+    from benchmarks.standin import _ballast_frozen, fit
+
+    model, _ = load_base(cfg, base)
+    lora = _ballast_frozen(add_lora_from(fit(model, {**stand_in(cfg), "step_s": 0.0, "row_s": 0.0}), cfg.lora))
+    return 4.0 * sum(p.numel() for p in lora.parameters() if p.requires_grad)
 
 
 def measure_store(server: Any, n: int = 30) -> dict[str, float]:
@@ -106,7 +127,7 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
            "TORCH_GLOO_LAZY_INIT": "1"}
     logs = work / f"logs-{procs}"
     logs.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
+    t0, cpu0 = time.time(), cpu_times()
     nproc = ["--standalone", "--nnodes", "1", "--nproc-per-node", str(pl.learner_ranks), "--max-restarts", "3"]
     learner = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *nproc, "-m", "benchmarks.standin",
                                 "learner", run, "--backend", "gloo", "--cache-dir", str(work / "cache")],
@@ -136,9 +157,35 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
         for p in samplers.values():
             p.kill()
         raise RuntimeError(f"learner exited with {learner.returncode}:\n" + (logs / "learner.log").read_text()[-3000:])
+    cpu1 = cpu_times()
     for p in samplers.values():
         p.wait(60)
-    return summarize(rs, cfg, pl, st, c, procs, killed)
+    return {**summarize(rs, cfg, pl, st, c, procs, killed), "scale": st["scale"],
+            "cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1.0)}
+
+
+def wire_costs(rs: Any, samplers: int, ranks: int) -> dict[str, float]:
+    """S3 requests per protocol step as the run's processes counted them on the wire (status
+    files' ``request_steps``; storage/requests.py): what benchmarks/sim.py charges each step."""
+    samp = [rs.read_json("samplers", f"w{i}.json") or {} for i in range(samplers)]
+    lead = rs.read_json("learner", "status.json") or {}
+    others = [rs.read_json("learner", f"rank{r}.json") or {} for r in range(1, ranks)]
+
+    def per(docs: list[dict], step: str, times_key: str | None = None) -> float:
+        n = sum(d.get("request_steps", {}).get(step, {}).get("requests", 0) for d in docs)
+        t = sum(d.get(times_key, 0) if times_key else d.get("request_steps", {}).get(step, {}).get("times", 0)
+                for d in docs)
+        return n / t if t else 0.0
+
+    waited = sum(d.get("request_steps", {}).get("startup_wait", {}).get("requests", 0) for d in samp)
+    return {"sampler_start": (sum(d.get("requests_at_start", 0) for d in samp) - waited) / max(len(samp), 1),
+            "poll": per(samp, "wait", "admission_polls"), "claim": per(samp, "claim"), "sync": per(samp, "sync"),
+            "commit": per(samp, "commit"), "sampler_status": per(samp, "status"),
+            "learner_start": float(lead.get("requests_at_start", 0)),
+            "rank_start": sum(d.get("requests_at_start", 0) for d in others) / max(len(others), 1),
+            "learner_poll": per([lead], "list") + per([lead], "stop_check"), "read": per([lead, *others], "read"),
+            "publish": per([lead], "publish"), "checkpoint": per([lead], "checkpoint"),
+            "learner_status": per([lead], "status")}
 
 
 def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int, killed: dict[str, int]) -> dict:
@@ -150,15 +197,17 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
     done = sum(h["batches"] for h in steady) * c
     ideal = procs * c / (st["rollout_s"] + st["update_s"])
     samp = [rs.read_json("samplers", f"w{i}.json") or {} for i in range(pl.samplers)]
-    ranks = [rs.read_json("learner", f"rank{r}.json") or {} for r in range(1, pl.learner_ranks)]
-    requests = sum(sum(s.get("requests", {}).values()) for s in samp) + sum(status["requests"].values()) + \
-        sum(sum(r.get("requests", {}).values()) for r in ranks)
+    requests = run_summary(rs.uri)["store_requests"]  # every process's S3 requests, as runs report them
     committed = len(rs.trajectories.list_batches())
     ids = [e["id"] for e in ledger["consumed"]]
     wait = sum(s.get("wait_s", 0.0) for s in samp)
     busy = sum(s.get("busy_s", 0.0) for s in samp)
     sample_s = sum(s.get("sample_s", 0.0) for s in samp) / max(sum(s.get("committed", 0) for s in samp), 1)
     update_s = sum(h["update_s"] for h in history) / max(sum(h["batches"] for h in history), 1) * pl.learner_ranks
+    # host seconds beyond the stand-in's compute: per update (read + agree, checkpoint, publish) and
+    # per sampler batch (adapter sync + commit), what the scale model is given for this machine
+    learner_host = sum(h.get("read_s", 0) + h.get("checkpoint_s", 0) + h.get("publish_s", 0) for h in history)
+    sampler_host = sum(s.get("busy_s", 0.0) - s.get("sample_s", 0.0) for s in samp)
     exactly_once = len(ids) == len(set(ids)) == committed - len(ledger["dropped"]) - len(ledger["quarantined"])
     return {"processes": procs, "samplers": pl.samplers, "learner_ranks": pl.learner_ranks,
             "batches_per_update": pl.batches_per_update, "batches": committed, "completions_per_batch": c,
@@ -168,10 +217,15 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
             "dropped": status["dropped"], "staleness_max": status["max_staleness_seen"],
             "staleness_bound": status["staleness_bound"], "requests_per_batch": requests / max(committed, 1),
             "updates": status["updates"], "exactly_once": exactly_once, "killed": killed,
-            "learner_resumes": status["resumes"], "store": "seaweedfs",
+            "learner_resumes": status["resumes"], "store": "seaweedfs", "wire": wire_costs(rs, pl.samplers, pl.learner_ranks),
             # the stand-in, planned and as measured (a calibration check), and what the scale model needs
             "rollout_s": st["rollout_s"], "update_s": st["update_s"], "measured_rollout_s": sample_s,
-            "measured_update_s": update_s, "adapter_bytes": st["adapter_bytes"],
+            "measured_update_s": update_s, "learner_host_s": learner_host / max(len(history), 1),
+            "sampler_host_s": sampler_host / max(sum(s.get("committed", 0) for s in samp), 1),
+            "learner_start_s": sum(s.get("startup_wait_s", 0.0) for s in samp) / max(len(samp), 1),
+            # a sampler polls for version 0 (startup) and for admission, nothing else
+            "startup_polls": sum(s.get("polls", 0) - s.get("admission_polls", 0) for s in samp) / max(len(samp), 1),
+            "adapter_bytes": st["adapter_bytes"],
             "allreduce_bytes": st["allreduce_bytes"], "link_bytes_s": 1e9,
             "poll_s": cfg.async_rl.poll_interval, "poll_backoff": cfg.async_rl.poll_backoff,
             "poll_max_s": cfg.async_rl.poll_max_interval, "max_staleness": cfg.adpo.max_staleness}
@@ -182,6 +236,7 @@ def main() -> None:
     ap.add_argument("--processes", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--batches", type=int, default=4, help="batches per sampler (each a stand-in rollout)")
     ap.add_argument("--chaos", action="store_true", help="SIGKILL 3 samplers and 1 learner rank in the largest run")
+    ap.add_argument("--scale", type=float, default=SCALE, help="LLaDA-8B's seconds and bytes times this")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-emulate-"))
     from miles_core.models.tiny import init_checkpoint
@@ -191,7 +246,7 @@ def main() -> None:
     os.environ.update({"MILES_S3_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.key,
                        "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_DEFAULT_REGION": "us-east-1"})
     probe = load_recipe("tiny", OVERRIDES)
-    os.environ["MILES_STANDIN"] = json.dumps(stand_in(probe))
+    os.environ["MILES_STANDIN"] = json.dumps({**stand_in(probe, args.scale), "allreduce_bytes": trained_bytes(probe, base)})
     os.environ["MILES_STANDIN_INSTALL"] = "1"  # the forkserver installs it once; forked samplers inherit it
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["miles_core.asyncrl.warm", "benchmarks.standin"])
@@ -211,10 +266,10 @@ def main() -> None:
     rows = [[r["processes"], f"{r['samplers']}:{r['learner_ranks']}", r["batches_per_update"], f"{r['efficiency']:.3f}",
              f"{r['learner_idle']:.2f}", f"{r['sampler_idle']:.2f}", r["dropped"], r["staleness_max"],
              f"{r['requests_per_batch']:.1f}", r["exactly_once"], f"{r['measured_rollout_s']:.2f}/{r['rollout_s']:.2f}",
-             f"{r['measured_update_s']:.2f}/{r['update_s']:.2f}"] for r in runs]
-    finish("emulate", {"runs": runs, "scale": SCALE, "cpus": usable_cpus(), "staleness_bound": STALENESS}, rows,
+             f"{r['measured_update_s']:.2f}/{r['update_s']:.2f}", f"{r['cpu_busy']:.2f}"] for r in runs]
+    finish("emulate", {"runs": runs, "scale": args.scale, "cpus": usable_cpus(), "staleness_bound": STALENESS}, rows,
            ["procs", "S:D", "B", "eff", "L idle", "S idle", "dropped", "max stale", "req/batch", "once",
-            "rollout s meas/plan", "update s meas/plan"], out=args.out)
+            "rollout s meas/plan", "update s meas/plan", "CPU busy"], out=args.out)
 
 
 if __name__ == "__main__":

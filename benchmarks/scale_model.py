@@ -84,7 +84,11 @@ def emulated_params(run: dict) -> Params:
                   store_latency_s=run["store_latency_s"], store_bytes_s=run["store_bytes_s"],
                   put_rate=run["store_rate"], get_rate=run["store_rate"], poll_s=run["poll_s"],
                   poll_backoff=run["poll_backoff"], poll_max_s=run["poll_max_s"], max_staleness=run["max_staleness"],
-                  learner_samples=False, shared_budget=False, batches_per_update=run["batches_per_update"])
+                  learner_samples=False, shared_budget=False, batches_per_update=run["batches_per_update"],
+                  sampler_host_s=run.get("sampler_host_s", 0.0), learner_host_s=run.get("learner_host_s", 0.0),
+                  learner_start_s=run.get("learner_start_s", 0.0),
+                  startup_poll_s=run["learner_start_s"] / run["startup_polls"] if run.get("startup_polls") else 0.0,
+                  **({"wire": run["wire"]} if "wire" in run else {}))
 
 
 def validation() -> list[dict[str, Any]]:

@@ -40,6 +40,17 @@ import simpy
 S3_PUT_PER_PREFIX = 3500.0   # requests/s (AWS S3 user guide, optimizing performance)
 S3_GET_PER_PREFIX = 5500.0
 
+# S3 requests per protocol step, as SeaweedFS + s3fs answered them in the 64-process emulated run
+# (python -m benchmarks.emulate, 2026-12-03: its "wire", counted on the wire by every process,
+# storage/requests.py; a claim, which those runs did not make, is an exclusive create: 2). A step
+# is several requests: s3fs asks a HEAD before each GET, an exclusive create looks first, an
+# adapter is three files, its manifest, its marker and LATEST.
+# A sampler's start: the spec and the base; a poll: control/STOP and adapters/LATEST; a learner
+# poll: the commits listing and control/STOP; a read: a batch's marker and data.
+WIRE = {"sampler_start": 12.54, "poll": 3.0, "claim": 2.0, "sync": 6.0, "commit": 3.0, "sampler_status": 1.0,
+        "learner_start": 24.0, "rank_start": 12.0, "learner_poll": 2.6, "read": 3.98, "publish": 12.0,
+        "checkpoint": 2.0, "learner_status": 1.0}
+
 
 @dataclass(frozen=True)
 class Params:
@@ -75,6 +86,15 @@ class Params:
     adapter_share: int = 1             # samplers per node sharing one adapter fetch (hierarchical fan-out; Miles: 1)
     seed: int = 0
     service: str = "deterministic"     # rate-slot service times: deterministic, or "exponential" (M/M/1 tests)
+    wire: dict[str, float] = field(default_factory=lambda: dict(WIRE))  # requests per protocol step
+    # host seconds beyond compute and the store's own time, as a run measured them: a sampler's per
+    # batch (loading the new adapter, writing Parquet), the learner's per update (reading and
+    # agreeing on its share, saving the adapter); ~0 next to LLaDA-8B's minutes, seconds when 64
+    # emulated processes share 2 cores (benchmarks/emulate.py)
+    sampler_host_s: float = 0.0
+    learner_host_s: float = 0.0
+    learner_start_s: float = 0.0       # until the learner publishes version 0 (loading, rendezvous)
+    startup_poll_s: float = 0.0        # how often samplers polled for version 0, if not the back-off's cap
 
 
 class Store:
@@ -83,21 +103,24 @@ class Store:
     def __init__(self, env: simpy.Environment, p: Params, rng: random.Random) -> None:
         self.env, self.p, self.rng = env, p, rng
         self.slots: dict[tuple[int, str], simpy.Resource] = {}
-        self.counts: dict[str, int] = {"put": 0, "get": 0}
+        self.counts: dict[str, float] = {"put": 0.0, "get": 0.0}
         self.busy: dict[tuple[int, str], float] = {}
 
-    def request(self, kind: str, key: str, nbytes: float = 0.0) -> Generator:
-        """One request of class ``kind`` ("put" or "get") for ``key``."""
+    def request(self, kind: str, key: str, nbytes: float = 0.0, n: float = 1.0) -> Generator:
+        """``n`` requests (a protocol step's, ``Params.wire``; a mean may be fractional) of class
+        ``kind`` ("put" or "get") for ``key``, one after another: n rate slots and n latencies."""
+        if n <= 0:
+            return
         prefix = zlib.crc32(key.encode()) % self.p.prefixes if self.p.prefixes > 1 else 0
         slot = self.slots.setdefault((prefix, kind), simpy.Resource(self.env, capacity=1))
         rate = self.p.put_rate if kind == "put" else self.p.get_rate
-        self.counts[kind] += 1
+        self.counts[kind] += n
         with slot.request() as r:
             yield r
-            hold = self.rng.expovariate(rate) if self.p.service == "exponential" else 1.0 / rate
+            hold = (self.rng.expovariate(rate / n) if self.p.service == "exponential" else n / rate)
             self.busy[(prefix, kind)] = self.busy.get((prefix, kind), 0.0) + hold
             yield self.env.timeout(hold)
-        yield self.env.timeout(self.p.store_latency_s + nbytes / self.p.store_bytes_s)
+        yield self.env.timeout(n * self.p.store_latency_s + nbytes / self.p.store_bytes_s)
 
     def max_utilisation(self, wall: float) -> tuple[float, str]:
         """The busiest prefix's rate-slot utilisation and which class it is."""
@@ -116,7 +139,7 @@ class Run:
     committed: int = 0
     self_sampled: int = 0
     claimed: int = 0
-    version: int = 0
+    version: int = -1                  # none published yet: samplers wait for the learner's version 0
     learner_busy_s: float = 0.0
     learner_compute_s: float = 0.0     # updates and its own rollouts (busy_s adds store requests)
     sampler_compute_s: float = 0.0     # rollouts
@@ -144,20 +167,32 @@ def allreduce_s(p: Params) -> float:
     return 2 * (d - 1) * (p.link_latency_s + p.allreduce_bytes / d / p.link_bytes_s)
 
 
+def shares(batches: int, n: int, d: int) -> list[int]:
+    """How many sampler batches each of ``d`` ranks reads for a global batch of ``batches`` x ``n``
+    rows (learner/shares.py::my_share in closed form): rank r owns global rows
+    [ceil(r B n / D), ceil((r + 1) B n / D)) and reads every batch those rows touch."""
+    total, out = batches * n, []
+    for r in range(d):
+        lo, hi = -(-r * total // d), -(-(r + 1) * total // d)
+        out.append((hi - 1) // n - lo // n + 1 if hi > lo else 0)
+    return out
+
+
 def update_time(p: Params, batches: int = 1) -> float:
     """One update of ``batches`` batches split over the ranks, plus the gradient all-reduce."""
     return max(batches * p.update_s / p.learner_ranks, p.min_update_s) + allreduce_s(p)
 
 
-def _wait(env: simpy.Environment, p: Params, cond, poll) -> Generator:
-    """Poll ``cond`` (each poll costs the requests ``poll`` makes) with back-off until it holds."""
+def _wait(env: simpy.Environment, p: Params, cond, poll, cap: float = 0.0) -> Generator:
+    """Poll ``cond`` (each poll costs the requests ``poll`` makes) with back-off until it holds;
+    ``cap``: the longest interval, when not ``p.poll_max_s``."""
     interval = p.poll_s
     while True:
         yield from poll()
         if cond():
             return
         yield env.timeout(interval)
-        interval = min(interval * p.poll_backoff, max(p.poll_max_s, p.poll_s))
+        interval = min(interval * p.poll_backoff, max(cap or p.poll_max_s, p.poll_s))
 
 
 def admits(slot: int, version: int, p: Params) -> bool:
@@ -166,12 +201,12 @@ def admits(slot: int, version: int, p: Params) -> bool:
 
 
 def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, rng: random.Random) -> Generator:
-    version = -1
+    version, w = -1, p.wire
 
-    def poll() -> Generator:
-        yield from store.request("get", "adapters/LATEST")
-        yield from store.request("get", "control/STOP")
-    yield from _wait(env, p, lambda: run.version >= 0, poll)
+    def poll() -> Generator:  # control/STOP and adapters/LATEST
+        yield from store.request("get", "adapters/LATEST", n=w["poll"])
+    yield from store.request("get", "base", n=w["sampler_start"])  # the spec, the base's files
+    yield from _wait(env, p, lambda: run.version >= 0, poll, p.startup_poll_s)
     seq = 0
     while True:
         if p.shared_budget:
@@ -179,7 +214,7 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
                 return
             slot = run.claimed
             run.claimed += 1
-            yield from store.request("put", f"claims/{i}-{seq}")
+            yield from store.request("put", f"claims/{i}-{seq}", n=w["claim"])
         elif seq >= p.batches // p.samplers:
             return
         else:
@@ -190,14 +225,13 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
         if run.version != version:
             version = run.version
             if i % p.adapter_share == 0:  # the node's fetcher; the others read its local copy
-                yield from store.request("get", f"adapters/v{version}", p.adapter_bytes)
+                yield from store.request("get", f"adapters/v{version}", p.adapter_bytes, n=w["sync"])
         t2 = env.now
         yield env.timeout(_rollout(p, rng))
         run.sampler_compute_s += env.now - t2
-        yield from store.request("put", f"trajectories/{i}-{seq}", p.batch_bytes)
-        yield from store.request("get", f"trajectories/{i}-{seq}.ok")  # the marker's existence check
-        yield from store.request("put", f"trajectories/{i}-{seq}.ok")
-        yield from store.request("put", f"samplers/{i}.json")
+        yield env.timeout(p.sampler_host_s)
+        yield from store.request("put", f"trajectories/{i}-{seq}", p.batch_bytes, n=w["commit"])  # data + marker
+        yield from store.request("put", f"samplers/{i}.json", n=w["sampler_status"])
         run.waiting.append((seq, version))
         run.committed += 1
         run.sampler_wait_s += t1 - t0
@@ -206,12 +240,18 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
 
 
 def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: random.Random) -> Generator:
-    yield from store.request("put", "adapters/v0", p.adapter_bytes)
+    w = p.wire
+    # loading and rendezvous; then each rank reads the spec and the base (in parallel), rank 0 also
+    # checks for a checkpoint and adapter and publishes version 0
+    yield env.timeout(p.learner_start_s)
+    others = [env.process(store.request("get", "base", n=w["rank_start"])) for _ in range(p.learner_ranks - 1)]
+    yield from store.request("get", "base", p.adapter_bytes, n=w["learner_start"])
+    yield simpy.AllOf(env, others)
     run.version = 0
     interval = p.poll_s
     while run.consumed + run.dropped < p.batches:
         t0 = env.now
-        yield from store.request("get", "trajectories/")
+        yield from store.request("get", "trajectories/", n=w["learner_poll"])  # list + control/STOP
         need = min(p.batches_per_update, p.batches - run.consumed - run.dropped)
         if len(run.waiting) < need:
             if p.learner_samples and run.claimed < p.batches and admits(run.claimed, run.version, p):
@@ -228,15 +268,16 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
             run.learner_idle_s += env.now - t0
             continue
         interval = p.poll_s
+        run.waiting.sort(key=lambda b: b[0])  # batch ids sort by sequence number: the oldest slots first
         taken = [run.waiting.pop(0) for _ in range(need)]
         fresh = []
 
         def ingest(share: int) -> Generator:  # one rank reads its share: marker and data of each batch
             for _ in range(share):
-                yield from store.request("get", "trajectories/marker")
-                yield from store.request("get", "trajectories/batch", p.batch_bytes)
-        ranks = min(p.learner_ranks, len(taken))
-        yield simpy.AllOf(env, [env.process(ingest(len(taken[r::ranks]))) for r in range(ranks)])
+                yield from store.request("get", "trajectories/batch", p.batch_bytes, n=w["read"])
+        reads = shares(len(taken), p.completions_per_batch, p.learner_ranks) if p.learner_ranks > 1 else [len(taken)]
+        yield simpy.AllOf(env, [env.process(ingest(k)) for k in reads if k])
+        yield env.timeout(p.learner_host_s)
         for _, version in taken:
             if run.version - version > p.max_staleness:
                 run.dropped += 1
@@ -254,10 +295,9 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
         run.consumed += len(fresh)
         run.consumed_at.append((env.now, len(fresh) * p.completions_per_batch))
         if p.checkpoint_every and run.version // p.checkpoint_every > before // p.checkpoint_every:
-            yield from store.request("put", "learner/checkpoint", p.checkpoint_bytes)
-        yield from store.request("put", f"adapters/v{run.version}", p.adapter_bytes)
-        yield from store.request("put", "adapters/LATEST")
-        yield from store.request("put", "learner/status.json")
+            yield from store.request("put", "learner/checkpoint", p.checkpoint_bytes, n=w["checkpoint"])
+        yield from store.request("put", f"adapters/v{run.version}", p.adapter_bytes, n=w["publish"])  # + LATEST
+        yield from store.request("put", "learner/status.json", n=w["learner_status"])
         run.learner_busy_s += env.now - t0
     run.end_s = env.now
 

@@ -5,13 +5,21 @@ LLaDA-8B's would, scaled down by one stated constant.
     python -m benchmarks.standin sampler|learner RUN_URI [asyncrl options]   (what emulate.py starts)
 
 What is replaced, in this process only (never in the product path): the tiny model the run's
-recipe names gets (1) a forward hook on its last block that waits, per sampling step, the rollout's
-share of LLaDA-8B's rollout time, and per scored update row the update's share (a third in the
-forward, two thirds in the backward through a gradient hook), and (2) a ``ballast`` projection no
-forward uses, whose LoRA factors make the adapter as large as LLaDA-8B's r=64 adapter: published,
-fetched by every sampler and all-reduced every optimizer step, so the transfers are real too.
-Times and bytes are LLaDA-8B's (benchmarks/scale_model.py::llada_8b) times ``SCALE``; the settings
-travel in the environment (``MILES_STANDIN``, JSON), which emulate.py sets.
+recipe names gets (1) waits that last what LLaDA-8B's passes would: a sampling step the rollout's
+share of LLaDA-8B's rollout time, a chunk of scored update rows the update's share (a third in the
+forward, two thirds in the backward); and (2) a ``ballast`` projection no forward uses, whose
+LoRA factors make the adapter as large as LLaDA-8B's r=64 adapter, published and fetched by
+every sampler, so the store's transfers are real too. Times and bytes are LLaDA-8B's
+(benchmarks/scale_model.py::llada_8b) times ``SCALE``; the settings travel in the environment
+(``MILES_STANDIN``, JSON), which emulate.py sets.
+
+The waits are the device's time, not added to the host's: a pass lasts max(host work, its wait)
+from its start, as a GPU's queued kernels overlap the Python that launched them. The ballast is
+not trained, so the gradient all-reduce carries the tiny model's own LoRA: at LLaDA-8B shape the
+all-reduce is ~3e-4 of an update (672 MB of float32 gradients at 40 GB/s against ~100 s of
+compute), and gloo across dozens of ranks on 2 shared cores costs more than that at any size, so
+the smallest real all-reduce is the closest this machine gets to the real ratio (its latency is
+this machine's floor, reported by emulate.py as measured against planned update seconds).
 """
 
 from __future__ import annotations
@@ -25,39 +33,58 @@ from typing import Any
 import torch
 from torch import nn
 
-SCALE = 1 / 32  # one constant for both: seconds and bytes are LLaDA-8B's times this
+SCALE = 1 / 8  # one constant for both: seconds and bytes are LLaDA-8B's times this
 
 
-def settings(batch_completions: int, steps: int, step_fraction: float) -> dict[str, Any]:
+def settings(batch_completions: int, steps: int, step_fraction: float, scale: float = SCALE) -> dict[str, Any]:
     """The stand-in's waits and ballast for a run whose sampler batches hold ``batch_completions``
-    completions sampled in ``steps`` steps, ADPO scoring ``step_fraction`` of them."""
+    completions sampled in ``steps`` steps, ADPO scoring ``step_fraction`` of them; LLaDA-8B's
+    seconds and bytes times ``scale``."""
     from benchmarks.scale_model import llada_8b
 
     real = llada_8b()
     rows = batch_completions * steps * step_fraction  # scored rows per sampler batch (ADPO)
-    return {"step_s": SCALE * real.rollout_s / steps, "row_s": SCALE * real.update_s / rows,
-            "rollout_s": SCALE * real.rollout_s, "update_s": SCALE * real.update_s,
-            "adapter_bytes": SCALE * real.adapter_bytes, "allreduce_bytes": SCALE * real.allreduce_bytes}
+    return {"step_s": scale * real.rollout_s / steps, "row_s": scale * real.update_s / rows,
+            "rollout_s": scale * real.rollout_s, "update_s": scale * real.update_s,
+            "adapter_bytes": scale * real.adapter_bytes, "scale": scale}
+
+
+def _sleep_until(deadline: float) -> None:
+    left = deadline - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
 
 
 class _Wait:
-    """The last block's forward hook (every pass runs it, whichever logits it then computes): a
-    sampling step waits ``step_s``; with gradients on, a chunk of R scored rows waits R x row_s / 3
-    now and 2 R x row_s / 3 in its backward."""
+    """Hooks on the first and last blocks (every pass runs both, whichever logits it then
+    computes). A sampling step ends ``step_s`` after its first block began; with gradients on, a
+    chunk of R scored rows ends its forward R x row_s / 3 after it began and its backward (when
+    the gradient reaches the first block's output) 2 R x row_s / 3 after its forward ended. Host
+    work inside those spans overlaps the wait instead of adding to it."""
 
     def __init__(self, step_s: float, row_s: float) -> None:
         self.step_s, self.row_s = step_s, row_s
+        self.t0 = 0.0
+        self.first: torch.Tensor | None = None
+
+    def start(self, module: nn.Module, args: Any) -> None:
+        self.t0, self.first = time.perf_counter(), None
+
+    def first_out(self, module: nn.Module, args: Any, out: Any) -> None:
+        h = out[0] if isinstance(out, tuple) else out  # [R, T, d]
+        self.first = h if h.requires_grad else None
 
     def __call__(self, module: nn.Module, args: Any, out: Any) -> Any:
         h = out[0] if isinstance(out, tuple) else out  # [R, T, d]
         if not torch.is_grad_enabled():
-            time.sleep(self.step_s)
+            _sleep_until(self.t0 + self.step_s)
             return out
         rows = h.shape[0]
-        time.sleep(rows * self.row_s / 3)
-        back = 2 * rows * self.row_s / 3
-        if h.requires_grad:
-            h.register_hook(lambda g: (time.sleep(back), g)[1])
+        _sleep_until(self.t0 + rows * self.row_s / 3)
+        back, first = 2 * rows * self.row_s / 3, self.first if self.first is not None else h
+        if first.requires_grad:
+            t1 = time.perf_counter()
+            first.register_hook(lambda g: (_sleep_until(t1 + back), g)[1])
         return out
 
 
@@ -66,7 +93,18 @@ def fit(model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
     ballast_out = max(1, int(cfg["adapter_bytes"] / 2 / cfg["lora_r"]))  # bf16 B factor [out, r]
     model.ballast = nn.Linear(1, ballast_out, bias=False)
     nn.init.zeros_(model.ballast.weight)
-    model.blocks[-1].register_forward_hook(_Wait(cfg["step_s"], cfg["row_s"]))
+    wait = _Wait(cfg["step_s"], cfg["row_s"])
+    model.blocks[0].register_forward_pre_hook(wait.start)
+    model.blocks[0].register_forward_hook(wait.first_out)
+    model.blocks[-1].register_forward_hook(wait)
+    return model
+
+
+def _ballast_frozen(model: nn.Module) -> nn.Module:
+    """The ballast's LoRA factors are published and fetched, never trained nor all-reduced."""
+    for name, p in model.named_parameters():
+        if "ballast" in name:
+            p.requires_grad_(False)
     return model
 
 
@@ -86,6 +124,13 @@ def install() -> None:
             return fit(model, cfg), tok
         load_base.standin = True  # type: ignore[attr-defined]
         mod.load_base = load_base
+    for name in ("add_lora_from", "load_adapter"):  # the learner's trainable parameters
+        real = getattr(policy_mod, name)
+        if not getattr(real, "standin", False):
+            def frozen(*args: Any, _real: Any = real, **kw: Any) -> Any:
+                return _ballast_frozen(_real(*args, **kw))
+            frozen.standin = True  # type: ignore[attr-defined]
+            setattr(policy_mod, name, frozen)
 
 
 if os.environ.get("MILES_STANDIN_INSTALL") == "1":  # emulate.py's forkserver: every forked sampler has it

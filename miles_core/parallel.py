@@ -19,12 +19,15 @@ the trainable (LoRA) gradients per optimizer step is what DDP does with a single
 with any number of chunks per rank, and keeps the model a plain PeftModel. LoRA gradients are
 small, so DDP's overlap of communication with backward would buy little.
 
-FSDP2 when the frozen base does not fit one device (not exercised on CPU here): apply
-``torch.distributed.fsdp.fully_shard`` to each decoder layer and then the root *after* adding
-LoRA, so frozen base weights and LoRA tensors are sharded together; drop :meth:`World.sync_grads`
-(FSDP reduce-scatters during backward) and call ``set_gradient_divide_factor(1.0)`` so it sums;
-with chunked backward, ``set_requires_gradient_sync(False)`` for all but the last chunk, and give
-every rank the same number of chunks (pad a short share with a zero-weight row).
+FSDP2 when the frozen base does not fit one device (not built): ``fully_shard`` of a peft LoRA
+model runs forward, backward and an optimizer step on CPU with gloo (torch 2.13, 2 ranks), so
+torch is not the obstacle; the chunked update is. FSDP all-gathers and reduce-scatters on every
+pass, so every rank must run the same number of chunks, while here a rank scores only the rows it
+owns. The plan: ``fully_shard`` each decoder layer and then the root *after* adding LoRA; drop
+:meth:`World.sync_grads` and ``set_gradient_divide_factor(1.0)`` so FSDP sums; give every rank the
+same number of chunks (a short share padded with zero-weight rows) and
+``set_requires_gradient_sync(False)`` on all but the last; publish and checkpoint the LoRA
+tensors with ``full_tensor()``.
 """
 
 from __future__ import annotations

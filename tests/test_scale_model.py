@@ -97,3 +97,13 @@ def test_poll_back_off_in_the_async_workers() -> None:
     assert load_recipe("arith", ["async_rl.poll_backoff=2", "async_rl.poll_max_interval=1"]).async_rl.poll_backoff == 2
     with pytest.raises(ConfigError, match="async_rl.poll_backoff"):
         load_recipe("arith", ["async_rl.poll_backoff=0.5"])
+
+
+@pytest.mark.parametrize("batches,n,d", [(19, 8, 27), (5, 8, 7), (1, 8, 2), (3, 4, 2), (2, 8, 5), (7, 3, 4)])
+def test_shares_match_the_learner_ranks_reads(batches: int, n: int, d: int) -> None:
+    # the model's closed form against learner/shares.py::my_share, rank by rank
+    from benchmarks.sim import shares
+    from miles_core.learner.shares import my_share
+    from miles_core.parallel import World
+
+    assert shares(batches, n, d) == [len(my_share(batches, n, World(r, d))) for r in range(d)]
