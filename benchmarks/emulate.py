@@ -85,7 +85,7 @@ def trained_bytes(cfg: Any, base: Path) -> float:
     from benchmarks.standin import _ballast_frozen, fit
 
     model, _ = load_base(cfg, base)
-    lora = _ballast_frozen(add_lora_from(fit(model, {**stand_in(cfg), "step_s": 0.0, "row_s": 0.0}), cfg.lora))
+    lora = _ballast_frozen(add_lora_from(fit(model, stand_in(cfg)), cfg.lora))  # fit: the ballast LoRA targets
     return 4.0 * sum(p.numel() for p in lora.parameters() if p.requires_grad)
 
 
@@ -164,12 +164,10 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
             "cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1.0)}
 
 
-def wire_costs(rs: Any, samplers: int, ranks: int) -> dict[str, float]:
-    """S3 requests per protocol step as the run's processes counted them on the wire (status
-    files' ``request_steps``; storage/requests.py): what benchmarks/sim.py charges each step."""
-    samp = [rs.read_json("samplers", f"w{i}.json") or {} for i in range(samplers)]
-    lead = rs.read_json("learner", "status.json") or {}
-    others = [rs.read_json("learner", f"rank{r}.json") or {} for r in range(1, ranks)]
+def wire_costs(samp: list[dict], lead: dict, others: list[dict]) -> dict[str, float]:
+    """S3 requests per protocol step as the run's processes counted them on the wire (the status
+    files of the samplers, rank 0 and the other ranks: ``request_steps``, storage/requests.py):
+    what benchmarks/sim.py charges each step."""
 
     def per(docs: list[dict], step: str, times_key: str | None = None) -> float:
         n = sum(d.get("request_steps", {}).get(step, {}).get("requests", 0) for d in docs)
@@ -197,6 +195,7 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
     done = sum(h["batches"] for h in steady) * c
     ideal = procs * c / (st["rollout_s"] + st["update_s"])
     samp = [rs.read_json("samplers", f"w{i}.json") or {} for i in range(pl.samplers)]
+    ranks = [rs.read_json("learner", f"rank{r}.json") or {} for r in range(1, pl.learner_ranks)]
     requests = run_summary(rs.uri)["store_requests"]  # every process's S3 requests, as runs report them
     committed = len(rs.trajectories.list_batches())
     ids = [e["id"] for e in ledger["consumed"]]
@@ -217,7 +216,7 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
             "dropped": status["dropped"], "staleness_max": status["max_staleness_seen"],
             "staleness_bound": status["staleness_bound"], "requests_per_batch": requests / max(committed, 1),
             "updates": status["updates"], "exactly_once": exactly_once, "killed": killed,
-            "learner_resumes": status["resumes"], "store": "seaweedfs", "wire": wire_costs(rs, pl.samplers, pl.learner_ranks),
+            "learner_resumes": status["resumes"], "store": "seaweedfs", "wire": wire_costs(samp, status, ranks),
             # the stand-in, planned and as measured (a calibration check), and what the scale model needs
             "rollout_s": st["rollout_s"], "update_s": st["update_s"], "measured_rollout_s": sample_s,
             "measured_update_s": update_s, "learner_host_s": learner_host / max(len(history), 1),

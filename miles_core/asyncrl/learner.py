@@ -49,6 +49,7 @@ class AsyncLearner(LearnerRun):
                                          // cfg.batches_per_update()), world=world)  # the last may be short
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
         self._init_self_sampling()
+        self.requests_at_start = self.rs.requests.total()  # the spec, the base, checkpoint and adapter checks
 
     # ------------------------------------------------------------------ sampling instead of waiting
     def _init_self_sampling(self) -> None:
@@ -126,8 +127,7 @@ class AsyncLearner(LearnerRun):
                 "self_sample_s": self.totals.get("sample_s", 0.0),
                 "self_sample_fraction": self.totals.get("sample_s", 0.0) / wall,
                 "completions": sum(e["rows"] for e in self.ledger["consumed"]),
-                "requests": self.rs.requests.snapshot(), "request_steps": self.rs.requests.phases(),
-                "requests_at_start": self.totals.get("requests_at_start", 0)}
+                **self.rs.requests.report(), "requests_at_start": self.requests_at_start}
 
     def _decide(self, waits: Any) -> tuple[str, Any]:
         """Rank 0's next step: ("stop" | "done", None), ("update", batch ids), ("sampled", None)
@@ -154,7 +154,6 @@ class AsyncLearner(LearnerRun):
 
     def run(self) -> dict[str, Any]:
         a, rs, world = self.cfg.async_rl, self.rs, self.world
-        self.totals["requests_at_start"] = rs.requests.total()  # the spec, the base, checkpoint and adapter checks
         self._updates_here = 0
         waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)
         last = time.perf_counter()
@@ -184,8 +183,8 @@ class AsyncLearner(LearnerRun):
             rs.write_json(status, "learner", "status.json")
             rs.write_json({"history": self.history, "ledger": self.ledger}, "learner", "history.json")
         else:  # what this rank's share of the reading cost the store
-            rs.write_json({"rank": world.rank, "requests": rs.requests.snapshot(), "request_steps": rs.requests.phases(),
-                           "requests_at_start": self.totals["requests_at_start"]}, "learner", f"rank{world.rank}.json")
+            rs.write_json({"rank": world.rank, **rs.requests.report(), "requests_at_start": self.requests_at_start},
+                          "learner", f"rank{world.rank}.json")
         if self.owns_cache:
             shutil.rmtree(self.cache, ignore_errors=True)
         return status

@@ -276,7 +276,7 @@ class SamplerWorker:
             self.stats["sample_s"] += t2 - t1  # rollout + reward alone
             self.stats["commit_s"] += t3 - t2
             self.stats.update(next_seq=seq, version=self.version, last=rollout_stats(batch), slot=slot,
-                              requests=req.snapshot(), request_steps=req.phases())
+                              **req.report())
             with req.phase("status"):
                 rs.write_json(self.stats, "samplers", f"{self.worker}.json")
         return self._finish(stopped=False, next_seq=seq)
@@ -284,8 +284,7 @@ class SamplerWorker:
     def _finish(self, stopped: bool, next_seq: int | None = None) -> dict[str, Any]:
         if next_seq is not None:
             self.stats["next_seq"] = next_seq
-        self.stats.update(done=not stopped, stopped=stopped, requests=self.run_store.requests.snapshot(),
-                          request_steps=self.run_store.requests.phases())
+        self.stats.update(done=not stopped, stopped=stopped, **self.run_store.requests.report())
         self.run_store.write_json(self.stats, "samplers", f"{self.worker}.json")
         if self.owns_cache:
             shutil.rmtree(self.cache, ignore_errors=True)

@@ -93,6 +93,10 @@ class RequestCounter:
                 n, times = self._phases.get(name, (0, 0))
                 self._phases[name] = (n + sent, times + 1)
 
+    def report(self) -> dict[str, Any]:
+        """What a process's status file records of its traffic: requests by operation, by step."""
+        return {"requests": self.snapshot(), "request_steps": self.phases()}
+
     def phases(self) -> dict[str, dict[str, int]]:
         """``{step: {"requests": n, "times": entries}}`` for every :meth:`phase` entered so far."""
         with self._lock:
