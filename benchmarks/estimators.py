@@ -27,9 +27,9 @@ import math
 import time
 from pathlib import Path
 
-from benchmarks.harness import bench_args, finish, over_seeds, paired, sft_checkpoint, workdir
+from benchmarks.harness import bench_args, finish, over_seeds, paired, problems_needed, sft_checkpoint, workdir
 
-ESTIMATORS = ("adpo", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
+ESTIMATORS = ("adpo", "adpo_sampled", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
 TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
 # diagnostic arms, not in the default set: not matched in compute
 DIAGNOSTIC = ("adpo_full",)  # ADPO scoring every recorded step (step fraction 1: twice ADPO's update FLOPs)
@@ -38,16 +38,22 @@ ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo":
 # EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
 EBPO_BLOCK = 8
 ARM_SETTINGS = {"ebpo": [f"adpo.mask_block={EBPO_BLOCK}"]}
-DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300"]
+# 1700 held-out problems (the test bucket holds 1742 distinct ones; the first 500 are the recipe's own):
+# with 4 seeds, enough for the paired sign test to see 1.5 points (see ``power`` in the output)
+DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300", "task.num_test=1700"]
+DETECT_GAIN = 0.015  # the smallest gap the table must rank
 FLOP_EVERY = 10
 
 
 def arm_overrides(cfg, estimator: str) -> list[str]:
     """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update compute;
     ``tracerl`` is ADPO with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949), its step fraction raised to keep
-    ADPO's rows per trajectory."""
+    ADPO's rows per trajectory (at the arith recipe's K = 8 and rho = 0.5 its rows are ADPO's covering runs of
+    two steps: the same arm, run again as a check); ``adpo_sampled`` scores a random rho of the steps exactly."""
     if estimator == "adpo_full":  # every step exactly: tells TraceRL's full coverage from its merging
         return ["adpo.estimator=adpo", "adpo.step_fraction=1.0"]
+    if estimator == "adpo_sampled":  # the earlier default: the same forwards on a random half of the steps, exact
+        return ["adpo.estimator=adpo", "adpo.step_cover=false"]
     if estimator == "tracerl":  # ADPO's rows merged s steps at a time, as many rows per trajectory as ADPO scores
         return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}",
                 f"adpo.step_fraction={min(1.0, cfg.adpo.step_fraction * TRACERL_MERGE)}"]
@@ -145,7 +151,15 @@ def main() -> None:
                      f"{entry['update_seconds']:.0f}" if trained else "-",
                      "-" if entry["p_vs_adpo"] is None else f"{st['wins']}/{st['losses']}",
                      "-" if entry["p_vs_adpo"] is None else f"{entry['p_vs_adpo']:.3g}"])
-    payload = {"estimators": out, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides,
+    # the power calculation: the discordance d seen between arms -> problems needed for 1.5 points
+    problems = sum(len(p["results"]["adpo"]["correct"]) for p in per_seed)
+    disc = [(e["wins_vs_adpo"] + e["losses_vs_adpo"]) / problems for e in out if e["name"] not in ("adpo", "sft")]
+    d = max(disc) if disc else 0.2
+    power = {"gain": DETECT_GAIN, "alpha": 0.05, "power": 0.8, "discordance": d, "problems": problems,
+             "problems_needed": problems_needed(d, DETECT_GAIN)}
+    print(f"power: discordance up to {d:.3f} -> {power['problems_needed']} paired problems to see "
+          f"{DETECT_GAIN:.3f} at p < 0.05 with power 0.8; this run has {problems}")
+    payload = {"estimators": out, "power": power, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides,
                "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["adpo"]["eval_config"],
                "sft_dir": args.checkpoint}
     finish("estimators" if args.recipe == "arith" else f"estimators_{args.recipe}", payload, rows,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import multiprocessing as mp
 import os
 import platform
@@ -162,6 +163,18 @@ def paired(a_correct: Sequence[bool], b_correct: Sequence[bool]) -> dict[str, fl
     n = max(len(a_correct), 1)
     return {"gain": (sum(map(bool, a_correct)) - sum(map(bool, b_correct))) / n,
             "wins": st.wins, "losses": st.losses, "p": st.p}
+
+
+def problems_needed(discordance: float, gain: float, alpha: float = 0.05, power: float = 0.8) -> int:
+    """Paired problems a two-sided sign (McNemar) test needs to see a pass-rate ``gain`` at level
+    ``alpha`` with probability ``power``, when a fraction ``discordance`` of problems differ between
+    the arms (Connor, 1987): n = (z_a sqrt(d) + z_b sqrt(d - g^2))^2 / g^2."""
+    from statistics import NormalDist
+
+    if not 0 < gain <= discordance <= 1:
+        raise ValueError(f"problems_needed: need 0 < gain ({gain}) <= discordance ({discordance}) <= 1")
+    z_a, z_b = NormalDist().inv_cdf(1 - alpha / 2), NormalDist().inv_cdf(power)
+    return math.ceil((z_a * math.sqrt(discordance) + z_b * math.sqrt(discordance - gain ** 2)) ** 2 / gain ** 2)
 
 
 def evaluate_adapter(cfg, base: str | Path, adapter: str | Path) -> tuple[float, list[bool]]:

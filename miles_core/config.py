@@ -172,8 +172,9 @@ class ADPOConfig:
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 over the run's updates
     clip_eps: float = bounded(0.2, 1e-09, 10.0)
     is_cap: float = bounded(2.0, 1.0)                 # C in w = min(pi_prox / mu, C)
-    step_fraction: float = bounded(1.0, 1e-09, 1.0)          # rho: fraction of each trajectory's steps per update
-    step_merge: int = bounded(1, 1)                   # s: s consecutive steps scored as one state (TraceRL shrinkage)
+    step_fraction: float = bounded(0.5, 1e-09, 1.0)          # rho: rows per trajectory = ceil(rho K), the update's forwards
+    step_cover: bool = True             # the rows partition all K steps (every token scored); False: a random rho of the steps
+    step_merge: int = bounded(1, 1)                   # s > 1: runs of s steps, a random rho of them (TraceRL shrinkage)
     kl_coef: float = bounded(0.0, 0.0)                # KL to the reference (adapter disabled)
     entropy_floor: float = bounded(0.0, 0.0)          # penalise mean entropy below this (NSD guard)
     entropy_coef: float = bounded(0.0, 0.0)

@@ -58,3 +58,15 @@ def test_a_setting_added_after_the_checkpoint_counts_as_its_default(tmp_path: Pa
     cosine = load_recipe("code", SMALL + ["sft.lr_schedule=cosine"])
     with pytest.raises(ValueError, match=r"\(sft\.lr_schedule\)"):
         sft_checkpoint(cosine, 0, tmp_path, data=build_task(cosine))
+
+
+def test_problems_needed_for_a_paired_sign_test_against_a_hand_computed_value() -> None:
+    """d = 0.18, g = 0.015, alpha 0.05, power 0.8: (1.95996 * 0.424264 + 0.841621 * 0.423999)^2 / 0.015^2
+    = (0.831535 + 0.356846)^2 / 2.25e-4 = 1.412249 / 2.25e-4 = 6276.7 -> 6277; more discordance
+    or a smaller gap needs more problems."""
+    from benchmarks.harness import problems_needed
+
+    assert problems_needed(0.18, 0.015) == 6277
+    assert problems_needed(0.30, 0.015) > 6277 and problems_needed(0.18, 0.03) < 6277
+    with pytest.raises(ValueError, match="discordance"):
+        problems_needed(0.01, 0.015)

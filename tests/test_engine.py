@@ -237,7 +237,7 @@ def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> 
                             nfe=torch.tensor([5, 3]), group_id=torch.tensor([0, 0]), policy_version=torch.zeros(2).long())
     rows = build_rows(batch, 1.0, torch.Generator(), merge=2)
     assert rows.traj.tolist() == [0, 0, 0, 1, 1] and rows.step.tolist() == [0, 1, 2, 0, 1]   # ceil(5/2), ceil(3/2)
-    x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, RecordedStep(merge=2))
+    x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, RecordedStep(rows.bounds))
     m = TOK.mask_id
     assert commit.long().tolist() == [[1, 1, 0, 0, 0, 1], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 0],
                                       [1, 1, 1, 0, 1, 0], [0, 0, 0, 1, 0, 1]]
@@ -246,13 +246,91 @@ def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> 
 
 
 def test_a_merged_row_is_scored_against_the_proximal_policy_not_the_recorded_mu(models: dict) -> None:
-    from miles_core.algo.rows import MaskedStepRows, RecordedStep
+    from miles_core.algo.rows import MaskedStepRows, RecordedStep, build_rows
 
     model, tok = models["tiny"]
     batch = sample(model, tok, prompts_for(tok, 2, 6), NSD, 16, torch.Generator().manual_seed(0))
-    one, two = MaskedStepRows(batch, tok, 1.0, RecordedStep()), MaskedStepRows(batch, tok, 1.0, RecordedStep(merge=2))
+    merged = build_rows(batch, 1.0, torch.Generator(), merge=2)
+    one, two = MaskedStepRows(batch, tok, 1.0, RecordedStep()), MaskedStepRows(batch, tok, 1.0, RecordedStep(merged.bounds))
     idx = torch.tensor([0, 1])
-    assert torch.equal(one.behaviour(idx, idx), batch.logp[idx]) and two.behaviour(idx, idx) is None
+    assert torch.equal(one.behaviour(idx, idx), batch.logp[idx]) and two.behaviour(idx, idx).isnan().all()
+
+
+def test_covering_rows_partition_every_step_into_near_equal_runs() -> None:
+    """rho = 0.5: K = 5 -> 3 runs (2, 2, 1 in some order), K = 3 -> 2 runs, K = 4 -> 2 runs of 2;
+    every committed token scored once, a one-step run exact (its recorded mu), a longer one not."""
+    from miles_core.algo.rows import RecordedStep, build_rows, row_inputs
+    from miles_core.types import TrajectoryBatch
+
+    step_map = torch.tensor([[0, 1, 2, 3, 4, 0], [1, 0, 1, 2, 0, 2], [3, 2, 1, 0, 3, 1]])   # K = 5, 3, 4
+    comp = torch.arange(10, 28).view(3, 6)
+    logp = -torch.rand(3, 6)
+    batch = TrajectoryBatch(prompt_ids=[[5], [6], [7]], completion_ids=comp, step_map=step_map, logp=logp,
+                            nfe=torch.tensor([5, 3, 4]), group_id=torch.tensor([0, 0, 0]),
+                            policy_version=torch.zeros(3).long())
+    runs = set()
+    for seed in range(30):
+        rows = build_rows(batch, 0.5, torch.Generator().manual_seed(seed), cover=True)
+        assert rows.traj.tolist() == [0, 0, 0, 1, 1, 2, 2] and rows.weight.tolist() == [1.0] * 7
+        view = RecordedStep(rows.bounds)
+        _, _, _, commit = row_inputs(batch, rows.traj, rows.step, TOK, view)
+        for b in range(3):
+            assert torch.equal(commit[rows.traj == b].long().sum(0), torch.ones(6, dtype=torch.long))  # each token once
+        first, end = view.span(rows.traj, rows.step)
+        lengths = (end - first).tolist()
+        runs.add(tuple(lengths[:3]))
+        assert sorted(lengths[:3]) == [1, 2, 2] and sorted(lengths[3:5]) == [1, 2] and lengths[5:] == [2, 2]
+        mu = view.behaviour(batch, rows.traj, rows.step)
+        single = torch.tensor(lengths) == 1
+        assert torch.equal(mu[single], logp[rows.traj[single]]) and mu[~single].isnan().all()
+        x, _, width, _ = row_inputs(batch, rows.traj, rows.step, TOK, view)
+        m = TOK.mask_id
+        k = int(first[6])  # trajectory 2's second run starts at step 2: steps 0, 1 revealed
+        assert k == 2 and x[6, width:].tolist() == [m, m, 24, 25, m, 27]
+    assert runs == {(1, 2, 2), (2, 1, 2), (2, 2, 1)}      # the one-step run lands anywhere
+
+
+def test_covering_rows_at_rho_one_are_every_step_exactly(models: dict) -> None:
+    from miles_core.algo.rows import build_rows
+
+    model, tok = models["tiny"]
+    batch = sample(model, tok, prompts_for(tok, 3, 5), NSD, 16, torch.Generator().manual_seed(0))
+    a = build_rows(batch, 1.0, torch.Generator().manual_seed(4), cover=True)
+    b = build_rows(batch, 1.0, torch.Generator().manual_seed(4), cover=False)
+    assert a.bounds is None and b.bounds is None
+    assert torch.equal(a.traj, b.traj) and torch.equal(a.step, b.step) and torch.equal(a.weight, b.weight)
+
+
+def test_covering_update_at_half_the_steps_is_tracerl_merging_by_two_when_k_is_even(models: dict) -> None:
+    """K = 4 for every trajectory: rho = 0.5 covering rows are runs of 2, TraceRL's s = 2 at rho = 1;
+    the two configurations take the same gradient, and it differs from scoring half the steps exactly."""
+    from miles_core.algo.update import adpo_update
+    from miles_core.config import ADPOConfig
+    from miles_core.models.lora import add_lora
+
+    base, tok = models["tiny"]
+    batch = sample(base, tok, prompts_for(tok, 4, 9, lo=4, hi=7), SamplerConfig(steps=4), 16,
+                   torch.Generator().manual_seed(0))
+    assert batch.num_steps.tolist() == [4, 4, 4, 4]
+    batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    grads = {}
+    for name, cfg in {"cover": ADPOConfig(step_fraction=0.5), "merge2": ADPOConfig(step_fraction=1.0, step_merge=2),
+                      "sampled": ADPOConfig(step_fraction=0.5, step_cover=False)}.items():
+        torch.manual_seed(0)
+        model = add_lora(base, r=4, alpha=8)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.1)
+        params = [p for p in model.parameters() if p.requires_grad]
+        stats = adpo_update(model, torch.optim.SGD(params, lr=0.0), batch, replace(cfg, max_grad_norm=1e9), tok, 1.0,
+                            torch.Generator().manual_seed(0))
+        assert stats["rows"] == 8.0
+        grads[name] = torch.cat([p.grad.flatten() for p in params])
+        model.unload()
+    assert grads["cover"].isfinite().all()
+    torch.testing.assert_close(grads["cover"], grads["merge2"], atol=1e-7, rtol=1e-5)
+    assert not torch.allclose(grads["cover"], grads["sampled"], atol=1e-4)
 
 
 def test_chunk_tokens_bounds_each_chunk_and_leaves_the_gradient_unchanged(models: dict) -> None:

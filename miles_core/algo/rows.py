@@ -24,31 +24,61 @@ from miles_core.models.window import model_device, window_logits
 
 @dataclass
 class Rows:
-    """Training rows. traj/step/weight [R]; commit [R, L] set at scoring time."""
+    """Training rows. traj/step/weight [R]; commit [R, L] set at scoring time. ``bounds`` [B, G + 1]
+    (recorded-step rows that group steps): row (b, g) covers steps bounds[b, g] .. bounds[b, g + 1] - 1;
+    None: row (b, k) is step k alone."""
 
     traj: Tensor
     step: Tensor
     weight: Tensor
+    bounds: Tensor | None = None
 
 
-def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Generator, merge: int = 1) -> Rows:
-    """All (b, k) rows, or a random fraction rho of each trajectory's steps reweighted by K_b/m_b
-    so that the subsampled objective is unbiased for the full one. ``merge`` = s > 1: a row is a
-    group of s consecutive steps (ceil(K_b / s) rows per trajectory)."""
-    trajs, steps, weights = [], [], []
-    for b, k_b in enumerate((-(-batch.num_steps // merge)).tolist()):
+def step_groups(k_b: int, groups: int, generator: torch.Generator) -> Tensor:
+    """[groups + 1] boundaries splitting steps 0 .. k_b - 1 into ``groups`` consecutive runs whose
+    lengths differ by at most one, the longer runs at random places (drawn from ``generator``)."""
+    q, r = divmod(k_b, groups)
+    longer = torch.zeros(groups, dtype=torch.long)
+    if r:  # equal runs draw nothing, so rho = 1 keeps the random stream of scoring every step
+        longer[torch.randperm(groups, generator=generator)[:r]] = 1
+    return torch.cat([torch.zeros(1, dtype=torch.long), (q + longer).cumsum(0)])
+
+
+def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Generator, merge: int = 1,
+               cover: bool = False) -> Rows:
+    """The recorded-step rows of ``batch``: ceil(rho K_b) rows per trajectory (rho = ``step_fraction``).
+
+    ``cover`` (ADPO's default): the rows partition all K_b steps into ceil(rho K_b) runs of
+    consecutive steps (lengths floor/ceil of K_b / m_b), so every committed token is scored in every
+    update at the cost of rho K_b forwards; a run of one step is scored exactly at its own state.
+    Otherwise a random fraction rho of each trajectory's steps (or of its runs of ``merge`` = s > 1
+    steps, TraceRL) is scored and reweighted by K_b / m_b, unbiased for the full objective but
+    leaving 1 - rho of the tokens without a gradient in that update."""
+    trajs, steps, weights, bounds = [], [], [], []
+    for b, k in enumerate(batch.num_steps.tolist()):
+        if cover and merge == 1:
+            m_b = max(1, min(k, math.ceil(step_fraction * k)))
+            bounds.append(step_groups(k, m_b, generator))
+            trajs.append(torch.full((m_b,), b))
+            steps.append(torch.arange(m_b))
+            weights.append(torch.ones(m_b))
+            continue
+        k_b = -(-k // merge)
         m_b = k_b if step_fraction >= 1.0 else max(1, math.ceil(step_fraction * k_b))
         chosen = torch.randperm(k_b, generator=generator)[:m_b] if m_b < k_b else torch.arange(k_b)
+        bounds.append(torch.arange(k_b + 1) * merge)
         trajs.append(torch.full((m_b,), b))
         steps.append(chosen.sort().values)
         weights.append(torch.full((m_b,), k_b / m_b))
-    return Rows(torch.cat(trajs), torch.cat(steps), torch.cat(weights))
+    width = max(len(x) for x in bounds)
+    table = torch.stack([torch.cat([x, x[-1:].expand(width - len(x))]) for x in bounds])  # [B, G + 1]
+    singles = merge == 1 and all(len(x) == k + 1 for x, k in zip(bounds, batch.num_steps.tolist()))
+    return Rows(torch.cat(trajs), torch.cat(steps), torch.cat(weights), None if singles else table)
 
 
-def step_commits(step_map: Tensor, step: Tensor, merge: int = 1) -> Tensor:
-    """[R, L] the positions row (b, g) scores: committed at steps merge*g .. merge*g + merge - 1."""
-    first = (step * merge)[:, None]
-    return (step_map >= first) & (step_map < first + merge)
+def step_commits(step_map: Tensor, first: Tensor, end: Tensor) -> Tensor:
+    """[R, L] the positions a row scores: those committed at steps first .. end - 1 ([R] each)."""
+    return (step_map >= first[:, None]) & (step_map < end[:, None])
 
 
 class RowView(Protocol):
@@ -84,34 +114,46 @@ class RowScorer(Protocol):
         ...
 
     def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
-        """The sampling policy's stored log-probs [R, L]; None: rows are on-policy (mu = pi_prox)."""
+        """The sampling policy's stored log-probs [R, L]; None: rows are on-policy (mu = pi_prox);
+        NaN where a row has no recorded mu for a token (the engine uses pi_prox there)."""
         ...
 
 
 class RecordedStep:
     """A row is a recorded step (ADPO's row kind): the state before step k, rebuilt from
-    ``step_map``, scoring the tokens committed at k. ``merge`` = s > 1 (TraceRL's shrinkage): row g
-    is the state before step s*g, scoring the tokens of steps s*g .. s*g + s - 1 at once."""
+    ``step_map``, scoring the tokens committed at k. With ``bounds`` (:class:`Rows`) row g of
+    trajectory b is a run of steps first .. end - 1 scored at once at the first one's state
+    (TraceRL's shrinkage): s times fewer forwards than scoring each of s steps."""
 
     per_epoch = False  # the recorded states never change: the proximal policy is scored once
 
-    def __init__(self, merge: int = 1) -> None:
-        self.merge = merge
+    def __init__(self, bounds: Tensor | None = None) -> None:
+        self.bounds = bounds
+
+    def span(self, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
+        """-> first step [R], end step (exclusive) [R] of each row."""
+        if self.bounds is None:
+            return step, step + 1
+        return self.bounds[traj, step], self.bounds[traj, step + 1]
 
     def state(self, batch: TrajectoryBatch, comp: Tensor, traj: Tensor, step: Tensor, mask_id: int,
               comp_mask: Tensor | None, scored: Tensor | None) -> tuple[Tensor, Tensor]:
         """-> completion state [R, L], commit [R, L]."""
-        state = rebuild_state(comp, batch.step_map[traj], step * self.merge, mask_id)
-        return state, step_commits(batch.step_map[traj], step, self.merge)
+        first, end = self.span(traj, step)
+        return rebuild_state(comp, batch.step_map[traj], first, mask_id), step_commits(batch.step_map[traj], first, end)
 
     def scored_count(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
         """[R] positions each row scores."""
-        return step_commits(batch.step_map[traj], step, self.merge).sum(1)
+        return step_commits(batch.step_map[traj], *self.span(traj, step)).sum(1)
 
     def behaviour(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor | None:
-        """The recorded mu of each token; a merged row (s > 1) scores tokens at an earlier state than
-        the one they were sampled from, so its ratio is against the proximal policy (TraceRL)."""
-        return batch.logp[traj] if self.merge == 1 else None
+        """The recorded mu of each token [R, L]. A run of several steps scores its later tokens at an
+        earlier state than the one they were sampled from, so there is no recorded mu for them: NaN,
+        and the engine takes the proximal policy instead (TraceRL's ratio)."""
+        if self.bounds is None:
+            return batch.logp[traj]
+        first, end = self.span(traj, step)
+        return batch.logp[traj].masked_fill((end - first > 1)[:, None], float("nan"))
 
 
 class FullyMasked:

@@ -104,7 +104,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
                 if cfg.kl_coef > 0:
                     with torch.no_grad(), reference_policy(model) as ref_model:
                         ref = scorer.score(ref_model, t_idx, s_idx)[0]
-                out = loss_fn(logp, prox_c, prox_c if behav is None else behav.to(logp.device), adv[t_idx].to(logp.device),
+                mu = prox_c if behav is None else torch.where(behav.isnan(), prox_c, behav.to(logp.device))  # NaN: no recorded mu
+                out = loss_fn(logp, prox_c, mu, adv[t_idx].to(logp.device),
                               commit, rows.weight[c].to(logp.device), normaliser / cfg.num_minibatches, ref, ent)
                 out.loss.backward()  # graph of this chunk only: one denoising step per row
                 for k in SUM_KEYS + ("tokens",):
