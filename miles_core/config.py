@@ -233,6 +233,7 @@ class AsyncSettings:
     learner_samples: bool = False       # with shared_budget: the learner samples a batch itself instead of waiting idle
     sync_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # adapter tensors as published to samplers
     learner_threads: int = bounded(1, 1, 1024)            # torch threads of the learner process
+    fsdp: bool = False                  # learner ranks shard base and adapter (FSDP2) instead of each holding it whole
     # freed heap a worker keeps mapped for reuse (glibc mallopt; miles_core/allocator.py); 0: glibc's default
     retain_heap_mb: int = bounded(1024, 0, 2047)
     retry_budget_s: float = bounded(60.0, 0.0)        # storage errors are retried with backoff for this long
@@ -389,6 +390,9 @@ def validate(obj: Any, path: str = "") -> None:
     if isinstance(obj, AsyncSettings):
         need(obj.shared_budget or not obj.learner_samples, "learner_samples",
              "needs shared_budget=true (the learner claims slots of the shared sample budget)")
+        need(not (obj.fsdp and obj.learner_samples), "fsdp",
+             "cannot be combined with learner_samples=true (rank 0 alone would sample through a model "
+             "whose every forward is a collective of all ranks)")
     if isinstance(obj, RecipeConfig):
         per = obj.train.prompts_per_iter * obj.train.group_size
         a = obj.async_rl

@@ -19,15 +19,16 @@ the trainable (LoRA) gradients per optimizer step is what DDP does with a single
 with any number of chunks per rank, and keeps the model a plain PeftModel. LoRA gradients are
 small, so DDP's overlap of communication with backward would buy little.
 
-FSDP2 when the frozen base does not fit one device (not built): ``fully_shard`` of a peft LoRA
-model runs forward, backward and an optimizer step on CPU with gloo (torch 2.13, 2 ranks), so
-torch is not the obstacle; the chunked update is. FSDP all-gathers and reduce-scatters on every
-pass, so every rank must run the same number of chunks, while here a rank scores only the rows it
-owns. The plan: ``fully_shard`` each decoder layer and then the root *after* adding LoRA; drop
-:meth:`World.sync_grads` and ``set_gradient_divide_factor(1.0)`` so FSDP sums; give every rank the
-same number of chunks (a short share padded with zero-weight rows) and
-``set_requires_gradient_sync(False)`` on all but the last; publish and checkpoint the LoRA
-tensors with ``full_tensor()``.
+FSDP2 when the frozen base does not fit one device (``async_rl.fsdp``, :func:`shard_model`): every
+decoder layer and then the root is ``fully_shard``-ed after LoRA is added, so each rank holds
+1/D of the base and of the adapter and all-gathers a layer for its forward and backward. FSDP
+runs collectives on every pass, so the engine gives every rank the same number of row chunks (a
+short share padded with one-row chunks whose loss is multiplied by zero), lets only the last
+chunk of a minibatch reduce-scatter (``set_requires_gradient_sync``), and scales each rank's loss
+by D so that FSDP's average is the sum :meth:`World.sync_grads` takes unsharded. The
+checkpoint and the published adapter are gathered to full tensors on every rank
+(:func:`full_tensors`), so a sharded learner writes exactly what a replicated one writes, and a
+checkpoint resumes under either (:func:`shard_like`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class World:
     size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     local_rank: int = 0
+    sharded: bool = False  # FSDP2 holds the model's parameters (shard_model): collectives on every pass
 
     @property
     def is_main(self) -> bool:
@@ -144,3 +146,59 @@ def close_world(world: World) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def shard_model(model: torch.nn.Module, world: World) -> None:
+    """FSDP2 over ``world``: ``fully_shard`` each layer of the denoiser's layer lists, then the
+    denoiser itself (the root), in place. FSDP averages gradients over ranks; the engine scales a
+    sharded rank's loss by D so that the result is the sum (gloo has no pre-multiplied sum for
+    ``set_gradient_divide_factor``). The model's
+    ``window`` (models/window.py: the pass that scores rows and samples) counts as a forward, so
+    FSDP gathers the root's parameters for it too. Call after LoRA is added and before the
+    optimizer is built: the parameters become DTensors."""
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    if world.size == 1:
+        return
+    get = getattr(model, "get_base_model", None)
+    root = get() if callable(get) else model   # peft injects LoRA in place: its layers live in the denoiser
+    units = [layer for mods in root.modules() if isinstance(mods, torch.nn.ModuleList)
+             for layer in mods if any(True for _ in layer.parameters())]
+    for layer in units:
+        fully_shard(layer)
+    fully_shard(root)
+    if hasattr(root, "window"):
+        register_fsdp_forward_method(root, "window")
+    world.sharded = True
+
+
+def fsdp_root(model: torch.nn.Module) -> Any:
+    """The FSDP root module of a sharded ``model`` (its denoiser), whose settings recurse to the layers."""
+    get = getattr(model, "get_base_model", None)
+    return get() if callable(get) else model
+
+
+def full_tensors(obj: Any) -> Any:
+    """``obj`` (nested dicts, lists, tuples) with every DTensor gathered to a full tensor. A
+    collective: every rank calls it, in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        return obj.full_tensor()
+    if isinstance(obj, dict):
+        return {k: full_tensors(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(full_tensors(v) for v in obj)
+    return obj
+
+
+def shard_like(full: Tensor, like: Tensor) -> Tensor:
+    """``full`` laid out as the DTensor ``like`` is (its mesh and placements); every rank holds the
+    same ``full`` (all read the same checkpoint), so each keeps its own shard without communication.
+    A plain ``like``: ``full`` as is."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    return distribute_tensor(full.to(like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+

@@ -75,7 +75,7 @@ def test_the_model_is_the_hand_formula() -> None:
 
 def test_adpo_scores_each_recorded_step_at_its_state() -> None:
     """Row (b, k) sees the state before step k: trajectory 0 step 0 sees [a, M, M], step 1 [a, a, M]."""
-    tb, cfg = batch(), ADPOConfig(estimator="adpo")
+    tb, cfg = batch(), ADPOConfig(estimator="adpo", step_fraction=1.0)  # every step, each exact
     rows, scorer = estimator_rows(tb, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
     logp, _, commit = scorer.score(TwoToken(), rows.traj, rows.step)
     logp = logp.detach()

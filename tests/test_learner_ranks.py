@@ -138,3 +138,45 @@ def test_sigkill_of_one_learner_rank_mid_update_resumes_with_every_batch_consume
     assert [e["update"] for e in ledger["consumed"]] == [1, 1, 2, 2, 3, 3] and not ledger["dropped"]
     assert status["done"] and status["resumes"] >= 1 and status["version"] == 3
     assert json.loads(json.dumps(status))["max_staleness_seen"] <= 10
+
+
+def test_fsdp_ranks_publish_and_resume_the_one_process_updates(tmp_path: Path, base_dir: Path) -> None:
+    """async_rl.fsdp: two ranks each holding half of base and adapter (FSDP2 on gloo) publish the
+    adapters one process publishes, update after update, across a resume from a checkpoint they
+    gathered (shares of 16 rows in chunks of 5: ranks run unequal chunk counts, padded)."""
+    over = ("async_rl.global_batch=16", "async_rl.fsdp=true", "async_rl.checkpoint_every=1")
+    run = committed_run(tmp_path / "one", base_dir, 6, *over)            # 3 updates of 2 batches
+    two = tmp_path / "two" / "run"
+    shutil.copytree(run, two)
+    single = AsyncLearner(run, str(tmp_path / "one" / "lc")).run()
+    assert single["done"] and single["updates"] == 3
+    first = torchrun(str(two), tmp_path / "two", 2, "--max-updates", "2")
+    assert first.wait(timeout=300) == 0, (tmp_path / "two" / "torchrun.log").read_text()[-4000:]
+    assert RunStore(str(two)).load_checkpoint()["version"] == 2
+    rest = torchrun(str(two), tmp_path / "two", 2)                     # resumes: the checkpoint sharded again
+    assert rest.wait(timeout=300) == 0, (tmp_path / "two" / "torchrun.log").read_text()[-4000:]
+    status = RunStore(str(two)).read_json("learner", "status.json")
+    assert status["done"] and status["resumes"] >= 1 and status["version"] == 3 and status["learner_ranks"] == 2
+    for v in (1, 2, 3):
+        a = load_file(str(RunStore(run).adapters.fetch(v, tmp_path / f"a{v}") / "adapter_model.safetensors"))
+        b = load_file(str(RunStore(str(two)).adapters.fetch(v, tmp_path / f"b{v}") / "adapter_model.safetensors"))
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)       # v3 moved: not two zero LoRAs
+
+
+@pytest.mark.parametrize("minibatches,kl", [(1, 0.0), (2, 0.1)])
+def test_an_fsdp_update_with_unequal_shares_is_the_one_process_update(tmp_path: Path, minibatches: int, kl: float) -> None:
+    """FSDP2 needs every rank to run as many passes: rank 1, holding 3 of 12 trajectories, pads its
+    chunks; the sharded update still equals one process's (and the KL's reference passes pad too)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
+           str(ROOT / "tests" / "helpers" / "fsdp_update.py"), str(minibatches), str(kl)]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    line = next(x for x in out.stdout.splitlines() if x.startswith("max_abs_diff="))
+    fields = dict(f.split("=") for f in line.split())
+    assert float(fields["max_abs_diff"]) < 1e-6 and float(fields["moved"]) > 1e-4, line
+    one, sharded = map(float, fields["grad_norm"].split(","))
+    assert one == pytest.approx(sharded, rel=1e-5) and len(set(fields["tokens"].split(","))) == 1, line

@@ -26,7 +26,7 @@ from miles_core.algo.loss import SUM_KEYS
 from miles_core.algo.rows import Rows, RowScorer
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
-from miles_core.parallel import World
+from miles_core.parallel import World, fsdp_root, full_tensors
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
 from miles_core.models.window import head_weight
@@ -44,7 +44,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     the full-batch gradient. ``world`` (data
     parallel): every rank holds the same rows and generator state, and ``owned`` [B] (bool) says
     which trajectories it holds (it read its share of the global batch; learner/shares.py); it
-    scores only their rows, and gradients are summed over ranks before clipping and the step.
+    scores only their rows, and gradients are summed over ranks before clipping and the step
+    (by FSDP's reduce-scatter when ``world.sharded``: then every rank runs as many chunks).
     Stats stay tensors (sums and counts) until one reduction and one host read at the end.
     """
     n_rows = rows.traj.numel()
@@ -71,6 +72,28 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
         for g in group.unique_consecutive().tolist():
             yield idx[group == g]
 
+    sharded = world is not None and world.sharded
+
+    def my_chunks(idx: Tensor) -> list[Tensor | None]:
+        """This rank's chunks of ``idx``; sharded (FSDP2), padded with None to as many as any rank
+        runs, since every forward and backward there is a collective (parallel.py)."""
+        cs: list[Tensor | None] = list(chunks(own(idx)))
+        if sharded:
+            cs += [None] * (int(world.max_over_ranks(len(cs))) - len(cs))
+        return cs
+
+    def pad_pass(idx: Tensor, backward: bool) -> None:
+        """A padding chunk: one row of ``idx`` through the same passes as a real chunk, its loss x 0
+        (non-finite log-probs of another rank's skeleton row zeroed first), so FSDP's collectives
+        match across ranks and nothing is added to the gradient or the stats."""
+        t, k = rows.traj[idx[:1]], rows.step[idx[:1]]
+        logp = scorer.score(model, t, k)[0]
+        if backward and cfg.kl_coef > 0:
+            with torch.no_grad(), reference_policy(model) as ref_model:
+                scorer.score(ref_model, t, k)
+        if backward:
+            (torch.nan_to_num(logp, 0.0, 0.0, 0.0).sum() * 0.0).backward()
+
     per_epoch = getattr(scorer, "per_epoch", False)  # rows redrawn each epoch (fresh masks)
     proxes: list[Tensor] = []
     if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
@@ -79,7 +102,10 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
                 scorer.set_epoch(e)
             prox = torch.zeros(n_rows, scorer.width, device=device)
             with torch.no_grad():
-                for c in chunks(own(torch.arange(n_rows))):
+                for c in my_chunks(torch.arange(n_rows)):
+                    if c is None:
+                        pad_pass(torch.arange(n_rows), backward=False)
+                        continue
                     prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
             if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
                 world.all_reduce_(prox)
@@ -95,7 +121,13 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
         perm = torch.randperm(n_rows, generator=generator)
         for mb in perm.chunk(cfg.num_minibatches):
             optimizer.zero_grad(set_to_none=True)
-            for c in chunks(own(mb)):
+            cs = my_chunks(mb)
+            for i, c in enumerate(cs):
+                if sharded:  # accumulate unsharded; reduce-scatter once, after the minibatch's last chunk
+                    fsdp_root(model).set_requires_gradient_sync(i == len(cs) - 1)
+                if c is None:
+                    pad_pass(mb, backward=True)
+                    continue
                 t_idx, s_idx = rows.traj[c], rows.step[c]
                 logp, ent, commit = scorer.score(model, t_idx, s_idx)
                 prox_c = prox[c] if prox is not None else logp.detach()
@@ -107,14 +139,15 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
                 mu = prox_c if behav is None else torch.where(behav.isnan(), prox_c, behav.to(logp.device))  # NaN: no recorded mu
                 out = loss_fn(logp, prox_c, mu, adv[t_idx].to(logp.device),
                               commit, rows.weight[c].to(logp.device), normaliser / cfg.num_minibatches, ref, ent)
-                out.loss.backward()  # graph of this chunk only: one denoising step per row
+                # graph of this chunk only: one denoising step per row; sharded, x D: FSDP averages
+                (out.loss * world.size if sharded else out.loss).backward()
                 for k in SUM_KEYS + ("tokens",):
                     sums[k] += out.sums[k].to(device)
                 sums["loss"] += out.loss.detach().to(device)
                 iw_max = torch.maximum(iw_max, out.sums["iw_max"].to(device))
-            if world is not None:
+            if world is not None and not sharded:  # (FSDP reduce-scattered in the last backward)
                 world.sync_grads(params)  # sum over ranks: the loss is already / global normaliser
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm).to(device)
+            grad_norm = full_tensors(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).to(device)
             optimizer.step()
             if scheduler is not None:
                 scheduler.step()

@@ -21,8 +21,8 @@ from miles_core.config import RecipeConfig
 from miles_core.data.registry import TaskData
 from miles_core.models.base import base_identity, load_base, resolve_device
 from miles_core.models.activations import checkpoint_layers
-from miles_core.models.lora import add_lora_from, load_adapter, save_adapter
-from miles_core.parallel import World
+from miles_core.models.lora import adapter_tensors, add_lora_from, load_adapter, save_adapter
+from miles_core.parallel import World, full_tensors, shard_like, shard_model
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.types import TrajectoryBatch
 
@@ -35,7 +35,7 @@ class Learner:
     bit-exactly."""
 
     def __init__(self, cfg: RecipeConfig, base_dir: str | Path, adapter_dir: str | Path | None = None,
-                 total_updates: int | None = None):
+                 total_updates: int | None = None, world: World | None = None):
         seed = cfg.train.seed
         self.cfg, self.base_dir, self._base_identity = cfg, base_dir, None
         base, self.tok = load_base(cfg, base_dir)
@@ -50,6 +50,9 @@ class Learner:
         a = cfg.adpo
         if a.grad_checkpointing:  # memory for compute: each layer's activations recomputed in backward
             checkpoint_layers(self.model)
+        self.sharded = world is not None and world.size > 1 and cfg.async_rl.fsdp
+        if self.sharded:  # FSDP2: each rank holds 1/D of base and adapter (parallel.py)
+            shard_model(self.model, world)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
         # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
@@ -122,17 +125,33 @@ class Learner:
         self.opt.load_state_dict(copy.deepcopy(st["opt"]))
         self.sched.load_state_dict(st["sched"])
 
-    def save_adapter(self, directory: str | Path, dtype: torch.dtype | None = None) -> Path:
+    def full_adapter(self) -> dict[str, torch.Tensor] | None:
+        """A sharded learner's adapter tensors gathered whole (a collective: every rank calls it
+        before rank 0 publishes); None when every rank holds them whole already."""
+        return full_tensors(adapter_tensors(self.model)) if self.sharded else None
+
+    def save_adapter(self, directory: str | Path, dtype: torch.dtype | None = None,
+                     tensors: dict[str, torch.Tensor] | None = None) -> Path:
+        """The peft folder of the current adapter (``tensors``: :meth:`full_adapter`'s, when sharded)."""
         if self._base_identity is None:  # hashed once per learner: the async learner publishes every update
             self._base_identity = base_identity(self.base_dir)
-        return save_adapter(self.model, directory, dtype, base=self._base_identity)
+        return save_adapter(self.model, directory, dtype, base=self._base_identity, tensors=tensors)
 
     def state(self) -> dict:
-        return {**self._policy_state(), "gen": self.gen.get_state(),
-                "version": self.version, "torch_rng": torch.get_rng_state(),
-                "guard": self.guard.state() if self.guard else None}
+        """Everything a resume needs, as full tensors (a sharded learner gathers: every rank calls it)."""
+        st = {**self._policy_state(), "gen": self.gen.get_state(),
+              "version": self.version, "torch_rng": torch.get_rng_state(),
+              "guard": self.guard.state() if self.guard else None}
+        return full_tensors(st) if self.sharded else st
 
     def load_state(self, st: dict) -> None:
+        if self.sharded:  # the checkpoint holds full tensors: each rank keeps its shard of them
+            live = self.model.state_dict()
+            opt = copy.deepcopy(st["opt"])
+            for i, s in opt["state"].items():
+                opt["state"][i] = {k: shard_like(v, self.params[i]) if torch.is_tensor(v) and v.dim() else v
+                                   for k, v in s.items()}
+            st = {**st, "adapter": {k: shard_like(v, live[k]) for k, v in st["adapter"].items()}, "opt": opt}
         self._restore(st)
         self.gen.set_state(st["gen"])
         self.version = int(st["version"])

@@ -50,7 +50,7 @@ from miles_core.storage.run import RunStore, changed_settings, prepare_run
 log = logging.getLogger(__name__)
 # Settings that may change when a run is resumed (its length, evaluation, threads); anything else
 # would silently change the experiment, so it is refused.
-RESUMABLE = ("train.iterations", "train.eval_every", "eval.", "torch_threads")
+RESUMABLE = ("train.iterations", "train.eval_every", "eval.", "torch_threads", "async_rl.fsdp")
 POINTER = "learner.json"  # run_dir/learner.json: which store and base a local run folder trains
 HISTORY_KEYS = ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows", "rolled_back",
                 "guard_skipped", "guard_rollbacks")
@@ -80,7 +80,7 @@ class LearnerRun:
         self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         self.checkpoint_every = checkpoint_every or self.cfg.async_rl.checkpoint_every
         self.learner = Learner(self.cfg, self.rs.fetch_base(self.cache),
-                               total_updates=total_updates)
+                               total_updates=total_updates, world=self.world)
         self.ledger: dict[str, list[dict[str, Any]]] = {"consumed": [], "dropped": [], "quarantined": []}
         self.history: list[dict[str, Any]] = []
         self.totals: dict[str, Any] = {"idle_s": 0.0, "wall_s": 0.0, "fill_s": 0.0, "resumes": 0, "version_skips": 0}
@@ -96,11 +96,14 @@ class LearnerRun:
                         self.learner.version, latest, latest + 1)
             self.learner.version = latest
             self.totals["version_skips"] += 1
-        self.world.broadcast_(self.learner.params)  # as DDP does at start (equal already: same seed or checkpoint)
+        if not self.learner.sharded:  # as DDP does at start (equal already: same seed or checkpoint)
+            self.world.broadcast_(self.learner.params)
         self._since_ckpt = 0
         self._data: TaskData | None = None
         self._collected: tuple[str, TrajectoryBatch] | None = None  # the batch collect() just committed
-        if not self.rs.retry(lambda: self.rs.adapters.is_committed(self.learner.version), "checking adapter"):
+        unpublished = self.world.is_main and not self.rs.retry(
+            lambda: self.rs.adapters.is_committed(self.learner.version), "checking adapter")
+        if self.world.broadcast_object(unpublished):  # rank 0's answer: every rank joins a sharded publish
             self.publish()
 
     def handled(self) -> set[str]:
@@ -109,9 +112,12 @@ class LearnerRun:
 
     def checkpoint(self) -> None:
         self._since_ckpt = 0
-        if not self.world.is_main:  # every rank holds the same state; rank 0 writes it
+        if not (self.world.is_main or self.learner.sharded):  # same state everywhere; rank 0 writes it
             return
-        blob = {"learner": self.learner.state(), "ledger": self.ledger, "history": self.history,
+        state = self.learner.state()  # sharded: gathered on every rank (a collective)
+        if not self.world.is_main:
+            return
+        blob = {"learner": state, "ledger": self.ledger, "history": self.history,
                 "totals": self.totals, "version": self.learner.version}
         with self.rs.requests.phase("checkpoint"):
             self.rs.save_checkpoint(blob, self.learner.version)
@@ -119,10 +125,11 @@ class LearnerRun:
     def publish(self) -> None:
         """Upload the current adapter as version ``learner.version`` (idempotent on resume)."""
         v = self.learner.version
+        tensors = self.learner.full_adapter()  # sharded: every rank gathers (a collective); else None
         if not self.world.is_main:
             return
         with tempfile.TemporaryDirectory(dir=self.cache) as tmp, self.rs.requests.phase("publish"):
-            self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype))
+            self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype), tensors)
             try:  # committed already: an attempt that failed after its commit marker, or a resumed run
                 self.rs.retry(lambda: self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
                               f"publishing adapter v{v}")

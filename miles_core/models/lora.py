@@ -154,6 +154,12 @@ def native_adapter_state(base: nn.Module, state: dict[str, torch.Tensor]) -> dic
 _BOUND: "weakref.WeakKeyDictionary[nn.Module, list[tuple[str, str, torch.Tensor]]]" = weakref.WeakKeyDictionary()
 
 
+def _storage(t: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    """Where a tensor's values live and its shape; a DTensor (FSDP2) by its local shard's storage."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.data_ptr(), tuple(t.shape)
+
+
 def adapter_tensors(model: PeftModel) -> dict[str, torch.Tensor]:
     """``get_peft_model_state_dict(model)``'s keys bound to the model's live parameters.
 
@@ -168,10 +174,10 @@ def adapter_tensors(model: PeftModel) -> dict[str, torch.Tensor]:
     if bound is not None and all(live.get(name) is p for _, name, p in bound):
         return {key: p for key, _, p in bound}
     peft_state = get_peft_model_state_dict(model)
-    by_storage = {(p.data_ptr(), tuple(p.shape)): name for name, p in live.items()}
+    by_storage = {_storage(p): name for name, p in live.items()}
     entries = []
     for key, t in peft_state.items():
-        name = by_storage.get((t.data_ptr(), tuple(t.shape)))
+        name = by_storage.get(_storage(t))
         if name is None:
             _BOUND.pop(model, None)
             return peft_state
@@ -181,7 +187,7 @@ def adapter_tensors(model: PeftModel) -> dict[str, torch.Tensor]:
 
 
 def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | None = None,
-                 base: dict[str, str] | None = None) -> Path:
+                 base: dict[str, str] | None = None, tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write the adapter as the peft folder a user attaches to the published model.
 
     The same two files ``PeftModel.save_pretrained`` writes (adapter_config.json +
@@ -197,13 +203,15 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     samplers, which load them into their float32 LoRA layers; the behaviour log-probs they record
     are those of the rounded policy, and the learner's importance weight corrects for the difference.
     ``base`` (models.base.base_identity) is also written to ``miles_base.json`` (name, path and the
-    hash of the base's weights), which Miles checks before applying the adapter.
+    hash of the base's weights), which Miles checks before applying the adapter. ``tensors``: the
+    adapter's tensors under ``adapter_tensors``' keys when the model's own are shards (FSDP2).
     """
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     inner = model.base_model.model
     to_outside, _ = module_paths(inner)
-    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in adapter_tensors(model).items()}
+    tensors = adapter_tensors(model) if tensors is None else tensors
+    state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in tensors.items()}
     if to_outside is not None:  # the keys of the class a user loads from the base folder
         state = _rekey(state, to_outside, "save_adapter")
     save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})

@@ -1,0 +1,43 @@
+"""Run under torchrun (2 ranks, gloo): one ADPO update through FSDP2 (parallel.shard_model), rank 0
+holding 9 of the 12 trajectories and rank 1 three (so rank 1 pads its chunk list), against one
+unsharded process on the whole batch. Prints ``max_abs_diff=...`` and the two grad norms on rank 0.
+Args: num_minibatches kl_coef."""
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_parallel import TOK, _batch, _model  # noqa: E402
+
+from miles_core.algo.update import adpo_update  # noqa: E402
+from miles_core.config import ADPOConfig  # noqa: E402
+from miles_core.models.lora import adapter_tensors  # noqa: E402
+from miles_core.parallel import full_tensors, init_world, shard_model  # noqa: E402
+
+world = init_world("gloo")
+cfg = ADPOConfig(num_minibatches=int(sys.argv[1]), row_chunk=3, step_fraction=0.5, kl_coef=float(sys.argv[2]),
+                 max_grad_norm=1e9)
+batch = _batch(_model())
+mine = (torch.arange(len(batch)) < 9) == (world.rank == 0)
+
+
+def update(sharded: bool) -> tuple[dict, dict]:
+    model = _model()
+    if sharded:
+        shard_model(model, world)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+    stats = adpo_update(model, opt, batch, cfg, TOK, 1.0, torch.Generator().manual_seed(1),
+                        world=world if sharded else None, owned=mine if sharded else None)
+    return stats, {k: v.detach().clone() for k, v in full_tensors(adapter_tensors(model)).items()}
+
+
+s_sharded, w_sharded = update(True)
+world.sharded = False
+s_one, w_one = update(False)
+if world.rank == 0:
+    diff = max(float((w_one[k] - w_sharded[k]).abs().max()) for k in w_one)
+    moved = max(float(v.abs().max()) for k, v in w_one.items() if "lora_B" in k)
+    print(f"max_abs_diff={diff:.3e} moved={moved:.3e} grad_norm={s_one['grad_norm']:.6f},{s_sharded['grad_norm']:.6f} "
+          f"tokens={s_one['tokens']:.0f},{s_sharded['tokens']:.0f}", flush=True)
