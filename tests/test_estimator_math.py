@@ -225,7 +225,8 @@ def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: 
         with torch.no_grad():
             logp, _, commit = scorer.score(model, rows.traj, rows.step)
             behav = scorer.behaviour(rows.traj, rows.step)
-            return float(loss_fn(logp, prox, prox if behav is None else behav, adv[rows.traj], commit,
+            mu = prox if behav is None else torch.where(behav.isnan(), prox, behav)  # NaN: a run's later steps
+            return float(loss_fn(logp, prox, mu, adv[rows.traj], commit,
                                  rows.weight.double(), 4.0).loss)
 
     eps, fd = 1e-3, []  # the step function computes in float32 (tempered_logits): a float32-sized step
