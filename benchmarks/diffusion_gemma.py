@@ -24,6 +24,15 @@ from benchmarks.harness import bench_args, finish, over_seeds, paired, table, wo
 SIZES = dict(hidden=64, layers=2, heads=4, experts=4)
 RENOISE = dict(max_steps=16)      # generate's defaults otherwise (entropy bound 0.1, T 0.8 -> 0.4)
 EVAL_SEED = 10_000_000            # problem i is sampled with seed EVAL_SEED + i, for every arm
+# RL arms from one SFT checkpoint per seed (--arms): what might make the renoising chain's signal
+# strong enough to learn from; each overrides the RL settings of the command line
+ARMS: dict[str, dict] = {
+    "adpo": {},                                   # the defaults: lr 1e-3, 16 prompts x 8, 300 iterations
+    "lr3x": {"rl_lr": 3e-3},                      # a higher learning rate
+    "group16": {"group": 16},                     # more samples per prompt: a less noisy group baseline
+    "std": {"std_normalize": True},               # advantages / the group's std: full-size steps on small spreads
+    "long": {"iterations": 900},                  # three times the iterations
+}
 
 
 def evaluate(model, tok, problems, rcfg, reward_fn, batch: int = 250) -> list[bool]:
@@ -104,38 +113,49 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
         mine = rn.sample(model, tok, [ids], rcfg, torch.tensor([EVAL_SEED + i])).completion_ids[0]
         match += int(torch.equal(ref, mine))
 
-    # 3. ADPO with LoRA on the decoder
-    policy = add_lora(model, r=16, alpha=32)
-    acfg = ADPOConfig(lr=args.rl_lr, num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0)
-    opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=acfg.lr)
-    rng, rl_gen, rl_curve = random.Random(seed), torch.Generator().manual_seed(seed), []
-    t1, eval_s, steps_mean = time.perf_counter(), 0.0, []
-    mu_batch = None
-    for it in range(1, args.iterations + 1):
-        problems = data.draw_rl(rng, args.prompts)
-        ids = [tok.encode_prompt(p.prompt) for p in problems for _ in range(args.group)]
-        seeds = torch.randint(0, 2**62, (len(ids),), generator=rl_gen)
-        policy.eval()
-        batch = rn.sample(policy, tok, ids, rcfg, seeds, torch.arange(len(problems)).repeat_interleave(args.group), it)
-        batch.meta = [{"answer": p.answer} for p in problems for _ in range(args.group)]
-        score_rewards(batch, reward)
-        batch.advantage = group_advantages(batch.reward, batch.group_id)
-        mu_batch = batch if mu_batch is None else mu_batch   # sampled by the SFT policy (LoRA B = 0)
-        st = adpo_update(policy, opt, batch, acfg, tok, 1.0, rl_gen)
-        steps_mean.append(float(batch.num_steps.float().mean()))
-        if it % 10 == 0:
-            print(f"[seed {seed}] adpo it {it} reward {float(batch.reward.nan_to_num(0).mean()):.3f} "
-                  f"steps {steps_mean[-1]:.1f} clip {st.get('clip_frac', 0):.3f}", flush=True)
-        if it % args.rl_eval_every == 0:
-            te = time.perf_counter()
+    # 3. ADPO with LoRA on the decoder, once per arm, each from the SFT checkpoint
+    arms = {}
+    for name in args.arms:
+        a = argparse.Namespace(**{**vars(args), **ARMS[name]})
+        sft_model, _ = dg.load_diffusion_gemma(work / "sft")
+        policy = add_lora(sft_model, r=16, alpha=32)
+        acfg = ADPOConfig(lr=a.rl_lr, num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0)
+        opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=acfg.lr)
+        rng, rl_gen, rl_curve = random.Random(seed), torch.Generator().manual_seed(seed), []
+        t1, eval_s, steps_mean = time.perf_counter(), 0.0, []
+        mu_batch = None
+        for it in range(1, a.iterations + 1):
+            problems = data.draw_rl(rng, a.prompts)
+            ids = [tok.encode_prompt(p.prompt) for p in problems for _ in range(a.group)]
+            seeds = torch.randint(0, 2**62, (len(ids),), generator=rl_gen)
             policy.eval()
-            v = sum(evaluate(policy, tok, data.val, rcfg, reward)) / len(data.val)
-            rl_curve.append({"iteration": it, "val_pass1": v})
-            eval_s += time.perf_counter() - te
-    rl_seconds = time.perf_counter() - t1 - eval_s
-    policy.eval()
-    adpo_correct = evaluate(policy, tok, data.test, rcfg, reward)
-    print(f"[seed {seed}] ADPO pass@1 {sum(adpo_correct) / len(adpo_correct):.3f} ({rl_seconds:.0f}s)", flush=True)
+            batch = rn.sample(policy, tok, ids, rcfg, seeds, torch.arange(len(problems)).repeat_interleave(a.group), it)
+            batch.meta = [{"answer": p.answer} for p in problems for _ in range(a.group)]
+            score_rewards(batch, reward)
+            batch.advantage = group_advantages(batch.reward, batch.group_id, std_normalize=a.std_normalize)
+            mu_batch = batch if mu_batch is None else mu_batch   # sampled by the SFT policy (LoRA B = 0)
+            st = adpo_update(policy, opt, batch, acfg, tok, 1.0, rl_gen)
+            steps_mean.append(float(batch.num_steps.float().mean()))
+            if it % 10 == 0:
+                print(f"[seed {seed}] {name} it {it} reward {float(batch.reward.nan_to_num(0).mean()):.3f} "
+                      f"steps {steps_mean[-1]:.1f} clip {st.get('clip_frac', 0):.3f}", flush=True)
+            if it % args.rl_eval_every == 0:
+                te = time.perf_counter()
+                policy.eval()
+                v = sum(evaluate(policy, tok, data.val, rcfg, reward)) / len(data.val)
+                rl_curve.append({"iteration": it, "val_pass1": v})
+                eval_s += time.perf_counter() - te
+        rl_seconds = time.perf_counter() - t1 - eval_s
+        policy.eval()
+        correct = evaluate(policy, tok, data.test, rcfg, reward)
+        print(f"[seed {seed}] {name} pass@1 {sum(correct) / len(correct):.3f} ({rl_seconds:.0f}s)", flush=True)
+        arms[name] = {"correct": correct, "rl_curve": rl_curve, "rl_seconds": rl_seconds,
+                      "seconds_per_iteration": rl_seconds / a.iterations, "steps_mean": sum(steps_mean) / len(steps_mean),
+                      "settings": ARMS[name]}
+        if name == args.arms[0]:  # the analysis below is of the first arm's policy
+            first = (policy, ids, seeds, mu_batch)
+    policy, ids, seeds, mu_batch = first
+    adpo_correct = arms[args.arms[0]]["correct"]
 
     # 4. logp reproduced by the learner, and the bias of a top-k store of mu's logits
     with torch.no_grad():
@@ -159,9 +179,10 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
             bias.append({"top_k": k, "on_policy_mean": float(on.mean()), "on_policy_p99": float(on.quantile(0.99)),
                          "off_policy_mean": float(off.mean()), "off_policy_p99": float(off.quantile(0.99))})
         drift = (exact["theta"] - exact["mu"]).abs()[m]
-    return {"seed": seed, "params": n_params, "sft_curve": curve, "sft_seconds": sft_seconds, "rl_curve": rl_curve,
-            "sft_correct": sft_correct, "adpo_correct": adpo_correct, "rl_seconds": rl_seconds,
-            "seconds_per_iteration": rl_seconds / args.iterations, "steps_mean": sum(steps_mean) / len(steps_mean),
+    head = arms[args.arms[0]]
+    return {"seed": seed, "params": n_params, "sft_curve": curve, "sft_seconds": sft_seconds, "rl_curve": head["rl_curve"],
+            "sft_correct": sft_correct, "adpo_correct": adpo_correct, "rl_seconds": head["rl_seconds"],
+            "seconds_per_iteration": head["seconds_per_iteration"], "steps_mean": head["steps_mean"], "arms": arms,
             "generate_match": match / args.generate_checks, "logp_gap_max": logp_gap, "topk_bias": bias,
             "policy_drift_mean": float(drift.mean())}
 
@@ -179,6 +200,10 @@ def main() -> None:
     ap.add_argument("--num-test", type=int, default=500)
     ap.add_argument("--generate-checks", type=int, default=20)
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--arms", nargs="+", default=["adpo"], choices=list(ARMS),
+                    help="RL settings to run from each seed's SFT checkpoint (the first is analysed); "
+                         "e.g. --arms adpo lr3x group16 std long")
+    ap.add_argument("--std-normalize", action="store_true", help="group advantages divided by their std")
     args = ap.parse_args()
     t0 = time.perf_counter()
     per_seed = over_seeds(run_seed, args.seeds, args, str(workdir(args, "dgemma")))
@@ -198,7 +223,20 @@ def main() -> None:
                             "|log pi_theta - log mu| mean"]))
     n_all = sum(len(p["sft_correct"]) for p in per_seed)
     pooled = paired([c for p in per_seed for c in p["adpo_correct"]], [c for p in per_seed for c in p["sft_correct"]])
+    arm_rows, arm_out = [], []
+    for name in args.arms:  # every arm against SFT, pooled over seeds
+        got = [c for p in per_seed for c in p["arms"][name]["correct"]]
+        t = paired(got, [c for p in per_seed for c in p["sft_correct"]])
+        arm_out.append({"arm": name, "settings": ARMS[name], "pass1": sum(got) / len(got), "gain_vs_sft": t["gain"],
+                        "gained": t["wins"], "lost": t["losses"], "p": t["p"],
+                        "per_seed_pass1": [sum(p["arms"][name]["correct"]) / len(p["sft_correct"]) for p in per_seed],
+                        "seconds_per_iteration": sum(p["arms"][name]["seconds_per_iteration"] for p in per_seed) / len(per_seed)})
+        arm_rows.append([name, str(ARMS[name] or "defaults"), arm_out[-1]["pass1"], t["gain"], f"{t['wins']}/{t['losses']}",
+                         t["p"], arm_out[-1]["seconds_per_iteration"]])
+    print(f"\nRL arms against SFT (pooled over seeds, {n_all} paired problems):")
+    print(table(arm_rows, ["arm", "settings", "pass@1", "gain", "gained/lost", "p", "s/iter"]))
     payload = {
+        "arms": arm_out,
         "generate_match": min(p["generate_match"] for p in per_seed),
         "logp_reproduced": max(p["logp_gap_max"] for p in per_seed) <= 1e-5,
         "logp_gap_max": max(p["logp_gap_max"] for p in per_seed),
@@ -206,7 +244,7 @@ def main() -> None:
         "adpo_pass1": sum(sum(p["adpo_correct"]) for p in per_seed) / n_all,
         "pooled_sign_test": {"gained": pooled["wins"], "lost": pooled["losses"], "p": pooled["p"]},
         "seconds_per_iteration": sum(p["seconds_per_iteration"] for p in per_seed) / len(per_seed),
-        "per_seed": [{k: v for k, v in p.items() if not k.endswith("_correct")} | {
+        "per_seed": [{k: v for k, v in p.items() if not k.endswith("_correct") and k != "arms"} | {
             "sft_pass1": sum(p["sft_correct"]) / len(p["sft_correct"]),
             "adpo_pass1": sum(p["adpo_correct"]) / len(p["adpo_correct"]),
             "sign_test": {"gained": t["wins"], "lost": t["losses"], "p": t["p"]}} for p, t in zip(per_seed, tests)],
