@@ -57,6 +57,19 @@ def prompts_for(tok, n: int, seed: int, lo: int = 3, hi: int = 9) -> list[list[i
                                                  generator=g)] for _ in range(n)]
 
 
+def lora_with_random_b(base: torch.nn.Module) -> torch.nn.Module:
+    """A LoRA (seed 0) whose B is random, so every adapter tensor has a gradient."""
+    from miles_core.models.lora import add_lora
+
+    torch.manual_seed(0)
+    model = add_lora(base, r=4, alpha=8)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return model
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_output_equals_the_reference(models: dict, family: str) -> None:
     model, tok = models[family]
@@ -306,7 +319,6 @@ def test_covering_update_at_half_the_steps_is_tracerl_merging_by_two_when_k_is_e
     the two configurations take the same gradient, and it differs from scoring half the steps exactly."""
     from miles_core.algo.update import adpo_update
     from miles_core.config import ADPOConfig
-    from miles_core.models.lora import add_lora
 
     base, tok = models["tiny"]
     batch = sample(base, tok, prompts_for(tok, 4, 9, lo=4, hi=7), SamplerConfig(steps=4), 16,
@@ -316,12 +328,7 @@ def test_covering_update_at_half_the_steps_is_tracerl_merging_by_two_when_k_is_e
     grads = {}
     for name, cfg in {"cover": ADPOConfig(step_fraction=0.5), "merge2": ADPOConfig(step_fraction=1.0, step_merge=2),
                       "sampled": ADPOConfig(step_fraction=0.5, step_cover=False)}.items():
-        torch.manual_seed(0)
-        model = add_lora(base, r=4, alpha=8)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.1)
+        model = lora_with_random_b(base)
         params = [p for p in model.parameters() if p.requires_grad]
         stats = adpo_update(model, torch.optim.SGD(params, lr=0.0), batch, replace(cfg, max_grad_norm=1e9), tok, 1.0,
                             torch.Generator().manual_seed(0))
@@ -336,19 +343,13 @@ def test_covering_update_at_half_the_steps_is_tracerl_merging_by_two_when_k_is_e
 def test_chunk_tokens_bounds_each_chunk_and_leaves_the_gradient_unchanged(models: dict) -> None:
     from miles_core.algo.update import adpo_update
     from miles_core.config import ADPOConfig
-    from miles_core.models.lora import add_lora
 
     base, tok = models["tiny"]
     batch = sample(base, tok, prompts_for(tok, 4, 7, lo=5, hi=6), NSD, 16, torch.Generator().manual_seed(0))
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads, chunks = {}, {}
     for budget in (0, 21 * 3):  # 0: row_chunk (all rows at once); 63 positions: 3 rows of 5 + 16 per chunk
-        torch.manual_seed(0)
-        model = add_lora(base, r=4, alpha=8)
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if "lora_B" in n:
-                    p.normal_(0, 0.1)
+        model = lora_with_random_b(base)
         seen = []
         h = model.base_model.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
         params = [p for p in model.parameters() if p.requires_grad]
