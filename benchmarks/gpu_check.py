@@ -131,11 +131,13 @@ def updates(model, tok, device, batch: int, completion: int) -> tuple[dict, dict
 
 
 def one_update(policy, params, opt, tok, device, trajs, completion: int) -> dict:
-    """One ADPO update of ``policy`` on ``trajs`` (memory budget 32768 positions per chunk)."""
+    """One ADPO update of ``policy`` on ``trajs`` (memory budget 32768 positions per chunk), every
+    recorded step a row (step fraction 1: the largest update; the recipes' default scores half as many)."""
     from miles_core.algo.update import adpo_update
 
     batch = len(trajs)
-    cfg = ADPOConfig(estimator="adpo", chunk_tokens=32768, num_minibatches=1, epochs=1, skip_zero_variance=False)
+    cfg = ADPOConfig(estimator="adpo", step_fraction=1.0, chunk_tokens=32768, num_minibatches=1, epochs=1,
+                     skip_zero_variance=False)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()

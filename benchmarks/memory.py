@@ -47,7 +47,7 @@ def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int
         g = torch.Generator().manual_seed(seed + k)
         batch = rollout(model, task, prompts, ids, 8, k, 1.0, g, schedule=DEFAULT_SCHEDULE)
         opt = torch.optim.SGD(params, lr=0.0)
-        cfg = ADPOConfig(row_chunk=row_chunk, num_minibatches=1, epochs=1, skip_zero_variance=False)
+        cfg = ADPOConfig(row_chunk=row_chunk, step_fraction=1.0, num_minibatches=1, epochs=1, skip_zero_variance=False)
         out["adpo"][k] = SavedTensorMeter(params).measure(lambda: adpo_update(model, opt, batch, cfg, g))
 
         def chain() -> None:  # the same K sampler steps (ddim_step) with grad, log-probs summed, one backward
@@ -87,7 +87,7 @@ def discrete_peaks(ks: tuple[int, ...], n_seq: int, row_chunk: int, seed: int) -
         batch = sample(model, tok, prompt_ids, scfg, length, g)
         batch.advantage = torch.linspace(-1, 1, n_seq)
         opt = torch.optim.SGD(params, lr=0.0)
-        cfg = ADPOConfig(row_chunk=row_chunk, num_minibatches=1, epochs=1, skip_zero_variance=False)
+        cfg = ADPOConfig(row_chunk=row_chunk, step_fraction=1.0, num_minibatches=1, epochs=1, skip_zero_variance=False)
         out["adpo"][k] = SavedTensorMeter(params).measure(
             lambda: adpo_update(model, opt, batch, cfg, tok, temperature=1.0, generator=g))
 
