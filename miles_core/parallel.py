@@ -160,8 +160,7 @@ def shard_model(model: torch.nn.Module, world: World) -> None:
 
     if world.size == 1:
         return
-    get = getattr(model, "get_base_model", None)
-    root = get() if callable(get) else model   # peft injects LoRA in place: its layers live in the denoiser
+    root = fsdp_root(model)   # peft injects LoRA in place: its layers live in the denoiser
     units = [layer for mods in root.modules() if isinstance(mods, torch.nn.ModuleList)
              for layer in mods if any(True for _ in layer.parameters())]
     for layer in units:
@@ -173,7 +172,8 @@ def shard_model(model: torch.nn.Module, world: World) -> None:
 
 
 def fsdp_root(model: torch.nn.Module) -> Any:
-    """The FSDP root module of a sharded ``model`` (its denoiser), whose settings recurse to the layers."""
+    """The FSDP root module of ``model``: the denoiser under a peft wrapper (what
+    models/window.py::inner returns), whose FSDP settings recurse to the layers."""
     get = getattr(model, "get_base_model", None)
     return get() if callable(get) else model
 

@@ -16,6 +16,8 @@ those ceil(rho K_b) rows are spent is ``adpo.step_cover``:
   them exactly (0.330) at the same forwards, and scoring all of them exactly (rho = 1, twice the
   forwards) reached 0.359 (``python -m benchmarks.estimators``, 4 seeds); a token without a
   gradient in an update teaches nothing there, whereas the earlier state only blurs its context.
+  A re-measurement on 1700 problems per seed (2 of 4 seeds so far) did not confirm the lead
+  (0.328 / 0.314 against 0.330 / 0.328; docs/concepts/estimators.md).
 * False: a random rho of the steps, each exact, reweighted by K_b / m_b so the objective is
   unbiased for the full one; 1 - rho of the tokens get no gradient in that update.
 
