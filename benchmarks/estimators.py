@@ -1,6 +1,6 @@
 """Every estimator in the update engine on equal samples and (about) equal update compute.
 
-Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
+Per seed (each (seed, arm) run in its own process, one torch thread, so two runs use the two cores):
   1. one SFT checkpoint: ``--checkpoint DIR``'s ``seed{N}/sft`` (e.g. the work folder
      ``benchmarks.learning`` used, same settings), trained there to its validation plateau when absent;
   2. from it, one arm per ``adpo.estimator``, each sampling the same number of completions
@@ -17,17 +17,22 @@ Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, 
 trajectory an update kept, since how many groups have a reward spread depends on the arm's policy),
 peak bytes of autograd-saved tensors in one update, wall-clock of the updates, paired sign test
 against ADPO.
+Each (seed, arm) result is kept in ``seed{N}/arms/`` beside the SFT checkpoint and reused while the
+arm's config and the SFT weights match: a stopped table resumes.
 Writes benchmarks/results/estimators.json (estimators_RECIPE.json for ``--recipe`` other than arith).
 Run: python -m benchmarks.estimators [--checkpoint DIR] [--seeds 0 1 2 3] [--recipe countdown --set ...]
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import time
 from pathlib import Path
 
-from benchmarks.harness import bench_args, finish, over_seeds, paired, problems_needed, sft_checkpoint, workdir
+from benchmarks.harness import (bench_args, checkpoint_path, finish, over_seeds, paired, problems_needed,
+                                sft_checkpoint, workdir)
 
 ESTIMATORS = ("adpo", "adpo_sampled", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
 TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
@@ -65,8 +70,25 @@ def arm_overrides(cfg, estimator: str) -> list[str]:
     return out
 
 
-def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, estimators: list[str],
-             recipe: str = "arith") -> dict:
+def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> str:
+    """Seed ``seed``'s SFT checkpoint, trained when absent (before any arm, so no two arms train it)."""
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+
+    cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
+    return sft_checkpoint(cfg, seed, out, sft_dir, build_task(cfg), eval_problems=200, patience=3)["path"]
+
+
+def _arm_key(arm: str, arm_cfg, ckpt: Path) -> dict:
+    """What an arm's result depends on: its resolved config and the SFT weights it starts from."""
+    weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
+    return json.loads(json.dumps({"arm": arm, "config": arm_cfg.to_dict(), "sft_sha256": weights}))
+
+
+def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
+    """One (seed, arm) run from the seed's SFT checkpoint. Its result is kept beside the checkpoint
+    (``seed{N}/arms/ARM.json``) and reused when the config and the SFT weights match, so a stopped
+    table resumes where it stopped."""
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.eval.evaluate import run_eval
@@ -74,19 +96,22 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
     from miles_core.learner.policy import Learner
     from miles_core.memory import SavedTensorMeter
 
+    seed, arm = job
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
+    ckpt = checkpoint_path(seed, out, sft_dir)
+    arm_cfg = cfg if arm == "sft" else load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
+    key, cache = _arm_key(arm, arm_cfg, ckpt), ckpt.parent / "arms" / f"{arm}.json"
+    if cache.exists() and (kept_result := json.loads(cache.read_text())).get("key") == key:
+        print(f"[seed {seed}] {arm} pass@1 {kept_result['result']['pass1']:.3f} (kept from {cache})", flush=True)
+        return kept_result["result"]
     data = build_task(cfg)
-    ckpt = Path(sft_checkpoint(cfg, seed, out, sft_dir, data, eval_problems=200, patience=3)["path"])
-    results: dict[str, dict] = {}
-    for arm in ["sft", *estimators]:
-        if arm == "sft":
-            from miles_core.models.base import load_checkpoint
+    if arm == "sft":
+        from miles_core.models.base import load_checkpoint
 
-            model, tok = load_checkpoint(ckpt)
-            r = run_eval(model, tok, cfg, data)
-            results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct]}
-            continue
-        arm_cfg = load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
+        model, tok = load_checkpoint(ckpt)
+        r = run_eval(model, tok, cfg, data)
+        result = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct]}
+    else:
         learner = Learner(arm_cfg, ckpt)
         meter, update_s, samples, peak, measured, kept = FlopMeter(), 0.0, 0, 0, 0, 0.0
         for it in range(arm_cfg.train.iterations):
@@ -105,16 +130,18 @@ def run_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, est
             if (it + 1) % 50 == 0:
                 print(f"[seed {seed}] {arm} it {it + 1} reward {float(batch.reward.nan_to_num(0).mean()):.3f}", flush=True)
         r = run_eval(learner.model, learner.tok, arm_cfg, data)
-        results[arm] = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "samples": samples,
-                        "update_flops": meter.totals.get("update", 0) / max(measured, 1) * arm_cfg.train.iterations,
-                        # per trajectory an update kept (A != 0): the estimator's own cost, apart from how
-                        # many groups its policy leaves with a reward spread
-                        "flops_per_trajectory": meter.totals.get("update", 0) / max(kept, 1.0),
-                        "peak_mem_bytes": peak, "update_seconds": update_s, "mask_samples": arm_cfg.adpo.mask_samples,
-                        "estimator": arm_cfg.adpo.estimator,
-                        "eval_config": r.config.to_dict()}
-        print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({update_s:.0f}s of updates)", flush=True)
-    return {"seed": seed, "results": results}
+        result = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "samples": samples,
+                  "update_flops": meter.totals.get("update", 0) / max(measured, 1) * arm_cfg.train.iterations,
+                  # per trajectory an update kept (A != 0): the estimator's own cost, apart from how
+                  # many groups its policy leaves with a reward spread
+                  "flops_per_trajectory": meter.totals.get("update", 0) / max(kept, 1.0),
+                  "peak_mem_bytes": peak, "update_seconds": update_s, "mask_samples": arm_cfg.adpo.mask_samples,
+                  "estimator": arm_cfg.adpo.estimator,
+                  "eval_config": r.config.to_dict()}
+        print(f"[seed {seed}] {arm} pass@1 {result['pass1']:.3f} ({update_s:.0f}s of updates)", flush=True)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "result": result}))
+    return result
 
 
 def main() -> None:
@@ -127,8 +154,12 @@ def main() -> None:
         args.estimators = ["adpo", *args.estimators]
     overrides = DEFAULT_OVERRIDES + args.set
     t0 = time.perf_counter()
-    per_seed = over_seeds(run_seed, args.seeds, overrides, str(workdir(args, "estimators")), args.checkpoint,
-                          args.estimators, args.recipe)
+    out_dir = str(workdir(args, "estimators"))
+    over_seeds(prepare_seed, args.seeds, overrides, out_dir, args.checkpoint, args.recipe)
+    arms = ["sft", *args.estimators]
+    jobs = [(seed, arm) for arm in arms for seed in args.seeds]  # an arm on every seed before the next arm
+    done = dict(zip(jobs, over_seeds(run_arm, jobs, overrides, out_dir, args.checkpoint, args.recipe)))
+    per_seed = [{"seed": seed, "results": {arm: done[seed, arm] for arm in arms}} for seed in args.seeds]
     rows, out = [], []
     for arm in ["sft", *args.estimators]:
         res = [p["results"][arm] for p in per_seed]
@@ -155,8 +186,9 @@ def main() -> None:
     problems = sum(len(p["results"]["adpo"]["correct"]) for p in per_seed)
     disc = [(e["wins_vs_adpo"] + e["losses_vs_adpo"]) / problems for e in out if e["name"] not in ("adpo", "sft")]
     d = max(disc) if disc else 0.2
+    # arms that disagree on fewer problems than the gain cannot differ by it: the calculation has no answer
     power = {"gain": DETECT_GAIN, "alpha": 0.05, "power": 0.8, "discordance": d, "problems": problems,
-             "problems_needed": problems_needed(d, DETECT_GAIN)}
+             "problems_needed": problems_needed(d, DETECT_GAIN) if d >= DETECT_GAIN else None}
     print(f"power: discordance up to {d:.3f} -> {power['problems_needed']} paired problems to see "
           f"{DETECT_GAIN:.3f} at p < 0.05 with power 0.8; this run has {problems}")
     payload = {"estimators": out, "power": power, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides,
