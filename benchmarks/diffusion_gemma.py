@@ -9,12 +9,14 @@ Per seed (each in its own process, one torch thread, so two seeds use the two co
   4. SFT and ADPO evaluated on the same held-out problems with pinned sampler seeds, paired sign test;
   5. on a batch the SFT policy sampled, scored by the trained policy: the log-prob error a stored
      top-k of the behaviour's logits would leave in place of rebuilding the self-conditioning.
+With ``--workdir DIR``, a seed's SFT checkpoint there is reused when its recorded settings match.
 Writes benchmarks/results/diffusion_gemma.json. Run: python -m benchmarks.diffusion_gemma
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from pathlib import Path
@@ -32,6 +34,8 @@ ARMS: dict[str, dict] = {
     "group16": {"group": 16},                     # more samples per prompt: a less noisy group baseline
     "std": {"std_normalize": True},               # advantages / the group's std: full-size steps on small spreads
     "long": {"iterations": 900},                  # three times the iterations
+    "output": {"renoise_output": True},           # also score the output (last argmax) at the last step's T
+    "output_std": {"renoise_output": True, "std_normalize": True},
 }
 
 
@@ -53,17 +57,11 @@ def evaluate(model, tok, problems, rcfg, reward_fn, batch: int = 250) -> list[bo
 def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
     import torch
 
-    from miles_core.algo.advantages import group_advantages
-    from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning
-    from miles_core.algo.update import adpo_update
     from miles_core.algo.renoise_sft import canvases, sft_loss
-    from miles_core.algo.rl import score_rewards
-    from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
+    from miles_core.config import RenoiseConfig, load_recipe
     from miles_core.data.registry import build_task
     from miles_core.models import diffusion_gemma as dg
-    from miles_core.models.lora import add_lora, reference_policy
     from miles_core.rewards.registry import reward_for_recipe
-    from miles_core.samplers import renoise as rn
     from miles_core.tokenizer import CharTokenizer
 
     cfg = load_recipe("arith", [f"task.num_test={args.num_test}", "task.num_val=200"])
@@ -75,7 +73,13 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
     model, _ = dg.load_diffusion_gemma(work / "init")
     n_params = sum(p.numel() for p in model.parameters())
 
-    # 1. SFT, best validation checkpoint
+    # 1. SFT, best validation checkpoint (reused from --workdir when its record matches these settings)
+    record = {"sizes": SIZES, "renoise": RENOISE, "steps": args.sft_steps, "lr": args.sft_lr,
+              "eval_every": args.sft_eval_every, "num_test": args.num_test, "seed": seed}
+    if (work / "sft_run.json").exists() and json.loads((work / "sft_run.json").read_text())["record"] == record:
+        kept = json.loads((work / "sft_run.json").read_text())
+        print(f"[seed {seed}] reusing the SFT checkpoint {work / 'sft'}", flush=True)
+        return _rl(seed, args, work, kept["curve"], kept["seconds"], n_params)
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 100))
@@ -99,6 +103,30 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
                 best = v
                 model.save_pretrained(work / "sft")
     sft_seconds = time.perf_counter() - t0
+    (work / "sft_run.json").write_text(json.dumps({"record": record, "curve": curve, "seconds": sft_seconds}))
+    return _rl(seed, args, work, curve, sft_seconds, n_params)
+
+
+def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_seconds: float, n_params: int) -> dict:
+    """Steps 2 to 5 from seed ``seed``'s SFT checkpoint in ``work/sft``."""
+    import torch
+
+    from miles_core.algo.advantages import group_advantages
+    from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning
+    from miles_core.algo.rl import score_rewards
+    from miles_core.algo.update import adpo_update
+    from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.models import diffusion_gemma as dg
+    from miles_core.models.lora import add_lora, reference_policy
+    from miles_core.rewards.registry import reward_for_recipe
+    from miles_core.samplers import renoise as rn
+    from miles_core.tokenizer import CharTokenizer
+
+    cfg = load_recipe("arith", [f"task.num_test={args.num_test}", "task.num_val=200"])
+    data, tok, rcfg = build_task(cfg), CharTokenizer(), RenoiseConfig(**RENOISE)
+    reward = reward_for_recipe(cfg)
+    length = cfg.task.completion_len
     model, _ = dg.load_diffusion_gemma(work / "sft")
     sft_correct = evaluate(model, tok, data.test, rcfg, reward)
     print(f"[seed {seed}] SFT pass@1 {sum(sft_correct) / len(sft_correct):.3f}", flush=True)
@@ -119,7 +147,8 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
         a = argparse.Namespace(**{**vars(args), **ARMS[name]})
         sft_model, _ = dg.load_diffusion_gemma(work / "sft")
         policy = add_lora(sft_model, r=16, alpha=32)
-        acfg = ADPOConfig(lr=a.rl_lr, num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0)
+        acfg = ADPOConfig(lr=a.rl_lr, num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0,
+                          renoise_output=a.renoise_output)
         opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=acfg.lr)
         rng, rl_gen, rl_curve = random.Random(seed), torch.Generator().manual_seed(seed), []
         t1, eval_s, steps_mean = time.perf_counter(), 0.0, []
@@ -202,8 +231,10 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--arms", nargs="+", default=["adpo"], choices=list(ARMS),
                     help="RL settings to run from each seed's SFT checkpoint (the first is analysed); "
-                         "e.g. --arms adpo lr3x group16 std long")
+                         "e.g. --arms adpo output group16 std long")
     ap.add_argument("--std-normalize", action="store_true", help="group advantages divided by their std")
+    ap.add_argument("--renoise-output", action="store_true",
+                    help="also score the output, the last step's argmax, as if sampled at its temperature")
     args = ap.parse_args()
     t0 = time.perf_counter()
     per_seed = over_seeds(run_seed, args.seeds, args, str(workdir(args, "dgemma")))

@@ -175,6 +175,7 @@ class ADPOConfig:
     step_fraction: float = bounded(0.5, 1e-09, 1.0)          # rho: rows per trajectory = ceil(rho K), the update's forwards
     step_cover: bool = True             # the rows partition all K steps (every token scored); False: a random rho of the steps
     step_merge: int = bounded(1, 1)                   # s > 1: runs of s steps, a random rho of them (TraceRL shrinkage)
+    renoise_output: bool = False        # renoising chains: also score the output (last argmax) at the last step's T
     kl_coef: float = bounded(0.0, 0.0)                # KL to the reference (adapter disabled)
     entropy_floor: float = bounded(0.0, 0.0)          # penalise mean entropy below this (NSD guard)
     entropy_coef: float = bounded(0.0, 0.0)

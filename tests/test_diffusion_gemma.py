@@ -147,6 +147,49 @@ def test_update_trains_decoder_lora_only_and_the_ratio_is_the_chain_ratio(model)
         assert (logp - scorer.behaviour(rows.traj, rows.step)).abs().max() > 1e-3   # the policy moved
 
 
+def test_the_output_row_scores_the_argmax_output_at_the_last_temperature(model):
+    """``adpo.renoise_output``: one more row per trajectory, (b, K_b - 1), whose action is the output
+    up to its first EOS, scored by brute force as log softmax(z_{K-1} / T_{K-1}) at the output tokens;
+    it has no recorded behaviour (NaN); an update with it trains and counts its rows."""
+    import copy
+
+    batch = rn.sample(model, TOK, _ids(PROMPTS), EARLY, torch.tensor([21, 22, 23, 24]))
+    batch.completion_ids[1, 2] = TOK.eos_id       # a row whose output ends early: positions after EOS are not scored
+    rows = action_rows(batch, output=True)
+    assert rows.traj.numel() == int(batch.num_steps.sum())
+    scorer = RenoiseStepRows(model, batch, EARLY, TOK, output=True)
+    states = rn.replay_states(batch, model.config.text_config.vocab_size, torch.device("cpu"))
+    from miles_core.samplers.step import left_pad
+
+    with torch.no_grad():
+        logp, _, commit = scorer.score(model, rows.traj, rows.step)
+        behav = scorer.behaviour(rows.traj, rows.step)
+        for b in range(len(batch)):
+            k = int(batch.num_steps[b]) - 1
+            r = int(((rows.traj == b) & (rows.step == k)).nonzero())
+            prompt, real = left_pad([batch.prompt_ids[b]], TOK.pad_id)
+            enc = canvas.encode(model, prompt, real, batch.completion_len)
+            soft = None
+            for j in range(k + 1):      # the chain under the model, its own self-conditioning
+                z = canvas.decode(model, enc, states[b, j][None], soft) / rn.temperature(EARLY, j, torch.device("cpu"))
+                soft = canvas.soft_embedding(model, z)
+            want = torch.log_softmax(z[0].double(), -1).gather(-1, batch.completion_ids[b][:, None]).squeeze(-1)
+            ids = batch.completion_ids[b].tolist()
+            end = ids.index(TOK.eos_id) + 1 if TOK.eos_id in ids else len(ids)
+            assert commit[r].tolist() == [i < end for i in range(len(ids))]
+            assert torch.allclose(logp[r][:end].double(), want[:end], atol=1e-5)
+            assert (logp[r][end:] == 0).all() and behav[r].isnan().all()
+            others = rows.traj.eq(b) & rows.step.ne(k)
+            assert not behav[others].isnan().any()
+    pm = add_lora(copy.deepcopy(model), r=4, alpha=8)
+    batch = rn.sample(pm, TOK, _ids(PROMPTS), EARLY, torch.tensor([7, 8, 9, 10]))
+    batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
+    stats = adpo_update(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1, renoise_output=True), TOK, 1.0,
+                        torch.Generator().manual_seed(0))
+    assert stats["rows"] == float(batch.num_steps.sum()) and math.isfinite(stats["loss"])
+
+
 def test_hand_checked_rules():
     """Entropy-bound acceptance, the temperature schedule, EOS finalisation and the log-prob."""
     ent = torch.tensor([[0.5, 0.1, 2.0, 0.3]])

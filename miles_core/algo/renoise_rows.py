@@ -7,7 +7,17 @@ tokens, are environment (as LLaDA's low-confidence ranking is for masked rows, a
 policy's action at step k is the accepted tokens, with log-prob sum_{i in A_k} log pi(y_i | x_k, s_k).
 
 The self-conditioning input s_k is the previous step's tempered logits, so pi(. | x_k, s_k) depends
-on the policy through s_k too. Two ways to give the learner s_k were possible:
+on the policy through s_k too.
+
+The output row (``adpo.renoise_output``). The reward reads only the output, the last step's argmax,
+and a sampled token reaches it only as context for later steps, each of which re-predicts every
+position: the credit of the chain's K - 1 actions for the reward is diffuse. The output row scores
+the output tokens (up to the first EOS) under the last step's distribution at its temperature, as if
+they had been sampled there (the argmax is that distribution's limit as T -> 0), so the gradient moves
+the tokens the reward reads. No behaviour log-prob is recorded for it (the sampler took no draw), so
+its ratio is taken against pi_prox: exact on-policy, uncorrected for a stale batch.
+
+Two ways to give the learner s_k were possible:
   * recompute the chain under the current policy, without a graph (:func:`chain_conditioning`):
     one no-grad forward per step, once per update; the ratio pi_theta / mu is then the exact ratio
     of the chain's probabilities under the two policies, and nothing is stored;
@@ -32,9 +42,9 @@ from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
 
 
-def action_rows(batch: RenoiseBatch) -> Rows:
-    """Every (b, k) with k < K_b - 1, weight 1."""
-    steps = (batch.num_steps - 1).clamp_min(0).tolist()
+def action_rows(batch: RenoiseBatch, output: bool = False) -> Rows:
+    """Every (b, k) with k < K_b - 1, weight 1; with ``output``, also the output row (b, K_b - 1)."""
+    steps = (batch.num_steps - (0 if output else 1)).clamp_min(0).tolist()
     traj = torch.cat([torch.full((k,), b) for b, k in enumerate(steps)] or [torch.zeros(0, dtype=torch.long)])
     step = torch.cat([torch.arange(k) for k in steps] or [torch.zeros(0, dtype=torch.long)])
     return Rows(traj.long(), step.long(), torch.ones(traj.numel()))
@@ -47,16 +57,17 @@ def _encode(model: Any, batch: RenoiseBatch, traj: Tensor, tok: Any, device: tor
 
 @torch.no_grad()
 def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: RenoiseConfig, tok: Any,
-                       keep_top: int = 0, encoded: canvas.Prompt | None = None) -> Tensor:
+                       keep_top: int = 0, encoded: canvas.Prompt | None = None, output: bool = False) -> Tensor:
     """s_k of every row and step [B, K, L, d] under ``model``: the chain's self-conditioning
     rebuilt by running the recorded states through the current policy (s_0 = 0).
 
     ``keep_top`` = k > 0 is the alternative Miles does not take, kept to measure it: the signal a
     store of the top-k tempered logits would give (the rest at -inf before the softmax).
-    ``encoded``: the batch's prompts already encoded (default: encoded here)."""
+    ``encoded``: the batch's prompts already encoded (default: encoded here). ``output``: the output
+    row reads s_{K_b - 1} too (one more forward per row)."""
     dev = states.device
     b, n, _ = states.shape
-    need = (batch.num_steps - 1).to(dev)   # s_k is read for k < K_b - 1
+    need = (batch.num_steps - (0 if output else 1)).to(dev)   # s_k is read for k < K_b - 1 (K_b with output)
     soft: Tensor | None = None
     enc_all = encoded if encoded is not None else _encode(model, batch, torch.arange(b), tok, dev)
     for k in range(n - 1):
@@ -82,8 +93,9 @@ class RenoiseStepRows:
     """The update engine's :class:`~miles_core.algo.rows.RowScorer` for renoising chains."""
 
     def __init__(self, model: Any, batch: RenoiseBatch, cfg: RenoiseConfig, tok: Any,
-                 soft: Tensor | None = None) -> None:
-        """``soft``: the self-conditioning to score with (default: the chain under ``model``)."""
+                 soft: Tensor | None = None, output: bool = False) -> None:
+        """``soft``: the self-conditioning to score with (default: the chain under ``model``);
+        ``output``: it will score output rows (their s_{K_b - 1} is rebuilt too)."""
         self.batch, self.cfg, self.tok = batch, cfg, tok
         self.device = next(model.parameters()).device
         vocab = int(canvas.core(model).config.text_config.vocab_size)
@@ -91,9 +103,13 @@ class RenoiseStepRows:
         # the encoder is the frozen base (LoRA adapts the decoder only): encode every prompt once per
         # update, as the sampler does for its whole batch, and index it for each chunk of rows
         self.encoded = _encode(model, batch, torch.arange(len(batch)), tok, self.device)
-        self.soft = (chain_conditioning(model, batch, self.states, cfg, tok, encoded=self.encoded)
+        self.soft = (chain_conditioning(model, batch, self.states, cfg, tok, encoded=self.encoded, output=output)
                      if soft is None else soft)                                      # [B, K, L, d]
         self.width = batch.completion_len
+        self.last = (batch.num_steps - 1).to(self.device)                                # [B]
+        eos = (batch.completion_ids == tok.eos_id).long().cumsum(-1)
+        # the output row's action: the output up to its first EOS (what the reward reads)
+        self.out_commit = ((eos == 0) | ((eos == 1) & (batch.completion_ids == tok.eos_id))).to(self.device)  # [B, L]
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """log pi(y_k | x_k, s_k) [R, L] at the accepted positions (commit [R, L]) of rows (b, k)."""
@@ -101,17 +117,22 @@ class RenoiseStepRows:
         enc = canvas.select(self.encoded, t)
         temp = temperature(self.cfg, s, self.device)                                         # [R]
         z = canvas.decode(model, enc, self.states[t, s], self.soft[t, s]) / temp[:, None, None]
-        commit = self.batch.accepted[traj, step].to(self.device)
-        logp = torch.where(commit, token_logp(z, self.batch.tokens[traj, step].to(self.device)), 0.0)
+        out = (s == self.last[t])[:, None]                           # [R, 1] output rows (renoise_output)
+        commit = torch.where(out, self.out_commit[t], self.batch.accepted[traj, step].to(self.device))
+        tokens = torch.where(out, self.batch.completion_ids[traj].to(self.device),
+                             self.batch.tokens[traj, step].to(self.device))
+        logp = torch.where(commit, token_logp(z, tokens), 0.0)
         return logp, None, commit
 
     def behaviour(self, traj: Tensor, step: Tensor) -> Tensor:
-        return self.batch.logp[traj, step]
+        """The recorded log-probs; NaN on output rows (no draw was taken: the update uses pi_prox)."""
+        out = (step == self.batch.num_steps[traj] - 1)[:, None]
+        return torch.where(out, float("nan"), self.batch.logp[traj, step])
 
 
-def renoise_rows(model: Any, sub: RenoiseBatch, tok: Any) -> tuple[Rows, RenoiseStepRows]:
+def renoise_rows(model: Any, sub: RenoiseBatch, tok: Any, output: bool = False) -> tuple[Rows, RenoiseStepRows]:
     """The rows of a renoising batch and their scorer, for the one update (the ``adpo`` estimator
     builds these for a ``"renoise"`` batch; the others have no rows for it, a chain having no masked
     state to take an ELBO over): the chain's self-conditioning is rebuilt under the current policy
     here, once per update, and the batch's own sampler settings score it."""
-    return action_rows(sub), RenoiseStepRows(model, sub, settings(sub), tok)
+    return action_rows(sub, output), RenoiseStepRows(model, sub, settings(sub), tok, output=output)

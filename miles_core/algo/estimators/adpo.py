@@ -27,7 +27,8 @@ those ceil(rho K_b) rows are spent is ``adpo.step_cover``:
 The one estimator with rows for a renoising chain (DiffusionGemma, algo/renoise_rows.py): its
 steps are recorded actions too, whereas there is no masked state to take an ELBO over.
 
-Reads ``adpo.step_fraction``, ``adpo.step_cover``, ``adpo.step_merge`` and ``adpo.is_cap``.
+Reads ``adpo.step_fraction``, ``adpo.step_cover``, ``adpo.step_merge``, ``adpo.is_cap`` and, for renoising
+chains, ``adpo.renoise_output`` (algo/renoise_rows.py).
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def chain_rows(sub: RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperatu
                generator: torch.Generator, model: Any = None) -> tuple[Rows, RenoiseStepRows]:
     """A renoising chain's action rows; its temperature schedule travels with the batch, so
     ``temperature`` is not read, and nothing is drawn from ``generator``."""
-    return renoise_rows(model, sub, tok)
+    return renoise_rows(model, sub, tok, cfg.renoise_output)
 
 
 @register_estimator("adpo")
 class ADPO(Estimator):
-    reads = ("step_fraction", "step_cover", "step_merge", "is_cap")
+    reads = ("step_fraction", "step_cover", "step_merge", "is_cap", "renoise_output")
 
     builders = {"masked": step_rows, "renoise": chain_rows}  # batch kind -> its rows
