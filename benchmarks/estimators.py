@@ -45,7 +45,8 @@ EBPO_BLOCK = 8
 ARM_SETTINGS = {"ebpo": [f"adpo.mask_block={EBPO_BLOCK}"]}
 # 1700 held-out problems (the test bucket holds 1742 distinct ones; the first 500 are the recipe's own):
 # with 4 seeds, enough for the paired sign test to see 1.5 points (see ``power`` in the output)
-DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300", "task.num_test=1700"]
+DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300", "task.num_test=1700",
+                                 "eval.num_problems=1700"]
 DETECT_GAIN = 0.015  # the smallest gap the table must rank
 FLOP_EVERY = 10
 
@@ -80,37 +81,62 @@ def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None,
 
 
 def _arm_key(arm: str, arm_cfg, ckpt: Path) -> dict:
-    """What an arm's result depends on: its resolved config and the SFT weights it starts from."""
+    """What an arm's training depends on: its resolved config but the evaluation's, and the SFT weights."""
     weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
-    return json.loads(json.dumps({"arm": arm, "config": arm_cfg.to_dict(), "sft_sha256": weights}))
+    config = {k: v for k, v in arm_cfg.to_dict().items() if k != "eval"}
+    return json.loads(json.dumps({"arm": arm, "config": config, "sft_sha256": weights}))
+
+
+def _eval_key(cfg) -> dict:
+    """The EvalConfig ``run_eval`` will use, as a stored result records it."""
+    from miles_core.eval.evaluate import eval_config
+
+    return json.loads(json.dumps(eval_config(cfg, min(cfg.eval.num_problems, cfg.task.num_test)).to_dict()))
 
 
 def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
-    """One (seed, arm) run from the seed's SFT checkpoint. Its result is kept beside the checkpoint
-    (``seed{N}/arms/ARM.json``) and reused when the config and the SFT weights match, so a stopped
-    table resumes where it stopped."""
+    """One (seed, arm) run from the seed's SFT checkpoint. Its result and trained weights are kept
+    beside the checkpoint (``seed{N}/arms/ARM.json``, ``ARM.pt``) and reused when the config and the
+    SFT weights match, so a stopped table resumes where it stopped; a changed ``eval`` section
+    re-evaluates the kept weights without training again."""
+    import torch
+
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.eval.evaluate import run_eval
     from miles_core.flops import FlopMeter
     from miles_core.learner.policy import Learner
     from miles_core.memory import SavedTensorMeter
+    from miles_core.models.base import load_checkpoint
 
     seed, arm = job
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     ckpt = checkpoint_path(seed, out, sft_dir)
     arm_cfg = cfg if arm == "sft" else load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
     key, cache = _arm_key(arm, arm_cfg, ckpt), ckpt.parent / "arms" / f"{arm}.json"
-    if cache.exists() and (kept_result := json.loads(cache.read_text())).get("key") == key:
-        print(f"[seed {seed}] {arm} pass@1 {kept_result['result']['pass1']:.3f} (kept from {cache})", flush=True)
-        return kept_result["result"]
+    weights = cache.with_suffix(".pt")
+    kept = json.loads(cache.read_text()) if cache.exists() else {}
+    if kept.get("key") == key:
+        result = kept["result"]
+        if result.get("eval_config") == _eval_key(arm_cfg):
+            print(f"[seed {seed}] {arm} pass@1 {result['pass1']:.3f} (kept from {cache})", flush=True)
+            return result
+        if arm == "sft" or weights.exists():   # trained already: evaluate again with this eval section
+            model, tok = load_checkpoint(ckpt)
+            if arm != "sft":
+                learner = Learner(arm_cfg, ckpt)
+                learner.model.load_state_dict(torch.load(weights))
+                model, tok = learner.model, learner.tok
+            r = run_eval(model, tok, arm_cfg, build_task(cfg))
+            result |= {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "eval_config": r.config.to_dict()}
+            cache.write_text(json.dumps({"key": key, "result": result}))
+            print(f"[seed {seed}] {arm} pass@1 {result['pass1']:.3f} (kept weights, evaluated again)", flush=True)
+            return result
     data = build_task(cfg)
     if arm == "sft":
-        from miles_core.models.base import load_checkpoint
-
         model, tok = load_checkpoint(ckpt)
         r = run_eval(model, tok, cfg, data)
-        result = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct]}
+        result = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "eval_config": r.config.to_dict()}
     else:
         learner = Learner(arm_cfg, ckpt)
         meter, update_s, samples, peak, measured, kept = FlopMeter(), 0.0, 0, 0, 0, 0.0
@@ -130,6 +156,8 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
             if (it + 1) % 50 == 0:
                 print(f"[seed {seed}] {arm} it {it + 1} reward {float(batch.reward.nan_to_num(0).mean()):.3f}", flush=True)
         r = run_eval(learner.model, learner.tok, arm_cfg, data)
+        weights.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(learner.model.state_dict(), weights)
         result = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "samples": samples,
                   "update_flops": meter.totals.get("update", 0) / max(measured, 1) * arm_cfg.train.iterations,
                   # per trajectory an update kept (A != 0): the estimator's own cost, apart from how
