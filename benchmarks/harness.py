@@ -133,14 +133,17 @@ def sft_checkpoint(cfg, seed: int, work: str | Path, checkpoint: str | Path | No
 
 # ---- arms over seeds ----------------------------------------------------------------------------
 
-def _die_with_parent() -> None:
+def _die_with_parent(parent: int) -> None:
     """Linux: the kernel sends this pool worker SIGTERM when the benchmark that spawned it dies, so a
-    killed benchmark leaves no worker holding a core (prctl PR_SET_PDEATHSIG; elsewhere a no-op)."""
+    killed benchmark leaves no worker holding a core (prctl PR_SET_PDEATHSIG; elsewhere a no-op).
+    A parent that died before the prctl sends nothing, hence the check after it."""
     if platform.system() == "Linux":
         import ctypes
         import signal
 
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def _one_thread(fn: Callable, item: Any, args: tuple) -> Any:
@@ -155,7 +158,8 @@ def over_seeds(fn: Callable, items: Sequence[Any], *args: Any, processes: int = 
     thread, ``processes`` at a time (two: one per core of the 2-core machine the figures come from).
     An item is a seed, or whatever one run is keyed by (an (arm, seed) pair). ``fn`` must be a
     module-level function."""
-    with mp.get_context("spawn").Pool(max(1, min(len(items), processes)), initializer=_die_with_parent) as pool:
+    with mp.get_context("spawn").Pool(max(1, min(len(items), processes)), initializer=_die_with_parent,
+                                     initargs=(os.getpid(),)) as pool:
         return pool.starmap(_one_thread, [(fn, item, args) for item in items], chunksize=1)
 
 

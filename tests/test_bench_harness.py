@@ -70,3 +70,70 @@ def test_problems_needed_for_a_paired_sign_test_against_a_hand_computed_value() 
     assert problems_needed(0.30, 0.015) > 6277 and problems_needed(0.18, 0.03) < 6277
     with pytest.raises(ValueError, match="discordance"):
         problems_needed(0.01, 0.015)
+
+
+def test_an_estimator_arm_is_kept_and_an_eval_change_reevaluates_its_weights(tmp_path: Path, monkeypatch) -> None:
+    """benchmarks.estimators keeps each (seed, arm) result and its trained weights: the same run again
+    trains nothing; another eval section re-evaluates the kept weights without training; another
+    training setting trains again."""
+    from benchmarks.estimators import prepare_seed, run_arm
+    from miles_core.learner.policy import Learner
+
+    tiny = ["sft.steps=4", "sft.eval_every=2", "task.num_train=16", "task.num_test=12", "task.num_val=8",
+            "train.iterations=2", "train.prompts_per_iter=2", "eval.num_problems=12"]
+    prepare_seed(0, tiny, str(tmp_path), None)
+    updates: list[int] = []
+    real = Learner.update
+    monkeypatch.setattr(Learner, "update", lambda self, *a, **k: updates.append(1) or real(self, *a, **k))
+    first = run_arm((0, "adpo"), tiny, str(tmp_path), None)
+    assert len(updates) == 2 and len(first["correct"]) == 12
+    assert (tmp_path / "seed0" / "arms" / "adpo.pt").exists()
+    assert run_arm((0, "adpo"), tiny, str(tmp_path), None) == first and len(updates) == 2
+    fewer = run_arm((0, "adpo"), tiny + ["eval.num_problems=5"], str(tmp_path), None)
+    assert len(updates) == 2 and len(fewer["correct"]) == 5 and fewer["eval_config"]["num_problems"] == 5
+    assert fewer["update_flops"] == first["update_flops"]       # the training's record is kept
+    run_arm((0, "adpo"), tiny + ["train.iterations=3"], str(tmp_path), None)
+    assert len(updates) == 5
+
+
+def _sleep(x: int) -> int:
+    import time
+
+    time.sleep(120)
+    return x
+
+
+def test_pool_workers_end_when_their_benchmark_is_killed(tmp_path: Path) -> None:
+    """``over_seeds``'s spawned workers get SIGTERM from the kernel when the benchmark process dies
+    (PR_SET_PDEATHSIG): a killed benchmark leaves no worker holding a core."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = ("import os, sys; sys.path.insert(0, os.getcwd()); from benchmarks.harness import over_seeds; "
+            "from tests.test_bench_harness import _sleep; over_seeds(_sleep, [1, 2])")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
+
+    def children() -> list[int]:
+        out = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+    deadline = time.monotonic() + 60
+    while len(kids := [p for p in children() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]) < 2:
+        assert time.monotonic() < deadline and parent.poll() is None, "the pool never started"
+        time.sleep(0.2)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{p}").exists() and b"Z" not in _state(p) for p in kids):
+        assert time.monotonic() < deadline, f"workers {kids} outlived their benchmark"
+        time.sleep(0.2)
+
+
+def _state(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1].split()[0]
+    except FileNotFoundError:
+        return b"Z"
