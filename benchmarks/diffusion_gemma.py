@@ -107,13 +107,31 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
     return _rl(seed, args, work, curve, sft_seconds, n_params)
 
 
+def rl_batch(policy, tok, data, rcfg, reward, rng: random.Random, gen, a: argparse.Namespace, it: int):
+    """One RL batch: ``a.prompts`` problems x ``a.group`` chains sampled by ``policy``, scored, with
+    group advantages (divided by the group's std with ``a.std_normalize``)."""
+    import torch
+
+    from miles_core.algo.advantages import group_advantages
+    from miles_core.algo.rl import score_rewards
+    from miles_core.samplers import renoise as rn
+
+    problems = data.draw_rl(rng, a.prompts)
+    ids = [tok.encode_prompt(p.prompt) for p in problems for _ in range(a.group)]
+    seeds = torch.randint(0, 2**62, (len(ids),), generator=gen)
+    policy.eval()
+    batch = rn.sample(policy, tok, ids, rcfg, seeds, torch.arange(len(problems)).repeat_interleave(a.group), it)
+    batch.meta = [{"answer": p.answer} for p in problems for _ in range(a.group)]
+    score_rewards(batch, reward)
+    batch.advantage = group_advantages(batch.reward, batch.group_id, std_normalize=a.std_normalize)
+    return batch
+
+
 def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_seconds: float, n_params: int) -> dict:
     """Steps 2 to 5 from seed ``seed``'s SFT checkpoint in ``work/sft``."""
     import torch
 
-    from miles_core.algo.advantages import group_advantages
     from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning
-    from miles_core.algo.rl import score_rewards
     from miles_core.algo.update import adpo_update
     from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
     from miles_core.data.registry import build_task
@@ -154,14 +172,8 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
         t1, eval_s, steps_mean = time.perf_counter(), 0.0, []
         mu_batch = None
         for it in range(1, a.iterations + 1):
-            problems = data.draw_rl(rng, a.prompts)
-            ids = [tok.encode_prompt(p.prompt) for p in problems for _ in range(a.group)]
-            seeds = torch.randint(0, 2**62, (len(ids),), generator=rl_gen)
-            policy.eval()
-            batch = rn.sample(policy, tok, ids, rcfg, seeds, torch.arange(len(problems)).repeat_interleave(a.group), it)
-            batch.meta = [{"answer": p.answer} for p in problems for _ in range(a.group)]
-            score_rewards(batch, reward)
-            batch.advantage = group_advantages(batch.reward, batch.group_id, std_normalize=a.std_normalize)
+            batch = rl_batch(policy, tok, data, rcfg, reward, rng, rl_gen, a, it)
+            ids, seeds = batch.prompt_ids, batch.seed
             mu_batch = batch if mu_batch is None else mu_batch   # sampled by the SFT policy (LoRA B = 0)
             st = adpo_update(policy, opt, batch, acfg, tok, 1.0, rl_gen)
             steps_mean.append(float(batch.num_steps.float().mean()))

@@ -1,0 +1,191 @@
+"""How much of one ADPO update is signal: the masked tiny model against the tiny DiffusionGemma.
+
+At the SFT policy, each model's RL gradient is taken on ``--batches`` independent batches (16 prompts
+x 8 samples, the same ADPO settings, one minibatch, no clipping of the gradient norm, no step
+taken), through the engine users run (``adpo_update``; the masked model's batches from
+``Learner.sample``, DiffusionGemma's from ``benchmarks.diffusion_gemma.rl_batch``). From the
+per-batch LoRA gradients g_1..g_M:
+  * mean pairwise cosine E[cos(g_i, g_j)]: near 0 when one batch's update is mostly noise;
+  * SNR = (|mean g|^2 - V / M) / V with V = sum_i |g_i - mean g|^2 / (M - 1): the squared norm of
+    the expected update over the variance of one batch's (the first term corrected for the noise
+    left in the mean of M).
+The two models are trained by the same ADPO on the same task (arith), so the ratio of their SNRs
+says how much weaker the renoising chain's signal is per batch (issue 43's open question).
+
+Then whether the mean gradient is an ascent direction of the reward the run optimizes: the
+adapter is moved along mean g / |mean g| by ``STEPS`` x (the length of one Adam step at lr 1e-3,
+1e-3 sqrt(P)), and the training reward is measured on ``--eval-batches`` batches drawn with the
+same prompts and seeds at every step length (common random numbers), so the differences are the
+policy's alone.
+
+Needs the SFT checkpoints the other benchmarks keep: ``--masked DIR`` (``benchmarks.estimators
+--checkpoint DIR``, seed{N}/sft) and ``--dgemma DIR`` (``benchmarks.diffusion_gemma --workdir DIR``,
+seed{N}/sft). Writes benchmarks/results/grad_snr.json.
+Run: python -m benchmarks.grad_snr --masked /tmp/est43 --dgemma /tmp/dg43 [--seeds 0 1] [--batches 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+from benchmarks.harness import bench_args, finish, over_seeds
+
+STEPS = (0.0, 0.25, 0.5, 1.0, 2.0)   # in lengths of one Adam step at lr 1e-3 (1e-3 sqrt(P))
+MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "adpo.num_minibatches=1", "adpo.max_grad_norm=1e9"]
+
+
+def _tap(params: list):
+    """An optimizer that keeps each step's gradient (flattened, in ``params`` order) and moves nothing."""
+    import torch
+
+    class Tap(torch.optim.SGD):
+        grads: list = []
+
+        def step(self, closure=None):  # noqa: ARG002 - the engine's call
+            self.grads.append(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten().double()
+                                         for p in params]))
+
+    tap = Tap(params, lr=0.0)
+    tap.grads = []
+    return tap
+
+
+def snr(grads: list) -> dict[str, float]:
+    """Mean pairwise cosine and the per-batch SNR of M gradients (see the module docstring)."""
+    import torch
+
+    g = torch.stack(grads)                                              # [M, P]
+    m = g.shape[0]
+    mean = g.mean(0)
+    var = float(((g - mean) ** 2).sum(1).sum() / (m - 1))
+    unit = g / g.norm(dim=1, keepdim=True).clamp_min(1e-30)
+    cos = unit @ unit.T
+    pairs = float((cos.sum() - cos.diagonal().sum()) / (m * (m - 1)))
+    return {"cosine": pairs, "snr": (float(mean @ mean) - var / m) / var, "batches": m,
+            "grad_norm": float(g.norm(dim=1).mean())}
+
+
+def along(params: list, direction, reward_at) -> list[dict]:
+    """Mean reward (``reward_at()``) with the parameters moved along ``direction`` by each of STEPS."""
+    import torch
+
+    start = [p.detach().clone() for p in params]
+    unit = direction / direction.norm()
+    scale = 1e-3 * direction.numel() ** 0.5
+    out = []
+    for k in STEPS:
+        with torch.no_grad():
+            i = 0
+            for p, p0 in zip(params, start):
+                p.copy_(p0 + (k * scale * unit[i:i + p.numel()]).view_as(p).to(p.dtype))
+                i += p.numel()
+        out.append({"adam_steps": k, "reward": reward_at()})
+    with torch.no_grad():
+        for p, p0 in zip(params, start):
+            p.copy_(p0)
+    return out
+
+
+def masked(seed: int, folder: str, batches: int, eval_batches: int) -> dict:
+    from miles_core.algo.update import adpo_update
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.learner.policy import Learner
+
+    ckpt = Path(folder) / f"seed{seed}" / "sft"
+    if not (ckpt / "config.json").exists():
+        raise SystemExit(f"--masked: no SFT checkpoint at {ckpt}; run benchmarks.estimators --checkpoint {folder} first")
+    cfg = load_recipe("arith", MASKED_OVERRIDES + [f"train.seed={seed}"])
+    learner = Learner(cfg, ckpt)
+    tap, data = _tap(learner.params), build_task(cfg)
+    for it in range(batches):
+        adpo_update(learner.model, tap, learner.sample(data, it), cfg.adpo, learner.tok, cfg.sampler.temperature,
+                    learner.gen)
+    mean = sum(tap.grads) / len(tap.grads)
+    reward = lambda: sum(float(learner.sample(data, 10_000 + j).reward.nan_to_num(0).mean())  # noqa: E731
+                         for j in range(eval_batches)) / eval_batches
+    return snr(tap.grads) | {"along": along(learner.params, -mean, reward)}
+
+
+def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool) -> dict:
+    import torch
+
+    from benchmarks.diffusion_gemma import RENOISE, rl_batch
+    from miles_core.algo.update import adpo_update
+    from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.models import diffusion_gemma as dg
+    from miles_core.models.lora import add_lora
+    from miles_core.rewards.registry import reward_for_recipe
+    from miles_core.tokenizer import CharTokenizer
+
+    ckpt = Path(folder) / f"seed{seed}" / "sft"
+    if not (ckpt / "config.json").exists():
+        raise SystemExit(f"--dgemma: no SFT checkpoint at {ckpt}; run benchmarks.diffusion_gemma --workdir {folder} first")
+    cfg = load_recipe("arith", ["task.num_val=200"])
+    data, tok, rcfg, reward = build_task(cfg), CharTokenizer(), RenoiseConfig(**RENOISE), reward_for_recipe(cfg)
+    model, _ = dg.load_diffusion_gemma(ckpt)
+    torch.manual_seed(seed)                                         # LoRA's A: the same in whichever worker
+    policy = add_lora(model, r=16, alpha=32)                        # the diffusion_gemma benchmark's RL settings
+    acfg = ADPOConfig(lr=1e-3, num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0, max_grad_norm=1e9,
+                      renoise_output=output)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    tap = _tap(params)
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    a = argparse.Namespace(prompts=16, group=8, std_normalize=False)
+    for it in range(1, batches + 1):
+        adpo_update(policy, tap, rl_batch(policy, tok, data, rcfg, reward, rng, gen, a, it), acfg, tok, 1.0, gen)
+
+    def mean_reward() -> float:   # the same prompts and chain seeds at every step length
+        r, g = random.Random(10_000 + seed), torch.Generator().manual_seed(10_000 + seed)
+        return sum(float(rl_batch(policy, tok, data, rcfg, reward, r, g, a, j).reward.nan_to_num(0).mean())
+                   for j in range(eval_batches)) / eval_batches
+
+    mean = sum(tap.grads) / len(tap.grads)
+    return snr(tap.grads) | {"along": along(params, -mean, mean_reward)}
+
+
+def run(job: tuple[str, int], args: dict) -> dict:
+    arm, seed = job
+    t0 = time.perf_counter()
+    out = (masked(seed, args["masked"], args["batches"], args["eval_batches"]) if arm == "masked ADPO" else
+           dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], arm == "DiffusionGemma ADPO + output row"))
+    print(f"[seed {seed}] {arm}: cosine {out['cosine']:.4f} snr {out['snr']:.4f} reward along the mean update "
+          + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along"]), flush=True)
+    return {"arm": arm, "seed": seed, **out, "seconds": time.perf_counter() - t0}
+
+
+def main() -> None:
+    ap = bench_args(__doc__, seeds=(0, 1), sets=False)
+    ap.add_argument("--masked", required=True, metavar="DIR", help="benchmarks.estimators' --checkpoint folder")
+    ap.add_argument("--dgemma", required=True, metavar="DIR", help="benchmarks.diffusion_gemma's --workdir folder")
+    ap.add_argument("--batches", type=int, default=24, help="independent batches per model and seed")
+    ap.add_argument("--eval-batches", type=int, default=8, help="batches (of 128) the reward is measured on")
+    args = ap.parse_args()
+    arms = ["masked ADPO", "DiffusionGemma ADPO", "DiffusionGemma ADPO + output row"]
+    jobs = [(arm, seed) for arm in arms for seed in args.seeds]
+    runs = over_seeds(run, jobs, vars(args))
+    rows, out = [], []
+    for arm in arms:
+        got = [r for r in runs if r["arm"] == arm]
+        entry = {"arm": arm, "cosine": sum(r["cosine"] for r in got) / len(got),
+                 "snr": sum(r["snr"] for r in got) / len(got), "per_seed": got}
+        # reward change along the mean update, averaged over seeds, at each step length
+        gain = [sum(r["along"][i]["reward"] - r["along"][0]["reward"] for r in got) / len(got) for i in range(len(STEPS))]
+        entry["reward_gain_along_mean_update"] = dict(zip([str(k) for k in STEPS], gain))
+        out.append(entry)
+        rows.append([arm, " / ".join(f"{r['cosine']:.4f}" for r in got), f"{entry['cosine']:.4f}",
+                     " / ".join(f"{r['snr']:.4f}" for r in got), f"{entry['snr']:.4f}",
+                     f"{sum(r['along'][0]['reward'] for r in got) / len(got):.4f}",
+                     " ".join(f"{g:+.4f}" for g in gain[1:])])
+    finish("grad_snr", {"arms": out, "seeds": args.seeds, "batches": args.batches, "eval_batches": args.eval_batches,
+                        "steps": STEPS}, rows,
+           ["gradient", "cosine per seed", "cosine", "SNR per seed", "SNR", "reward at SFT",
+            f"reward change at {', '.join(f'{k:g}' for k in STEPS[1:])} Adam steps"], args.out)
+
+
+if __name__ == "__main__":
+    main()
