@@ -16,8 +16,10 @@ those ceil(rho K_b) rows are spent is ``adpo.step_cover``:
   them exactly (0.330) at the same forwards, and scoring all of them exactly (rho = 1, twice the
   forwards) reached 0.359 (``python -m benchmarks.estimators``, 4 seeds); a token without a
   gradient in an update teaches nothing there, whereas the earlier state only blurs its context.
-  A re-measurement on 1700 problems per seed (2 of 4 seeds so far) did not confirm the lead
-  (0.328 / 0.314 against 0.330 / 0.328; docs/concepts/estimators.md).
+  The re-measurement on 4 x 1700 paired problems did not confirm the lead: covering 0.355, sampled
+  steps 0.357 (p = 0.70), both far above SFT's 0.303 (docs/concepts/estimators.md). At equal forwards
+  the two designs tie on this task; covering stays the default because it leaves no committed token
+  without a gradient at small rho (0.25 in the large recipes, where sampling would skip 3 of 4).
 * False: a random rho of the steps, each exact, reweighted by K_b / m_b so the objective is
   unbiased for the full one; 1 - rho of the tokens get no gradient in that update.
 
