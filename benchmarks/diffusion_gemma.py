@@ -76,8 +76,8 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
     # 1. SFT, best validation checkpoint (reused from --workdir when its record matches these settings)
     record = {"sizes": SIZES, "renoise": RENOISE, "steps": args.sft_steps, "lr": args.sft_lr,
               "eval_every": args.sft_eval_every, "num_test": args.num_test, "seed": seed}
-    if (work / "sft_run.json").exists() and json.loads((work / "sft_run.json").read_text())["record"] == record:
-        kept = json.loads((work / "sft_run.json").read_text())
+    kept = json.loads((work / "sft_run.json").read_text()) if (work / "sft_run.json").exists() else {}
+    if kept.get("record") == record:
         print(f"[seed {seed}] reusing the SFT checkpoint {work / 'sft'}", flush=True)
         return _rl(seed, args, work, kept["curve"], kept["seconds"], n_params)
     gen = torch.Generator().manual_seed(seed)

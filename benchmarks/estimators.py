@@ -121,13 +121,10 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
         if result.get("eval_config") == _eval_key(arm_cfg):
             print(f"[seed {seed}] {arm} pass@1 {result['pass1']:.3f} (kept from {cache})", flush=True)
             return result
-        if arm == "sft" or weights.exists():   # trained already: evaluate again with this eval section
-            model, tok = load_checkpoint(ckpt)
-            if arm != "sft":
-                learner = Learner(arm_cfg, ckpt)
-                learner.model.load_state_dict(torch.load(weights))
-                model, tok = learner.model, learner.tok
-            r = run_eval(model, tok, arm_cfg, build_task(cfg))
+        if arm != "sft" and weights.exists():   # trained already: evaluate again with this eval section
+            learner = Learner(arm_cfg, ckpt)
+            learner.model.load_state_dict(torch.load(weights))
+            r = run_eval(learner.model, learner.tok, arm_cfg, build_task(cfg))
             result |= {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "eval_config": r.config.to_dict()}
             cache.write_text(json.dumps({"key": key, "result": result}))
             print(f"[seed {seed}] {arm} pass@1 {result['pass1']:.3f} (kept weights, evaluated again)", flush=True)

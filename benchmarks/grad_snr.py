@@ -10,7 +10,7 @@ per-batch LoRA gradients g_1..g_M:
     the expected update over the variance of one batch's (the first term corrected for the noise
     left in the mean of M).
 The two models are trained by the same ADPO on the same task (arith), so the ratio of their SNRs
-says how much weaker the renoising chain's signal is per batch (issue 43's open question).
+says how much weaker the renoising chain's signal is per batch, if it is.
 
 Then whether the mean gradient is an ascent direction of the reward the run optimizes: the
 adapter is moved along mean g / |mean g| by ``STEPS`` x (the length of one Adam step at lr 1e-3,

@@ -37,7 +37,7 @@ from torch import Tensor
 from miles_core.algo.rows import Rows
 from miles_core.config import RenoiseConfig
 from miles_core.models import canvas
-from miles_core.samplers.renoise import replay_states, settings, temperature, token_logp
+from miles_core.samplers.renoise import after_eos, replay_states, settings, temperature, token_logp
 from miles_core.samplers.step import left_pad
 from miles_core.types import RenoiseBatch
 
@@ -107,9 +107,8 @@ class RenoiseStepRows:
                      if soft is None else soft)                                      # [B, K, L, d]
         self.width = batch.completion_len
         self.last = (batch.num_steps - 1).to(self.device)                                # [B]
-        eos = (batch.completion_ids == tok.eos_id).long().cumsum(-1)
         # the output row's action: the output up to its first EOS (what the reward reads)
-        self.out_commit = ((eos == 0) | ((eos == 1) & (batch.completion_ids == tok.eos_id))).to(self.device)  # [B, L]
+        self.out_commit = (~after_eos(batch.completion_ids, tok.eos_id)).to(self.device)  # [B, L]
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """log pi(y_k | x_k, s_k) [R, L] at the accepted positions (commit [R, L]) of rows (b, k)."""

@@ -153,10 +153,14 @@ def sample_seeded(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, c
 
 def finalize(canvas: Tensor, eos_id: int, pad_id: int) -> Tensor:
     """generate's ``_finalize_canvas`` for one canvas: every token after the first EOS becomes pad."""
+    return canvas.masked_fill(after_eos(canvas, eos_id), pad_id)
+
+
+def after_eos(canvas: Tensor, eos_id: int) -> Tensor:
+    """[B, L] True at the positions after each row's first EOS (what the output drops)."""
     is_eos = canvas == eos_id
     c = is_eos.cumsum(-1)
-    after = (c > 0) & ~((c == 1) & is_eos)
-    return canvas.masked_fill(after, pad_id)
+    return (c > 0) & ~((c == 1) & is_eos)
 
 
 def replay_states(batch: RenoiseBatch, vocab: int, device: torch.device) -> Tensor:
