@@ -133,13 +133,32 @@ def init_world(backend: str | None = None, timeout_s: float = 600.0) -> World:
             raise RuntimeError("backend 'nccl' needs CUDA, and torch.cuda.is_available() is False; use --backend gloo")
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if backend == "gloo":
-        # connect pairs on first use: a group restarted by torchrun after a rank died timed out
-        # building its full mesh of connections at once (gloo connectFullMesh, "connection refused")
-        os.environ.setdefault("TORCH_GLOO_LAZY_INIT", "1")
     if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+        timeout = timedelta(seconds=timeout_s)
+        store = _attempt_store(timeout)
+        if store is None:
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
     return World(dist.get_rank(), dist.get_world_size(), device, local_rank)
+
+
+def _attempt_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun, a client of the agent's store with keys scoped to this restart of the group.
+
+    torchrun's agent hosts one TCPStore for every restart of the worker group, and the default
+    process group's keys in it are not scoped per restart, so a restarted rank can read the address
+    its dead predecessor published and connect to a closed port: gloo fails with "connection
+    refused" or waits forever, NCCL reads a stale unique id (pytorch/pytorch#135712). The prefix is
+    the agent's restart count, which every rank of a single-node group shares. None outside torchrun's
+    agent store: torch's own env:// rendezvous."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"miles/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/attempt{attempt}", client)
 
 
 def close_world(world: World) -> None:

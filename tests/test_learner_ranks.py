@@ -1,6 +1,7 @@
 """The asynchronous learner as D data-parallel ranks under torchrun (gloo on CPU): a global batch
 read in shares gives the update one process reading it all gives, and a rank SIGKILLed mid-update
-makes torchrun restart the group from the last checkpoint with every batch consumed once."""
+makes torchrun restart the group from the last checkpoint with every batch consumed once, and a
+restarted group never joins through the addresses its dead predecessors published."""
 
 from __future__ import annotations
 
@@ -73,10 +74,41 @@ def committed_run(tmp: Path, base: Path, batches: int, *overrides: str) -> str:
     return run
 
 
+# Attempt 0: both ranks join and all-reduce, then rank 1 crashes. Attempt 1: rank 0 joins 3 s late,
+# so rank 1 reads rank 0's key first: from the agent's store, which outlives attempts, that is the
+# dead rank 0's address unless the keys are scoped per attempt (gloo then hangs or refuses).
+REJOIN = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    from miles_core.parallel import close_world, init_world
+    attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
+    if attempt == 1 and rank == 0:
+        time.sleep(3)
+    world = init_world("gloo", timeout_s=60)
+    total = world.all_reduce_(torch.tensor([float(rank + 1)]))
+    assert float(total[0]) == 3.0, total
+    if attempt == 0 and rank == 1:
+        os._exit(1)
+    if attempt == 1:
+        close_world(world)
+        print("rejoined", rank, flush=True)
+""")
+
+
+def finish(proc: subprocess.Popen, log: Path, timeout: float) -> int:
+    """``proc``'s exit code; on a timeout, kill it and fail with the end of its log."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"torchrun still running after {timeout:.0f} s:\n{log.read_text()[-4000:]}")
+
+
 def torchrun(run: str, tmp: Path, nproc: int, *extra: str, restarts: int = 0,
-             env: dict[str, str] | None = None) -> subprocess.Popen:
+             env: dict[str, str] | None = None, harness: str = HARNESS) -> subprocess.Popen:
     script = tmp / "harness.py"
-    script.write_text(HARNESS)
+    script.write_text(harness)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
            str(nproc), "--max-restarts", str(restarts), str(script), "learner", run, "--backend", "gloo",
            "--cache-dir", str(tmp / "cache"), *extra]
@@ -102,7 +134,7 @@ def test_a_global_batch_read_in_shares_by_two_ranks_is_the_one_process_update(tm
         TrajectoryStore.read_batch = real_read  # type: ignore[method-assign]
     assert single["done"] and single["updates"] == 1 and len(read) == 4
     proc = torchrun(str(two), tmp_path / "two", 2)
-    assert proc.wait(timeout=300) == 0, (tmp_path / "two" / "torchrun.log").read_text()[-4000:]
+    assert finish(proc, tmp_path / "two" / "torchrun.log", 300) == 0, (tmp_path / "two" / "torchrun.log").read_text()[-4000:]
     status = RunStore(str(two)).read_json("learner", "status.json")
     assert status["done"] and status["updates"] == 1 and status["consumed"] == 4
     ledger = RunStore(str(two)).read_json("learner", "history.json")["ledger"]["consumed"]
@@ -129,7 +161,7 @@ def test_sigkill_of_one_learner_rank_mid_update_resumes_with_every_batch_consume
     ckpt = RunStore(run).load_checkpoint()
     assert [e["update"] for e in ckpt["ledger"]["consumed"]] == [1, 1]  # update 2 is in flight
     os.kill(int(flag.read_text()), 9)
-    assert proc.wait(timeout=300) == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
+    assert finish(proc, tmp_path / "torchrun.log", 300) == 0, (tmp_path / "torchrun.log").read_text()[-4000:]
     rs = RunStore(run)
     status = rs.read_json("learner", "status.json")
     ledger = rs.read_json("learner", "history.json")["ledger"]
@@ -180,3 +212,10 @@ def test_an_fsdp_update_with_unequal_shares_is_the_one_process_update(tmp_path: 
     assert float(fields["max_abs_diff"]) < 1e-6 and float(fields["moved"]) > 1e-4, line
     one, sharded = map(float, fields["grad_norm"].split(","))
     assert one == pytest.approx(sharded, rel=1e-5) and len(set(fields["tokens"].split(","))) == 1, line
+
+
+def test_a_restarted_group_joins_through_its_own_attempts_addresses(tmp_path: Path) -> None:
+    proc = torchrun("unused", tmp_path, 2, restarts=1, harness=REJOIN)
+    log = tmp_path / "torchrun.log"
+    assert finish(proc, log, 120) == 0, log.read_text()[-4000:]
+    assert {line for line in log.read_text().splitlines() if line.startswith("rejoined")} == {"rejoined 0", "rejoined 1"}
