@@ -4,6 +4,7 @@ and the gradient each produces against a brute-force computation of its objectiv
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -105,8 +106,10 @@ def test_masks_are_redrawn_every_epoch_and_the_proximal_policy_follows(estimator
             return None
 
     adv = torch.nan_to_num(batch.advantage, nan=0.0)
+    # two minibatches: the first takes pi_prox from its own forward, the second from the stale pass
     bad = policy_update(model, torch.optim.SGD(params, lr=0.0), StaleProx(), rows, adv,
-                        float(len(batch) * batch.completion_len), cfg, torch.Generator().manual_seed(0))
+                        float(len(batch) * batch.completion_len), replace(cfg, num_minibatches=2),
+                        torch.Generator().manual_seed(0))
     assert bad["approx_kl"] > 1e-6  # the check above can fail
 
 
@@ -187,3 +190,55 @@ def test_the_estimators_benchmark_matches_forwards_per_trajectory_to_adpo(recipe
             forwards = a.mask_samples * per_draw
         want = cfg.sampler.steps if arm in DIAGNOSTIC else adpo_rows                     # adpo_full: every step
         assert forwards == want, (arm, forwards, want)
+
+
+@pytest.mark.parametrize("estimator", ["adpo", "ebpo"])
+def test_the_first_minibatch_takes_the_proximal_policy_from_its_own_forward(estimator, monkeypatch):
+    """pi_prox is the policy before the update, which is what the first minibatch's forward runs
+    on: its rows skip the separate no-grad pass, and two epochs of AdamW steps land where scoring
+    every row's pi_prox separately lands. With dropout active, every row gets its own pass."""
+    import miles_core.algo.update as U
+
+    cfg = ADPOConfig(estimator=estimator, epochs=2, num_minibatches=2, row_chunk=3, mask_samples=2, mask_block=4,
+                     kl_coef=0.0)  # no reference passes: every no-grad row below is a proximal one
+
+    def run(reuse: bool) -> tuple[list[torch.Tensor], int, int]:
+        model = lora_model()
+        batch = scored_batch(model)
+        batch.reward = torch.arange(len(batch), dtype=torch.float32) % 3
+        batch.advantage = group_advantages(batch.reward, batch.group_id)
+        no_grad_rows, n_rows = [0], [0]
+        real_rows = U.get_estimator(estimator).rows
+
+        def counting_rows(*a, **k):
+            r, scorer = real_rows(*a, **k)
+            n_rows[0] = r.traj.numel()
+            real_score = scorer.score
+
+            def score(m, traj, step):
+                no_grad_rows[0] += 0 if torch.is_grad_enabled() else traj.numel()
+                return real_score(m, traj, step)
+            scorer.score = score
+            return r, scorer
+        monkeypatch.setattr(U.get_estimator(estimator), "rows", counting_rows)
+        monkeypatch.setattr(U, "deterministic_forward", lambda m: reuse)
+        params = [p for p in model.parameters() if p.requires_grad]
+        U.adpo_update(model, torch.optim.AdamW(params, lr=0.05), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3))
+        monkeypatch.undo()
+        return [p.detach().clone() for p in params], no_grad_rows[0], n_rows[0]
+
+    (reused, n_reused, n_rows), (separate, n_separate, _) = run(True), run(False)
+    per_epoch = estimator == "ebpo"  # fresh masks each epoch: pi_prox scored per epoch
+    assert n_separate == n_rows * (2 if per_epoch else 1)
+    assert n_reused == n_separate - -(-n_rows // 2)  # the first minibatch's rows: no separate pass
+    start = [p.detach() for p in lora_model().parameters() if p.requires_grad]
+    assert sum(float((a - b).abs().sum()) for a, b in zip(reused, start)) > 0  # the steps moved the policy
+    for a, b in zip(reused, separate):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_dropout_makes_every_row_score_its_own_proximal_policy():
+    from miles_core.algo.update import deterministic_forward
+
+    assert deterministic_forward(lora_model())
+    assert not deterministic_forward(add_lora(base_model(), r=4, alpha=8, dropout=0.1))

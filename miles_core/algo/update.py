@@ -31,7 +31,7 @@ from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
 from miles_core.models.window import head_weight
 
-__all__ = ["RowScorer", "adpo_update", "estimator_rows", "policy_update"]
+__all__ = ["RowScorer", "adpo_update", "deterministic_forward", "estimator_rows", "policy_update"]
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
@@ -95,6 +95,14 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
             (torch.nan_to_num(logp, 0.0, 0.0, 0.0).sum() * 0.0).backward()
 
     per_epoch = getattr(scorer, "per_epoch", False)  # rows redrawn each epoch (fresh masks)
+    perms = [torch.randperm(n_rows, generator=generator) for _ in range(cfg.epochs)]
+    # pi_prox is the policy before this update, and the first minibatch's forward runs on exactly
+    # those weights: its rows take pi_prox from their own log-probs (detached), so only the other
+    # rows need a separate no-grad pass, 1 / num_minibatches of those forwards saved. Exact only for
+    # a deterministic forward: with active dropout every row gets its own pass.
+    first = perms[0].chunk(cfg.num_minibatches)[0] if deterministic_forward(model) else perms[0][:0]
+    own_pass = torch.ones(n_rows, dtype=torch.bool)
+    own_pass[first] = False
     proxes: list[Tensor] = []
     if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
         for e in range(cfg.epochs if per_epoch else 1):
@@ -102,7 +110,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
                 scorer.set_epoch(e)
             prox = torch.zeros(n_rows, scorer.width, device=device)
             with torch.no_grad():
-                for c in my_chunks(torch.arange(n_rows)):
+                for c in my_chunks(torch.arange(n_rows)[own_pass] if e == 0 else torch.arange(n_rows)):
                     if c is None:
                         pad_pass(torch.arange(n_rows), backward=False)
                         continue
@@ -118,8 +126,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
         if per_epoch:
             scorer.set_epoch(epoch)
         prox = proxes[epoch if per_epoch else 0] if proxes else None
-        perm = torch.randperm(n_rows, generator=generator)
-        for mb in perm.chunk(cfg.num_minibatches):
+        for i_mb, mb in enumerate(perms[epoch].chunk(cfg.num_minibatches)):
+            before_any_step = epoch == 0 and i_mb == 0
             optimizer.zero_grad(set_to_none=True)
             cs = my_chunks(mb)
             for i, c in enumerate(cs):
@@ -130,7 +138,12 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
                     continue
                 t_idx, s_idx = rows.traj[c], rows.step[c]
                 logp, ent, commit = scorer.score(model, t_idx, s_idx)
-                prox_c = prox[c] if prox is not None else logp.detach()
+                if prox is None or (before_any_step and first.numel()):
+                    prox_c = logp.detach()
+                    if prox is not None:  # later epochs of the same rows read it back
+                        prox[c] = prox_c.to(device)
+                else:
+                    prox_c = prox[c]
                 behav = scorer.behaviour(t_idx, s_idx)
                 ref = None
                 if cfg.kl_coef > 0:
@@ -161,6 +174,19 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     stats = {k: v / max(tokens, 1.0) for k, v in zip(SUM_KEYS, vals)}
     stats.update(iw_max=iw_peak, grad_norm=gn, loss=vals[-1], tokens=tokens, rows=float(n_rows))
     return stats
+
+
+def deterministic_forward(model: Any) -> bool:
+    """No active dropout: two forwards of the same rows on the same weights give the same log-probs
+    (a module's ``nn.Dropout`` with p > 0, or a config's ``*dropout*`` float above 0, says otherwise)."""
+    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
+        return False
+    for m in model.modules():
+        conf = getattr(m, "config", None)
+        if conf is not None and not isinstance(conf, dict) and hasattr(conf, "__dict__"):
+            if any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(conf).items()):
+                return False
+    return True
 
 
 def estimator_rows(sub: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
