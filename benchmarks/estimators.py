@@ -37,7 +37,14 @@ from benchmarks.harness import (bench_args, checkpoint_path, finish, over_seeds,
 ESTIMATORS = ("adpo", "adpo_sampled", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
 TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
 # diagnostic arms, not in the default set: not matched in compute
-DIAGNOSTIC = ("adpo_full",)  # ADPO scoring every recorded step (step fraction 1: twice ADPO's update FLOPs)
+DIAGNOSTIC = ("adpo_full", "adpo_exact75", "adpo_cover625")
+# ADPO's row designs by name: adpo_full scores every recorded step (step fraction 1, twice the old
+# default's update FLOPs); at the old default's FLOPs, now that an exact row of a fresh batch needs no
+# proximal pass, 3/4 of the steps exactly or 5 covering runs of 8 steps (algo/update.py)
+ADPO_DESIGNS = {"adpo_full": ["adpo.step_fraction=1.0"],
+                "adpo_sampled": ["adpo.step_cover=false"],
+                "adpo_exact75": ["adpo.step_fraction=0.75", "adpo.step_cover=false"],
+                "adpo_cover625": ["adpo.step_fraction=0.625", "adpo.step_cover=true"]}
 # forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo), one per block (ebpo)
 ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
 # EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
@@ -56,10 +63,8 @@ def arm_overrides(cfg, estimator: str) -> list[str]:
     ``tracerl`` is ADPO with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949), its step fraction raised to keep
     ADPO's rows per trajectory (at the arith recipe's K = 8 and rho = 0.5 its rows are ADPO's covering runs of
     two steps: the same arm, run again as a check); ``adpo_sampled`` scores a random rho of the steps exactly."""
-    if estimator == "adpo_full":  # every step exactly: tells TraceRL's full coverage from its merging
-        return ["adpo.estimator=adpo", "adpo.step_fraction=1.0"]
-    if estimator == "adpo_sampled":  # the earlier default: the same forwards on a random half of the steps, exact
-        return ["adpo.estimator=adpo", "adpo.step_cover=false"]
+    if estimator in ADPO_DESIGNS:
+        return ["adpo.estimator=adpo", *ADPO_DESIGNS[estimator]]
     if estimator == "tracerl":  # ADPO's rows merged s steps at a time, as many rows per trajectory as ADPO scores
         return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}",
                 f"adpo.step_fraction={min(1.0, cfg.adpo.step_fraction * TRACERL_MERGE)}"]

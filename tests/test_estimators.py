@@ -188,8 +188,44 @@ def test_the_estimators_benchmark_matches_forwards_per_trajectory_to_adpo(recipe
             per_draw = {"meanfield": 1, "wd1": 1, "spg": 1, "coupled": 2, "espo": 2}.get(a.estimator)
             per_draw = per_draw or -(-L // a.mask_block)                                 # ebpo: one per block
             forwards = a.mask_samples * per_draw
-        want = cfg.sampler.steps if arm in DIAGNOSTIC else adpo_rows                     # adpo_full: every step
+        # adpo_full: every step; the other diagnostic designs spend ADPO's FLOPs on cheaper rows
+        want = {"adpo_full": cfg.sampler.steps, "adpo_exact75": math.ceil(0.75 * cfg.sampler.steps),
+                "adpo_cover625": math.ceil(0.625 * cfg.sampler.steps)}.get(arm, adpo_rows)
         assert forwards == want, (arm, forwards, want)
+
+
+def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,
+                    version: int | None = None) -> tuple[list[torch.Tensor], int, int]:
+    """One AdamW update through ``adpo_update``: the trained parameters, the rows scored without
+    grad (proximal passes; cfg has no KL, so no reference passes) and the rows built."""
+    import miles_core.algo.update as U
+
+    model = lora_model()
+    batch = scored_batch(model)
+    batch.reward = torch.arange(len(batch), dtype=torch.float32) % 3
+    batch.advantage = group_advantages(batch.reward, batch.group_id)
+    no_grad_rows, n_rows = [0], [0]
+    real_rows = U.get_estimator(estimator).rows
+
+    def counting_rows(*a, **k):
+        r, scorer = real_rows(*a, **k)
+        n_rows[0] = r.traj.numel()
+        real_score = scorer.score
+
+        def score(m, traj, step):
+            no_grad_rows[0] += 0 if torch.is_grad_enabled() else traj.numel()
+            return real_score(m, traj, step)
+        scorer.score = score
+        return r, scorer
+    monkeypatch.setattr(U.get_estimator(estimator), "rows", counting_rows)
+    monkeypatch.setattr(U, "deterministic_forward", lambda m: reuse)
+    params = [p for p in model.parameters() if p.requires_grad]
+    U.adpo_update(model, torch.optim.AdamW(params, lr=0.05), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3),
+                  version=version)
+    monkeypatch.undo()
+    start = [p.detach() for p in lora_model().parameters() if p.requires_grad]
+    assert sum(float((a - b.detach()).abs().sum()) for a, b in zip(params, start)) > 0  # the steps moved the policy
+    return [p.detach().clone() for p in params], no_grad_rows[0], n_rows[0]
 
 
 @pytest.mark.parametrize("estimator", ["adpo", "ebpo"])
@@ -197,43 +233,29 @@ def test_the_first_minibatch_takes_the_proximal_policy_from_its_own_forward(esti
     """pi_prox is the policy before the update, which is what the first minibatch's forward runs
     on: its rows skip the separate no-grad pass, and two epochs of AdamW steps land where scoring
     every row's pi_prox separately lands. With dropout active, every row gets its own pass."""
-    import miles_core.algo.update as U
-
-    cfg = ADPOConfig(estimator=estimator, epochs=2, num_minibatches=2, row_chunk=3, mask_samples=2, mask_block=4,
-                     kl_coef=0.0)  # no reference passes: every no-grad row below is a proximal one
-
-    def run(reuse: bool) -> tuple[list[torch.Tensor], int, int]:
-        model = lora_model()
-        batch = scored_batch(model)
-        batch.reward = torch.arange(len(batch), dtype=torch.float32) % 3
-        batch.advantage = group_advantages(batch.reward, batch.group_id)
-        no_grad_rows, n_rows = [0], [0]
-        real_rows = U.get_estimator(estimator).rows
-
-        def counting_rows(*a, **k):
-            r, scorer = real_rows(*a, **k)
-            n_rows[0] = r.traj.numel()
-            real_score = scorer.score
-
-            def score(m, traj, step):
-                no_grad_rows[0] += 0 if torch.is_grad_enabled() else traj.numel()
-                return real_score(m, traj, step)
-            scorer.score = score
-            return r, scorer
-        monkeypatch.setattr(U.get_estimator(estimator), "rows", counting_rows)
-        monkeypatch.setattr(U, "deterministic_forward", lambda m: reuse)
-        params = [p for p in model.parameters() if p.requires_grad]
-        U.adpo_update(model, torch.optim.AdamW(params, lr=0.05), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3))
-        monkeypatch.undo()
-        return [p.detach().clone() for p in params], no_grad_rows[0], n_rows[0]
-
-    (reused, n_reused, n_rows), (separate, n_separate, _) = run(True), run(False)
+    cfg = ADPOConfig(estimator=estimator, epochs=2, num_minibatches=2, row_chunk=3, mask_samples=2, mask_block=4)
+    reused, n_reused, n_rows = _counted_update(estimator, cfg, True, monkeypatch)
+    separate, n_separate, _ = _counted_update(estimator, cfg, False, monkeypatch)
     per_epoch = estimator == "ebpo"  # fresh masks each epoch: pi_prox scored per epoch
     assert n_separate == n_rows * (2 if per_epoch else 1)
     assert n_reused == n_separate - -(-n_rows // 2)  # the first minibatch's rows: no separate pass
-    start = [p.detach() for p in lora_model().parameters() if p.requires_grad]
-    assert sum(float((a - b).abs().sum()) for a, b in zip(reused, start)) > 0  # the steps moved the policy
     for a, b in zip(reused, separate):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("cover", [False, True])
+def test_trajectories_the_update_sampled_take_the_proximal_policy_from_their_recorded_mu(cover, monkeypatch):
+    """A batch sampled by the weights the update starts from (its policy_version is the update's
+    version): pi_prox = mu, recorded at sampling, for every exact row, so no proximal pass runs for
+    them; a covering run of two steps has no mu for its later tokens and keeps its pass. The
+    update lands where scoring pi_prox lands; a stale batch (another version) gets every pass."""
+    cfg = ADPOConfig(epochs=2, num_minibatches=2, row_chunk=3, step_fraction=0.5, step_cover=cover)
+    by_mu, n_mu, n_rows = _counted_update("adpo", cfg, False, monkeypatch, version=0)
+    separate, n_separate, _ = _counted_update("adpo", cfg, False, monkeypatch, version=None)
+    _, n_stale, _ = _counted_update("adpo", cfg, False, monkeypatch, version=1)
+    assert n_separate == n_stale == n_rows
+    assert n_mu == (n_rows if cover else 0)  # at K = 4 and rho 0.5, covering rows are all runs of two
+    for a, b in zip(by_mu, separate):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 

@@ -36,7 +36,8 @@ __all__ = ["RowScorer", "adpo_update", "deterministic_forward", "estimator_rows"
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
                   normaliser: float, cfg: ADPOConfig, generator: torch.Generator, scheduler: Any = None,
-                  world: World | None = None, owned: Tensor | None = None) -> dict[str, float]:
+                  world: World | None = None, owned: Tensor | None = None,
+                  fresh: Tensor | None = None) -> dict[str, float]:
     """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``.
 
     ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update, so chunked
@@ -47,6 +48,12 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     scores only their rows, and gradients are summed over ranks before clipping and the step
     (by FSDP's reduce-scatter when ``world.sharded``: then every rank runs as many chunks).
     Stats stay tensors (sums and counts) until one reduction and one host read at the end.
+
+    pi_prox, the policy before the update, costs a no-grad pass only where it is not known already:
+    a row of a ``fresh`` [B] trajectory (sampled by the weights this update starts from) with a
+    recorded mu for every token has pi_prox = mu (the sampler ran the same step function on the same
+    weights), and the first minibatch's rows take it from their own forward
+    (:func:`deterministic_forward`).
     """
     n_rows = rows.traj.numel()
     loss_fn = get_estimator(cfg.estimator).loss(cfg)
@@ -103,6 +110,10 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     first = perms[0].chunk(cfg.num_minibatches)[0] if deterministic_forward(model) else perms[0][:0]
     own_pass = torch.ones(n_rows, dtype=torch.bool)
     own_pass[first] = False
+    # rows sampled by these very weights whose every token has a recorded mu: pi_prox is mu itself
+    mu_all = scorer.behaviour(rows.traj, rows.step) if fresh is not None else None
+    by_mu = fresh[rows.traj].cpu() & ~mu_all.isnan().any(1).cpu() if mu_all is not None else torch.zeros_like(own_pass)
+    own_pass &= ~by_mu
     proxes: list[Tensor] = []
     if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
         for e in range(cfg.epochs if per_epoch else 1):
@@ -117,6 +128,8 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
                     prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
             if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
                 world.all_reduce_(prox)
+            if by_mu.any():  # after the sum: every rank holds mu
+                prox[by_mu.to(device)] = mu_all[by_mu.to(mu_all.device)].to(device, prox.dtype)
             proxes.append(prox)
     zero = torch.zeros((), device=device)
     sums = {k: zero.clone() for k in (*SUM_KEYS, "tokens", "loss")}
@@ -199,12 +212,14 @@ def estimator_rows(sub: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig, tok: Ch
 
 def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
                 tok: CharTokenizer, temperature: float, generator: torch.Generator,
-                scheduler: Any = None, world: World | None = None, owned: Tensor | None = None) -> dict[str, float]:
+                scheduler: Any = None, world: World | None = None, owned: Tensor | None = None,
+                version: int | None = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch`` (see :func:`policy_update` for ``world``):
     rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine.
     A renoising batch (DiffusionGemma) has its own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`,
     built by the estimators that declare its kind; its temperature schedule travels with the batch,
-    so ``temperature`` is not read for it)."""
+    so ``temperature`` is not read for it). ``version``: the policy version the model holds; the
+    trajectories it sampled (``batch.policy_version``) have pi_prox = their recorded mu."""
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
@@ -222,6 +237,7 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
     normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
     adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub)   # [B_kept]
+    fresh = None if version is None else sub.policy_version == version
     stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world,
-                               None if owned is None else owned[keep]))
+                               None if owned is None else owned[keep], fresh))
     return stats

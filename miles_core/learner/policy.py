@@ -108,7 +108,8 @@ class Learner:
                         "guard_rollbacks": float(self.guard.rollbacks)}
             self.guard.accept(h)
         t = self.cfg.sampler.temperature if temperature is None else temperature
-        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched, world, owned)
+        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched, world, owned,
+                            self.version)
         self.version += 1
         if self.guard is not None:
             self.guard.offer(self.version, self._policy_state)
