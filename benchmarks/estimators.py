@@ -37,14 +37,18 @@ from benchmarks.harness import (bench_args, checkpoint_path, finish, over_seeds,
 ESTIMATORS = ("adpo", "adpo_sampled", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
 TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
 # diagnostic arms, not in the default set: not matched in compute
-DIAGNOSTIC = ("adpo_full", "adpo_exact75", "adpo_cover625")
-# ADPO's row designs by name: adpo_full scores every recorded step (step fraction 1, twice the old
-# default's update FLOPs); at the old default's FLOPs, now that an exact row of a fresh batch needs no
-# proximal pass, 3/4 of the steps exactly or 5 covering runs of 8 steps (algo/update.py)
-ADPO_DESIGNS = {"adpo_full": ["adpo.step_fraction=1.0"],
-                "adpo_sampled": ["adpo.step_cover=false"],
-                "adpo_exact75": ["adpo.step_fraction=0.75", "adpo.step_cover=false"],
-                "adpo_cover625": ["adpo.step_fraction=0.625", "adpo.step_cover=true"]}
+DIAGNOSTIC = ("adpo_full", "adpo_cover50")
+# ADPO's other row designs: adpo_sampled, exact steps only (3/4 of them: about the default's update
+# FLOPs, an exact row of a fresh batch needing no proximal pass); adpo_cover50, the previous default
+# (covering rows at rho 0.5, fewer FLOPs now); adpo_full, every recorded step exactly (rho 1)
+ADPO_DESIGNS = {"adpo_sampled": ["adpo.step_fraction=0.75", "adpo.step_cover=false"],
+                "adpo_cover50": ["adpo.step_fraction=0.5", "adpo.step_cover=true"],
+                "adpo_full": ["adpo.step_fraction=1.0"]}
+# An ADPO row of a batch the update's own weights sampled needs no proximal pass when it is exact
+# (pi_prox = its recorded mu; algo/update.py), so ADPO's update FLOPs buy 1.25x the rows that an
+# estimator whose every row needs one gets: measured at the arith recipe, rho 0.625 covering rows
+# cost 1.12e8 FLOPs per kept trajectory, 0.5 x K rows with proximal passes 1.15e8-1.17e8
+FRESH_ROW_GAIN = 1.25
 # forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo), one per block (ebpo)
 ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
 # EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
@@ -58,21 +62,26 @@ DETECT_GAIN = 0.015  # the smallest gap the table must rank
 FLOP_EVERY = 10
 
 
+def budget_rows(cfg) -> int:
+    """Rows per trajectory, each with a proximal pass of its own, that cost ADPO's update FLOPs."""
+    return max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps / FRESH_ROW_GAIN))
+
+
 def arm_overrides(cfg, estimator: str) -> list[str]:
-    """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update compute;
-    ``tracerl`` is ADPO with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949), its step fraction raised to keep
-    ADPO's rows per trajectory (at the arith recipe's K = 8 and rho = 0.5 its rows are ADPO's covering runs of
-    two steps: the same arm, run again as a check); ``adpo_sampled`` scores a random rho of the steps exactly."""
+    """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update FLOPs
+    (:func:`budget_rows`); ``tracerl`` is ADPO with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949) at the
+    same budget of rows (at the arith recipe's K = 8: four runs of two steps, the previous default's rows);
+    the ``ADPO_DESIGNS`` are ADPO's other row designs."""
     if estimator in ADPO_DESIGNS:
         return ["adpo.estimator=adpo", *ADPO_DESIGNS[estimator]]
-    if estimator == "tracerl":  # ADPO's rows merged s steps at a time, as many rows per trajectory as ADPO scores
+    rows = budget_rows(cfg)
+    if estimator == "tracerl":  # ADPO's rows merged s steps at a time (none exact): the budget's rows
         return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}",
-                f"adpo.step_fraction={min(1.0, cfg.adpo.step_fraction * TRACERL_MERGE)}"]
+                f"adpo.step_fraction={min(1.0, rows * TRACERL_MERGE / cfg.sampler.steps)}"]
     out = [f"adpo.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
     if estimator != "adpo":
-        adpo_rows = max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps))
         per_draw = ROWS_PER_TRAJECTORY.get(estimator) or -(-cfg.task.completion_len // EBPO_BLOCK)  # ebpo: K blocks
-        out.append(f"adpo.mask_samples={max(1, round(adpo_rows / per_draw))}")
+        out.append(f"adpo.mask_samples={max(1, round(rows / per_draw))}")
     return out
 
 
@@ -86,9 +95,14 @@ def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None,
 
 
 def _arm_key(arm: str, arm_cfg, ckpt: Path) -> dict:
-    """What an arm's training depends on: its resolved config but the evaluation's, and the SFT weights."""
+    """What an arm's training depends on: its resolved config but the evaluation's and the other
+    estimators' own ADPO fields (which it never reads), and the SFT weights."""
+    from miles_core.algo.estimators import ESTIMATORS as READS
+
     weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
     config = {k: v for k, v in arm_cfg.to_dict().items() if k != "eval"}
+    unread = {f for fields in READS.values() for f in fields} - set(READS[arm_cfg.adpo.estimator])
+    config["adpo"] = {k: v for k, v in config["adpo"].items() if k not in unread}
     return json.loads(json.dumps({"arm": arm, "config": config, "sft_sha256": weights}))
 
 

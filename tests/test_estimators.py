@@ -169,29 +169,31 @@ def test_mask_samples_are_rows_of_weight_one_over_n(estimator, per_sample):
         assert len({tuple(r.tolist()) for r in m}) > 1 or not m.any()
 
 
-@pytest.mark.parametrize("recipe", ["arith", "countdown"])
-def test_the_estimators_benchmark_matches_forwards_per_trajectory_to_adpo(recipe):
-    """benchmarks.estimators compares at equal update compute: every default arm runs as many
-    forwards per kept trajectory as ADPO's step rows (mask draws x forwards per draw; TraceRL's
-    merged rows); the diagnostic adpo_full scores every recorded step (about twice as many)."""
+@pytest.mark.parametrize("recipe,budget", [("arith", 4), ("countdown", 6)])
+def test_the_estimators_benchmark_matches_forwards_per_trajectory_to_adpo(recipe, budget):
+    """benchmarks.estimators compares at equal update FLOPs: ADPO's ceil(rho K) rows of a fresh batch
+    need no proximal pass where they are exact, so every other default arm runs ceil(rho K / 1.25)
+    forwards per kept trajectory, each with its proximal pass (mask draws x forwards per draw;
+    TraceRL's merged rows): 4 at arith's K = 8, rho = 0.625, 6 at countdown's K = 11. ADPO's other
+    designs: exact steps on 3/4 of them, the previous default (rho 0.5), every step (adpo_full)."""
     from benchmarks.estimators import DIAGNOSTIC, ESTIMATORS, arm_overrides
     from miles_core.config import load_recipe
 
     cfg = load_recipe(recipe, [])
-    adpo_rows = math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps)
+    k = cfg.sampler.steps
     for arm in ESTIMATORS + DIAGNOSTIC:
         a = load_recipe(recipe, arm_overrides(cfg, arm)).adpo
         L = cfg.task.completion_len
         if a.estimator == "adpo":
-            forwards = math.ceil(a.step_fraction * -(-cfg.sampler.steps // a.step_merge))
+            forwards = math.ceil(a.step_fraction * -(-k // a.step_merge))
         else:
             per_draw = {"meanfield": 1, "wd1": 1, "spg": 1, "coupled": 2, "espo": 2}.get(a.estimator)
             per_draw = per_draw or -(-L // a.mask_block)                                 # ebpo: one per block
             forwards = a.mask_samples * per_draw
-        # adpo_full: every step; the other diagnostic designs spend ADPO's FLOPs on cheaper rows
-        want = {"adpo_full": cfg.sampler.steps, "adpo_exact75": math.ceil(0.75 * cfg.sampler.steps),
-                "adpo_cover625": math.ceil(0.625 * cfg.sampler.steps)}.get(arm, adpo_rows)
+        want = {"adpo": math.ceil(0.625 * k), "adpo_sampled": math.ceil(0.75 * k), "adpo_cover50": math.ceil(0.5 * k),
+                "adpo_full": k}.get(arm, budget)
         assert forwards == want, (arm, forwards, want)
+        assert a.step_cover == (arm != "adpo_sampled")
 
 
 def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,
