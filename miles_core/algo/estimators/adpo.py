@@ -20,6 +20,10 @@ those ceil(rho K_b) rows are spent is ``adpo.step_cover``:
   steps 0.357 (p = 0.70), both far above SFT's 0.303 (docs/concepts/estimators.md). At equal forwards
   the two designs tie on this task; covering stays the default because it leaves no committed token
   without a gradient at small rho (0.25 in the large recipes, where sampling would skip 3 of 4).
+  Since an exact row of a fresh batch needs no proximal pass (algo/update.py), the recipes with two
+  minibatches spend the previous FLOPs on rho = 0.625: 0.364 against 0.355 (p = 0.07), EBPO 0.367
+  (p = 0.56), exact steps at the same FLOPs (rho 0.75, sampled) 0.358; every step exactly, at twice
+  the FLOPs, 0.377 (p = 0.008).
 * False: a random rho of the steps, each exact, reweighted by K_b / m_b so the objective is
   unbiased for the full one; 1 - rho of the tokens get no gradient in that update.
 
