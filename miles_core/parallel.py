@@ -151,9 +151,11 @@ def _attempt_store(timeout: timedelta) -> dist.Store | None:
     process group's keys in it are not scoped per restart, so a restarted rank can read the address
     its dead predecessor published and connect to a closed port: gloo fails with "connection
     refused" or waits forever, NCCL reads a stale unique id (pytorch/pytorch#135712). The prefix is
-    the agent's restart count, which every rank of a single-node group shares. None outside torchrun's
-    agent store: torch's own env:// rendezvous."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    the agent's restart count, which every rank of a single-node group shares. Across nodes each
+    agent counts its own restarts (one restarting for a new member does not count it), so the
+    count cannot key a multi-node group: None there, as outside torchrun's agent store (torch's
+    own env:// rendezvous)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
         return None
     client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                            int(os.environ["WORLD_SIZE"]), is_master=False, timeout=timeout)
