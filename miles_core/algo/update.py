@@ -110,9 +110,11 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     first = perms[0].chunk(cfg.num_minibatches)[0] if deterministic_forward(model) else perms[0][:0]
     own_pass = torch.ones(n_rows, dtype=torch.bool)
     own_pass[first] = False
+    mu_all = scorer.behaviour(rows.traj, rows.step)  # [R, L] recorded mu (NaN: none); None: on-policy rows
     # rows sampled by these very weights whose every token has a recorded mu: pi_prox is mu itself
-    mu_all = scorer.behaviour(rows.traj, rows.step) if fresh is not None else None
-    by_mu = fresh[rows.traj].cpu() & ~mu_all.isnan().any(1).cpu() if mu_all is not None else torch.zeros_like(own_pass)
+    by_mu = torch.zeros_like(own_pass)
+    if fresh is not None and mu_all is not None:
+        by_mu = fresh[rows.traj].cpu() & ~mu_all.isnan().any(1).cpu()
     own_pass &= ~by_mu
     proxes: list[Tensor] = []
     if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
@@ -157,7 +159,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
                         prox[c] = prox_c.to(device)
                 else:
                     prox_c = prox[c]
-                behav = scorer.behaviour(t_idx, s_idx)
+                behav = None if mu_all is None else mu_all[c.to(mu_all.device)]
                 ref = None
                 if cfg.kl_coef > 0:
                     with torch.no_grad(), reference_policy(model) as ref_model:
@@ -192,13 +194,13 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
 def deterministic_forward(model: Any) -> bool:
     """No active dropout: two forwards of the same rows on the same weights give the same log-probs
     (a module's ``nn.Dropout`` with p > 0, or a config's ``*dropout*`` float above 0, says otherwise)."""
-    if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()):
-        return False
     for m in model.modules():
+        if isinstance(m, torch.nn.Dropout) and m.p > 0:
+            return False
         conf = getattr(m, "config", None)
-        if conf is not None and not isinstance(conf, dict) and hasattr(conf, "__dict__"):
-            if any("dropout" in k and isinstance(v, float) and v > 0 for k, v in vars(conf).items()):
-                return False
+        if hasattr(conf, "__dict__") and any("dropout" in k and isinstance(v, float) and v > 0
+                                             for k, v in vars(conf).items()):
+            return False
     return True
 
 
