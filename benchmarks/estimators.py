@@ -6,9 +6,11 @@ Per seed (each (seed, arm) run in its own process, one torch thread, so two runs
   2. from it, one arm per ``adpo.estimator``, each sampling the same number of completions
      (``train.iterations`` x prompts x group, same seed);
   3. update compute made about equal by Monte-Carlo mask samples: ADPO scores ``step_fraction`` x
-     ``sampler.steps`` rows per trajectory, mean-field, wd1 and SPG one forward per mask draw,
-     coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), so
-     those arms draw that many masks per trajectory (``adpo.mask_samples``), with the same
+     ``sampler.steps`` rows per trajectory; mean-field, wd1 and SPG run one forward per mask draw,
+     coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), and
+     each draws as many masks per trajectory (``adpo.mask_samples``) as cost ADPO's update FLOPs,
+     measured on one batch of seed 0's SFT policy (:func:`matched_draws`; which rows need a proximal
+     pass is the engine's business, so the match is measured, not modelled), with the same
      optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores every
      merged row. (Matching by inner iterations instead, d1's mu, takes 4x the optimizer steps
      per batch at the same LR, which over-optimizes the one-pass estimators.)
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import time
 from pathlib import Path
 
@@ -44,16 +45,10 @@ DIAGNOSTIC = ("adpo_full", "adpo_cover50")
 ADPO_DESIGNS = {"adpo_sampled": ["adpo.step_fraction=0.75", "adpo.step_cover=false"],
                 "adpo_cover50": ["adpo.step_fraction=0.5", "adpo.step_cover=true"],
                 "adpo_full": ["adpo.step_fraction=1.0"]}
-# An ADPO row of a batch the update's own weights sampled needs no proximal pass when it is exact
-# (pi_prox = its recorded mu; algo/update.py), so ADPO's update FLOPs buy 1.25x the rows that an
-# estimator whose every row needs one gets: measured at the arith recipe, rho 0.625 covering rows
-# cost 1.12e8 FLOPs per kept trajectory, 0.5 x K rows with proximal passes 1.15e8-1.17e8
-FRESH_ROW_GAIN = 1.25
-# forwards per mask draw: a row each (meanfield, wd1, spg's copies), a pair (coupled, espo), one per block (ebpo)
-ROWS_PER_TRAJECTORY = {"meanfield": 1, "wd1": 1, "coupled": 2, "spg": 1, "espo": 2}
 # EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
 EBPO_BLOCK = 8
 ARM_SETTINGS = {"ebpo": [f"adpo.mask_block={EBPO_BLOCK}"]}
+ONE_PASS = ("meanfield", "wd1", "coupled", "spg", "espo", "ebpo")  # the arms whose mask draws are matched
 # 1700 held-out problems (the test bucket holds 1742 distinct ones; the first 500 are the recipe's own):
 # with 4 seeds, enough for the paired sign test to see 1.5 points (see ``power`` in the output)
 DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300", "task.num_test=1700",
@@ -62,27 +57,53 @@ DETECT_GAIN = 0.015  # the smallest gap the table must rank
 FLOP_EVERY = 10
 
 
-def budget_rows(cfg) -> int:
-    """Rows per trajectory, each with a proximal pass of its own, that cost ADPO's update FLOPs."""
-    return max(1, math.ceil(cfg.adpo.step_fraction * cfg.sampler.steps / FRESH_ROW_GAIN))
-
-
-def arm_overrides(cfg, estimator: str) -> list[str]:
-    """``adpo.estimator`` and, for the one-pass estimators, the mask draws that match ADPO's update FLOPs
-    (:func:`budget_rows`); ``tracerl`` is ADPO with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949) at the
-    same budget of rows (at the arith recipe's K = 8: four runs of two steps, the previous default's rows);
-    the ``ADPO_DESIGNS`` are ADPO's other row designs."""
+def arm_overrides(cfg, estimator: str, draws: dict[str, int] | None = None) -> list[str]:
+    """``adpo.estimator`` and, for the one-pass estimators, ``draws[estimator]`` mask draws per
+    trajectory (:func:`matched_draws`: the draws that cost ADPO's update FLOPs); ``tracerl`` is ADPO
+    with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949) over every merged run (at the arith recipe's
+    K = 8: four runs of two steps, the previous default's rows); the ``ADPO_DESIGNS`` are ADPO's other
+    row designs."""
     if estimator in ADPO_DESIGNS:
         return ["adpo.estimator=adpo", *ADPO_DESIGNS[estimator]]
-    rows = budget_rows(cfg)
-    if estimator == "tracerl":  # ADPO's rows merged s steps at a time (none exact): the budget's rows
-        return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}",
-                f"adpo.step_fraction={min(1.0, rows * TRACERL_MERGE / cfg.sampler.steps)}"]
+    if estimator == "tracerl":  # ADPO's rows merged s steps at a time (none exact), all of them
+        return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}", "adpo.step_fraction=1.0"]
     out = [f"adpo.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
     if estimator != "adpo":
-        per_draw = ROWS_PER_TRAJECTORY.get(estimator) or -(-cfg.task.completion_len // EBPO_BLOCK)  # ebpo: K blocks
-        out.append(f"adpo.mask_samples={max(1, round(rows / per_draw))}")
+        if draws is None or estimator not in draws:
+            raise ValueError(f"arm_overrides: no matched mask draws for {estimator!r} (benchmarks.estimators.matched_draws)")
+        out.append(f"adpo.mask_samples={draws[estimator]}")
     return out
+
+
+def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith",
+                  estimators: tuple[str, ...] = ONE_PASS) -> dict:
+    """Mask draws per trajectory at which each one-pass estimator's update costs ADPO's, measured
+    rather than modelled: one batch sampled by seed ``seed``'s SFT policy, updated once by ADPO and
+    once by each estimator at one draw, from the same weights, under ``FlopMeter``. A draw's FLOPs
+    are its rows' forwards, backwards and proximal passes (which rows need one depends on the engine:
+    algo/update.py), so the ratio, rounded, is the matched number of draws. Returns ``draws`` and
+    the measured ``flops`` per update (``adpo`` and each estimator at one draw)."""
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.flops import FlopMeter
+    from miles_core.learner.policy import Learner
+
+    cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
+    ckpt = checkpoint_path(seed, out, sft_dir)
+    batch = None
+    flops: dict[str, int] = {}
+    for arm in ("adpo", *estimators):
+        one = [] if arm == "adpo" else arm_overrides(cfg, arm, {arm: 1})
+        learner = Learner(load_recipe(recipe, overrides + [f"train.seed={seed}"] + one), ckpt)
+        batch = learner.sample(build_task(cfg), 0) if batch is None else batch  # sampling is the estimator's no business
+        meter = FlopMeter()
+        with meter.measure("update"):
+            learner.update(batch)
+        flops[arm] = meter.totals["update"]
+        if not flops[arm]:
+            raise ValueError(f"matched_draws: seed {seed}'s first batch has no reward spread, so no update to measure")
+    draws = {a: max(1, round(flops["adpo"] / flops[a])) for a in estimators}
+    return {"draws": draws, "flops": flops}
 
 
 def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> str:
@@ -113,7 +134,8 @@ def _eval_key(cfg) -> dict:
     return json.loads(json.dumps(eval_config(cfg, min(cfg.eval.num_problems, cfg.task.num_test)).to_dict()))
 
 
-def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
+def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith",
+            draws: dict[str, int] | None = None) -> dict:
     """One (seed, arm) run from the seed's SFT checkpoint. Its result and trained weights are kept
     beside the checkpoint (``seed{N}/arms/ARM.json``, ``ARM.pt``) and reused when the config and the
     SFT weights match, so a stopped table resumes where it stopped; a changed ``eval`` section
@@ -131,7 +153,7 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
     seed, arm = job
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     ckpt = checkpoint_path(seed, out, sft_dir)
-    arm_cfg = cfg if arm == "sft" else load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm))
+    arm_cfg = cfg if arm == "sft" else load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm, draws))
     key, cache = _arm_key(arm, arm_cfg, ckpt), ckpt.parent / "arms" / f"{arm}.json"
     weights = cache.with_suffix(".pt")
     kept = json.loads(cache.read_text()) if cache.exists() else {}
@@ -200,9 +222,14 @@ def main() -> None:
     t0 = time.perf_counter()
     out_dir = str(workdir(args, "estimators"))
     over_seeds(prepare_seed, args.seeds, overrides, out_dir, args.checkpoint, args.recipe)
+    one_pass = tuple(a for a in args.estimators if a in ONE_PASS)
+    matched = over_seeds(matched_draws, args.seeds[:1], overrides, out_dir, args.checkpoint, args.recipe,
+                         one_pass)[0] if one_pass else {"draws": {}, "flops": {}}
+    print(f"matched mask draws (update FLOPs of one batch at one draw: {matched['flops']}): {matched['draws']}")
     arms = ["sft", *args.estimators]
     jobs = [(seed, arm) for arm in arms for seed in args.seeds]  # an arm on every seed before the next arm
-    done = dict(zip(jobs, over_seeds(run_arm, jobs, overrides, out_dir, args.checkpoint, args.recipe)))
+    done = dict(zip(jobs, over_seeds(run_arm, jobs, overrides, out_dir, args.checkpoint, args.recipe,
+                                     matched["draws"])))
     per_seed = [{"seed": seed, "results": {arm: done[seed, arm] for arm in arms}} for seed in args.seeds]
     rows, out = [], []
     for arm in ["sft", *args.estimators]:
@@ -237,7 +264,7 @@ def main() -> None:
           f"{DETECT_GAIN:.3f} at p < 0.05 with power 0.8; this run has {problems}")
     payload = {"estimators": out, "power": power, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides,
                "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["adpo"]["eval_config"],
-               "sft_dir": args.checkpoint}
+               "sft_dir": args.checkpoint, "matched_draws": matched}
     finish("estimators" if args.recipe == "arith" else f"estimators_{args.recipe}", payload, rows,
            ["estimator", "pass@1", "mask draws", "update FLOPs", "FLOPs / kept traj", "peak saved MiB",
             "update s", "won/lost vs adpo", "p vs adpo"], args.out)

@@ -169,31 +169,57 @@ def test_mask_samples_are_rows_of_weight_one_over_n(estimator, per_sample):
         assert len({tuple(r.tolist()) for r in m}) > 1 or not m.any()
 
 
-@pytest.mark.parametrize("recipe,budget", [("arith", 4), ("countdown", 6)])
-def test_the_estimators_benchmark_matches_forwards_per_trajectory_to_adpo(recipe, budget):
-    """benchmarks.estimators compares at equal update FLOPs: ADPO's ceil(rho K) rows of a fresh batch
-    need no proximal pass where they are exact, so every other default arm runs ceil(rho K / 1.25)
-    forwards per kept trajectory, each with its proximal pass (mask draws x forwards per draw;
-    TraceRL's merged rows): 4 at arith's K = 8, rho = 0.625, 6 at countdown's K = 11. ADPO's other
-    designs: exact steps on 3/4 of them, the previous default (rho 0.5), every step (adpo_full)."""
-    from benchmarks.estimators import DIAGNOSTIC, ESTIMATORS, arm_overrides
+@pytest.mark.parametrize("recipe", ["arith", "countdown"])
+def test_the_estimators_benchmark_row_designs(recipe):
+    """benchmarks.estimators' ADPO arms: the default's ceil(rho K) covering rows, exact steps on 3/4
+    of them (adpo_sampled), the previous default (rho 0.5), every step (adpo_full), TraceRL's every
+    merged run; a one-pass arm without matched draws is refused."""
+    from benchmarks.estimators import ADPO_DESIGNS, arm_overrides
     from miles_core.config import load_recipe
 
     cfg = load_recipe(recipe, [])
     k = cfg.sampler.steps
-    for arm in ESTIMATORS + DIAGNOSTIC:
+    want = {"adpo": math.ceil(0.625 * k), "adpo_sampled": math.ceil(0.75 * k), "adpo_cover50": math.ceil(0.5 * k),
+            "adpo_full": k, "tracerl": -(-k // 2)}
+    for arm in ["adpo", "tracerl", *ADPO_DESIGNS]:
         a = load_recipe(recipe, arm_overrides(cfg, arm)).adpo
-        L = cfg.task.completion_len
-        if a.estimator == "adpo":
-            forwards = math.ceil(a.step_fraction * -(-k // a.step_merge))
-        else:
-            per_draw = {"meanfield": 1, "wd1": 1, "spg": 1, "coupled": 2, "espo": 2}.get(a.estimator)
-            per_draw = per_draw or -(-L // a.mask_block)                                 # ebpo: one per block
-            forwards = a.mask_samples * per_draw
-        want = {"adpo": math.ceil(0.625 * k), "adpo_sampled": math.ceil(0.75 * k), "adpo_cover50": math.ceil(0.5 * k),
-                "adpo_full": k}.get(arm, budget)
-        assert forwards == want, (arm, forwards, want)
+        assert a.estimator == "adpo"
+        assert math.ceil(a.step_fraction * -(-k // a.step_merge)) == want[arm], arm
         assert a.step_cover == (arm != "adpo_sampled")
+    assert load_recipe(recipe, arm_overrides(cfg, "ebpo", {"ebpo": 3})).adpo.mask_samples == 3
+    with pytest.raises(ValueError, match="matched mask draws for 'wd1'"):
+        arm_overrides(cfg, "wd1", {"ebpo": 3})
+
+
+def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_path):
+    """The mask draws ``matched_draws`` measures at one draw cost ADPO's update FLOPs when the arm
+    runs them: each arm's update of the same batch at its matched draws is within half a draw of
+    ADPO's (so a draw's cost does not depend on how many there are), and the draws differ by
+    estimator as their forwards per draw do."""
+    from benchmarks.estimators import ONE_PASS, arm_overrides, matched_draws, prepare_seed
+    from benchmarks.harness import checkpoint_path
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.flops import FlopMeter
+    from miles_core.learner.policy import Learner
+
+    small = ["sft.steps=30", "sft.eval_every=30", "task.num_train=64", "task.num_test=8", "task.num_val=8",
+             "train.prompts_per_iter=8", "eval.num_problems=8", "sampler.temperature=1.5"]
+    prepare_seed(0, small, str(tmp_path), None)
+    m = matched_draws(0, small, str(tmp_path), None)
+    draws, flops = m["draws"], m["flops"]
+    assert set(draws) == set(ONE_PASS) and flops["adpo"] > 0
+    cfg = load_recipe("arith", small + ["sft.seed=0", "train.seed=0"])
+    batch = Learner(cfg, checkpoint_path(0, str(tmp_path), None)).sample(build_task(cfg), 0)
+    for arm in ONE_PASS:
+        learner = Learner(load_recipe("arith", small + ["train.seed=0"] + arm_overrides(cfg, arm, draws)),
+                          checkpoint_path(0, str(tmp_path), None))
+        meter = FlopMeter()
+        with meter.measure("update"):
+            learner.update(batch)
+        assert abs(meter.totals["update"] - flops["adpo"]) <= flops[arm] / 2, (arm, draws[arm])
+        assert meter.totals["update"] == pytest.approx(draws[arm] * flops[arm], rel=0.02), arm
+    assert draws["coupled"] < draws["meanfield"] and draws["ebpo"] < draws["meanfield"]  # 2 forwards a draw
 
 
 def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,
