@@ -16,6 +16,7 @@ Writes benchmarks/results/diffusion_gemma.json. Run: python -m benchmarks.diffus
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import time
@@ -36,6 +37,9 @@ ARMS: dict[str, dict] = {
     "long": {"iterations": 900},                  # three times the iterations
     "output": {"renoise_output": True},           # also score the output (last argmax) at the last step's T
     "output_std": {"renoise_output": True, "std_normalize": True},
+    # RL chains output their last step's sample (renoise.output), scored by the output row: every token
+    # the reward reads is then a sampled action; evaluated, like every arm, on generate's argmax output
+    "sampled": {"renoise_output": True, "train_output": "sample"},
 }
 
 
@@ -171,8 +175,9 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
         rng, rl_gen, rl_curve = random.Random(seed), torch.Generator().manual_seed(seed), []
         t1, eval_s, steps_mean = time.perf_counter(), 0.0, []
         mu_batch = None
+        train_cfg = dataclasses.replace(rcfg, output=a.train_output)
         for it in range(1, a.iterations + 1):
-            batch = rl_batch(policy, tok, data, rcfg, reward, rng, rl_gen, a, it)
+            batch = rl_batch(policy, tok, data, train_cfg, reward, rng, rl_gen, a, it)
             ids, seeds = batch.prompt_ids, batch.seed
             mu_batch = batch if mu_batch is None else mu_batch   # sampled by the SFT policy (LoRA B = 0)
             st = adpo_update(policy, opt, batch, acfg, tok, 1.0, rl_gen)
@@ -247,6 +252,8 @@ def main() -> None:
     ap.add_argument("--std-normalize", action="store_true", help="group advantages divided by their std")
     ap.add_argument("--renoise-output", action="store_true",
                     help="also score the output, the last step's argmax, as if sampled at its temperature")
+    ap.add_argument("--train-output", choices=["argmax", "sample"], default="argmax",
+                    help="the RL chains' output: generate's argmax, or the last step's sample (evaluation: argmax)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     per_seed = over_seeds(run_seed, args.seeds, args, str(workdir(args, "dgemma")))

@@ -18,10 +18,17 @@ adapter is moved along mean g / |mean g| by ``STEPS`` x (the length of one Adam 
 same prompts and seeds at every step length (common random numbers), so the differences are the
 policy's alone.
 
+The arms: the masked model's ADPO; DiffusionGemma's ADPO over its sampled steps; with the output row
+(the argmax output scored as if sampled at the last step's temperature); and with chains that output
+their last step's sample (``renoise.output="sample"``), which the output row then scores exactly, so
+that every path from the policy to what the reward reads is a sampled action but the
+self-conditioning and the entropy-ranked acceptance. That arm's reward is measured on the chain it
+optimizes and, along the same direction, on generate's argmax output.
+
 Needs the SFT checkpoints the other benchmarks keep: ``--masked DIR`` (``benchmarks.estimators
 --checkpoint DIR``, seed{N}/sft) and ``--dgemma DIR`` (``benchmarks.diffusion_gemma --workdir DIR``,
 seed{N}/sft). Writes benchmarks/results/grad_snr.json.
-Run: python -m benchmarks.grad_snr --masked /tmp/est43 --dgemma /tmp/dg43 [--seeds 0 1] [--batches 24]
+Run: python -m benchmarks.grad_snr --masked /tmp/est43 --dgemma /tmp/dg43 [--seeds 0 1] [--batches 24] [--arms ...]
 """
 
 from __future__ import annotations
@@ -34,6 +41,10 @@ from pathlib import Path
 from benchmarks.harness import bench_args, finish, over_seeds
 
 STEPS = (0.0, 0.25, 0.5, 1.0, 2.0)   # in lengths of one Adam step at lr 1e-3 (1e-3 sqrt(P))
+ARMS = ("masked ADPO", "DiffusionGemma ADPO", "DiffusionGemma ADPO + output row",
+        "DiffusionGemma ADPO + sampled output")
+OUTPUT_ROW = ARMS[2:]   # the arms that score the output row
+SAMPLED = ARMS[3]       # the chains output their last step's sample, which the output row then scores exactly
 MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "adpo.num_minibatches=1", "adpo.max_grad_norm=1e9"]
 
 
@@ -110,7 +121,10 @@ def masked(seed: int, folder: str, batches: int, eval_batches: int) -> dict:
     return snr(tap.grads) | {"along": along(learner.params, -mean, reward)}
 
 
-def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool) -> dict:
+def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool, sampled: bool = False) -> dict:
+    """DiffusionGemma's gradients and the reward along their mean; ``output``: with the output row;
+    ``sampled``: the chains output their last step's sample (``renoise.output``), and the reward of
+    generate's argmax output is measured along the same direction too (``along_argmax``)."""
     import torch
 
     from benchmarks.diffusion_gemma import RENOISE, rl_batch
@@ -126,7 +140,9 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     if not (ckpt / "config.json").exists():
         raise SystemExit(f"--dgemma: no SFT checkpoint at {ckpt}; run benchmarks.diffusion_gemma --workdir {folder} first")
     cfg = load_recipe("arith", ["task.num_val=200"])
-    data, tok, rcfg, reward = build_task(cfg), CharTokenizer(), RenoiseConfig(**RENOISE), reward_for_recipe(cfg)
+    data, tok, reward = build_task(cfg), CharTokenizer(), reward_for_recipe(cfg)
+    argmax_cfg = RenoiseConfig(**RENOISE)
+    rcfg = RenoiseConfig(**RENOISE, output="sample" if sampled else "argmax")
     model, _ = dg.load_diffusion_gemma(ckpt)
     torch.manual_seed(seed)                                         # LoRA's A: the same in whichever worker
     policy = add_lora(model, r=16, alpha=32)                        # the diffusion_gemma benchmark's RL settings
@@ -139,33 +155,42 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     for it in range(1, batches + 1):
         adpo_update(policy, tap, rl_batch(policy, tok, data, rcfg, reward, rng, gen, a, it), acfg, tok, 1.0, gen)
 
-    def mean_reward() -> float:   # the same prompts and chain seeds at every step length
+    def mean_reward(chain: RenoiseConfig) -> float:   # the same prompts and chain seeds at every step length
         r, g = random.Random(10_000 + seed), torch.Generator().manual_seed(10_000 + seed)
-        return sum(float(rl_batch(policy, tok, data, rcfg, reward, r, g, a, j).reward.nan_to_num(0).mean())
+        return sum(float(rl_batch(policy, tok, data, chain, reward, r, g, a, j).reward.nan_to_num(0).mean())
                    for j in range(eval_batches)) / eval_batches
 
     mean = sum(tap.grads) / len(tap.grads)
-    return snr(tap.grads) | {"along": along(params, -mean, mean_reward)}
+    out = snr(tap.grads) | {"along": along(params, -mean, lambda: mean_reward(rcfg))}
+    if sampled:
+        out["along_argmax"] = along(params, -mean, lambda: mean_reward(argmax_cfg))
+    return out
 
 
 def run(job: tuple[str, int], args: dict) -> dict:
     arm, seed = job
     t0 = time.perf_counter()
     out = (masked(seed, args["masked"], args["batches"], args["eval_batches"]) if arm == "masked ADPO" else
-           dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], arm == "DiffusionGemma ADPO + output row"))
+           dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], arm in OUTPUT_ROW, arm == SAMPLED))
     print(f"[seed {seed}] {arm}: cosine {out['cosine']:.4f} snr {out['snr']:.4f} reward along the mean update "
-          + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along"]), flush=True)
+          + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along"])
+          + ("; argmax output " + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along_argmax"])
+             if "along_argmax" in out else ""), flush=True)
     return {"arm": arm, "seed": seed, **out, "seconds": time.perf_counter() - t0}
 
 
 def main() -> None:
     ap = bench_args(__doc__, seeds=(0, 1), sets=False)
-    ap.add_argument("--masked", required=True, metavar="DIR", help="benchmarks.estimators' --checkpoint folder")
-    ap.add_argument("--dgemma", required=True, metavar="DIR", help="benchmarks.diffusion_gemma's --workdir folder")
+    ap.add_argument("--masked", metavar="DIR", help="benchmarks.estimators' --checkpoint folder (the masked arm)")
+    ap.add_argument("--dgemma", metavar="DIR", help="benchmarks.diffusion_gemma's --workdir folder (its arms)")
     ap.add_argument("--batches", type=int, default=24, help="independent batches per model and seed")
     ap.add_argument("--eval-batches", type=int, default=8, help="batches (of 128) the reward is measured on")
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="which gradients (default: all)")
     args = ap.parse_args()
-    arms = ["masked ADPO", "DiffusionGemma ADPO", "DiffusionGemma ADPO + output row"]
+    arms = args.arms
+    for flag, needed in (("masked", "masked ADPO" in arms), ("dgemma", any(a != "masked ADPO" for a in arms))):
+        if needed and getattr(args, flag) is None:
+            ap.error(f"--{flag} DIR is needed for the arms {arms}")
     jobs = [(arm, seed) for arm in arms for seed in args.seeds]
     runs = over_seeds(run, jobs, vars(args))
     rows, out = [], []
@@ -181,6 +206,13 @@ def main() -> None:
                      " / ".join(f"{r['snr']:.4f}" for r in got), f"{entry['snr']:.4f}",
                      f"{sum(r['along'][0]['reward'] for r in got) / len(got):.4f}",
                      " ".join(f"{g:+.4f}" for g in gain[1:])])
+        if all("along_argmax" in r for r in got):   # the same direction, generate's argmax output rewarded
+            ga = [sum(r["along_argmax"][i]["reward"] - r["along_argmax"][0]["reward"] for r in got) / len(got)
+                  for i in range(len(STEPS))]
+            entry["argmax_reward_gain_along_mean_update"] = dict(zip([str(k) for k in STEPS], ga))
+            rows.append(["  (its argmax output)", "", "", "", "",
+                         f"{sum(r['along_argmax'][0]['reward'] for r in got) / len(got):.4f}",
+                         " ".join(f"{g:+.4f}" for g in ga[1:])])
     finish("grad_snr", {"arms": out, "seeds": args.seeds, "batches": args.batches, "eval_batches": args.eval_batches,
                         "steps": STEPS}, rows,
            ["gradient", "cosine per seed", "cosine", "SNR per seed", "SNR", "reward at SFT",

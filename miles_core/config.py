@@ -139,9 +139,14 @@ class RenoiseConfig:
     t_max: float = bounded(0.8, 1e-09)                # temperature at the first step
     stability_threshold: int = bounded(1, 0)          # stop: argmax unchanged for this many steps ...
     confidence_threshold: float = bounded(0.005, 1e-09)  # ... and mean entropy below this
+    # the canvas returned: generate's argmax of the last step, or that step's sample (not generate's:
+    # every output token is then a sampled action, which a score-function estimator can credit)
+    output: Literal["argmax", "sample"] = "argmax"
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """The same settings as ``model.generate`` keyword arguments."""
+        """The same settings as ``model.generate`` keyword arguments (generate returns the argmax)."""
+        if self.output != "argmax":
+            raise ValueError(f"renoise.output={self.output!r}: model.generate returns the argmax canvas only")
         from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
 
         return dict(max_denoising_steps=self.max_steps, sampler_config=EntropyBoundSamplerConfig(self.entropy_bound),

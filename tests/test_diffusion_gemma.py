@@ -235,3 +235,42 @@ def test_models_init_and_check_know_the_family(tmp_path):
 
     info = check(init("diffusion_gemma", str(tmp_path / "dg")))
     assert info["family"] == "diffusion_gemma" and info["finite"] and info["canvas_length"] == 24
+
+
+def test_a_sampled_output_is_the_last_steps_draw_and_the_chain_is_unchanged(model):
+    """``renoise.output="sample"``: the same chain as generate's (every state, acceptance and stop
+    for the same seeds), but the output is the last step's sample y = argmax(softmax(z) / E) (E the
+    row's Exp(1) draw of that step, replayed from its seed here), not the argmax of z; generate
+    cannot return it, so its keyword arguments are refused."""
+    import dataclasses
+
+    from miles_core.samplers.step import left_pad
+
+    sampled = dataclasses.replace(EARLY, output="sample")
+    seeds = torch.tensor([31, 32, 33, 34])
+    a = rn.sample(model, TOK, _ids(PROMPTS), EARLY, seeds)
+    b = rn.sample(model, TOK, _ids(PROMPTS), sampled, seeds)
+    for f in ("accepted", "tokens", "logp", "num_steps"):
+        assert torch.equal(getattr(a, f), getattr(b, f)), f
+    assert not torch.equal(a.completion_ids, b.completion_ids)
+    vocab = model.config.text_config.vocab_size
+    states = rn.replay_states(b, vocab, torch.device("cpu"))
+    with torch.no_grad():
+        for i in range(len(b)):
+            k_b, length = int(b.num_steps[i]), b.completion_len
+            g = torch.Generator().manual_seed(int(seeds[i]))
+            torch.randint(0, vocab, (length,), generator=g)                       # x_0
+            for _ in range(k_b):                                                  # each step: Exp(1), then renoise
+                e = torch.empty(length, vocab).exponential_(1, generator=g)
+                torch.randint(0, vocab, (length,), generator=g)
+            prompt, real = left_pad([b.prompt_ids[i]], TOK.pad_id)
+            enc = canvas.encode(model, prompt, real, length)
+            soft = None
+            for j in range(k_b):
+                z = canvas.decode(model, enc, states[i, j][None], soft) / rn.temperature(sampled, j, torch.device("cpu"))
+                soft = canvas.soft_embedding(model, z)
+            y = (torch.softmax(z[0], -1, dtype=torch.float32) / e).argmax(-1)
+            assert torch.equal(b.completion_ids[i], rn.finalize(y, TOK.eos_id, TOK.pad_id)), PROMPTS[i]
+            assert torch.equal(a.completion_ids[i], rn.finalize(z[0].argmax(-1), TOK.eos_id, TOK.pad_id))
+    with pytest.raises(ValueError, match="renoise.output='sample'"):
+        sampled.generate_kwargs()

@@ -14,8 +14,9 @@ and a sampled token reaches it only as context for later steps, each of which re
 position: the credit of the chain's K - 1 actions for the reward is diffuse. The output row scores
 the output tokens (up to the first EOS) under the last step's distribution at its temperature, as if
 they had been sampled there (the argmax is that distribution's limit as T -> 0), so the gradient moves
-the tokens the reward reads. No behaviour log-prob is recorded for it (the sampler took no draw), so
-its ratio is taken against pi_prox: exact on-policy, uncorrected for a stale batch.
+the tokens the reward reads. With ``renoise.output="sample"`` the output is that step's sample, and
+the output row is then the exact log-prob of a sampled action. No behaviour log-prob is recorded for
+it, so its ratio is taken against pi_prox: exact on-policy, uncorrected for a stale batch.
 
 Two ways to give the learner s_k were possible:
   * recompute the chain under the current policy, without a graph (:func:`chain_conditioning`):

@@ -12,7 +12,9 @@ It is ``DiffusionGemmaGenerationMixin.generate`` (transformers 5.24,
     s_k+1 = soft embedding of z_k
     stop when the argmax canvas is stable for ``stability_threshold`` steps and the mean entropy
     is below ``confidence_threshold`` (``StableAndConfidentStoppingCriteria``), or after N steps;
-  the output is the last step's argmax, pad after its first EOS (``_finalize_canvas``).
+  the output is the last step's argmax, pad after its first EOS (``_finalize_canvas``); with
+  ``output="sample"`` it is the last step's sample y_K instead (not generate's), so that every token
+  the reward reads is a sampled action (algo/renoise_rows.py's output row scores it).
 
 Why per-row generators. ``generate`` draws from the global stream for the whole batch, so a row's
 noise depends on its neighbours. Here each row owns a generator consuming exactly what generate
@@ -123,7 +125,7 @@ def sample(model, tok, prompt_ids: list[list[int]], cfg: RenoiseConfig, seeds: T
             h = torch.roll(h, shifts=-1, dims=0)
             h[-1] = amax
             history[:, rows] = h
-        final[rows] = amax
+        final[rows] = amax if cfg.output == "argmax" else y
         steps[rows] += 1
         finished[rows] |= stable & (ent.mean(-1) < cfg.confidence_threshold)
     completion = finalize(final, tok.eos_id, tok.pad_id).cpu()
