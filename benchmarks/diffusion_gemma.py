@@ -255,6 +255,10 @@ def main() -> None:
     ap.add_argument("--train-output", choices=["argmax", "sample"], default="argmax",
                     help="the RL chains' output: generate's argmax, or the last step's sample (evaluation: argmax)")
     args = ap.parse_args()
+    for name in args.arms:  # a sampled output that no row scores is a path the estimator cannot credit
+        a = {**vars(args), **ARMS[name]}
+        if a["train_output"] == "sample" and not a["renoise_output"]:
+            ap.error(f"arm {name!r}: --train-output sample needs --renoise-output (the output row scores it)")
     t0 = time.perf_counter()
     per_seed = over_seeds(run_seed, args.seeds, args, str(workdir(args, "dgemma")))
     rows, tests = [], []

@@ -9,10 +9,10 @@ Per seed (each (seed, arm) run in its own process, one torch thread, so two runs
      ``sampler.steps`` rows per trajectory; mean-field, wd1 and SPG run one forward per mask draw,
      coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), and
      each draws as many masks per trajectory (``adpo.mask_samples``) as cost ADPO's update FLOPs,
-     measured on one batch of seed 0's SFT policy (:func:`matched_draws`; which rows need a proximal
-     pass is the engine's business, so the match is measured, not modelled), with the same
-     optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores every
-     merged row. (Matching by inner iterations instead, d1's mu, takes 4x the optimizer steps
+     measured on one batch of the seed's SFT policy (:func:`matched_draws`; which rows need a
+     proximal pass is the engine's business, so the match is measured, not modelled), with the same
+     optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores as many
+     merged runs as cost ADPO's update, at most all of them. (Matching by inner iterations instead, d1's mu, takes 4x the optimizer steps
      per batch at the same LR, which over-optimizes the one-pass estimators.)
   4. every arm evaluated on the same held-out problems with one pinned eval config.
 Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled; and per
@@ -57,32 +57,32 @@ DETECT_GAIN = 0.015  # the smallest gap the table must rank
 FLOP_EVERY = 10
 
 
-def arm_overrides(cfg, estimator: str, draws: dict[str, int] | None = None) -> list[str]:
-    """``adpo.estimator`` and, for the one-pass estimators, ``draws[estimator]`` mask draws per
-    trajectory (:func:`matched_draws`: the draws that cost ADPO's update FLOPs); ``tracerl`` is ADPO
-    with ``adpo.step_merge`` (TraceRL, arXiv:2509.06949) over every merged run (at the arith recipe's
-    K = 8: four runs of two steps, the previous default's rows); the ``ADPO_DESIGNS`` are ADPO's other
-    row designs."""
+def arm_overrides(cfg, estimator: str, draws: dict[str, float] | None = None) -> list[str]:
+    """``adpo.estimator`` and what makes the arm cost ADPO's update FLOPs (:func:`matched_draws`):
+    for the one-pass estimators, ``draws[estimator]`` mask draws per trajectory; for ``tracerl``
+    (ADPO with ``adpo.step_merge``, TraceRL, arXiv:2509.06949), ``draws["tracerl"]``, the fraction of
+    its merged runs it scores. The ``ADPO_DESIGNS`` are ADPO's other row designs, not matched."""
     if estimator in ADPO_DESIGNS:
         return ["adpo.estimator=adpo", *ADPO_DESIGNS[estimator]]
-    if estimator == "tracerl":  # ADPO's rows merged s steps at a time (none exact), all of them
-        return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}", "adpo.step_fraction=1.0"]
     out = [f"adpo.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
-    if estimator != "adpo":
-        if draws is None or estimator not in draws:
-            raise ValueError(f"arm_overrides: no matched mask draws for {estimator!r} (benchmarks.estimators.matched_draws)")
-        out.append(f"adpo.mask_samples={draws[estimator]}")
-    return out
+    if estimator == "adpo":
+        return out
+    if draws is None or estimator not in draws:
+        raise ValueError(f"arm_overrides: no matched mask draws for {estimator!r} (benchmarks.estimators.matched_draws)")
+    if estimator == "tracerl":  # ADPO's rows merged s steps at a time (none exact)
+        return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}", f"adpo.step_fraction={draws['tracerl']}"]
+    return out + [f"adpo.mask_samples={int(draws[estimator])}"]
 
 
-def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith",
-                  estimators: tuple[str, ...] = ONE_PASS) -> dict:
-    """Mask draws per trajectory at which each one-pass estimator's update costs ADPO's, measured
-    rather than modelled: one batch sampled by seed ``seed``'s SFT policy, updated once by ADPO and
-    once by each estimator at one draw, from the same weights, under ``FlopMeter``. A draw's FLOPs
-    are its rows' forwards, backwards and proximal passes (which rows need one depends on the engine:
-    algo/update.py), so the ratio, rounded, is the matched number of draws. Returns ``draws`` and
-    the measured ``flops`` per update (``adpo`` and each estimator at one draw)."""
+def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
+    """What each arm draws so that its update costs ADPO's, measured rather than modelled: one batch
+    sampled by seed ``seed``'s SFT policy, updated once by ADPO, once by each one-pass estimator at
+    one mask draw and once by TraceRL over all its merged runs, each from the same weights, under
+    ``FlopMeter``. A draw's FLOPs are its rows' forwards, backwards and proximal passes (which rows
+    need one is the engine's business: algo/update.py), so the ratio, rounded, is the matched
+    number of draws (TraceRL: of merged runs, at most all of them). Kept beside the seed's arms
+    (``arms/matched_draws.json``) while ADPO's config and the SFT weights are the same. Returns
+    ``draws`` (``tracerl``: a step fraction) and the measured ``flops`` per update."""
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.flops import FlopMeter
@@ -90,11 +90,17 @@ def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None
 
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     ckpt = checkpoint_path(seed, out, sft_dir)
-    batch = None
-    flops: dict[str, int] = {}
-    for arm in ("adpo", *estimators):
-        one = [] if arm == "adpo" else arm_overrides(cfg, arm, {arm: 1})
-        learner = Learner(load_recipe(recipe, overrides + [f"train.seed={seed}"] + one), ckpt)
+    cache = ckpt.parent / "arms" / "matched_draws.json"
+    key = _arm_key("adpo", cfg, ckpt)
+    kept = json.loads(cache.read_text()) if cache.exists() else {}
+    if kept.get("key") == key:
+        return kept["matched"]
+    runs = -(-cfg.sampler.steps // TRACERL_MERGE)
+    probes = {"adpo": [], "tracerl": arm_overrides(cfg, "tracerl", {"tracerl": 1.0}),
+              **{a: arm_overrides(cfg, a, {a: 1}) for a in ONE_PASS}}
+    batch, flops = None, {}
+    for arm, extra in probes.items():
+        learner = Learner(load_recipe(recipe, overrides + [f"train.seed={seed}"] + extra), ckpt)
         batch = learner.sample(build_task(cfg), 0) if batch is None else batch  # sampling is the estimator's no business
         meter = FlopMeter()
         with meter.measure("update"):
@@ -102,8 +108,12 @@ def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None
         flops[arm] = meter.totals["update"]
         if not flops[arm]:
             raise ValueError(f"matched_draws: seed {seed}'s first batch has no reward spread, so no update to measure")
-    draws = {a: max(1, round(flops["adpo"] / flops[a])) for a in estimators}
-    return {"draws": draws, "flops": flops}
+    draws: dict[str, float] = {a: max(1, round(flops["adpo"] / flops[a])) for a in ONE_PASS}
+    draws["tracerl"] = min(runs, max(1, round(runs * flops["adpo"] / flops["tracerl"]))) / runs
+    matched = {"draws": draws, "flops": flops}
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"key": key, "matched": matched}))
+    return matched
 
 
 def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> str:
@@ -134,8 +144,7 @@ def _eval_key(cfg) -> dict:
     return json.loads(json.dumps(eval_config(cfg, min(cfg.eval.num_problems, cfg.task.num_test)).to_dict()))
 
 
-def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith",
-            draws: dict[str, int] | None = None) -> dict:
+def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
     """One (seed, arm) run from the seed's SFT checkpoint. Its result and trained weights are kept
     beside the checkpoint (``seed{N}/arms/ARM.json``, ``ARM.pt``) and reused when the config and the
     SFT weights match, so a stopped table resumes where it stopped; a changed ``eval`` section
@@ -153,6 +162,7 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
     seed, arm = job
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     ckpt = checkpoint_path(seed, out, sft_dir)
+    draws = matched_draws(seed, overrides, out, sft_dir, recipe)["draws"] if arm in ONE_PASS + ("tracerl",) else None
     arm_cfg = cfg if arm == "sft" else load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm, draws))
     key, cache = _arm_key(arm, arm_cfg, ckpt), ckpt.parent / "arms" / f"{arm}.json"
     weights = cache.with_suffix(".pt")
@@ -222,14 +232,13 @@ def main() -> None:
     t0 = time.perf_counter()
     out_dir = str(workdir(args, "estimators"))
     over_seeds(prepare_seed, args.seeds, overrides, out_dir, args.checkpoint, args.recipe)
-    one_pass = tuple(a for a in args.estimators if a in ONE_PASS)
-    matched = over_seeds(matched_draws, args.seeds[:1], overrides, out_dir, args.checkpoint, args.recipe,
-                         one_pass)[0] if one_pass else {"draws": {}, "flops": {}}
-    print(f"matched mask draws (update FLOPs of one batch at one draw: {matched['flops']}): {matched['draws']}")
+    matched = dict(zip(args.seeds, over_seeds(matched_draws, args.seeds, overrides, out_dir, args.checkpoint,
+                                              args.recipe)))
+    for seed, m in matched.items():
+        print(f"[seed {seed}] matched draws {m['draws']} (update FLOPs of one batch: {m['flops']})")
     arms = ["sft", *args.estimators]
     jobs = [(seed, arm) for arm in arms for seed in args.seeds]  # an arm on every seed before the next arm
-    done = dict(zip(jobs, over_seeds(run_arm, jobs, overrides, out_dir, args.checkpoint, args.recipe,
-                                     matched["draws"])))
+    done = dict(zip(jobs, over_seeds(run_arm, jobs, overrides, out_dir, args.checkpoint, args.recipe)))
     per_seed = [{"seed": seed, "results": {arm: done[seed, arm] for arm in arms}} for seed in args.seeds]
     rows, out = [], []
     for arm in ["sft", *args.estimators]:

@@ -139,8 +139,9 @@ class RenoiseConfig:
     t_max: float = bounded(0.8, 1e-09)                # temperature at the first step
     stability_threshold: int = bounded(1, 0)          # stop: argmax unchanged for this many steps ...
     confidence_threshold: float = bounded(0.005, 1e-09)  # ... and mean entropy below this
-    # the canvas returned: generate's argmax of the last step, or that step's sample (not generate's:
-    # every output token is then a sampled action, which a score-function estimator can credit)
+    # the canvas RL chains return: generate's argmax of the last step, or that step's sample (not
+    # generate's: every output token is then a sampled action, which adpo.renoise_output's row scores);
+    # evaluation always decodes with the argmax
     output: Literal["argmax", "sample"] = "argmax"
 
     def generate_kwargs(self) -> dict[str, Any]:
@@ -400,6 +401,8 @@ def validate(obj: Any, path: str = "") -> None:
              "cannot be combined with learner_samples=true (rank 0 alone would sample through a model "
              "whose every forward is a collective of all ranks)")
     if isinstance(obj, RecipeConfig):
+        need(obj.renoise.output == "argmax" or obj.adpo.renoise_output, "renoise.output",
+             "'sample' needs adpo.renoise_output=true: the output row is what scores the sampled output")
         per = obj.train.prompts_per_iter * obj.train.group_size
         a = obj.async_rl
         need(a.global_batch % per == 0, "async_rl.global_batch",

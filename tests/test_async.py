@@ -146,6 +146,25 @@ def test_run_spec_and_async_config_errors_name_the_field(tmp_path: Path, base_di
         prepare_run(run, load_recipe("tiny", BASE + ["adpo.lr=0.5"]), base_dir)
     with pytest.raises(FileNotFoundError, match="run.json does not exist"):
         RunStore(str(tmp_path / "nowhere")).read_spec()
+    with pytest.raises(ConfigError, match="renoise.output: 'sample' needs adpo.renoise_output=true"):
+        load_recipe("tiny", ["renoise.output=sample"])
+
+
+def test_a_run_recorded_before_a_field_existed_resumes_with_its_default(tmp_path: Path) -> None:
+    """run.json written by a version without some recipe field (here renoise.output) describes a run
+    that ran with that field's default: the same recipe resumes it; a different value does not."""
+    from miles_core.storage.run import changed_settings
+
+    cfg = load_recipe("tiny", []).to_dict()
+    old = {**cfg, "renoise": {k: v for k, v in cfg["renoise"].items() if k != "output"}}
+    assert changed_settings(old, cfg) == []
+    other = load_recipe("tiny", ["renoise.output=sample", "adpo.renoise_output=true"]).to_dict()
+    assert changed_settings(old, other) == ["adpo.renoise_output", "renoise.output"]
+    store = RunStore(str(tmp_path / "run"))
+    store.write_spec({"cfg": old})
+    assert store.write_spec({"cfg": cfg}) == {"cfg": old}
+    with pytest.raises(RunSpecMismatch, match="renoise.output: None -> 'sample'"):
+        store.write_spec({"cfg": other})
 
 
 def test_async_learner_resume_is_bit_identical(tmp_path: Path, signal_base: Path) -> None:

@@ -6,6 +6,7 @@ google/diffusiongemma-26B-A4B-it, which nothing here can download."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -147,17 +148,20 @@ def test_update_trains_decoder_lora_only_and_the_ratio_is_the_chain_ratio(model)
         assert (logp - scorer.behaviour(rows.traj, rows.step)).abs().max() > 1e-3   # the policy moved
 
 
-def test_the_output_row_scores_the_argmax_output_at_the_last_temperature(model):
+@pytest.mark.parametrize("output", ["argmax", "sample"])
+def test_the_output_row_scores_the_output_at_the_last_temperature(model, output):
     """``adpo.renoise_output``: one more row per trajectory, (b, K_b - 1), whose action is the output
-    up to its first EOS, scored by brute force as log softmax(z_{K-1} / T_{K-1}) at the output tokens;
-    it has no recorded behaviour (NaN); an update with it trains and counts its rows."""
+    (generate's argmax, or with ``renoise.output="sample"`` the last step's sample) up to its first
+    EOS, scored by brute force as log softmax(z_{K-1} / T_{K-1}) at the output tokens; it has no
+    recorded behaviour (NaN); an update with it trains and counts its rows."""
     import copy
 
-    batch = rn.sample(model, TOK, _ids(PROMPTS), EARLY, torch.tensor([21, 22, 23, 24]))
+    cfg = dataclasses.replace(EARLY, output=output)
+    batch = rn.sample(model, TOK, _ids(PROMPTS), cfg, torch.tensor([21, 22, 23, 24]))
     batch.completion_ids[1, 2] = TOK.eos_id       # a row whose output ends early: positions after EOS are not scored
     rows = action_rows(batch, output=True)
     assert rows.traj.numel() == int(batch.num_steps.sum())
-    scorer = RenoiseStepRows(model, batch, EARLY, TOK, output=True)
+    scorer = RenoiseStepRows(model, batch, cfg, TOK, output=True)
     states = rn.replay_states(batch, model.config.text_config.vocab_size, torch.device("cpu"))
     from miles_core.samplers.step import left_pad
 
@@ -171,7 +175,7 @@ def test_the_output_row_scores_the_argmax_output_at_the_last_temperature(model):
             enc = canvas.encode(model, prompt, real, batch.completion_len)
             soft = None
             for j in range(k + 1):      # the chain under the model, its own self-conditioning
-                z = canvas.decode(model, enc, states[b, j][None], soft) / rn.temperature(EARLY, j, torch.device("cpu"))
+                z = canvas.decode(model, enc, states[b, j][None], soft) / rn.temperature(cfg, j, torch.device("cpu"))
                 soft = canvas.soft_embedding(model, z)
             want = torch.log_softmax(z[0].double(), -1).gather(-1, batch.completion_ids[b][:, None]).squeeze(-1)
             ids = batch.completion_ids[b].tolist()
@@ -182,7 +186,7 @@ def test_the_output_row_scores_the_argmax_output_at_the_last_temperature(model):
             others = rows.traj.eq(b) & rows.step.ne(k)
             assert not behav[others].isnan().any()
     pm = add_lora(copy.deepcopy(model), r=4, alpha=8)
-    batch = rn.sample(pm, TOK, _ids(PROMPTS), EARLY, torch.tensor([7, 8, 9, 10]))
+    batch = rn.sample(pm, TOK, _ids(PROMPTS), cfg, torch.tensor([7, 8, 9, 10]))
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
     stats = adpo_update(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1, renoise_output=True), TOK, 1.0,
@@ -217,6 +221,11 @@ def test_record_round_trips_through_the_store_and_bad_rows_are_named(model, tmp_
     assert torch.equal(back.reward.isnan(), batch.reward.isnan())
     assert store.commit_info(bid)["kind"] == "renoise_trajectory" and back.sampler == batch.sampler
     assert rn.settings(back) == EARLY and back.sampler["rng_device"] == "cpu"
+    sampled = dataclasses.replace(EARLY, output="sample")
+    back = store.read_batch(store.write_batch(rn.sample(model, TOK, _ids(PROMPTS), sampled, torch.tensor([1, 2, 3, 4]))))
+    assert rn.settings(back) == sampled
+    old = {k: v for k, v in batch.sampler.items() if k != "output"}   # a record from before the field
+    assert rn.settings(dataclasses.replace(batch, sampler=old)) == EARLY
     table = to_table(batch)
     steps = table.column("num_steps").to_pylist()
     steps[1] += 1
@@ -242,8 +251,6 @@ def test_a_sampled_output_is_the_last_steps_draw_and_the_chain_is_unchanged(mode
     for the same seeds), but the output is the last step's sample y = argmax(softmax(z) / E) (E the
     row's Exp(1) draw of that step, replayed from its seed here), not the argmax of z; generate
     cannot return it, so its keyword arguments are refused."""
-    import dataclasses
-
     from miles_core.samplers.step import left_pad
 
     sampled = dataclasses.replace(EARLY, output="sample")
@@ -274,3 +281,17 @@ def test_a_sampled_output_is_the_last_steps_draw_and_the_chain_is_unchanged(mode
             assert torch.equal(a.completion_ids[i], rn.finalize(z[0].argmax(-1), TOK.eos_id, TOK.pad_id))
     with pytest.raises(ValueError, match="renoise.output='sample'"):
         sampled.generate_kwargs()
+
+
+def test_evaluation_decodes_with_the_argmax_whatever_the_rl_chains_output(monkeypatch):
+    """``renoise.output="sample"`` changes what RL chains return, not how a model is evaluated:
+    ``run_eval`` hands the renoising sampler generate's argmax output."""
+    import miles_core.eval.evaluate as E
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+
+    seen = []
+    monkeypatch.setattr(E, "evaluate", lambda *a, **k: seen.append(k["renoise"]))
+    cfg = load_recipe("tiny", ["renoise.output=sample", "adpo.renoise_output=true", "renoise.max_steps=7"])
+    E.run_eval(None, TOK, cfg, build_task(cfg))
+    assert seen == [dataclasses.replace(cfg.renoise, output="argmax")] and seen[0].max_steps == 7

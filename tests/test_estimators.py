@@ -172,30 +172,33 @@ def test_mask_samples_are_rows_of_weight_one_over_n(estimator, per_sample):
 @pytest.mark.parametrize("recipe", ["arith", "countdown"])
 def test_the_estimators_benchmark_row_designs(recipe):
     """benchmarks.estimators' ADPO arms: the default's ceil(rho K) covering rows, exact steps on 3/4
-    of them (adpo_sampled), the previous default (rho 0.5), every step (adpo_full), TraceRL's every
-    merged run; a one-pass arm without matched draws is refused."""
+    of them (adpo_sampled), the previous default (rho 0.5), every step (adpo_full), TraceRL's merged
+    runs at the matched fraction; an arm without matched draws is refused."""
     from benchmarks.estimators import ADPO_DESIGNS, arm_overrides
     from miles_core.config import load_recipe
 
     cfg = load_recipe(recipe, [])
     k = cfg.sampler.steps
     want = {"adpo": math.ceil(0.625 * k), "adpo_sampled": math.ceil(0.75 * k), "adpo_cover50": math.ceil(0.5 * k),
-            "adpo_full": k, "tracerl": -(-k // 2)}
+            "adpo_full": k, "tracerl": math.ceil(0.5 * -(-k // 2))}
     for arm in ["adpo", "tracerl", *ADPO_DESIGNS]:
-        a = load_recipe(recipe, arm_overrides(cfg, arm)).adpo
+        a = load_recipe(recipe, arm_overrides(cfg, arm, {"tracerl": 0.5})).adpo
         assert a.estimator == "adpo"
         assert math.ceil(a.step_fraction * -(-k // a.step_merge)) == want[arm], arm
         assert a.step_cover == (arm != "adpo_sampled")
     assert load_recipe(recipe, arm_overrides(cfg, "ebpo", {"ebpo": 3})).adpo.mask_samples == 3
-    with pytest.raises(ValueError, match="matched mask draws for 'wd1'"):
-        arm_overrides(cfg, "wd1", {"ebpo": 3})
+    for arm in ("wd1", "tracerl"):
+        with pytest.raises(ValueError, match=f"matched mask draws for '{arm}'"):
+            arm_overrides(cfg, arm, {"ebpo": 3})
 
 
-def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_path):
-    """The mask draws ``matched_draws`` measures at one draw cost ADPO's update FLOPs when the arm
-    runs them: each arm's update of the same batch at its matched draws is within half a draw of
-    ADPO's (so a draw's cost does not depend on how many there are), and the draws differ by
-    estimator as their forwards per draw do."""
+def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_path, monkeypatch):
+    """The draws ``matched_draws`` measures cost ADPO's update FLOPs when the arm runs them: ADPO's
+    update of a batch, measured here on its own, and each arm's update of the same batch at its
+    matched draws differ by at most half a draw, and an arm's FLOPs are its draws x one draw's (a
+    draw's cost does not depend on how many there are); draws follow forwards per draw (two for
+    coupled and EBPO's two blocks). They are kept beside the seed's arms and measured again when
+    the SFT weights change."""
     from benchmarks.estimators import ONE_PASS, arm_overrides, matched_draws, prepare_seed
     from benchmarks.harness import checkpoint_path
     from miles_core.config import load_recipe
@@ -206,20 +209,37 @@ def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_pa
     small = ["sft.steps=30", "sft.eval_every=30", "task.num_train=64", "task.num_test=8", "task.num_val=8",
              "train.prompts_per_iter=8", "eval.num_problems=8", "sampler.temperature=1.5"]
     prepare_seed(0, small, str(tmp_path), None)
+    ckpt = checkpoint_path(0, str(tmp_path), None)
     m = matched_draws(0, small, str(tmp_path), None)
     draws, flops = m["draws"], m["flops"]
-    assert set(draws) == set(ONE_PASS) and flops["adpo"] > 0
+    assert set(draws) == {*ONE_PASS, "tracerl"} and 0 < draws["tracerl"] <= 1
     cfg = load_recipe("arith", small + ["sft.seed=0", "train.seed=0"])
-    batch = Learner(cfg, checkpoint_path(0, str(tmp_path), None)).sample(build_task(cfg), 0)
-    for arm in ONE_PASS:
-        learner = Learner(load_recipe("arith", small + ["train.seed=0"] + arm_overrides(cfg, arm, draws)),
-                          checkpoint_path(0, str(tmp_path), None))
+    batch = Learner(cfg, ckpt).sample(build_task(cfg), 0)
+
+    def update_flops(arm: str) -> int:
+        learner = Learner(load_recipe("arith", small + ["train.seed=0"] + arm_overrides(cfg, arm, draws)), ckpt)
         meter = FlopMeter()
         with meter.measure("update"):
             learner.update(batch)
-        assert abs(meter.totals["update"] - flops["adpo"]) <= flops[arm] / 2, (arm, draws[arm])
-        assert meter.totals["update"] == pytest.approx(draws[arm] * flops[arm], rel=0.02), arm
-    assert draws["coupled"] < draws["meanfield"] and draws["ebpo"] < draws["meanfield"]  # 2 forwards a draw
+        return meter.totals["update"]
+
+    adpo = update_flops("adpo")
+    assert adpo == flops["adpo"]
+    for arm in ONE_PASS:
+        got = update_flops(arm)
+        assert abs(got - adpo) <= flops[arm] / 2, (arm, draws[arm])
+        assert got == pytest.approx(draws[arm] * flops[arm], rel=0.02), arm
+    assert draws["coupled"] < draws["meanfield"] and draws["ebpo"] < draws["meanfield"]
+    runs = -(-cfg.sampler.steps // 2)                                  # TraceRL's merged runs of 2 steps
+    assert runs * draws["tracerl"] == round(runs * draws["tracerl"])
+    assert update_flops("tracerl") == pytest.approx(flops["tracerl"] * draws["tracerl"], rel=0.02)
+    # kept: the same run again measures nothing; another ADPO config is measured again
+    calls: list[int] = []
+    real = Learner.update
+    monkeypatch.setattr(Learner, "update", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    assert matched_draws(0, small, str(tmp_path), None) == m and not calls
+    matched_draws(0, small + ["adpo.lr=0.002"], str(tmp_path), None)
+    assert len(calls) == len(ONE_PASS) + 2
 
 
 def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,

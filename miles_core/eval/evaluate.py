@@ -6,6 +6,7 @@ mismatches are users' most common complaint)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -101,4 +102,5 @@ def run_eval(model, tok: CharTokenizer, cfg: RecipeConfig, data: TaskData, num_p
     probs = pool[:ec.num_problems]
     reward = reward_for_recipe(cfg, check_reward(cfg.task))
     return evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], ec, reward,
-                    batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler, renoise=cfg.renoise)
+                    batch_size=cfg.eval.batch_size, progress=progress, sampler=sampler,
+                    renoise=dataclasses.replace(cfg.renoise, output="argmax"))  # decoded as generate decodes

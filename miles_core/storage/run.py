@@ -51,9 +51,12 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def changed_settings(old: dict[str, Any], new: dict[str, Any], resumable: tuple[str, ...] = ()) -> list[str]:
-    """Recipe keys whose values differ between two nested cfg dicts, ignoring ``resumable`` prefixes."""
-    a, b = _flat(old), _flat(new)
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k) and not k.startswith(resumable))
+    """Recipe keys whose values differ between two nested cfg dicts, ignoring ``resumable`` prefixes.
+    A key one side lacks counts as the field's default (a run recorded before the field existed ran
+    with what the default does)."""
+    a, b, default = _flat(old), _flat(new), _flat(RecipeConfig().to_dict())
+    return sorted(k for k in set(a) | set(b)
+                  if a.get(k, default.get(k)) != b.get(k, default.get(k)) and not k.startswith(resumable))
 
 
 class RunStore:
