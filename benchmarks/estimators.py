@@ -9,11 +9,12 @@ Per seed (each (seed, arm) run in its own process, one torch thread, so two runs
      ``sampler.steps`` rows per trajectory; mean-field, wd1 and SPG run one forward per mask draw,
      coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), and
      each draws as many masks per trajectory (``adpo.mask_samples``) as cost ADPO's update FLOPs,
-     measured on one batch of the seed's SFT policy (:func:`matched_draws`; which rows need a
+     measured on one batch of the first seed's SFT policy (:func:`table_draws`; which rows need a
      proximal pass is the engine's business, so the match is measured, not modelled), with the same
      optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores as many
-     merged runs as cost ADPO's update, at most all of them. (Matching by inner iterations instead, d1's mu, takes 4x the optimizer steps
-     per batch at the same LR, which over-optimizes the one-pass estimators.)
+     merged runs as cost ADPO's update, at most all of them. (Matching by inner iterations instead,
+     d1's mu, takes 4x the optimizer steps per batch at the same LR, which over-optimizes the
+     one-pass estimators.)
   4. every arm evaluated on the same held-out problems with one pinned eval config.
 Per arm: pass@1, measured update FLOPs (every ``FLOP_EVERY``-th update counted, scaled; and per
 trajectory an update kept, since how many groups have a reward spread depends on the arm's policy),
@@ -116,6 +117,23 @@ def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None
     return matched
 
 
+def table_draws(seeds: list[int], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
+    """One set of draws for the whole table, since every seed's arms must run the same settings:
+    :func:`matched_draws` on the table's first seed, kept at the table's root (``matched_draws.json``
+    beside the ``seed{N}`` folders) for this recipe and these overrides, so a resume with other seeds
+    or another order runs the same draws. (Per seed the ratio moves by about 1% with the batch, which
+    at arith straddles the rounding at 4.5: seed 2 alone would round mean-field's to 4.)"""
+    root = Path(sft_dir) if sft_dir and not (Path(sft_dir) / "config.json").exists() else Path(out)
+    cache, key = root / "matched_draws.json", {"recipe": recipe, "overrides": list(overrides)}
+    kept = json.loads(cache.read_text()) if cache.exists() else {}
+    if kept.get("key") == key:
+        return kept
+    kept = {"key": key, "seed": seeds[0], **over_seeds(matched_draws, seeds[:1], overrides, out, sft_dir, recipe)[0]}
+    root.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(kept))
+    return kept
+
+
 def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> str:
     """Seed ``seed``'s SFT checkpoint, trained when absent (before any arm, so no two arms train it)."""
     from miles_core.config import load_recipe
@@ -144,7 +162,8 @@ def _eval_key(cfg) -> dict:
     return json.loads(json.dumps(eval_config(cfg, min(cfg.eval.num_problems, cfg.task.num_test)).to_dict()))
 
 
-def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
+def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith",
+            draws: dict[str, float] | None = None) -> dict:
     """One (seed, arm) run from the seed's SFT checkpoint. Its result and trained weights are kept
     beside the checkpoint (``seed{N}/arms/ARM.json``, ``ARM.pt``) and reused when the config and the
     SFT weights match, so a stopped table resumes where it stopped; a changed ``eval`` section
@@ -162,7 +181,6 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
     seed, arm = job
     cfg = load_recipe(recipe, overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     ckpt = checkpoint_path(seed, out, sft_dir)
-    draws = matched_draws(seed, overrides, out, sft_dir, recipe)["draws"] if arm in ONE_PASS + ("tracerl",) else None
     arm_cfg = cfg if arm == "sft" else load_recipe(recipe, overrides + [f"train.seed={seed}"] + arm_overrides(cfg, arm, draws))
     key, cache = _arm_key(arm, arm_cfg, ckpt), ckpt.parent / "arms" / f"{arm}.json"
     weights = cache.with_suffix(".pt")
@@ -232,13 +250,13 @@ def main() -> None:
     t0 = time.perf_counter()
     out_dir = str(workdir(args, "estimators"))
     over_seeds(prepare_seed, args.seeds, overrides, out_dir, args.checkpoint, args.recipe)
-    matched = dict(zip(args.seeds, over_seeds(matched_draws, args.seeds, overrides, out_dir, args.checkpoint,
-                                              args.recipe)))
-    for seed, m in matched.items():
-        print(f"[seed {seed}] matched draws {m['draws']} (update FLOPs of one batch: {m['flops']})")
+    matched = table_draws(args.seeds, overrides, out_dir, args.checkpoint, args.recipe)
+    print(f"matched draws {matched['draws']}, measured on seed {matched['seed']} "
+          f"(update FLOPs of one batch: {matched['flops']})")
     arms = ["sft", *args.estimators]
     jobs = [(seed, arm) for arm in arms for seed in args.seeds]  # an arm on every seed before the next arm
-    done = dict(zip(jobs, over_seeds(run_arm, jobs, overrides, out_dir, args.checkpoint, args.recipe)))
+    done = dict(zip(jobs, over_seeds(run_arm, jobs, overrides, out_dir, args.checkpoint, args.recipe,
+                                     matched["draws"])))
     per_seed = [{"seed": seed, "results": {arm: done[seed, arm] for arm in arms}} for seed in args.seeds]
     rows, out = [], []
     for arm in ["sft", *args.estimators]:

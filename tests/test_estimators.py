@@ -199,7 +199,7 @@ def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_pa
     draw's cost does not depend on how many there are); draws follow forwards per draw (two for
     coupled and EBPO's two blocks). They are kept beside the seed's arms and measured again when
     the SFT weights change."""
-    from benchmarks.estimators import ONE_PASS, arm_overrides, matched_draws, prepare_seed
+    from benchmarks.estimators import ONE_PASS, arm_overrides, matched_draws, prepare_seed, table_draws
     from benchmarks.harness import checkpoint_path
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
@@ -238,6 +238,9 @@ def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_pa
     real = Learner.update
     monkeypatch.setattr(Learner, "update", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     assert matched_draws(0, small, str(tmp_path), None) == m and not calls
+    # one set for the whole table: the first seed's, kept at its root for any later seeds and order
+    assert table_draws([0, 1], small, str(tmp_path), None)["draws"] == draws and not calls
+    assert table_draws([1, 0], small, str(tmp_path), None)["seed"] == 0 and (tmp_path / "matched_draws.json").exists()
     matched_draws(0, small + ["adpo.lr=0.002"], str(tmp_path), None)
     assert len(calls) == len(ONE_PASS) + 2
 
