@@ -23,7 +23,10 @@ The arms: the masked model's ADPO; DiffusionGemma's ADPO over its sampled steps;
 their last step's sample (``renoise.output="sample"``), which the output row then scores exactly, so
 that every path from the policy to what the reward reads is a sampled action but the
 self-conditioning and the entropy-ranked acceptance. That arm's reward is measured on the chain it
-optimizes and, along the same direction, on generate's argmax output.
+optimizes and, along the same direction, on generate's argmax output. The last arm is REINFORCE with
+the chain's total log-likelihood gradient (:func:`chain_gradient`): the self-conditioning input of
+each step built with its graph, so the policy's effect on later steps through it is credited too
+(a diagnostic; ADPO never backpropagates through the chain).
 
 Needs the SFT checkpoints the other benchmarks keep: ``--masked DIR`` (``benchmarks.estimators
 --checkpoint DIR``, seed{N}/sft) and ``--dgemma DIR`` (``benchmarks.diffusion_gemma --workdir DIR``,
@@ -42,8 +45,9 @@ from benchmarks.harness import bench_args, finish, over_seeds
 
 STEPS = (0.0, 0.25, 0.5, 1.0, 2.0)   # in lengths of one Adam step at lr 1e-3 (1e-3 sqrt(P))
 ARMS = ("masked ADPO", "DiffusionGemma ADPO", "DiffusionGemma ADPO + output row",
-        "DiffusionGemma ADPO + sampled output")
-OUTPUT_ROW = ARMS[2:]   # the arms that score the output row
+        "DiffusionGemma ADPO + sampled output", "DiffusionGemma REINFORCE through the self-conditioning")
+THROUGH_SOFT = ARMS[4]  # the chain's total log-likelihood gradient, its self-conditioning path included
+OUTPUT_ROW = ARMS[2:4]  # the arms that score the output row
 SAMPLED = ARMS[3]       # the chains output their last step's sample, which the output row then scores exactly
 MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "adpo.num_minibatches=1", "adpo.max_grad_norm=1e9"]
 
@@ -121,7 +125,48 @@ def masked(seed: int, folder: str, batches: int, eval_batches: int) -> dict:
     return snr(tap.grads) | {"along": along(learner.params, -mean, reward)}
 
 
-def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool, sampled: bool = False) -> dict:
+def chain_gradient(policy, tap, batch, rcfg, tok, through_soft: bool = True) -> None:
+    """The on-policy REINFORCE gradient of a renoising batch, -sum_b A_b grad log p(tau_b) / tokens,
+    with log p(tau_b) = sum over steps k < K_b - 1 of log pi(y_k | x_k, s_k) at the accepted
+    positions (ADPO's action rows), into ``tap``. ``through_soft``: s_k = soft(z_{k-1} / T) is built
+    with its graph, so the gradient is the total derivative of the chain's log-likelihood, the
+    self-conditioning path included; else s_k is detached (what ADPO's rows score, at ratio 1).
+    A diagnostic only: ADPO never backpropagates through the chain."""
+    import torch
+
+    from miles_core.algo.renoise_rows import _encode
+    from miles_core.models import canvas
+    from miles_core.samplers import renoise as rn
+
+    dev = next(policy.parameters()).device
+    vocab = int(canvas.core(policy).config.text_config.vocab_size)
+    states = rn.replay_states(batch, vocab, dev)                                  # [B, K, L]
+    enc_all = _encode(policy, batch, torch.arange(len(batch)), tok, dev)
+    acts = (batch.num_steps - 1).to(dev)                                          # action steps per row
+    b = len(batch)
+    logp = torch.zeros(b, device=dev)
+    soft = None
+    policy.train()
+    tap.zero_grad(set_to_none=True)
+    for k in range(int(acts.max()) if b else 0):
+        rows = (acts > k).nonzero().squeeze(1)
+        enc = enc_all if rows.numel() == b else canvas.select(enc_all, rows)
+        z = canvas.decode(policy, enc, states[rows, k], None if soft is None else soft[rows]) / rn.temperature(rcfg, k, dev)
+        acc = batch.accepted[rows.cpu(), k].to(dev)
+        lp = torch.where(acc, rn.token_logp(z, batch.tokens[rows.cpu(), k].to(dev)), 0.0).sum(-1)
+        logp = logp.index_add(0, rows, lp)
+        s_new = canvas.soft_embedding(policy, z)
+        s_new = s_new if through_soft else s_new.detach()
+        soft = (torch.zeros(b, *s_new.shape[1:], dtype=s_new.dtype, device=dev) if soft is None else soft)
+        soft = soft.index_copy(0, rows, s_new)
+    tokens = max(1.0, float(batch.accepted.sum()))
+    adv = batch.advantage.to(dev).nan_to_num(0.0)
+    (-(adv * logp).sum() / tokens).backward()
+    tap.step()
+
+
+def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool, sampled: bool = False,
+           through_soft: bool = False) -> dict:
     """DiffusionGemma's gradients and the reward along their mean; ``output``: with the output row;
     ``sampled``: the chains output their last step's sample (``renoise.output``), and the reward of
     generate's argmax output is measured along the same direction too (``along_argmax``)."""
@@ -153,7 +198,11 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     a = argparse.Namespace(prompts=16, group=8, std_normalize=False)
     for it in range(1, batches + 1):
-        adpo_update(policy, tap, rl_batch(policy, tok, data, rcfg, reward, rng, gen, a, it), acfg, tok, 1.0, gen)
+        batch = rl_batch(policy, tok, data, rcfg, reward, rng, gen, a, it)
+        if through_soft:
+            chain_gradient(policy, tap, batch, rcfg, tok)
+        else:
+            adpo_update(policy, tap, batch, acfg, tok, 1.0, gen)
 
     def mean_reward(chain: RenoiseConfig) -> float:   # the same prompts and chain seeds at every step length
         r, g = random.Random(10_000 + seed), torch.Generator().manual_seed(10_000 + seed)
@@ -171,7 +220,8 @@ def run(job: tuple[str, int], args: dict) -> dict:
     arm, seed = job
     t0 = time.perf_counter()
     out = (masked(seed, args["masked"], args["batches"], args["eval_batches"]) if arm == "masked ADPO" else
-           dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], arm in OUTPUT_ROW, arm == SAMPLED))
+           dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], arm in OUTPUT_ROW, arm == SAMPLED,
+                  arm == THROUGH_SOFT))
     print(f"[seed {seed}] {arm}: cosine {out['cosine']:.4f} snr {out['snr']:.4f} reward along the mean update "
           + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along"])
           + ("; argmax output " + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along_argmax"])
