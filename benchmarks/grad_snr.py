@@ -26,7 +26,10 @@ self-conditioning and the entropy-ranked acceptance. That arm's reward is measur
 optimizes and, along the same direction, on generate's argmax output. The last arm is REINFORCE with
 the chain's total log-likelihood gradient (:func:`chain_gradient`): the self-conditioning input of
 each step built with its graph, so the policy's effect on later steps through it is credited too
-(a diagnostic; ADPO never backpropagates through the chain).
+(a diagnostic; ADPO never backpropagates through the chain). The last arm takes that gradient on a
+chain with no policy-dependent choice left (``EVERY_PATH_SAMPLED``: every position accepted at every
+step, no early stop, the output the last step's sample, scored): the exact score-function gradient
+of that chain's expected reward, measured on that chain.
 
 Needs the SFT checkpoints the other benchmarks keep: ``--masked DIR`` (``benchmarks.estimators
 --checkpoint DIR``, seed{N}/sft) and ``--dgemma DIR`` (``benchmarks.diffusion_gemma --workdir DIR``,
@@ -45,8 +48,13 @@ from benchmarks.harness import bench_args, finish, over_seeds
 
 STEPS = (0.0, 0.25, 0.5, 1.0, 2.0)   # in lengths of one Adam step at lr 1e-3 (1e-3 sqrt(P))
 ARMS = ("masked ADPO", "DiffusionGemma ADPO", "DiffusionGemma ADPO + output row",
-        "DiffusionGemma ADPO + sampled output", "DiffusionGemma REINFORCE through the self-conditioning")
+        "DiffusionGemma ADPO + sampled output", "DiffusionGemma REINFORCE through the self-conditioning",
+        "DiffusionGemma REINFORCE, every path sampled")
 THROUGH_SOFT = ARMS[4]  # the chain's total log-likelihood gradient, its self-conditioning path included
+ALL_SAMPLED = ARMS[5]   # that gradient on a chain whose every path to the reward is a sampled action
+# every position accepted at every step and no early stop: acceptance and the step count no longer
+# depend on the policy, and the output is the last step's sample
+EVERY_PATH_SAMPLED = dict(entropy_bound=1e9, stability_threshold=0, confidence_threshold=1e-9)
 OUTPUT_ROW = ARMS[2:4]  # the arms that score the output row
 SAMPLED = ARMS[3]       # the chains output their last step's sample, which the output row then scores exactly
 MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "adpo.num_minibatches=1", "adpo.max_grad_norm=1e9"]
@@ -125,13 +133,14 @@ def masked(seed: int, folder: str, batches: int, eval_batches: int) -> dict:
     return snr(tap.grads) | {"along": along(learner.params, -mean, reward)}
 
 
-def chain_gradient(policy, tap, batch, rcfg, tok, through_soft: bool = True) -> None:
+def chain_gradient(policy, tap, batch, rcfg, tok, through_soft: bool = True, last: bool = False) -> None:
     """The on-policy REINFORCE gradient of a renoising batch, -sum_b A_b grad log p(tau_b) / tokens,
     with log p(tau_b) = sum over steps k < K_b - 1 of log pi(y_k | x_k, s_k) at the accepted
     positions (ADPO's action rows), into ``tap``. ``through_soft``: s_k = soft(z_{k-1} / T) is built
     with its graph, so the gradient is the total derivative of the chain's log-likelihood, the
     self-conditioning path included; else s_k is detached (what ADPO's rows score, at ratio 1).
-    A diagnostic only: ADPO never backpropagates through the chain."""
+    ``last``: the last step's accepted tokens too (with ``output="sample"`` and every position
+    accepted, they are the output). A diagnostic only: ADPO never backpropagates through the chain."""
     import torch
 
     from miles_core.algo.renoise_rows import _encode
@@ -142,7 +151,7 @@ def chain_gradient(policy, tap, batch, rcfg, tok, through_soft: bool = True) -> 
     vocab = int(canvas.core(policy).config.text_config.vocab_size)
     states = rn.replay_states(batch, vocab, dev)                                  # [B, K, L]
     enc_all = _encode(policy, batch, torch.arange(len(batch)), tok, dev)
-    acts = (batch.num_steps - 1).to(dev)                                          # action steps per row
+    acts = (batch.num_steps - (0 if last else 1)).to(dev)                         # action steps per row
     b = len(batch)
     logp = torch.zeros(b, device=dev)
     soft = None
@@ -166,7 +175,7 @@ def chain_gradient(policy, tap, batch, rcfg, tok, through_soft: bool = True) -> 
 
 
 def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool, sampled: bool = False,
-           through_soft: bool = False) -> dict:
+           through_soft: bool = False, all_sampled: bool = False) -> dict:
     """DiffusionGemma's gradients and the reward along their mean; ``output``: with the output row;
     ``sampled``: the chains output their last step's sample (``renoise.output``), and the reward of
     generate's argmax output is measured along the same direction too (``along_argmax``)."""
@@ -187,7 +196,8 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     cfg = load_recipe("arith", ["task.num_val=200"])
     data, tok, reward = build_task(cfg), CharTokenizer(), reward_for_recipe(cfg)
     argmax_cfg = RenoiseConfig(**RENOISE)
-    rcfg = RenoiseConfig(**RENOISE, output="sample" if sampled else "argmax")
+    rcfg = RenoiseConfig(**RENOISE, output="sample" if sampled or all_sampled else "argmax",
+                         **(EVERY_PATH_SAMPLED if all_sampled else {}))
     model, _ = dg.load_diffusion_gemma(ckpt)
     torch.manual_seed(seed)                                         # LoRA's A: the same in whichever worker
     policy = add_lora(model, r=16, alpha=32)                        # the diffusion_gemma benchmark's RL settings
@@ -199,8 +209,8 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     a = argparse.Namespace(prompts=16, group=8, std_normalize=False)
     for it in range(1, batches + 1):
         batch = rl_batch(policy, tok, data, rcfg, reward, rng, gen, a, it)
-        if through_soft:
-            chain_gradient(policy, tap, batch, rcfg, tok)
+        if through_soft or all_sampled:
+            chain_gradient(policy, tap, batch, rcfg, tok, last=all_sampled)
         else:
             adpo_update(policy, tap, batch, acfg, tok, 1.0, gen)
 
@@ -221,7 +231,7 @@ def run(job: tuple[str, int], args: dict) -> dict:
     t0 = time.perf_counter()
     out = (masked(seed, args["masked"], args["batches"], args["eval_batches"]) if arm == "masked ADPO" else
            dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], arm in OUTPUT_ROW, arm == SAMPLED,
-                  arm == THROUGH_SOFT))
+                  arm == THROUGH_SOFT, arm == ALL_SAMPLED))
     print(f"[seed {seed}] {arm}: cosine {out['cosine']:.4f} snr {out['snr']:.4f} reward along the mean update "
           + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along"])
           + ("; argmax output " + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along_argmax"])
