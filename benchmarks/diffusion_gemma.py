@@ -32,6 +32,7 @@ EVAL_SEED = 10_000_000            # problem i is sampled with seed EVAL_SEED + i
 ARMS: dict[str, dict] = {
     "adpo": {},                                   # the defaults: lr 1e-3, 16 prompts x 8, 300 iterations
     "lr3x": {"rl_lr": 3e-3},                      # a higher learning rate
+    "lr_third": {"rl_lr": 3e-4},                  # a lower one: grad_snr's ascent lasts < 1 Adam step at 1e-3
     "group16": {"group": 16},                     # more samples per prompt: a less noisy group baseline
     "std": {"std_normalize": True},               # advantages / the group's std: full-size steps on small spreads
     "long": {"iterations": 900},                  # three times the iterations
