@@ -3,6 +3,7 @@ and the gradient each produces against a brute-force computation of its objectiv
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import replace
 
@@ -241,6 +242,9 @@ def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_pa
     # one set for the whole table: the first seed's, kept at its root for any later seeds and order
     assert table_draws([0, 1], small, str(tmp_path), None)["draws"] == draws and not calls
     assert table_draws([1, 0], small, str(tmp_path), None)["seed"] == 0 and (tmp_path / "matched_draws.json").exists()
+    kept = json.loads((tmp_path / "matched_draws.json").read_text())
+    (tmp_path / "matched_draws.json").write_text(json.dumps(kept | {"sft_sha256": "other weights", "draws": {}}))
+    assert table_draws([0], small, str(tmp_path), None)["draws"] == draws      # measured again for new weights
     matched_draws(0, small + ["adpo.lr=0.002"], str(tmp_path), None)
     assert len(calls) == len(ONE_PASS) + 2
 
