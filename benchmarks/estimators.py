@@ -119,26 +119,18 @@ def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None
 
 def table_draws(seeds: list[int], overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
     """One set of draws for the whole table, since every seed's arms must run the same settings:
-    :func:`matched_draws` on the table's first seed, kept at the table's root (``matched_draws.json``
-    beside the ``seed{N}`` folders) for this recipe and these overrides, so a resume with other seeds
-    or another order runs the same draws (measured again if that seed's SFT weights change). (Per
-    seed the ratio moves by about 1% with the batch, which at arith straddles the rounding at 4.5:
-    seed 2 alone would round mean-field's to 4.)"""
+    :func:`matched_draws` of one seed, the table's first. Which seed that is, is kept at the table's
+    root (``matched_draws.json`` beside the ``seed{N}`` folders) for this recipe and these overrides,
+    so a resume with other seeds or another order measures on the same one (its own kept result,
+    measured again when its config or SFT weights change). (Per seed the ratio moves by about 1% with
+    the batch, which at arith straddles the rounding at 4.5: seed 2 alone would round mean-field's to 4.)"""
     root = Path(sft_dir) if sft_dir and not (Path(sft_dir) / "config.json").exists() else Path(out)
     cache, key = root / "matched_draws.json", {"recipe": recipe, "overrides": list(overrides)}
     kept = json.loads(cache.read_text()) if cache.exists() else {}
-
-    def weights(seed: int) -> str | None:  # the measured seed's SFT weights, while they exist
-        f = checkpoint_path(seed, out, sft_dir) / "model.safetensors"
-        return hashlib.sha256(f.read_bytes()).hexdigest() if f.exists() else None
-
-    if kept.get("key") == key and weights(kept["seed"]) in (None, kept.get("sft_sha256")):
-        return kept
-    kept = {"key": key, "seed": seeds[0], **over_seeds(matched_draws, seeds[:1], overrides, out, sft_dir, recipe)[0]}
-    kept["sft_sha256"] = weights(seeds[0])
+    seed = kept["seed"] if kept.get("key") == key and checkpoint_path(kept["seed"], out, sft_dir).exists() else seeds[0]
     root.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps(kept))
-    return kept
+    cache.write_text(json.dumps({"key": key, "seed": seed}))
+    return {"seed": seed, **over_seeds(matched_draws, [seed], overrides, out, sft_dir, recipe)[0]}
 
 
 def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> str:

@@ -244,7 +244,7 @@ def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_pa
     assert table_draws([1, 0], small, str(tmp_path), None)["seed"] == 0 and (tmp_path / "matched_draws.json").exists()
     kept = json.loads((tmp_path / "matched_draws.json").read_text())
     (tmp_path / "matched_draws.json").write_text(json.dumps(kept | {"sft_sha256": "other weights", "draws": {}}))
-    assert table_draws([0], small, str(tmp_path), None)["draws"] == draws      # measured again for new weights
+    assert table_draws([0], small, str(tmp_path), None)["draws"] == draws      # from seed 0's own kept result
     matched_draws(0, small + ["adpo.lr=0.002"], str(tmp_path), None)
     assert len(calls) == len(ONE_PASS) + 2
 
