@@ -47,16 +47,18 @@ from pathlib import Path
 from benchmarks.harness import bench_args, finish, over_seeds
 
 STEPS = (0.0, 0.25, 0.5, 1.0, 2.0)   # in lengths of one Adam step at lr 1e-3 (1e-3 sqrt(P))
-ARMS = ("masked ADPO", "DiffusionGemma ADPO", "DiffusionGemma ADPO + output row",
-        "DiffusionGemma ADPO + sampled output", "DiffusionGemma REINFORCE through the self-conditioning",
-        "DiffusionGemma REINFORCE, every path sampled")
-THROUGH_SOFT = ARMS[4]  # the chain's total log-likelihood gradient, its self-conditioning path included
-ALL_SAMPLED = ARMS[5]   # that gradient on a chain whose every path to the reward is a sampled action
 # every position accepted at every step and no early stop: acceptance and the step count no longer
 # depend on the policy, and the output is the last step's sample
 EVERY_PATH_SAMPLED = dict(entropy_bound=1e9, stability_threshold=0, confidence_threshold=1e-9)
-OUTPUT_ROW = ARMS[2:4]  # the arms that score the output row
-SAMPLED = ARMS[3]       # the chains output their last step's sample, which the output row then scores exactly
+# DiffusionGemma's arms, as dgemma()'s settings: output (score the output row), sampled (the chains
+# output their last step's sample), chain (REINFORCE through the self-conditioning, chain_gradient),
+# every_path (that gradient on a chain whose every path to the reward is a sampled action)
+DGEMMA_ARMS = {"DiffusionGemma ADPO": {},
+               "DiffusionGemma ADPO + output row": {"output": True},
+               "DiffusionGemma ADPO + sampled output": {"output": True, "sampled": True},
+               "DiffusionGemma REINFORCE through the self-conditioning": {"chain": True},
+               "DiffusionGemma REINFORCE, every path sampled": {"chain": True, "every_path": True}}
+ARMS = ("masked ADPO", *DGEMMA_ARMS)
 MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "adpo.num_minibatches=1", "adpo.max_grad_norm=1e9"]
 
 
@@ -174,11 +176,13 @@ def chain_gradient(policy, tap, batch, rcfg, tok, through_soft: bool = True, las
     tap.step()
 
 
-def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool, sampled: bool = False,
-           through_soft: bool = False, all_sampled: bool = False) -> dict:
-    """DiffusionGemma's gradients and the reward along their mean; ``output``: with the output row;
-    ``sampled``: the chains output their last step's sample (``renoise.output``), and the reward of
-    generate's argmax output is measured along the same direction too (``along_argmax``)."""
+def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool = False, sampled: bool = False,
+           chain: bool = False, every_path: bool = False) -> dict:
+    """DiffusionGemma's gradients and the reward along their mean; ``output``: ADPO with the output
+    row; ``sampled``: the chains output their last step's sample (``renoise.output``), and the reward
+    of generate's argmax output is measured along the same direction too (``along_argmax``);
+    ``chain``: REINFORCE through the self-conditioning (:func:`chain_gradient`) instead of ADPO;
+    ``every_path``: on the ``EVERY_PATH_SAMPLED`` chain, its output scored."""
     import torch
 
     from benchmarks.diffusion_gemma import RENOISE, rl_batch
@@ -196,8 +200,8 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     cfg = load_recipe("arith", ["task.num_val=200"])
     data, tok, reward = build_task(cfg), CharTokenizer(), reward_for_recipe(cfg)
     argmax_cfg = RenoiseConfig(**RENOISE)
-    rcfg = RenoiseConfig(**RENOISE, output="sample" if sampled or all_sampled else "argmax",
-                         **(EVERY_PATH_SAMPLED if all_sampled else {}))
+    rcfg = RenoiseConfig(**RENOISE, output="sample" if sampled or every_path else "argmax",
+                         **(EVERY_PATH_SAMPLED if every_path else {}))
     model, _ = dg.load_diffusion_gemma(ckpt)
     torch.manual_seed(seed)                                         # LoRA's A: the same in whichever worker
     policy = add_lora(model, r=16, alpha=32)                        # the diffusion_gemma benchmark's RL settings
@@ -209,8 +213,8 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     a = argparse.Namespace(prompts=16, group=8, std_normalize=False)
     for it in range(1, batches + 1):
         batch = rl_batch(policy, tok, data, rcfg, reward, rng, gen, a, it)
-        if through_soft or all_sampled:
-            chain_gradient(policy, tap, batch, rcfg, tok, last=all_sampled)
+        if chain:
+            chain_gradient(policy, tap, batch, rcfg, tok, last=every_path)
         else:
             adpo_update(policy, tap, batch, acfg, tok, 1.0, gen)
 
@@ -230,8 +234,7 @@ def run(job: tuple[str, int], args: dict) -> dict:
     arm, seed = job
     t0 = time.perf_counter()
     out = (masked(seed, args["masked"], args["batches"], args["eval_batches"]) if arm == "masked ADPO" else
-           dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], arm in OUTPUT_ROW, arm == SAMPLED,
-                  arm == THROUGH_SOFT, arm == ALL_SAMPLED))
+           dgemma(seed, args["dgemma"], args["batches"], args["eval_batches"], **DGEMMA_ARMS[arm]))
     print(f"[seed {seed}] {arm}: cosine {out['cosine']:.4f} snr {out['snr']:.4f} reward along the mean update "
           + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along"])
           + ("; argmax output " + " ".join(f"{a['adam_steps']:g}:{a['reward']:.4f}" for a in out["along_argmax"])
