@@ -74,7 +74,7 @@ class SFTParams(FlowParams):
 class TrainParams(FlowParams):
     store_uri: str | None = Field(None, description="trajectory/adapter store: folder or s3://bucket/prefix (default RUN_DIR/store, RUN_DIR being run_dir)", json_schema_extra=ALIAS("--store"))
     base_checkpoint: str | None = Field(None, description="SFT checkpoint folder; trained first when absent")
-    iterations: int | None = Field(None, ge=0, description="RL iterations (overrides train.iterations)")
+    iterations: int | None = Field(None, ge=1, description="RL iterations, at least 1 (overrides train.iterations; `miles eval` evaluates without training)")
     register_as: str | None = Field("miles-arith", description="MLflow registered model for the final adapter (empty: do not register)")
     resume: bool = Field(False, description="continue the learner checkpoint found in run_dir")
     log_adapters: bool = Field(True, description="log every adapter version as an MLflow artifact")

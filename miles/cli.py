@@ -25,9 +25,10 @@ from typing import Any
 
 from flows import params as P
 from miles import __version__
-from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, call_flow, cmd_data, cmd_demo, cmd_export,
-                            cmd_generate, cmd_models, cmd_recipes, cmd_serve, cmd_stop, print_result,
+from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, bare_word_error, call_flow, cmd_data, cmd_demo,
+                            cmd_export, cmd_generate, cmd_models, cmd_recipes, cmd_serve, cmd_stop, print_result,
                             validate_recipe)
+from miles.console import LOG_NAME, log_to_file, merge_overrides, prefect_defaults, startup_advice
 
 EXIT_RUN_FAILED = 1
 EXIT_USAGE = 2
@@ -42,36 +43,50 @@ class FlowCommand:
     positional: tuple[str, ...]  # fields given as positional words
     help: str
     description: str
+    run_prefix: str              # the flow's default run folder: runs/<run_prefix>-<recipe>-<time>
 
 
 FLOW_COMMANDS = {
     "train": FlowCommand("train", "train_flow", P.TrainParams, ("recipe", "overrides"),
                          "ADPO training on top of an SFT checkpoint (Prefect flow)",
-                         "Synchronous ADPO: collect (sample + reward) -> update -> eval, per iteration."),
+                         "Synchronous ADPO: collect (sample + reward) -> update -> eval, per iteration.", "train"),
     "async-train": FlowCommand("async_train", "async_train_flow", P.AsyncTrainParams, ("recipe", "overrides"),
                                "asynchronous ADPO: sampler workers + learner through the store",
                                "Decoupled samplers and one learner that share only the store URI; a sampler starts a batch "
                                "only while it will be at most adpo.max_staleness versions stale; one update per "
                                "async_rl.global_batch completions. Workers that crash are "
-                               "restarted and resume; see docs/getting-started/async.md."),
+                               "restarted and resume; see docs/getting-started/async.md.", "async"),
     "sft": FlowCommand("sft", "sft_flow", P.SFTParams, ("recipe", "overrides"),
                        "supervised (SFT) baseline (Prefect flow)",
-                       "Masked-diffusion SFT on the recipe's labelled demonstrations."),
+                       "Masked-diffusion SFT on the recipe's labelled demonstrations.", "sft"),
     "eval": FlowCommand("evaluate", "evaluate_flow", P.EvalParams, ("overrides",),
                         "pass@k of a registered model or an adapter folder (Prefect flow)",
-                        "Evaluate on the recipe's held-out problems with pinned sampling settings."),
+                        "Evaluate on the recipe's held-out problems with pinned sampling settings.", "eval"),
 }
 
 
 def cmd_flow(args: argparse.Namespace) -> int:
     """Validate the parameters (fields named as options), then the recipe, then run the flow."""
     spec = FLOW_COMMANDS[args.command]
+    bare = [w for w in getattr(args, "overrides", None) or [] if "=" not in w]
+    if bare:
+        raise UsageError(bare_word_error(bare[0]))
     values = P.call_values(args, spec.params)
     try:
         parsed = spec.params.model_validate(values)
     except ValueError as e:  # pydantic's ValidationError
         raise UsageError(P.flag_message(e, spec.params)) from None
-    validate_recipe(parsed.recipe, parsed.recipe_overrides())
+    cfg = validate_recipe(parsed.recipe, parsed.recipe_overrides())
+    if args.print_config:  # the file `miles CMD FILE` runs as is: the recipe with the overrides applied
+        import json
+
+        import yaml
+        print(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False), end="")
+        return 0
+    # The run folder is fixed here, not in the flow, so the log file is in it from the first line.
+    run_dir = parsed.run_path(spec.run_prefix)
+    values["run_dir"] = str(run_dir)
+    args.log_file = log_to_file(run_dir / LOG_NAME)
     print_result(call_flow(spec.module, spec.flow, values))
     return 0
 
@@ -91,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, spec in FLOW_COMMANDS.items():
         p = sub.add_parser(name, help=spec.help, description=spec.description)
         P.add_arguments(p, spec.params, spec.positional, defaults=False)
+        p.add_argument("--print-config", action="store_true",
+                       help="print the resolved recipe (overrides applied) as YAML and exit")
         p.set_defaults(func=cmd_flow, progress=True)  # on a terminal, bars; the flows default to none
 
     p = sub.add_parser("generate", help="print completions from a registered model (mlflow.pyfunc)",
@@ -171,9 +188,17 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``miles`` console script; returns the process exit code."""
+    prefect_defaults()  # before anything imports Prefect, which reads its settings once
     from miles_core.config import ConfigError
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    rest = merge_overrides(args, extra)
+    if rest:
+        word = rest[0]
+        hint = bare_word_error(word) if not word.startswith("-") else f"unrecognized option {word!r}"
+        print(f"miles: error: {args.command}: {hint}", file=sys.stderr)
+        return EXIT_USAGE
     # SIGTERM (a scheduler, `kill`) exits through Python so atexit handlers run: Prefect stops its
     # temporary server there, which a bare SIGTERM would leave orphaned.
     if threading.current_thread() is threading.main_thread():
@@ -192,7 +217,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return EXIT_USAGE
         if os.environ.get("MILES_DEBUG"):
             raise
-        print(f"miles: error: {args.command} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        first = str(e).strip().split("\n", 1)[0]
+        where = f" (traceback in {args.log_file})" if getattr(args, "log_file", None) else ""
+        print(f"miles: error: {args.command} failed: {type(e).__name__}: {first}{where}", file=sys.stderr)
+        advice = startup_advice(e)
+        if advice:
+            print(f"miles: {advice}", file=sys.stderr)
         return EXIT_RUN_FAILED
 
 

@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from miles.console import log_to_file, prefect_defaults
+
 # The demo: the `arith` recipe at the sizes benchmarks/learning.py measured (SFT to 4000 steps keeping
 # its best-validation weights, then 300 ADPO iterations), evaluated on 1000 held-out problems so a
 # paired sign test can tell a gain of a few points from noise. About 8 minutes on two idle CPU cores.
@@ -48,10 +50,22 @@ def _recipes_dir() -> Path:
 
 
 def validate_recipe(recipe: str | None, overrides: Sequence[str]) -> Any:
-    """Load the recipe with its overrides, so a bad field fails before any flow starts."""
-    from miles_core.config import ConfigError, load_recipe
+    """Load the recipe with its overrides and check every name it holds (estimator, reward, task,
+    model folder, device), so a bad setting fails in a second, before Prefect or a model starts."""
+    from miles_core.config import ConfigError, did_you_mean, load_recipe
 
     cfg = load_recipe(recipe or DEMO_RECIPE, list(overrides))
+    from miles_core.data.registry import task_spec
+    from miles_core.rewards.registry import REWARDS, get_reward
+
+    task_spec(cfg.task.name)
+    try:
+        get_reward(cfg.train.reward)
+    except ValueError as e:
+        first = cfg.train.reward.split(":")[0].split(",")[0]
+        raise ConfigError(f"train.reward: {e}{did_you_mean(first, REWARDS)}") from None
+    if cfg.model.path and "://" not in cfg.model.path and not Path(cfg.model.path).expanduser().is_dir():
+        raise ConfigError(f"model.path: {cfg.model.path} is not a folder")
     if cfg.model.device.startswith("cuda"):  # a GPU that is not there: say so now, not after flow start-up
         from miles_core.models.base import resolve_device
 
@@ -62,10 +76,16 @@ def validate_recipe(recipe: str | None, overrides: Sequence[str]) -> Any:
     return cfg
 
 
-def _prefect_defaults() -> None:
-    """Sensible defaults for the embedded (serverless) Prefect mode on a small machine."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+def bare_word_error(word: str) -> str:
+    """Why ``word`` is not an override, with the field it most likely meant (``lr`` -> ``adpo.lr=...``)."""
+    from miles_core.config import load_recipe
+
+    keys = load_recipe(None).flat()
+    name = word.lstrip("-").split(".")[-1].replace("-", "_")
+    hits = [k for k in keys if k.split(".")[-1] == name]
+    hint = f"; did you mean {hits[0]}=VALUE?" if len(hits) == 1 else (
+        f"; did you mean one of {', '.join(f'{h}=VALUE' for h in hits[:4])}?" if hits else "")
+    return f"override {word!r} must look like key.sub=value{hint}"
 
 
 def call_flow(module: str, name: str, params: dict[str, Any]) -> Any:
@@ -74,7 +94,7 @@ def call_flow(module: str, name: str, params: dict[str, Any]) -> Any:
     ``None`` values mean "flow default" and are dropped. A parameter the user asked for that the
     flow does not take is a usage error rather than being silently ignored.
     """
-    _prefect_defaults()
+    prefect_defaults()  # a no-op after main(); for callers that import this module themselves
     flow = getattr(importlib.import_module(f"flows.{module}"), name)
     accepted = inspect.signature(getattr(flow, "fn", flow)).parameters
     takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
@@ -206,7 +226,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     validate_recipe(args.recipe, overrides)
     common = {"recipe": args.recipe, "overrides": overrides, "experiment": args.experiment,
               "tracking_uri": args.tracking_uri, "progress": args.progress}
-    log_file = task_runs_to_file(run_dir / "prefect.log")
+    log_file = args.log_file = log_to_file(run_dir / "prefect.log", task_lines=True)
     print(f"[miles demo] Prefect's per-task lines go to {log_file} and the Prefect UI; the curve stays here",
           flush=True)
     print(f"[miles demo] 1/3 SFT baseline ({args.recipe}) -> {run_dir / 'sft'}", flush=True)
@@ -222,24 +242,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(demo_report(train, demo_gain(train, ev), args.recipe))
     _print_where_to_look(run_dir, train.get("model_uri"), args.tracking_uri)
     return 0
-
-
-def task_runs_to_file(path: Path) -> Path:
-    """Prefect's task-run lines (four per RL iteration) to ``path`` instead of the console, where
-    they would bury the learning curve the flow logs; they still reach the Prefect UI (their API
-    handler sits on the same logger). Everything else Prefect logs goes to ``path`` as well."""
-    import logging
-
-    import prefect.main  # noqa: F401 - configures Prefect's logging (handlers this adjusts)
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter("%(asctime)s | %(levelname)-7s | %(name)s | %(message)s"))
-    tasks = logging.getLogger("prefect.task_runs")
-    tasks.propagate = False  # not to the root's console handler
-    for name in ("prefect.task_runs", "prefect"):  # flow-run lines reach "prefect" by propagation
-        logging.getLogger(name).addHandler(handler)
-    return path
 
 
 def demo_gain(train: dict[str, Any], ev: dict[str, Any]) -> dict[str, Any]:

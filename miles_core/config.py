@@ -7,6 +7,7 @@ message naming the field and the allowed values (see tests/test_config.py).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import re
@@ -20,10 +21,19 @@ class ConfigError(ValueError):
     """A recipe or override is invalid; the message names the field."""
 
 
-# adpo.estimator's registered names -> the ADPOConfig fields each reads. miles_core/algo/estimators
-# fills it as its modules register (this schema sits below the algorithms, so it is told, never
-# asks); empty until then, when the name is checked at first use instead (algo.estimators.get_estimator).
+# The estimators Miles ships: miles_core/algo/estimators loads exactly these modules, each of which
+# registers under its own module name. Stated here, below the algorithms, so a recipe's
+# adpo.estimator is checked at load without importing torch or the estimator code.
+BUILTIN_ESTIMATORS: tuple[str, ...] = ("adpo", "coupled", "ebpo", "espo", "meanfield", "spg", "wd1")
+# Registered names -> the ADPOConfig fields each reads, filled as estimators register (built-in
+# ones and any a program registers itself before loading its recipe).
 ESTIMATORS: dict[str, tuple[str, ...]] = {}
+
+
+def did_you_mean(word: str, choices: typing.Iterable[str], prefix: str = "") -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``word``, else ''."""
+    close = difflib.get_close_matches(str(word), sorted(set(choices)), n=1, cutoff=0.6)
+    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
 
 
 def bounded(default: Any, lo: float | None = None, hi: float | None = None) -> Any:
@@ -204,7 +214,7 @@ class ADPOConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    iterations: int = bounded(40, 0)
+    iterations: int = bounded(40, 1)                # RL updates (0 would train nothing: `miles eval` evaluates a checkpoint)
     prompts_per_iter: int = bounded(16, 1)
     group_size: int = bounded(8, 2)
     eval_every: int = bounded(10, 0)
@@ -332,7 +342,8 @@ def _coerce(path: str, tp: Any, value: Any) -> Any:
     if origin is Literal:
         allowed = typing.get_args(tp)
         if value not in allowed:
-            raise ConfigError(f"{path}: {value!r} is not allowed; allowed values: {', '.join(map(repr, allowed))}")
+            raise ConfigError(f"{path}: {value!r} is not allowed{did_you_mean(value, map(str, allowed))}; "
+                              f"allowed values: {', '.join(map(repr, allowed))}")
         return value
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
@@ -373,7 +384,8 @@ def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
     for key, value in data.items():
         full = f"{path}{key}"
         if key not in names:
-            raise ConfigError(f"unknown config key {full!r}; allowed keys here: {', '.join(sorted(names))}")
+            raise ConfigError(f"unknown config key {full!r}{did_you_mean(key, names, path)}; "
+                              f"allowed keys here: {', '.join(sorted(names))}")
         kwargs[key] = _coerce(full, hints[key], value)
     obj = cls(**kwargs)
     check_bounds(obj, path)
@@ -387,9 +399,11 @@ def validate(obj: Any, path: str = "") -> None:
     def need(cond: bool, field_name: str, msg: str) -> None:
         if not cond:
             raise ConfigError(f"{path}{field_name}: {msg}")
-    if isinstance(obj, ADPOConfig) and ESTIMATORS:
-        need(ESTIMATORS.get(obj.estimator) is not None, "estimator",
-             f"{obj.estimator!r} is not a registered estimator; registered: {', '.join(map(repr, sorted(ESTIMATORS)))}")
+    if isinstance(obj, ADPOConfig):
+        known = {*BUILTIN_ESTIMATORS, *ESTIMATORS}
+        need(obj.estimator in known, "estimator",
+             f"{obj.estimator!r} is not a registered estimator{did_you_mean(obj.estimator, known)}; "
+             f"registered: {', '.join(map(repr, sorted(known)))}")
     if isinstance(obj, SamplerConfig):
         need(1 <= obj.min_per_step <= obj.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
     if isinstance(obj, RenoiseConfig):

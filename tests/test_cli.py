@@ -93,6 +93,16 @@ def test_unknown_command_is_a_usage_error() -> None:
     (["eval", "--model", "models:/miles-arith@champion", "eval.temperature=hot"], ["eval.temperature"]),
     (["demo", "train.group_size=1"], ["train.group_size"]),
     (["sft", "tiny", "sft.steps=-1"], ["sft.steps", "-1", "[1, inf]"]),
+    (["train", "tiny", "train.iterations=0"], ["train.iterations", "0", "[1, inf]"]),
+    (["train", "tiny", "--iterations", "0"], ["--iterations", "1"]),
+    (["train", "tiny", "adpo.lrr=1"], ["adpo.lrr", "did you mean 'adpo.lr'"]),
+    (["train", "tiny", "adpo.estimator=adpoo"], ["adpo.estimator", "adpoo", "did you mean 'adpo'"]),
+    (["train", "tiny", "train.reward=arith_stepz"], ["train.reward", "arith_stepz", "did you mean 'arith_steps'"]),
+    (["train", "tiny", "task.name=arithmatic"], ["task.name", "arithmatic"]),
+    (["train", "tiny", "iterations"], ["iterations", "did you mean train.iterations=VALUE"]),
+    (["train", "tiny", "--iterations", "2", "adpo.lr=abc"], ["adpo.lr", "abc"]),  # an override after a flag
+    (["train", "--iterations", "2", "tiny", "adpo.nope=1"], ["adpo.nope"]),  # the recipe after a flag
+    (["train", "tiny", "--iterations", "2", "--bogus"], ["--bogus"]),
     (["train", "tiny", "lora.r=0"], ["lora.r", "0", "[1, 4096]"]),
 ])
 def test_bad_recipe_or_override_fails_fast_naming_the_field(args: list[str], names: list[str]) -> None:
@@ -103,6 +113,34 @@ def test_bad_recipe_or_override_fails_fast_naming_the_field(args: list[str], nam
     for name in names:
         assert name in lines[0], f"{name!r} not named in: {lines[0]}"
     assert not any(marker in r.stdout + r.stderr for marker in FLOW_STARTED)
+
+
+def test_print_config_is_the_resolved_recipe_and_runs_as_a_file(tmp_path: Path) -> None:
+    r = miles("train", "tiny", "--iterations", "3", "adpo.lr=0.002", "--print-config", timeout=60)
+    assert r.returncode == 0, r.stderr
+    import yaml
+
+    cfg = yaml.safe_load(r.stdout)
+    assert cfg["name"] == "tiny" and cfg["adpo"]["lr"] == 0.002 and cfg["train"]["iterations"] == 3
+    (tmp_path / "r.yaml").write_text(r.stdout)
+    again = miles("train", str(tmp_path / "r.yaml"), "--print-config", timeout=60)
+    assert again.returncode == 0 and again.stdout == r.stdout, again.stderr
+    assert not any(marker in r.stdout + r.stderr for marker in FLOW_STARTED)
+
+
+def test_prefect_settings_are_in_place_before_prefect_is_imported() -> None:
+    """Prefect reads its settings once, at import: the CLI sets the temporary server's start-up limit
+    (120 s and up, scaled by load; Prefect's own default 20 s is what a busy machine misses) before any
+    subcommand can import Prefect; a value the user exported wins."""
+    code = ("from miles import cli\ncli.main(['recipes'])\nfrom prefect.settings import get_current_settings\n"
+            "print('LIMIT', get_current_settings().server.ephemeral.startup_timeout_seconds)")
+    env = {k: v for k, v in cli_env().items() if not k.startswith("PREFECT_SERVER_EPHEMERAL")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert int(float(r.stdout.split("LIMIT")[-1])) >= 120, r.stdout
+    env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = "77"
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert int(float(r.stdout.split("LIMIT")[-1])) == 77, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize(("args", "needle"), [

@@ -4,12 +4,12 @@ Why a registry: an estimator is what a row is, its loss and its advantage transf
 (algo/update.py) only runs rows, so it holds no estimator's name. One module per estimator here
 declares all three and registers itself by name with :func:`register_estimator` (as verl's
 ``core_algos`` registers its policy losses); :func:`get_estimator` finds it. Adding an estimator
-is one module, imported at the bottom of this file (docs/concepts/estimators.md shows one).
+is one module, named in ``config.BUILTIN_ESTIMATORS`` (docs/concepts/estimators.md shows one).
 
 Each estimator also says which ``ADPOConfig`` fields are its own (``reads``): the recipe schema
-sits below the algorithms, so it is told the registered names and their fields
-(``config.ESTIMATORS``) and rejects an unknown ``adpo.estimator`` at load, naming the registered
-ones. A field an estimator never reads is not rejected: the shipped recipes set ADPO's
+sits below the algorithms, so it states the built-in names (``config.BUILTIN_ESTIMATORS``, the
+modules loaded here, each registering under its module's name) and is told the fields
+(``config.ESTIMATORS``); it rejects an unknown ``adpo.estimator`` at load, without torch. A field an estimator never reads is not rejected: the shipped recipes set ADPO's
 ``step_fraction`` and are run with every estimator (benchmarks/estimators.py).
 """
 
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from miles_core.algo.loss import ADPOLoss
 from miles_core.algo.rows import Rows, RowScorer
-from miles_core.config import ESTIMATORS, ADPOConfig, ConfigError
+from miles_core.config import BUILTIN_ESTIMATORS, ESTIMATORS, ADPOConfig, ConfigError
 from miles_core.tokenizer import CharTokenizer
 
 # (batch, cfg, tok, temperature, generator, model) -> the rows of the batch and their scorer
@@ -101,5 +101,14 @@ def estimator_names() -> list[str]:
     return sorted(_REGISTRY)
 
 
-# registration happens on import: one line per estimator module
-from miles_core.algo.estimators import adpo, coupled, ebpo, espo, meanfield, spg, wd1  # noqa: E402,F401
+def _load_builtins() -> None:
+    """Import each module ``config.BUILTIN_ESTIMATORS`` names; each must register its own name."""
+    import importlib
+
+    for module in BUILTIN_ESTIMATORS:
+        importlib.import_module(f"{__name__}.{module}")
+        if module not in _REGISTRY:
+            raise ImportError(f"{__name__}.{module} did not register an estimator named {module!r}")
+
+
+_load_builtins()
