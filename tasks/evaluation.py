@@ -118,6 +118,10 @@ def sft_baseline(cfg: dict[str, Any], out_dir: str, run_id: str, eval_problems: 
 
 @task(name="register-policy", retries=2, retry_delay_seconds=[2, 4], retry_condition_fn=retry_transient, **LIGHT)
 def register_policy(run_id: str, name: str, base_checkpoint: str, adapter_dir: str | None, cfg: dict[str, Any],
-                    pass1: float, fingerprint: str, tags: dict[str, str]) -> dict[str, Any]:
-    """Log the policy as a LoggedModel and register it as a version; ``champion`` moves only if pass@1 improves."""
-    return registry.register_model(run_id, name, base_checkpoint, adapter_dir, cfg, pass1, fingerprint, tags)
+                    pass1: float, fingerprint: str, tags: dict[str, str], eval_record: str | None = None,
+                    alpha: float | None = None) -> dict[str, Any]:
+    """Log the policy as a LoggedModel and register it as a version with its per-problem outcomes
+    (``eval_record``: the evaluation's JSON, ``ev["path"]``); ``champion`` moves only on a significant
+    paired win on the same evaluation (``alpha``: the recipe's ``eval.champion_alpha``, else 0.05)."""
+    return registry.register_model(run_id, name, base_checkpoint, adapter_dir, cfg, pass1, fingerprint, tags,
+                                   eval_record=eval_record, alpha=alpha)

@@ -14,7 +14,7 @@ import torch
 
 from miles_core.config import ConfigError, RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData, check_reward
-from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k
+from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k, problems_digest
 from miles_core.eval.presets import preset_values
 from miles_core.progress import track
 from miles_core.rewards.registry import reward_for_recipe
@@ -64,7 +64,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     metrics = {"nfe_mean": nfe_total / max(len(order), 1), "tokens_per_s": tokens / max(seconds, 1e-9),
                "seconds": seconds, "reward_mean": reward_sum / max(len(order), 1)}
     return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics,
-                      correct=correct)
+                      correct=correct, problems_digest=problems_digest(prompts, answers))
 
 
 def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: SamplerConfig | None = None,

@@ -71,6 +71,13 @@ def sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail)
 
 
+def problems_digest(prompts: Sequence[str], answers: Sequence[str]) -> str:
+    """Short stable hash of the problems, in order. Why beside the config fingerprint: that pins the
+    sampling settings and how many problems, not which ones (a task's data seed or file is not in it),
+    and a paired test of two evaluations is only meaningful on the very same problems."""
+    return hashlib.sha256(json.dumps([list(map(str, pa)) for pa in zip(prompts, answers)]).encode()).hexdigest()[:12]
+
+
 @dataclass(frozen=True)
 class SignTest:
     """``after`` against ``before`` on the same problems: problems only ``after`` solves (wins), only
@@ -156,6 +163,7 @@ class EvalResult:
     samples: list[dict[str, Any]] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     correct: list[list[bool]] = field(default_factory=list)  # per problem, per sample (paired tests)
+    problems_digest: str = ""  # problems_digest(prompts, answers): which problems ``correct`` is about
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -166,6 +174,7 @@ class EvalResult:
             "samples": [dict(s) for s in self.samples],
             "metrics": {k: float(v) for k, v in self.metrics.items()},
             "correct": [[bool(x) for x in row] for row in self.correct],
+            "problems_digest": self.problems_digest,
         }
 
     @classmethod
@@ -177,4 +186,5 @@ class EvalResult:
             samples=list(d.get("samples", [])),
             metrics=dict(d.get("metrics", {})),
             correct=[list(row) for row in d.get("correct", [])],
+            problems_digest=str(d.get("problems_digest", "")),
         )
