@@ -3,7 +3,8 @@
 One loop serves every schedule: a step runs the denoiser on the rows that still have masked
 positions in their current block, and a commit rule picks which positions to reveal:
   * static: a fixed number per step (LLaDA ``get_num_transfer_tokens``), ranked by confidence
-    (``low_confidence``) or at random (``random``);
+    (``low_confidence``) or at random (``random``); a block the prompt or the sequence end cuts
+    short (SDAR's grid) keeps the full block's schedule until its masks run out (``transfer_counts``);
   * nsd: every position whose confidence passes a threshold, at least ``min_per_step`` and at
     most ``max_per_step`` (Native Speculative Denoising).
 
@@ -59,23 +60,34 @@ def grid_blocks(length: int, grid: int, offsets: list[int]) -> list[tuple[int, i
     return out
 
 
-def step_counts(m: Tensor, steps: int) -> Tensor:
-    """[A] masked counts of a block -> [A, steps] tokens to commit per step: ``static_counts`` per
-    row, over min(steps, m) steps (a partial block has fewer tokens than steps), then zeros
-    (LLaDA's ``get_num_transfer_tokens`` gives the same: one token a step, then none)."""
-    used = m.clamp(max=steps)
-    base = torch.where(used > 0, m // used.clamp(min=1), torch.zeros_like(m))
-    rem = m - base * used
-    j = torch.arange(steps, device=m.device)
-    return torch.where(j < used[:, None], base[:, None] + (j < rem[:, None]).long(), torch.zeros_like(base)[:, None])
-
-
 def static_counts(block_len: int, steps_per_block: int) -> list[int]:
     """Tokens to commit at each step of a block: as even as possible, remainder first (LLaDA)."""
     if steps_per_block < 1 or steps_per_block > block_len:
         raise ValueError(f"steps per block must be in [1, {block_len}], got {steps_per_block}")
     base, rem = divmod(block_len, steps_per_block)
     return [base + 1] * rem + [base] * (steps_per_block - rem)
+
+
+def transfer_counts(masked: int, block_len: int, steps: int) -> list[int]:
+    """Tokens to commit at each of a block's ``steps`` when only ``masked`` of its ``block_len``
+    positions are masks: the full block's ``static_counts`` step by step until the masks run out,
+    then nothing (the block needs fewer steps; the sampler stops there).
+
+    Why: it is SDAR's official rule for the partial first block (the prompt ends inside it).
+    ``block_diffusion_generate`` commits ``get_num_transfer_tokens(block_length, steps)[step]``
+    top-confidence positions per step in every block, that one included, and stops once no mask
+    is left (JetAstra/SDAR @ c2041a8, evaluation/opencompass/opencompass/models/huggingface_bd3.py,
+    whose top-k past the masks rewrites tokens with themselves; generate.py's copy writes its
+    predictions there instead, which Miles never does). Spreading the steps over the masks (2 masks,
+    2 steps: one a step) decodes differently whenever steps < block_len; at steps = block_len both
+    commit one a step. The last block, which the official decoder runs past the sequence end and
+    Miles ends there, gets the same rule. A full block (every block of a model without an
+    attention grid) gets ``static_counts`` itself."""
+    out, left = [], masked
+    for n in static_counts(block_len, steps):
+        out.append(min(n, left))
+        left -= out[-1]
+    return out
 
 
 def topk_commit(score: Tensor, eligible: Tensor, n: Tensor) -> Tensor:
@@ -171,7 +183,11 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
         if rows.numel() == 0:
             continue
         part = part[rows]
-        counts = step_counts(((x[rows, a:e] == tok.mask_id) & part).sum(1), per_block) if cfg.kind == "static" else None
+        counts, last = None, 0
+        if cfg.kind == "static":  # a row's part starts all masks: its schedule is known on the host
+            table = [transfer_counts(hi_b - lo_b, block, per_block) for lo_b, hi_b in zip(start, end)]
+            last = max(sum(n > 0 for n in t) for t in table)      # steps some row has a token to commit in
+            counts = torch.tensor(table, dtype=torch.long, device=dev)[rows]       # [A, per_block]
         cache: KVCache | None = None
         j = 0
         while True:
@@ -192,7 +208,7 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             nfe[rows] += eligible.any(1).long()
             j += 1
             if cfg.kind == "static":
-                if j == per_block:                   # a static block ends after its steps: no host read
+                if j == last:                        # a static block ends after its steps: no host read
                     break
             elif j % cfg.sync_every == 0:
                 left = ((x[rows, a:e] == tok.mask_id) & part).any(1).nonzero().squeeze(1)   # NSD's read: one [A] flag

@@ -22,10 +22,13 @@ def reference_generate(model, prompt: torch.Tensor, mask_id: int, forbidden: lis
                        grid: int = 0) -> tuple[torch.Tensor, int]:
     """LLaDA's ``generate`` at temperature 0 with low-confidence remasking (ML-GSAI/LLaDA generate.py):
     every step a full forward and the whole sequence's logits; ``get_num_transfer_tokens`` per block.
-    ``grid`` > 0: SDAR's decoder instead (JetAstra/SDAR ``generate.py``): blocks at absolute
+    ``grid`` > 0: SDAR's decoder instead (JetAstra/SDAR @ c2041a8 ``block_diffusion_generate``,
+    generate.py and evaluation/opencompass/opencompass/models/huggingface_bd3.py): blocks at absolute
     multiples of the model's attention block ``grid``, starting with the prompt's last, partial one,
-    each given ``steps // (gen_length // grid)`` steps for its masks (here the last block ends at the
-    sequence end instead of running past it). Changes: ids Miles never samples ([MASK], pad) are
+    each given ``steps // (gen_length // grid)`` steps; step i commits
+    ``get_num_transfer_tokens(grid, steps)[i]`` of its masks, the partial block's too, and the block
+    ends when none is left (here the last block ends at the sequence end instead of running past
+    it, and a count above the masks left commits just those). Changes: ids Miles never samples ([MASK], pad) are
     suppressed, as Miles' SUBS rule does, the confidence is float32 exp(log-softmax), and equal
     confidences go to the lower position. Stops after ``max_steps`` steps (timing).
     -> (x [B, P + L], steps run)."""
@@ -34,21 +37,25 @@ def reference_generate(model, prompt: torch.Tensor, mask_id: int, forbidden: lis
     x = torch.full((b, t), mask_id, dtype=torch.long)
     x[:, :p] = prompt
     attn = torch.ones_like(x, dtype=torch.bool)
+    width = grid or block_length                                        # a whole block, partial or not
+    per_block = steps // (gen_length // width)
     if grid:
-        per_block = steps // (gen_length // grid)
         edges = [max(p, k * grid) for k in range(p // grid, -(-t // grid))] + [t]
     else:
-        per_block = steps // (gen_length // block_length)
         edges = list(range(p, t + 1, block_length))
     done = 0
     for lo, hi in zip(edges[:-1], edges[1:]):
-        m = hi - lo                                                     # the block's masks
-        counts = [m // per_block + (i < m % per_block) for i in range(per_block)]   # get_num_transfer_tokens
+        left = hi - lo                                                  # the block's masks
+        # get_num_transfer_tokens(block_length, steps): the whole block's counts, even when the
+        # prompt fills part of it; SDAR's top-k past the masks left changes nothing
+        schedule = [width // per_block + (i < width % per_block) for i in range(per_block)]
         for i in range(per_block):
             if max_steps is not None and done >= max_steps:
                 return x, done
-            if counts[i] == 0:
+            n = min(schedule[i], left)
+            if n == 0:                                                  # SDAR: no mask left, next block
                 break
+            left -= n
             mask_index = x == mask_id
             logits = model(x, attn)                                     # [B, T, V]: every position, every step
             logits[..., forbidden] = float("-inf")
@@ -63,7 +70,7 @@ def reference_generate(model, prompt: torch.Tensor, mask_id: int, forbidden: lis
             for j in range(b):
                 # LLaDA: torch.topk, whose order among equal values is unspecified; ties go to the lower
                 # position here, as in Miles (Dream's shift makes neighbouring masks tie exactly)
-                sel = confidence[j].sort(descending=True, stable=True).indices[:int(counts[i])]
+                sel = confidence[j].sort(descending=True, stable=True).indices[:n]
                 transfer[j, sel] = True
             x[transfer] = x0[transfer]
             done += 1
