@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.llada_reference import logp_gap, reference_generate
+from tests.helpers.llada_reference import logp_gap, replay_decisions
 from miles_core.algo.rows import score_rows
 from miles_core.config import ConfigError, SamplerConfig
 from miles_core.models.base import load_checkpoint
@@ -74,13 +74,25 @@ def lora_with_random_b(base: torch.nn.Module) -> torch.nn.Module:
 def test_greedy_output_equals_the_reference(models: dict, family: str) -> None:
     model, tok = models[family]
     grid = attention_grid(model)  # SDAR decodes on its attention blocks (its reference does too)
-    for seed, (length, block) in enumerate([(16, 8), (16, 16), (24, 8)]):
+    for seed, (length, block, steps) in enumerate([(16, 8, 16), (16, 16, 16), (24, 8, 24), (16, 8, 8)]):
         block = grid or block
         prompt = torch.randint(200, 100_000, (3, 6), generator=torch.Generator().manual_seed(seed))
-        ref, _ = reference_generate(model, prompt, tok.mask_id, tok.forbidden_ids, length, block, length, grid=grid)
-        cfg = SamplerConfig(kind="static", steps=length, block_size=block, temperature=0.0)
+        cfg = SamplerConfig(kind="static", steps=steps, block_size=block, temperature=0.0)
         got = sample(model, tok, prompt.tolist(), cfg, length, torch.Generator().manual_seed(0))
-        assert torch.equal(ref[:, 6:], got.completion_ids), (family, length, block)
+        _assert_reference_decisions(model, tok, prompt.tolist(), got, block, grid, (family, length, block, steps))
+
+
+def _assert_reference_decisions(model, tok, prompts: list[list[int]], got, block: int, grid: int, where) -> None:
+    """Every decision of every row is the reference's, except near-ties: gaps under 1e-5 in logits, ten
+    times float32's rounding at these logits (~0.1), which cached and uncached forwards, threads and
+    batch shapes may order either way. The tiny random LLaDA has the most (13 of 96 decisions)."""
+    total = {"decisions": 0, "near_ties": 0, "mismatches": 0}
+    for b, prompt in enumerate(prompts):
+        r = replay_decisions(model, prompt, got.completion_ids[b], got.step_map[b], tok.mask_id, tok.forbidden_ids,
+                             block, grid)
+        total = {k: total[k] + r[k] for k in total}
+    assert total["mismatches"] == 0, (where, total)
+    assert total["near_ties"] <= 0.2 * total["decisions"], (where, total)  # the check still decides most
 
 
 def test_sdar_decodes_on_its_attention_grid_whatever_the_prompt_length(models: dict) -> None:
@@ -105,10 +117,7 @@ def test_sdar_decodes_on_its_attention_grid_whatever_the_prompt_length(models: d
     # partial block (tests/test_sdar_schedule.py checks that rule where no near-tie can decide it)
     for steps in (length, 2 * length // 4):
         batch = sample(model, tok, prompts, replace(static, steps=steps), length, torch.Generator().manual_seed(0))
-        for b, p in enumerate(lens):
-            ref, _ = reference_generate(model, torch.tensor([prompts[b]]), tok.mask_id, tok.forbidden_ids, length, 4,
-                                        steps, grid=4)
-            assert torch.equal(ref[0, p:], batch.completion_ids[b]), (steps, p)
+        _assert_reference_decisions(model, tok, prompts, batch, 4, 4, ("sdar", steps))
     with pytest.raises(ConfigError, match="attention blocks"):
         miles_sample(model, tok, prompts, replace(static, block_size=8), length, torch.Generator())
 

@@ -1,7 +1,8 @@
 """LLaDA's published ``generate`` (and SDAR's block decoder) written out as a reference, and the
 log-prob gap between what Miles' sampler records and what the learner scores.
 
-The engine tests check Miles' sampler token for token against ``reference_generate``, and
+The engine tests check Miles' sampler decision by decision against the reference rule
+(``replay_decisions``; token for token where no near-tie can decide, tests/test_sdar_schedule.py), and
 benchmarks/rollout.py and benchmarks/gpu_check.py time it against the same reference. It is an
 independent reimplementation kept for those comparisons, not product code, so it lives with the
 tests; the benchmarks import it from here.
@@ -75,6 +76,55 @@ def reference_generate(model, prompt: torch.Tensor, mask_id: int, forbidden: lis
             x[transfer] = x0[transfer]
             done += 1
     return x, done
+
+
+@torch.no_grad()
+def replay_decisions(model, prompt: list[int], completion: torch.Tensor, step_map: torch.Tensor, mask_id: int,
+                     forbidden: list[int], block_length: int, grid: int = 0, tol: float = 1e-5) -> dict[str, int]:
+    """Check one row of a greedy rollout decision by decision against the reference rule, replayed on
+    the rollout's own trajectory (teacher forcing): before each step, the state is the prompt plus
+    the tokens committed at earlier steps; the reference's full forward must pick the same token at
+    each committed position and the same positions (the highest log-confidences among the current
+    block's masks), unless that decision was a near-tie: a top-1/top-2 logit gap, or a gap between the
+    last chosen and the first unchosen log-confidence, below ``tol``. Why not compare two decodings
+    token for token: on random weights some decisions are ties to 1e-6, which summation order (threads,
+    load) flips, and one flip changes everything after it. -> counts: decisions, near_ties, mismatches
+    (decisions that differ with a clear margin: a real difference of rule)."""
+    p, length = len(prompt), completion.shape[0]
+    t = p + length
+    out = {"decisions": 0, "near_ties": 0, "mismatches": 0}
+    for s in step_map.unique().tolist():
+        x = torch.full((1, t), mask_id, dtype=torch.long)
+        x[0, :p] = torch.tensor(prompt)
+        before = step_map < s
+        x[0, p:][before] = completion[before]
+        now = (step_map == s).nonzero().squeeze(-1)                     # positions committed at step s
+        c = int(now.max())
+        hi = (min(t, ((p + c) // grid + 1) * grid) if grid else min(t, p + (c // block_length + 1) * block_length))
+        logits = model(x, torch.ones_like(x, dtype=torch.bool))[0].float()   # [T, V]
+        logits[..., forbidden] = float("-inf")
+        logp = torch.log_softmax(logits, -1)
+        top2 = logits.topk(2, dim=-1)
+        masked = (x[0] == mask_id).nonzero().squeeze(-1)
+        masked = masked[masked < hi]                                     # the current block's masks
+        conf = logp[masked].max(-1).values                               # log-confidence of each mask
+        order = conf.sort(descending=True, stable=True)
+        n = len(now)
+        chosen = set((masked[order.indices[:n]] - p).tolist())
+        boundary = float(order.values[n - 1] - order.values[n]) if n < len(masked) else float("inf")
+        out["decisions"] += 1
+        if boundary < tol:
+            out["near_ties"] += 1
+        elif chosen != set(now.tolist()):
+            out["mismatches"] += 1
+        for pos in now.tolist():
+            out["decisions"] += 1
+            gap = float(top2.values[p + pos, 0] - top2.values[p + pos, 1])
+            if gap < tol:
+                out["near_ties"] += 1
+            elif int(top2.indices[p + pos, 0]) != int(completion[pos]):
+                out["mismatches"] += 1
+    return out
 
 
 def logp_gap(model, tok, prompts: list[list[int]], cfg: SamplerConfig, length: int) -> tuple[float, float]:
