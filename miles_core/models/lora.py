@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
+from miles_core.models.checkpoint import load_tensors, record_digest
 from miles_core.models.registry import family_of
 
 if TYPE_CHECKING:
@@ -65,7 +66,7 @@ def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = Fal
     d = Path(adapter_dir)
     if not (d / "adapter_config.json").exists():
         raise FileNotFoundError(f"{adapter_dir} is not a peft adapter folder (no adapter_config.json)")
-    state = load_file(str(d / ADAPTER_WEIGHTS))
+    state = load_tensors(d / ADAPTER_WEIGHTS)
     to_outside, to_inside = module_paths(base)
     if to_outside is None or _wrapper_layout(state):
         return PeftModel.from_pretrained(base, str(d), is_trainable=trainable)
@@ -215,6 +216,7 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     if to_outside is not None:  # the keys of the class a user loads from the base folder
         state = _rekey(state, to_outside, "save_adapter")
     save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    record_digest(d / ADAPTER_WEIGHTS)
     if base:  # beside the weights, not in their header: safetensors orders header metadata arbitrarily
         (d / BASE_FILE).write_text(json.dumps(base, sort_keys=True))
     cfg = copy.deepcopy(model.peft_config["default"])
