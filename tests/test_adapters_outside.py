@@ -145,6 +145,9 @@ def test_export_round_trip(family: str, tmp_path: Path) -> None:
         assert torch.allclose(merged(torch.tensor([ids]))[0], logits, atol=1e-5)
     card = (out / "README.md").read_text()
     assert "merged" in card and base_identity(base_dir)["sha256"][:16] in card
+    # the card's library is the one that loads the folder: transformers for the published families
+    # (a config class or auto_map), Miles for its own toy family
+    assert f"library_name: {'miles' if family == 'tiny' else 'transformers'}" in card
     assert not (out / ADAPTER_WEIGHTS).exists() and "lora_" not in json.dumps(list(read_or_empty(out)))
     if family in OUTSIDE_CLASS:
         cls, bidir = OUTSIDE_CLASS[family]

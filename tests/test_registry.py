@@ -160,7 +160,7 @@ def test_policy_is_a_logged_model_of_its_training_run(trained: TrainedProject) -
     assert model_id in [o.model_id for o in outputs.model_outputs]
     mlmodel = Model.load(mv.source)
     assert mlmodel.signature is not None and [c.type.name for c in mlmodel.signature.inputs.inputs] == ["string"]
-    assert {p.name for p in mlmodel.signature.params.params} == {"temperature", "seed"}
+    assert {p.name for p in mlmodel.signature.params.params} == {"temperature", "seed", "max_tokens"}
 
 
 def test_export_merges_a_registered_model_into_a_folder_with_a_card(trained: TrainedProject, tmp_path: Path) -> None:
@@ -180,3 +180,5 @@ def test_export_merges_a_registered_model_into_a_folder_with_a_card(trained: Tra
     card = (out / "README.md").read_text()
     assert f"registry version: {src['version']}" in card and "pass@1" in card and "fingerprint" in card
     assert "recipe: `" in card
+    # the tiny toy family is not a transformers model: the card says so instead of claiming it
+    assert "library_name: miles" in card and "transformers cannot load" in card

@@ -23,14 +23,15 @@ INPUT_COLUMN = "prompt"
 
 def model_signature(temperature: float, seed: int) -> ModelSignature:
     """Input: one string column (a list of prompts, or a DataFrame with one column such as
-    ``prompt``); output: one completion per prompt; optional ``temperature``/``seed`` params.
+    ``prompt``); output: one completion per prompt; optional ``temperature``/``seed``/``max_tokens`` params.
 
     The column is unnamed on purpose: MLflow then accepts a plain list of strings as well."""
     return ModelSignature(
         inputs=Schema([ColSpec("string")]),
         outputs=Schema([ColSpec("string")]),
         params=ParamSchema([ParamSpec("temperature", "double", float(temperature)),
-                            ParamSpec("seed", "long", int(seed))]),
+                            ParamSpec("seed", "long", int(seed)),
+                            ParamSpec("max_tokens", "long", 0)]),  # 0: the completion length it was evaluated at
     )
 
 
@@ -99,28 +100,37 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         samples with the recipe's ``renoise`` schedule instead."""
         import torch
 
+        from miles_core.config import ConfigError
         from miles_core.samplers.registry import sample_for
 
         params = dict(params or {})
         prompts = [self._canonical(p) for p in prompts_from_input(model_input)]
-        limit = self.max_len - self.completion_len
+        length = int(params.get("max_tokens") or 0) or self.completion_len
+        if length < 1:
+            raise ValueError(f"param max_tokens must be >= 1, got {length}")
+        limit = self.max_len - length
         ids = [self.tok.encode_prompt(p) for p in prompts]
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty")
             if len(ids[i]) > limit:
                 raise ValueError(f"prompt {i} has {len(ids[i])} tokens; this model takes at most {limit} "
-                                 f"(max_len {self.max_len} - completion_len {self.completion_len})")
+                                 f"(max_len {self.max_len} - max_tokens {length})")
         temperature = float(params.get("temperature", self.sampler.temperature))
         if temperature < 0:
             raise ValueError(f"param temperature must be >= 0, got {temperature}")
-        scfg = dataclasses.replace(self.sampler, temperature=temperature)
+        # another length keeps the tokens per denoising step it was evaluated with
+        steps = max(1, self.sampler.steps * length // self.completion_len)
+        scfg = dataclasses.replace(self.sampler, temperature=temperature, steps=steps)
         gen = torch.Generator().manual_seed(int(params.get("seed", self.seed)))
         out: list[str] = []
         step = max(int(self.cfg.eval.batch_size), 1)
         for start in range(0, len(prompts), step):
             part = ids[start:start + step]
-            batch = sample_for(self.model, self.tok, part, scfg, self.completion_len, gen, renoise_cfg=self.cfg.renoise)
+            try:
+                batch = sample_for(self.model, self.tok, part, scfg, length, gen, renoise_cfg=self.cfg.renoise)
+            except ConfigError as e:  # e.g. a length that is not a whole number of the sampler's blocks
+                raise ValueError(f"param max_tokens={length}: {e}") from None
             out.extend(batch.completions)
         return out
 

@@ -50,13 +50,23 @@ def export_merged(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
     merged = load_adapter(base, adapter_dir).merge_and_unload()
     merged.eval()
     save_checkpoint(merged, tok, out)
-    (out / "README.md").write_text(model_card(ident, card or {}, type(merged).__name__))
+    (out / "README.md").write_text(model_card(ident, card or {}, type(merged).__name__, transformers_loads(out)))
     return out
 
 
-def model_card(base: dict[str, str], card: dict[str, Any], cls: str) -> str:
-    """A short README.md: what the folder is, what it came from, how it was evaluated."""
-    lines = ["---", "library_name: transformers", "tags: [miles, diffusion-lm, adpo, merged-lora]", "---", "",
+def transformers_loads(folder: str | Path) -> bool:
+    """Whether transformers can build the folder's model: every published family can (a config class
+    it ships, or the family's remote code: LLaDA, Dream, SDAR); Miles' own toy families, whose
+    ``model_type`` is ``miles-…``, cannot."""
+    cfg = json.loads((Path(folder) / "config.json").read_text())
+    return not str(cfg.get("model_type", "")).startswith("miles-")
+
+
+def model_card(base: dict[str, str], card: dict[str, Any], cls: str, with_transformers: bool = True) -> str:
+    """A short README.md: what the folder is, what it came from, how it was evaluated. The card's
+    ``library_name`` is the library that loads the folder: transformers only where it can."""
+    lines = ["---", f"library_name: {'transformers' if with_transformers else 'miles'}",
+             "tags: [miles, diffusion-lm, adpo, merged-lora]", "---", "",
              f"# {card.get('name') or 'Miles export'}", "",
              "A LoRA adapter trained with Miles (ADPO) merged into its base; the folder loads like the base.", "",
              f"- base: `{base.get('hub_id') or base['name']}` (sha256 of its weights `{base['sha256'][:16]}…`)",
@@ -70,7 +80,11 @@ def model_card(base: dict[str, str], card: dict[str, Any], cls: str) -> str:
                        ("fingerprint", "evaluation config fingerprint")):
         if card.get(key) is not None:
             lines.append(f"- {label}: {card[key]}")
-    lines += ["", "Loading: the same code that loads the base checkpoint loads this folder (for families whose "
-              "published class is remote code, add the family's published `*.py` files and `trust_remote_code=True`).",
-              ""]
+    if with_transformers:
+        lines += ["", "Loading: the same code that loads the base checkpoint loads this folder (for families whose "
+                  "published class is remote code, add the family's published `*.py` files and "
+                  "`trust_remote_code=True`).", ""]
+    else:
+        lines += ["", f"Loading: this is a Miles toy family, which transformers cannot load; load it with Miles: "
+                  f"`miles_core.models.base.load_checkpoint(folder)` (class `{cls}`).", ""]
     return "\n".join(lines)
