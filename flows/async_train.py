@@ -24,6 +24,7 @@ from flows.params import AsyncTrainParams, LearnerParams, SamplerParams, cli_mai
 from flows.sft import base_or_sft
 from miles_core.config import load_recipe
 import tracking
+from flows import session
 from tasks import asyncrun, evaluation
 
 SAMPLER_DEPLOYMENT = "miles-async-sampler/miles-async-sampler"
@@ -112,6 +113,7 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
     out = p.run_path("async")
     store = p.store_uri or str(out / "store")
     tracking.configure(p.tracking_uri)
+    owner = session.claim(out)  # an async run restarted in its folder resumes (flow docstring): one MLflow run
     base, sft = base_or_sft(p, out, p.base_checkpoint)
     log = get_run_logger()
     plan = asyncrun.plan(store, cfg.to_dict(), str(base), p.devices)
@@ -123,7 +125,8 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
             "miles.base_checkpoint": Path(base).resolve(), "miles.launcher": p.launcher,
             "miles.sft_run_id": sft.get("mlflow_run_id", "")}
     reg: dict[str, Any] = {}
-    with tracking.run(p.experiment, f"async-{cfg.name}", cfg.flat(), tags) as run_id:
+    name = session.run_name("async", cfg.name, out)
+    with session.tracked(owner, p.experiment, name, cfg.flat(), tags, resume=True) as run_id:
         asyncrun.prepare(store, cfg.to_dict(), str(base))
         a = cfg.async_rl
         log.info("async run %s: %d samplers x %d batches, %d learner rank(s), S=%d, via %s", store, a.num_samplers,
@@ -148,7 +151,8 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
             reg = evaluation.register_policy(run_id, p.register_as, str(Path(base).resolve()), adapter_dir, cfg.to_dict(),
                                            ev["pass1"], ev["fingerprint"],
                                            {"miles.adapter_uri": asyncrun.adapter_uri(store, version),
-                                            "miles.policy_version": version, "miles.recipe": p.recipe})
+                                            "miles.policy_version": version, "miles.recipe": p.recipe},
+                                           eval_record=ev["path"])
             tracking.set_tags(run_id, {"miles.model_uri": reg["model_uri"], "miles.promoted": reg["promoted"]})
     result = {"final_pass1": ev["pass1"], "seconds": seconds, "store_uri": store, "adapter_version": version,
               "adapter_dir": adapter_dir, "mlflow_run_id": run_id, "run_dir": str(out),

@@ -20,6 +20,7 @@ from prefect import flow, get_run_logger
 from flows.params import EvalParams, cli_main, documented, validate
 from miles_core.config import load_recipe
 import tracking
+from flows import session
 from tracking import registry
 from tasks import evaluation
 
@@ -56,7 +57,8 @@ def evaluate_flow(recipe: str | None = None, overrides: list[str] | None = None,
     tags = {"miles.kind": "eval", "miles.model": described, "miles.base_checkpoint": Path(base).resolve(),
             "miles.adapter": adapter_dir or "", "miles.registered_model": source["name"] or "",
             "miles.registered_version": source["version"] or ""}
-    with tracking.run(p.experiment, f"eval-{cfg.name}", cfg.flat(), tags) as run_id:
+    owner = session.claim(out)
+    with session.tracked(owner, p.experiment, session.run_name("eval", cfg.name, out), cfg.flat(), tags) as run_id:
         log.info("evaluating %s on %d %s problems (MLflow run %s)", described, cfg.eval.num_problems, cfg.name, run_id)
         ev = evaluation.evaluate_checkpoint(str(base), adapter_dir, cfg.to_dict(), str(out / "eval.json"), p.progress)
         tracking.log_params(run_id, {f"eval_config.{k}": v for k, v in ev["config"].items()})
@@ -81,7 +83,9 @@ def evaluate_tasks(p: EvalParams, base: str, adapter_dir: str | None, out: Path)
     cells: list[dict[str, Any]] = []
     tags = {"miles.kind": "eval-benchmarks", "miles.model": described, "miles.tasks": p.tasks or "",
             "miles.preset": p.preset or ""}
-    with tracking.run(p.experiment, f"eval-{p.tasks}", {"preset": p.preset or "", "tasks": p.tasks}, tags) as run_id:
+    owner = session.claim(out)
+    name = session.run_name("eval", p.tasks or "", out)
+    with session.tracked(owner, p.experiment, name, {"preset": p.preset or "", "tasks": p.tasks}, tags) as run_id:
         for name in (p.tasks or "").split(","):
             test_file = evaluation.find_test_file(p.data_dir or "", name)
             over = [f"task.name={name}", f"task.test_path={test_file}", "task.num_val=0",

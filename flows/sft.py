@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from flows.params import SFTParams, cli_main, documented, validate
 from miles_core.config import load_recipe
 import tracking
+from flows import session
 from tasks import evaluation
 
 
@@ -32,7 +33,8 @@ def sft_flow(recipe: str = "arith", overrides: list[str] | None = None, run_dir:
     log = get_run_logger()
     tracking.configure(p.tracking_uri)
     tags = {"miles.kind": "sft", "miles.recipe": p.recipe, "miles.run_dir": out}
-    with tracking.run(p.experiment, f"sft-{cfg.name}", cfg.flat(), tags) as run_id:
+    owner = session.claim(out)
+    with session.tracked(owner, p.experiment, session.run_name("sft", cfg.name, out), cfg.flat(), tags) as run_id:
         log.info("SFT %s for %d steps -> %s (MLflow run %s)", cfg.name, cfg.sft.steps, out / "base", run_id)
         res = evaluation.sft_baseline(cfg.to_dict(), str(out / "base"), run_id, p.eval_problems, p.progress)
         ev = res["eval"]
@@ -47,7 +49,8 @@ def sft_flow(recipe: str = "arith", overrides: list[str] | None = None, run_dir:
         reg: dict[str, Any] = {}
         if p.register_as:
             reg = evaluation.register_policy(run_id, p.register_as, res["base_checkpoint"], None, cfg.to_dict(),
-                                           ev["pass1"], ev["fingerprint"], {"miles.kind": "sft"})
+                                           ev["pass1"], ev["fingerprint"], {"miles.kind": "sft"},
+                                           eval_record=ev["path"])
     summary = {"sft_pass1": ev["pass1"], "base_checkpoint": res["base_checkpoint"], "run_dir": str(out),
                "mlflow_run_id": run_id, "eval_fingerprint": ev["fingerprint"],
                "model_uri": reg.get("model_uri"), "promoted": reg.get("promoted")}

@@ -23,6 +23,7 @@ from flows.sft import base_or_sft
 from miles_core.config import load_recipe
 from miles_core.progress import Progress
 import tracking
+from flows import session
 from tasks import evaluation, training
 
 CURVE_PANELS = [("rollout reward", ["reward/reward_mean"]), ("held-out pass@1", ["eval/pass1"])]
@@ -41,6 +42,17 @@ def _iteration_metrics(co: dict[str, Any], up: dict[str, Any]) -> dict[str, floa
     return out
 
 
+def _backfill(run: str, run_id: str, start: int) -> None:
+    """Log the per-iteration metrics of committed iterations the MLflow run lacks: a crash between an
+    update's checkpoint and its ``log_metrics`` would otherwise leave a hole in the resumed curve. The
+    batch and the update's history row are in the store, so nothing is recomputed."""
+    logged = {s for s, _ in tracking.metric_history(run_id, "reward/reward_mean")}
+    for it in (i for i in range(start) if i + 1 not in logged):
+        co = training.collect(run, it)  # consumed: read back, not sampled
+        up = training.update(run, co["batch_id"], local_copy=False)  # in the ledger: its history row
+        tracking.log_metrics(run_id, _iteration_metrics(co, up), it + 1)
+
+
 def _loop(p: TrainParams, cfg: Any, out: Path, run_id: str, init: dict[str, Any]) -> dict[str, Any]:
     """Iterations ``init['iteration']..train.iterations``; returns first/last eval and last adapter."""
     log = get_run_logger()
@@ -49,6 +61,7 @@ def _loop(p: TrainParams, cfg: Any, out: Path, run_id: str, init: dict[str, Any]
     ev = first = training.evaluate_policy(run, init["version"], p.progress)
     tracking.log_eval(run_id, ev, start)
     tracking.log_params(run_id, {f"eval_config.{k}": v for k, v in ev["config"].items()})
+    _backfill(run, run_id, start)
     adapter = init
     bar = Progress(total - start, "rl", enabled=p.progress)  # a bar with ETA on a terminal, plain lines elsewhere
     bar.figures["pass@1"] = first["pass1"]
@@ -92,16 +105,18 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
     cfg = load_recipe(p.recipe, p.recipe_overrides())
     out = p.run_path("train")
     tracking.configure(p.tracking_uri)
+    owner = session.claim(out)
     previous = training.checkpoint_meta(out)
     if previous is not None and not p.resume:
         raise FileExistsError(f"{out} already holds a learner checkpoint (iteration {previous['iteration']}); "
-                              "pass resume=True to continue it, or choose a new run_dir")
+                              "pass --resume to continue it (resume=True from Python), or choose a new --run-dir")
     store = p.store_uri or (previous or {}).get("store_uri") or str(out / "store")
     base, sft = base_or_sft(p, out, p.base_checkpoint or (previous or {}).get("base_checkpoint"))
     tags = {"miles.kind": "train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
             "miles.base_checkpoint": Path(base).resolve(), "miles.sft_run_id": sft.get("mlflow_run_id", "")}
     reg: dict[str, Any] = {}
-    with training.learner(out), tracking.run(p.experiment, f"train-{cfg.name}", cfg.flat(), tags) as run_id:
+    name = session.run_name("train", cfg.name, out)
+    with training.learner(out), session.tracked(owner, p.experiment, name, cfg.flat(), tags, p.resume) as run_id:
         init = training.init_learner(str(out), cfg.to_dict(), str(base), store, p.resume)
         tracking.set_tags(run_id, {"miles.run_key": init["run_key"], "miles.resumed_from": init["iteration"]})
         get_run_logger().info("train %s: iterations %d..%d, store %s, MLflow run %s", cfg.name,
@@ -113,7 +128,7 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
                 run_id, p.register_as, init["base_checkpoint"], adapter["adapter_dir"], cfg.to_dict(),
                 ev["pass1"], ev["fingerprint"],
                 {"miles.adapter_uri": adapter["adapter_uri"], "miles.policy_version": adapter["version"],
-                 "miles.recipe": p.recipe, "miles.run_key": init["run_key"]})
+                 "miles.recipe": p.recipe, "miles.run_key": init["run_key"]}, eval_record=ev["path"])
             tracking.set_tags(run_id, {"miles.model_uri": reg["model_uri"], "miles.promoted": reg["promoted"]})
     summary = {"sft_pass1": res["first"]["pass1"] if init["iteration"] == 0 else None,
                "start_pass1": res["first"]["pass1"], "final_pass1": ev["pass1"], "curve": res["curve"],

@@ -83,6 +83,12 @@ def cmd_flow(args: argparse.Namespace) -> int:
         import yaml
         print(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False), end="")
         return 0
+    import tracking
+
+    try:  # a store that cannot work fails now, not after Prefect's server started
+        tracking.check_uri(parsed.tracking_uri)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     # The run folder is fixed here, not in the flow, so the log file is in it from the first line.
     run_dir = parsed.run_path(spec.run_prefix)
     values["run_dir"] = str(run_dir)
@@ -115,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="MLflow model URI, e.g. models:/miles-arith@champion")
     p.add_argument("prompts", nargs="+", metavar="PROMPT", help="one or more prompts")
     p.add_argument("--with-prompt", action="store_true", help="print 'prompt<TAB>completion' lines")
+    p.add_argument("--temperature", type=float, default=None,
+                   help="sampling temperature (default: the model's evaluation setting, 0 = greedy)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: the evaluation seed)")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="completion length in tokens (default: the length it was evaluated at)")
     _tracking(p)
     p.set_defaults(func=cmd_generate)
 

@@ -155,7 +155,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     model = mlflow.pyfunc.load_model(args.model)
-    out = model.predict(pd.DataFrame({"prompt": list(args.prompts)}))
+    params = {k: v for k, v in (("temperature", args.temperature), ("seed", args.seed),
+                                ("max_tokens", args.max_tokens)) if v is not None}
+    out = model.predict(pd.DataFrame({"prompt": list(args.prompts)}), params=params or None)
     if isinstance(out, pd.DataFrame):
         col = "completion" if "completion" in out.columns else out.columns[0]
         completions = [str(v) for v in out[col].tolist()]
@@ -183,6 +185,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from miles_core.models.__main__ import main as models_main
 
+    folder = Path(args.dir)
+    if not folder.exists():
+        raise UsageError(f"{folder}: no such folder (miles models check takes a local checkpoint folder)")
+    if not folder.is_dir():
+        raise UsageError(f"{folder}: is a file, not a checkpoint folder (config.json, *.safetensors, tokenizer)")
     return models_main([args.action, args.dir, "--family", args.family])
 
 
@@ -333,7 +340,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     into its base and written as a model folder in the family's published layout, with a model card."""
     import tempfile
 
-    from miles_core.models.export import BaseMismatch, adapter_base, export_merged
+    from miles_core.models.export import BaseMismatch, adapter_base, export_merged, transformers_loads
 
     with tempfile.TemporaryDirectory(prefix="miles-export-") as dl:  # a registered model's download
         card: dict = {}
@@ -361,6 +368,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         except (BaseMismatch, FileExistsError) as e:
             raise UsageError(str(e)) from None
     print(f"exported {args.source} merged into {base_dir} -> {out}")
+    if not transformers_loads(out):
+        print(f"note: {out} is a Miles toy family (config.json model_type "
+              f"{json.loads((out / 'config.json').read_text()).get('model_type')!r}): transformers cannot load it; "
+              "miles_core.models.base.load_checkpoint does (its README says so)")
     return 0
 
 

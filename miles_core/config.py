@@ -284,6 +284,9 @@ class EvalSettings:
     n_samples: int = bounded(1, 1)
     seed: int = bounded(1234, 0)
     batch_size: int = bounded(250, 1)
+    # `champion` moves to a new registered version only on a paired sign test won at p < this
+    # (same evaluation fingerprint and problems; tracking/registry.py).
+    champion_alpha: float = bounded(0.05, 0.0, 1.0)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,8 @@ def test_unknown_command_is_a_usage_error() -> None:
     (["train", "tiny", "--iterations", "2", "adpo.lr=abc"], ["adpo.lr", "abc"]),  # an override after a flag
     (["train", "--iterations", "2", "tiny", "adpo.nope=1"], ["adpo.nope"]),  # the recipe after a flag
     (["train", "tiny", "--iterations", "2", "--bogus"], ["--bogus"]),
+    (["models", "check", "/no/such/folder"], ["/no/such/folder", "no such folder"]),
+    (["train", "tiny", "--tracking-uri", "sqlite:////no/such/dir/mlflow.db"], ["/no/such", "does not exist"]),
     (["train", "tiny", "lora.r=0"], ["lora.r", "0", "[1, 4096]"]),
 ])
 def test_bad_recipe_or_override_fails_fast_naming_the_field(args: list[str], names: list[str]) -> None:
@@ -238,9 +240,19 @@ def test_demo_and_every_command_it_prints(tmp_path: Path) -> None:
     servers: generate answers, serve answers over HTTP, the MLflow UI shows the demo's experiment as a
     training experiment, and the Prefect UI's server holds the demo's flows (one PREFECT_HOME)."""
     env = cli_env(tmp_path)
-    r = miles("demo", "--recipe", "tiny", "--no-progress", "--register-as", "cli-demo",
-              "sft.steps=10", "eval.num_problems=8", "train.iterations=2", "train.eval_every=1",
-              "train.prompts_per_iter=2", cwd=tmp_path, env=env, timeout=420)
+    # as a new user meets it: no start-up limit exported (the CLI's own), and every core busy with
+    # another process while Prefect's temporary server starts (Prefect's default 20 s failed here)
+    env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
+    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 90\nwhile time.time() < t: pass"])
+            for _ in range(os.cpu_count() or 1)]
+    try:
+        r = miles("demo", "--recipe", "tiny", "--no-progress", "--register-as", "cli-demo",
+                  "sft.steps=10", "eval.num_problems=8", "train.iterations=2", "train.eval_every=1",
+                  "train.prompts_per_iter=2", cwd=tmp_path, env=env, timeout=480)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
     out = r.stdout
     for needle in ("SFT baseline pass@1", "ADPO (RL)    pass@1", "paired sign test", "held-out curve      : 0: ",
@@ -259,9 +271,11 @@ def test_demo_and_every_command_it_prints(tmp_path: Path) -> None:
     other = tmp_path / "elsewhere"  # from another folder, --tracking-uri names the store
     other.mkdir()
     g = miles("generate", "--model", "models:/cli-demo@champion", "--tracking-uri", env["MLFLOW_TRACKING_URI"],
-              "--with-prompt", "1+2*3", "4-5", cwd=other, env=shell, timeout=180)
+              "--with-prompt", "--temperature", "1.0", "--seed", "3", "--max-tokens", "4", "1+2*3", "4-5",
+              cwd=other, env=shell, timeout=180)
     assert g.returncode == 0, g.stderr[-3000:]
     assert [line.split("\t")[0] for line in g.stdout.splitlines()] == ["1+2*3", "4-5"], g.stdout
+    assert all(len(line.split("\t")[1]) <= 4 for line in g.stdout.splitlines()), g.stdout  # --max-tokens
     assert not (other / "mlflow.db").exists()
 
     serve = _printed(out, "serve it")

@@ -103,3 +103,53 @@ def test_a_sync_iteration_writes_its_batch_once_and_never_reads_it_back(tmp_path
     bid1, _, _ = run.collect(1)
     other.rs.trajectories.read_batch = run.rs.trajectories.read_batch  # count its reads too
     assert other.consume(bid1)[0] == "consumed" and calls == {"write_batch": 2, "read_batch": 1}
+
+
+def test_a_copied_run_folder_resumes_into_its_own_store(tmp_path: Path, base_dir: Path) -> None:
+    """The store inside a run folder is recorded relative to it: a copy resumes into the copy's
+    store and leaves the original's alone; a copy whose store is outside both folders is refused."""
+    import shutil
+
+    cfg = load_recipe("tiny", BASE).to_dict()
+    orig = tmp_path / "orig"
+    with training.learner(orig):
+        training.init_learner.fn(str(orig), cfg, str(base_dir), str(orig / "store"))
+        iterate(orig, range(1))
+    copy = tmp_path / "copy"
+    shutil.copytree(orig, copy)
+    with training.learner(copy):
+        init = training.init_learner.fn(str(copy), cfg, str(base_dir), str(copy / "store"), resume=True)
+        assert init["iteration"] == 1
+        iterate(copy, range(1, 2))
+    assert RunStore(str(copy / "store")).adapters.versions() == [0, 1, 2]
+    assert RunStore(str(orig / "store")).adapters.versions() == [0, 1]  # untouched
+    assert training.checkpoint_meta(copy)["store_uri"] == str(copy / "store")
+
+    ext = tmp_path / "ext"
+    with training.learner(ext):
+        training.init_learner.fn(str(ext), cfg, str(base_dir), str(tmp_path / "ext-store"))
+    shutil.copytree(ext, tmp_path / "ext-copy")
+    with pytest.raises(ValueError, match="is a copy of .*write into the original's store"):
+        training.checkpoint_meta(tmp_path / "ext-copy")
+    shutil.rmtree(ext)  # moved, not copied: the original is gone, so the folder is the run
+    assert training.checkpoint_meta(tmp_path / "ext-copy")["store_uri"] == str(tmp_path / "ext-store")
+
+
+def test_a_start_that_failed_before_its_first_update_can_be_started_again(tmp_path: Path, base_dir: Path) -> None:
+    """A run whose store got its run.json but no checkpoint (it died while starting, e.g. on a bad
+    setting) is not "another training run": the corrected start clears its own store and runs."""
+    from miles_core.storage.run import prepare_run
+
+    run_dir = tmp_path / "r"
+    prepare_run(str(run_dir / "store"), load_recipe("tiny", [*BASE, "adpo.lr=0.5"]), base_dir)
+    assert RunStore(str(run_dir / "store")).exists("run.json") and not (run_dir / "learner.json").exists()
+    cfg = load_recipe("tiny", BASE).to_dict()
+    with training.learner(run_dir):
+        init = training.init_learner.fn(str(run_dir), cfg, str(base_dir), str(run_dir / "store"))
+        assert init["iteration"] == 0 and not init["resumed"]
+        iterate(run_dir, range(1))
+    assert RunStore(str(run_dir / "store")).read_spec()["cfg"]["adpo"]["lr"] == cfg["adpo"]["lr"]
+    # a store outside the folder might be another run's: refused, naming it
+    prepare_run(str(tmp_path / "shared"), load_recipe("tiny", BASE), base_dir)
+    with pytest.raises(FileExistsError, match="another training run"):
+        training.init_learner.fn(str(tmp_path / "r2"), cfg, str(base_dir), str(tmp_path / "shared"))

@@ -48,16 +48,45 @@ def _sqlite_file(uri: str) -> Path | None:
 
 def configure(tracking_uri: str | None = None) -> str:
     """Point MLflow (tracking and, unless ``MLFLOW_REGISTRY_URI`` says otherwise, registry) at a store."""
-    uri = tracking_uri or default_tracking_uri()
-    db = _sqlite_file(uri)
-    if db is not None:
-        db.parent.mkdir(parents=True, exist_ok=True)
+    uri = check_uri(tracking_uri)
     # per-file download bars of tiny artifacts (table appends, model downloads) only bury the logs
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
     mlflow.set_tracking_uri(uri)
     if not os.environ.get("MLFLOW_REGISTRY_URI"):
         mlflow.set_registry_uri(uri)
     return uri
+
+
+def check_uri(tracking_uri: str | None = None) -> str:
+    """The tracking URI in effect, refused in seconds if unusable: a ``sqlite:///`` file whose folder's
+    parent does not exist (a typo must not plant a folder tree; the database's own folder is created),
+    a server that does not answer."""
+    uri = tracking_uri or default_tracking_uri()
+    db = _sqlite_file(uri)
+    if db is not None:
+        if not db.parent.parent.is_dir():
+            raise ValueError(f"tracking URI {uri}: folder {db.parent.parent} does not exist (Miles creates at most "
+                             f"the database's own folder, {db.parent.name}/)")
+        db.parent.mkdir(exist_ok=True)
+    elif uri.startswith(("http://", "https://")):
+        check_server(uri)
+    return uri
+
+
+def check_server(uri: str, timeout_s: float = 10.0) -> None:
+    """Fail in seconds, naming ``uri``, when the tracking server does not answer: MLflow's own client
+    retries a refused connection for minutes before it says anything."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{uri.rstrip('/')}/health", timeout=timeout_s):
+            return
+    except urllib.error.HTTPError:
+        return  # it answered (a proxy or an auth layer may refuse /health); the real calls will tell
+    except OSError as e:
+        raise ConnectionError(f"MLflow tracking server {uri} does not answer ({getattr(e, 'reason', e)}); start it "
+                              "(infra/start-mlflow-server.sh) or pass --tracking-uri sqlite:///PATH/mlflow.db") from None
 
 
 def metric_key(name: str) -> str:
@@ -123,13 +152,52 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
     MlflowClient().set_terminated(run_id, status=status)
 
 
+def run_exists(run_id: str) -> bool:
+    try:
+        MlflowClient().get_run(run_id)
+        return True
+    except MlflowException:
+        return False
+
+
+def end_if_running(run_id: str, status: str = "KILLED") -> bool:
+    """End ``run_id`` with ``status`` if it is still RUNNING (its process died) -> whether it was."""
+    client = MlflowClient()
+    try:
+        if client.get_run(run_id).info.status != "RUNNING":
+            return False
+    except MlflowException:
+        return False
+    client.set_terminated(run_id, status=status)
+    return True
+
+
+def reopen_run(run_id: str, params: Mapping[str, Any] | None = None, tags: Mapping[str, Any] | None = None) -> None:
+    """Continue ``run_id`` (a resume): RUNNING again, its params completed (:func:`log_params`), the
+    resumes counted in ``miles.resumes``."""
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    client.update_run(run_id, status="RUNNING")
+    log_params(run_id, params or {})
+    resumes = int(run.data.tags.get("miles.resumes", "0")) + 1
+    set_tags(run_id, {**{k: v for k, v in (tags or {}).items() if k not in run.data.tags}, "miles.resumes": resumes})
+
+
 @contextlib.contextmanager
 def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
-        tags: Mapping[str, Any] | None = None) -> Iterator[str]:
-    """``with run(...) as run_id``: the run ends FINISHED, or FAILED if the body raises."""
-    run_id = start_run(experiment, run_name, params, tags)
+        tags: Mapping[str, Any] | None = None, resume_run_id: str | None = None) -> Iterator[str]:
+    """``with run(...) as run_id``: the run ends FINISHED, FAILED if the body raises, KILLED if it is
+    interrupted (Ctrl-C, SIGTERM). ``resume_run_id``: continue that run instead of creating one."""
+    if resume_run_id:
+        reopen_run(resume_run_id, params, tags)
+        run_id = resume_run_id
+    else:
+        run_id = start_run(experiment, run_name, params, tags)
     try:
         yield run_id
+    except (KeyboardInterrupt, SystemExit):
+        end_run(run_id, "KILLED")
+        raise
     except BaseException:
         end_run(run_id, "FAILED")
         raise
@@ -137,12 +205,21 @@ def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
 
 
 def log_params(run_id: str, params: Mapping[str, Any]) -> None:
-    """Log params (values stringified; lists/dicts as JSON) in chunks MLflow accepts."""
-    items = [Param(k, (json.dumps(v) if isinstance(v, (list, dict, tuple)) else str(v))[:6000])
-             for k, v in params.items()]
+    """Log params (values stringified; lists/dicts as JSON) in chunks MLflow accepts.
+
+    MLflow params are write-once: in a resumed run, a param already logged with the same value is
+    skipped, and one whose value changed (a resumable setting such as ``train.iterations``) keeps its
+    first value with the change recorded in the tag ``miles.changed_params`` (JSON: key -> [old, new])."""
     client = MlflowClient()
+    have = client.get_run(run_id).data.params
+    as_str = {k: (json.dumps(v) if isinstance(v, (list, dict, tuple)) else str(v))[:6000] for k, v in params.items()}
+    items = [Param(k, v) for k, v in as_str.items() if k not in have]
+    changed = {k: [have[k], v] for k, v in as_str.items() if k in have and have[k] != v}
     for i in range(0, len(items), _BATCH):
         client.log_batch(run_id, params=items[i:i + _BATCH])
+    if changed:
+        old = json.loads(client.get_run(run_id).data.tags.get("miles.changed_params", "{}"))
+        set_tags(run_id, {"miles.changed_params": json.dumps({**old, **changed})[:5000]})
 
 
 def set_tags(run_id: str, tags: Mapping[str, Any]) -> None:

@@ -153,6 +153,10 @@ class LearnerRun:
         stored batch is the one that counts (``reused``). The batch stays in memory until the next
         collect, so a ``consume`` of it in this process does not read it back."""
         bid = batch_id(seq, worker)
+        if bid in self.handled():  # already consumed (a resumed run's backfill): read it, do not sample it again
+            batch = self.rs.retry(lambda: self.rs.trajectories.read_batch(bid), f"reading batch {bid}")
+            self._collected = (bid, batch)
+            return bid, batch, True
         batch, reused = self.learner.sample(self.data, seq, worker, index), False
         try:
             self.rs.retry(lambda: self.rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
@@ -251,23 +255,48 @@ class LearnerRun:
 
 
 # ---------------------------------------------------------------------- a run driven step by step
+def _own_store(run_dir: Path, store_uri: str) -> str | None:
+    """``store_uri`` relative to ``run_dir`` (``./store``) when it is a folder inside it, else None."""
+    if "://" in store_uri:
+        return None
+    try:
+        return "./" + Path(store_uri).resolve().relative_to(run_dir.resolve()).as_posix()
+    except ValueError:
+        return None
+
+
 def read_pointer(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """``run_dir``'s pointer (store, base, run key, cfg, iteration, version), or None if absent."""
-    path = Path(run_dir) / POINTER
+    """``run_dir``'s pointer (store, base, run key, cfg, iteration, version), or None if absent.
+
+    A store inside the folder is recorded relative to it, so a copied or moved folder trains its own
+    copy of the store. A folder copied from another whose store is outside both is refused: resuming
+    it would write into the original run's store (a moved folder, whose original is gone, is not)."""
+    run_dir = Path(run_dir)
+    path = run_dir / POINTER
     if not path.exists():
         return None
     try:
-        return json.loads(path.read_text())
+        meta = json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"{path}: unreadable learner metadata ({e})") from None
+    store = str(meta.get("store_uri", ""))
+    if store.startswith("./"):
+        meta["store_uri"] = str((run_dir / store).resolve())
+    elif (meta.get("run_dir") and Path(meta["run_dir"]) != run_dir.resolve() and Path(meta["run_dir"]).exists()):
+        raise ValueError(f"{run_dir} is a copy of {meta['run_dir']}, whose batches and adapters are in {store} "
+                         "(outside both folders): resuming the copy would write into the original's store. Resume "
+                         "the original, or start a new run from this folder's adapters")
+    return meta
 
 
-def write_pointer(run_dir: str | os.PathLike[str], run: LearnerRun, **extra: Any) -> dict[str, Any]:
+def write_pointer(run_dir: str | os.PathLike[str], run: LearnerRun, /, **extra: Any) -> dict[str, Any]:
     """Record where ``run_dir``'s run lives and how far it got (atomic; the store stays the truth)."""
     meta = {**(read_pointer(run_dir) or {}), **extra, "iteration": len(run.handled()),
             "version": run.learner.version, "consumed": [e["id"] for e in run.ledger["consumed"]]}
+    stored = {**meta, "run_dir": str(Path(run_dir).resolve()),
+              "store_uri": _own_store(Path(run_dir), str(meta["store_uri"])) or meta["store_uri"]}
     fs, root = U.resolve(str(run_dir))
-    U.write_bytes_atomic(fs, U.join(root, POINTER), json.dumps(meta, indent=1, default=str).encode())
+    U.write_bytes_atomic(fs, U.join(root, POINTER), json.dumps(stored, indent=1, default=str).encode())
     return meta
 
 
@@ -296,7 +325,7 @@ def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_
     if meta is not None:
         if not resume:
             raise FileExistsError(f"{run_dir} already holds a learner checkpoint (iteration {meta['iteration']}); "
-                                  "pass resume=True to continue it, or choose a new run_dir")
+                                  "pass --resume to continue it (resume=True from Python), or choose a new --run-dir")
         if Path(base_checkpoint).resolve() != Path(meta["base_checkpoint"]).resolve():
             raise ValueError(f"cannot resume {run_dir}: it was trained on base {meta['base_checkpoint']}, "
                              f"not {base_checkpoint}")
@@ -304,7 +333,7 @@ def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_
             raise ValueError(f"cannot resume {run_dir}: its batches and adapters are in {meta['store_uri']}, "
                              f"not {store_uri}")
     elif RunStore(store_uri).exists("run.json"):
-        raise FileExistsError(f"{store_uri} already holds another training run; use a separate store_uri per run")
+        _restart_or_refuse(Path(run_dir), store_uri)
     if not (Path(base_checkpoint) / "config.json").exists():
         raise FileNotFoundError(f"base_checkpoint {base_checkpoint} is not a Miles checkpoint folder (no config.json)")
     prepare_run(store_uri, cfg, base_checkpoint, resumable=RESUMABLE)  # a changed setting fails, naming it
@@ -313,6 +342,19 @@ def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_
     run = _step_run(run_dir, store_uri, cfg)  # the pointer is written only once the run opened
     write_pointer(run_dir, run, **{**fresh, **(meta or {}), "cfg": cfg.to_dict()})
     return run, meta is not None
+
+
+def _restart_or_refuse(run_dir: Path, store_uri: str) -> None:
+    """A store that holds a run but no pointer to it from ``run_dir``: the folder's own store left by a
+    start that failed before its first checkpoint is cleared (nothing was learned); anything else is
+    another run's, and refused."""
+    rs = RunStore(store_uri)
+    if _own_store(run_dir, store_uri) and not rs.exists("learner", "CHECKPOINT"):
+        log.warning("%s: clearing the store of a start that failed before its first update", store_uri)
+        shutil.rmtree(store_uri)
+        return
+    raise FileExistsError(f"{store_uri} already holds another training run (its run.json{', and checkpoints' if rs.exists('learner', 'CHECKPOINT') else ''}); "
+                          "use a separate --store per run")
 
 
 def save_local_adapter(run: LearnerRun, root: str | os.PathLike[str]) -> Path:

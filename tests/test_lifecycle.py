@@ -1,0 +1,191 @@
+"""A run's life at its edges: a process that dies without cleanup, the next start in its folder,
+a resume that continues the same MLflow run, a folder someone else is still writing.
+
+The record (flows/session.py) is checked with real MLflow runs and real processes; the kill test
+runs ``miles train`` as a user does, kills it with SIGKILL mid-run, and resumes it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow import MlflowClient
+
+import tracking
+from flows import session
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> str:
+    return tracking.configure(f"sqlite:///{tmp_path / 'mlruns' / 'mlflow.db'}")
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _record(run_dir: Path, pid: int, run_id: str | None, host: str | None = None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = session._started(pid) if host is None else "1"
+    (run_dir / session.RECORD).write_text(json.dumps({
+        "host": host or socket.gethostname(), "pid": pid, "started": started, "run_dir": str(run_dir.resolve()),
+        "mlflow_run_id": run_id, "prefect_flow_run_id": None, "ended": None}))
+
+
+def test_a_dead_owner_is_reaped_and_its_runs_marked_killed(tmp_path: Path, store: str) -> None:
+    run_dir, sub = tmp_path / "train", tmp_path / "train" / "sft"
+    top, child = tracking.start_run("e", "train"), tracking.start_run("e", "sft")
+    pid = _dead_pid()
+    _record(run_dir, pid, top)
+    _record(sub, pid, child)
+    claim = session.claim(run_dir)
+    client = MlflowClient()
+    assert client.get_run(top).info.status == "KILLED" and client.get_run(child).info.status == "KILLED"
+    assert claim.previous["ended"] == "reaped" and session.read(sub)["ended"] == "reaped"
+    now = session.read(run_dir)
+    assert now["pid"] == os.getpid() and now["mlflow_run_id"] == top  # the folder's run carries over
+    with session.tracked(claim, "e", "train", {"a": 1}, resume=True) as run_id:
+        assert run_id == top and client.get_run(top).info.status == "RUNNING"
+    assert client.get_run(top).info.status == "FINISHED" and session.read(run_dir)["ended"] == "exited"
+    assert client.get_run(top).data.tags["miles.resumes"] == "1"
+
+
+def test_a_live_owner_refuses_a_second_start_and_a_reused_pid_is_not_the_owner(tmp_path: Path, store: str) -> None:
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _record(tmp_path / "a", live.pid, None)
+        with pytest.raises(session.RunInUse, match=f"process {live.pid}"):
+            session.claim(tmp_path / "a")
+        rec = json.loads((tmp_path / "a" / session.RECORD).read_text())
+        (tmp_path / "a" / session.RECORD).write_text(json.dumps({**rec, "started": "0"}))  # same pid, other process
+        assert session.claim(tmp_path / "a").previous["ended"] == "reaped"
+    finally:
+        live.kill()
+        live.wait()
+    run_id = tracking.start_run("e", "elsewhere")
+    _record(tmp_path / "b", 1, run_id, host="another-host")  # cannot know: never reaped from here
+    session.claim(tmp_path / "b")
+    assert MlflowClient().get_run(run_id).info.status == "RUNNING"
+
+
+def test_a_resumed_run_keeps_its_first_params_and_records_the_changed_ones(tmp_path: Path, store: str) -> None:
+    run_id = tracking.start_run("e", "r", {"train.iterations": 2, "adpo.lr": 0.01})
+    tracking.end_run(run_id, "KILLED")
+    with tracking.run("e", "r", {"train.iterations": 4, "adpo.lr": 0.01, "new": "x"}, resume_run_id=run_id):
+        pass
+    run = MlflowClient().get_run(run_id)
+    assert run.data.params == {"train.iterations": "2", "adpo.lr": "0.01", "new": "x"}
+    assert json.loads(run.data.tags["miles.changed_params"]) == {"train.iterations": ["2", "4"]}
+    assert run.info.status == "FINISHED"
+
+
+def test_tracking_uris_that_cannot_work_fail_fast_naming_themselves(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        tracking.check_uri(f"sqlite:///{tmp_path}/no/such/mlflow.db")
+    assert not (tmp_path / "no").exists()
+    assert tracking.check_uri(f"sqlite:///{tmp_path}/mlruns/mlflow.db")  # the database's own folder is made
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens here once closed
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port}"):
+        tracking.check_uri(f"http://127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 30
+
+
+def _env(tmp: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    env.update({"PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp / "prefect"),
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlruns' / 'mlflow.db'}"})
+    return env
+
+
+@pytest.mark.e2e
+def test_kill_9_then_resume_marks_the_dead_run_and_continues_the_same_mlflow_run(tmp_path: Path) -> None:
+    """``miles train`` killed with SIGKILL after its first update: the rerun without --resume is refused
+    naming --resume; with --resume the dead flow run is marked Crashed, the MLflow run is continued
+    (one run, its update steps 1..3 each once) and ends FINISHED."""
+    env, run_dir = _env(tmp_path), tmp_path / "run"
+    args = [sys.executable, "-m", "miles.cli", "train", "tiny", "--run-dir", str(run_dir), "--no-progress",
+            "--register-as", "", "sft.steps=5", "sft.eval_every=5", "eval.num_problems=4",
+            "train.prompts_per_iter=2", "train.group_size=2", "train.eval_every=10"]
+    proc = subprocess.Popen([*args, "--iterations", "3"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            meta = run_dir / "learner.json"
+            if meta.exists() and json.loads(meta.read_text()).get("iteration", 0) >= 1:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    first = json.loads((run_dir / session.RECORD).read_text())
+    tracking.configure(env["MLFLOW_TRACKING_URI"])
+    assert MlflowClient().get_run(first["mlflow_run_id"]).info.status == "RUNNING"  # what kill -9 leaves
+
+    again = subprocess.run([*args, "--iterations", "3"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode != 0 and "--resume" in again.stderr, again.stderr[-2000:]
+    assert MlflowClient().get_run(first["mlflow_run_id"]).info.status == "KILLED"  # reaped by that start
+    resumed = subprocess.run([*args, "--iterations", "3", "--resume"], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    run = MlflowClient().get_run(first["mlflow_run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["miles.resumes"] == "1"
+    assert [s for s, _ in tracking.metric_history(run.info.run_id, "reward/reward_mean")] == [1, 2, 3]
+    trains = MlflowClient().search_runs([run.info.experiment_id], "tags.`miles.kind` = 'train'")
+    assert [r.info.run_id for r in trains] == [run.info.run_id]
+    code = ("import sys\nfrom prefect.client.orchestration import get_client\n"
+            "with get_client(sync_client=True) as c:\n    print(c.read_flow_run(sys.argv[1]).state.type.value)")
+    state = subprocess.run([sys.executable, "-c", code, first["prefect_flow_run_id"]], env=env, capture_output=True,
+                           text=True, timeout=180)
+    assert state.stdout.strip() == "CRASHED", state.stdout + state.stderr[-2000:]
+
+
+def test_corrupted_checkpoints_and_adapters_fail_naming_the_file(tmp_path: Path) -> None:
+    """The sha256 recorded when Miles wrote a tensor file is checked when it is read back: a changed
+    or truncated file is an error naming the file, not safetensors' bare "invalid header length"."""
+    import torch
+
+    from miles_core.models.lora import add_lora, load_adapter, save_adapter
+    from miles_core.models.tiny import TinyConfig, TinyDenoiser
+    from miles_core.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    model = TinyDenoiser(TinyConfig(vocab_size=tok.vocab_size, d_model=16, n_layers=1, n_heads=2, d_ff=32, max_len=32))
+    model.save_pretrained(tmp_path / "base")
+    TinyDenoiser.from_pretrained(tmp_path / "base")  # intact: loads
+    adapter = save_adapter(add_lora(TinyDenoiser.from_pretrained(tmp_path / "base"), r=2, alpha=4), tmp_path / "adapter")
+    load_adapter(TinyDenoiser.from_pretrained(tmp_path / "base"), adapter)
+
+    weights = tmp_path / "base" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # one flipped bit in a tensor: safetensors itself would load it silently
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=f"{weights}: sha256 .* does not match"):
+        TinyDenoiser.from_pretrained(tmp_path / "base")
+    tensors = adapter / "adapter_model.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:7])  # truncated
+    (tmp_path / "base" / "miles_sha256.json").unlink()  # a folder from elsewhere: no record, still named
+    weights.write_bytes(weights.read_bytes()[:5])
+    with pytest.raises(ValueError, match=f"{weights}: not a readable safetensors file"):
+        TinyDenoiser.from_pretrained(tmp_path / "base")
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match=f"{tensors}: sha256"):
+        load_adapter(TinyDenoiser(model.config), adapter)
