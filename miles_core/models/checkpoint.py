@@ -9,7 +9,6 @@ both digests, not safetensors' "invalid header length" naming nothing. A folder 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Callable, TypeVar
@@ -19,16 +18,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from miles_core.storage.adapters import sha256_file
+
 M = TypeVar("M", bound=nn.Module)
 DIGESTS = "miles_sha256.json"
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def record_digest(path: str | Path) -> None:

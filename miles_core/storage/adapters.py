@@ -38,7 +38,8 @@ class CorruptAdapterError(StorageError):
     """A fetched adapter file does not match the checksum recorded at publish time."""
 
 
-def _sha256_file(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex sha256 of a file, read in 1 MiB chunks (adapter manifests and checkpoint digests)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -123,7 +124,7 @@ class AdapterRegistry:
         manifest: dict[str, Any] = {}
         for path, rel in zip(files, rels):
             self.fs.put_file(str(path), U.join(vdir, rel))
-            manifest[rel] = {"sha256": _sha256_file(path), "bytes": path.stat().st_size}
+            manifest[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
         now = datetime.now(timezone.utc).isoformat()
         record = {"version": version, "published_at": now, "files": manifest, "metadata": dict(metadata or {})}
         try:
@@ -171,7 +172,7 @@ class AdapterRegistry:
                 target = tmp / rel
                 target.parent.mkdir(parents=True, exist_ok=True)
                 self.fs.get_file(U.join(vdir, rel), str(target))
-                digest = _sha256_file(target)
+                digest = sha256_file(target)
                 if digest != info["sha256"]:
                     raise CorruptAdapterError(f"{U.join(vdir, rel)}: sha256 {digest} != published {info['sha256']}")
             if not dest.exists() or (dest.is_dir() and not any(dest.iterdir())):
