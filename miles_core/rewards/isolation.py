@@ -85,14 +85,38 @@ STAGE_ONE_IF = (
     *(("fcntl", ((1, "eq32", cmd),)) for cmd in (F_SETOWN, F_SETSIG, F_SETOWN_EX)),
     *(("ioctl", ((1, "eq32", cmd),)) for cmd in (FIOSETOWN, SIOCSPGRP, TIOCSPGRP)),
 )
-STAGE_TWO = ("execve", "execveat")    # refused to every run's child, with all of STAGE_ONE
-WORKER_NEEDS = ("fork", "clone", "kill", "pidfd_open")  # the worker forks runs and kills late ones
+# Refused to every run's child, with all of STAGE_ONE: exec, and everything that would leave a
+# trace on the worker's tmpfs or /dev/null for a later job of a shared worker to read (infra/sandbox.md,
+# "A job leaves nothing for the next"): extended attributes, chosen timestamps, mode and owner
+# changes, and new inodes (the tmpfs numbers inodes from a counter that only grows; pipes draw
+# from the kernel's shared counter). A run reads its directory and writes only its report and
+# its stdout; HumanEval and MBPP programs never create files.
+STAGE_TWO = (
+    "execve", "execveat",
+    "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
+    "setxattrat", "removexattrat",
+    "utime", "utimes", "futimesat", "utimensat",
+    "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown", "lchown", "fchownat",
+    "mkdir", "mkdirat", "creat", "symlink", "symlinkat", "link", "linkat", "openat2", "pipe", "pipe2",
+)
+O_CREAT, O_TMPFILE_BIT, F_SETFL, F_SETPIPE_SZ, FIONBIO, FIOASYNC = 0o100, 0o20000000, 4, 1031, 0x5421, 0x5452
+STAGE_TWO_IF = (
+    *((call, ((arg, "has", bit),)) for call, arg in (("open", 1), ("openat", 2)) for bit in (O_CREAT, O_TMPFILE_BIT)),
+    # a run's descriptors are its report channel and its program pipes: no flags or sizes to change
+    # (CPython's os.set_blocking uses the FIONBIO ioctl, not fcntl)
+    *(("fcntl", ((1, "eq32", cmd),)) for cmd in (F_SETFL, F_SETPIPE_SZ)),
+    *(("ioctl", ((1, "eq32", cmd),)) for cmd in (FIONBIO, FIOASYNC)),
+)
+# The worker forks runs, kills late ones, and makes each job's report FIFO (mknodat: in a user
+# namespace no device node can be made, so a FIFO, socket or empty file is all it allows).
+WORKER_NEEDS = ("fork", "clone", "kill", "pidfd_open", "mknodat")
 
 
 def filter_rules(stage: int) -> list[tuple[str, tuple]]:
     """The (syscall, conditions) rules of stage one (the worker) or two (each run)."""
-    names = [n for n in STAGE_ONE if n not in WORKER_NEEDS] if stage == 1 else [*STAGE_ONE, *STAGE_TWO]
-    return [(n, ()) for n in names] + list(STAGE_ONE_IF)
+    if stage == 1:
+        return [(n, ()) for n in STAGE_ONE if n not in WORKER_NEEDS] + list(STAGE_ONE_IF)
+    return [(n, ()) for n in (*STAGE_ONE, *STAGE_TWO)] + list(STAGE_ONE_IF) + list(STAGE_TWO_IF)
 HARNESS_PYC = "/harness.pyc"           # where the compiled harness is bound inside the sandbox
 _PROBE = r"""
 import importlib, json, sys, sysconfig

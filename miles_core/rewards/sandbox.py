@@ -257,7 +257,7 @@ def _audit_hook(job_dir: str, read_roots: tuple[str, ...], importable: frozenset
 def _load_filter(module_path: str, rules: list) -> Any:
     """Stage two, built with libseccomp's bindings and loaded in each run. ``rules``: (syscall,
     conditions) pairs; a call is refused (EPERM) when all its conditions hold, each condition an
-    (argument index, "eq"|"ne"|"eq32", value) triple (:func:`seccomp_arg`; no conditions: always). The module can only ever
+    (argument index, "eq"|"ne"|"eq32"|"has", value) triple (:func:`seccomp_arg`; no conditions: always). The module can only ever
     add restrictions (no_new_privs is set), so it is nothing to a run."""
     import _frozen_importlib as bootstrap  # importlib.util costs ~6 ms of imports; this is free
     import _frozen_importlib_external as external
@@ -276,10 +276,13 @@ def _load_filter(module_path: str, rules: list) -> Any:
 
 
 def seccomp_arg(sc: Any, index: int, op: str, value: int) -> Any:
-    """One rule condition in libseccomp's terms: "eq", "ne", or "eq32" (the low 32 bits, as the
-    kernel reads an int argument, so high bits cannot slip a value past the rule)."""
+    """One rule condition in libseccomp's terms: "eq", "ne", "eq32" (the low 32 bits, as the
+    kernel reads an int argument, so high bits cannot slip a value past the rule), or "has" (every
+    bit of ``value`` set: a flag in open's flags)."""
     if op == "eq32":
         return sc.Arg(index, sc.MASKED_EQ, 0xFFFFFFFF, value)
+    if op == "has":
+        return sc.Arg(index, sc.MASKED_EQ, value, value)
     return sc.Arg(index, sc.EQ if op == "eq" else sc.NE, value)
 
 

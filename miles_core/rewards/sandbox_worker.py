@@ -16,8 +16,10 @@ of a process that never held one, and reads only its own part:
 The job pipes are shared by successive runs of one worker, which is safe because a run reads
 exactly its frame before any completion code runs (``_child`` closes every other descriptor) and
 a run that never got that far is a setup failure, after which the pool replaces the whole worker.
-The same holds for the report pipe: the dispatcher discards whatever is left in it once the run's
-processes are dead. This file is not run alone: isolation.harness_source() appends it to
+The **report channel is fresh per job**: the dispatcher makes a FIFO in ``base`` and opens its read
+end, the zygote opens the write end and unlinks the name before it forks the job's runs, and the
+dispatcher closes it when the job ends. So nothing a run sets on its report descriptor (O_NONBLOCK,
+a pipe size; stage two refuses both anyway) and nothing it leaves unread reaches a later job. This file is not run alone: isolation.harness_source() appends it to
 sandbox.py and sandbox_tests.py, whose helpers it uses.
 """
 
@@ -32,15 +34,15 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-_CHANNELS = ("ctl", "info", "job", "job_p", "res")  # dispatcher -> zygote, back, two job pipes, reports
+_CHANNELS = ("ctl", "info", "job", "job_p")  # dispatcher -> zygote, back, the two job pipes
 
 
 def _start_zygote(opts: dict, seccomp: "Any", keep_out: "tuple[int, ...]") -> dict:
     """Fork the zygote (before any job is read); return the dispatcher's ends of the channels and
     the zygote's pid. ``keep_out``: the pool's protocol descriptors, which the zygote closes."""
     pipes = {name: os.pipe() for name in _CHANNELS}
-    # the zygote reads ctl, writes info, hands runs the read ends of the job pipes and the write end of res
-    mine = {"ctl": 0, "info": 1, "job": 0, "job_p": 0, "res": 1}
+    # the zygote reads ctl, writes info, hands runs the read ends of the job pipes
+    mine = {"ctl": 0, "info": 1, "job": 0, "job_p": 0}
     pid = os.fork()
     if pid == 0:
         try:
@@ -66,6 +68,9 @@ def _zygote(opts: dict, seccomp: "Any", ch: dict) -> None:
     base = opts["base"]
     while (frame := read_frame(ch["ctl"])) is not None:
         n, roles = marshal.loads(frame)
+        fifo = os.path.join(base, f".report{n}")
+        res = os.open(fifo, os.O_WRONLY | os.O_NOFOLLOW)  # the dispatcher holds the read end open already
+        os.unlink(fifo)  # before any run exists: no run can open the channel by name
         out = os.open(os.path.join(base, f".output{n}"), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         req_r, req_w = os.pipe()  # tests: the tester's calls to the program
         rep_r, rep_w = os.pipe()  # tests: the program's replies
@@ -80,15 +85,15 @@ def _zygote(opts: dict, seccomp: "Any", ch: dict) -> None:
                     if role == "p":
                         _child(own, opts, job_dir, rep_w, out, seccomp, _serve, (req_r,))
                     elif role == "t":
-                        _child(own, opts, job_dir, ch["res"], out, seccomp, _test, (req_w, rep_r))
+                        _child(own, opts, job_dir, res, out, seccomp, _test, (req_w, rep_r))
                     else:
-                        _child(own, opts, job_dir, ch["res"], out, seccomp)
+                        _child(own, opts, job_dir, res, out, seccomp)
                 except BaseException as e:  # noqa: BLE001 - a setup failure must be visible, never a silent pass
                     os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}".encode())
                 finally:
                     os._exit(70)
             pids.append(pid)
-        for fd in (out, req_r, req_w, rep_r, rep_w):
+        for fd in (res, out, req_r, req_w, rep_r, rep_w):
             os.close(fd)
         send_frame(ch["info"], marshal.dumps(pids))
         send_frame(ch["info"], marshal.dumps([os.waitpid(p, 0)[1] for p in pids]))
@@ -111,23 +116,36 @@ def _send(fd: int, body: bytes, deadline: float) -> bool:
 
 
 def _collect(pidfd: "int | None", r: int, deadline: float, cap: int) -> "tuple[bytearray, bool]":
-    """Read the report pipe until the run has exited (pidfd readable), the deadline, or ``cap``
-    bytes: (data, timed_out)."""
-    buf = bytearray()
+    """Read the report channel until the run has exited (pidfd readable), the deadline, or ``cap``
+    bytes: (data, timed_out). End of file (every writer gone) stops the reading, not the wait."""
+    buf, reading = bytearray(), True
     while pidfd is not None:
         left = deadline - time.monotonic()
         if left <= 0:
             return buf, True
-        ready = select.select([r, pidfd], [], [], left)[0]
+        ready = select.select([r, pidfd] if reading else [pidfd], [], [], left)[0]
         if r in ready:
-            buf += os.read(r, 1 << 16)
+            chunk = _read(r)
+            buf += chunk
+            reading = chunk is not None and len(chunk) > 0
             if len(buf) > cap:
                 return buf, False
         elif pidfd in ready:
             break
-    while len(buf) <= cap and select.select([r], [], [], 0)[0]:  # what it wrote before it ended
-        buf += os.read(r, 1 << 16)
+    while reading and len(buf) <= cap and select.select([r], [], [], 0)[0]:  # what it wrote before it ended
+        chunk = _read(r)
+        if not chunk:
+            break
+        buf += chunk
     return buf, False
+
+
+def _read(fd: int) -> "bytes | None":
+    """One read of a non-blocking channel: b"" at end of file, None when nothing is there yet."""
+    try:
+        return os.read(fd, 1 << 16)
+    except BlockingIOError:
+        return None
 
 
 def _pidfd(pid: int) -> "int | None":
@@ -138,11 +156,21 @@ def _pidfd(pid: int) -> "int | None":
 
 
 def _run_job(job: dict, opts: dict, base: str, n: int, z: dict) -> dict:
-    """One job: announce it to the zygote, hand each run its part, read the report until the run
-    ends or the deadline, kill every run of the job, discard what is left, wipe ``base``. The
-    report goes back raw (the pool parses it: this process imports no JSON decoder)."""
+    """One job: open its report channel, announce the job to the zygote, hand each run its part,
+    read the report until the run ends or the deadline, kill every run of the job, wipe ``base``.
+    The report goes back raw (the pool parses it: this process imports no JSON decoder)."""
     lim = opts["limits"]
     tests = job.get("run") == "tests"
+    fifo = os.path.join(base, f".report{n}")
+    os.mkfifo(fifo, 0o600)
+    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # this job's report channel; closed with it
+    try:
+        return _run_job_on(job, lim, base, n, z, r, tests)
+    finally:
+        os.close(r)
+
+
+def _run_job_on(job: dict, lim: dict, base: str, n: int, z: dict, r: int, tests: bool) -> dict:
     send_frame(z["ctl"], marshal.dumps((n, "pt" if tests else "r")))
     t0 = time.monotonic()
     deadline = t0 + lim["timeout_s"]
@@ -155,7 +183,7 @@ def _run_job(job: dict, opts: dict, base: str, n: int, z: dict) -> dict:
     sent = all(_send(z[name], marshal.dumps(part), deadline) for name, part in parts)
     pids = marshal.loads(read_frame(z["info"], time.monotonic() + 30))
     pidfds = [_pidfd(p) for p in pids]
-    buf, timed_out = _collect(pidfds[-1], z["res"], deadline, lim["result_bytes"]) if sent else (bytearray(), False)
+    buf, timed_out = _collect(pidfds[-1], r, deadline, lim["result_bytes"]) if sent else (bytearray(), False)
     prog_done = False
     if tests and sent and not timed_out:  # the program exits by itself once the tester has gone
         prog_done = pidfds[0] is None or bool(select.select([pidfds[0]], [], [], 1.0)[0])
@@ -165,8 +193,6 @@ def _run_job(job: dict, opts: dict, base: str, n: int, z: dict) -> dict:
         except ProcessLookupError:
             pass
     statuses = marshal.loads(read_frame(z["info"], time.monotonic() + 30))
-    while select.select([z["res"]], [], [], 0)[0]:  # a dead run's leftovers never reach the next job
-        os.read(z["res"], 1 << 16)
     for pfd in pidfds:
         if pfd is not None:
             os.close(pfd)
@@ -178,6 +204,7 @@ def _run_job(job: dict, opts: dict, base: str, n: int, z: dict) -> dict:
     setup_ok = sent and buf[:1] == SETUP_OK and not (tests and code == SETUP_FAILED_EXIT)
     tail = _tail(os.path.join(base, f".output{n}"))
     _wipe(base)
+    os.utime(base, ns=(0, 0))  # the wipe's own listing and removals leave times that depend on the run
     return {"data": bytes(buf[1:] if setup_ok else buf).decode("latin-1"), "setup_ok": setup_ok,
             "timed_out": timed_out, "code": code, "signal": sig, "seconds": time.monotonic() - t0,
             "pid": pids[0], "pids": pids, "output_tail": tail}
