@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import fcntl
 import itertools
 import json
 import logging
@@ -316,9 +317,12 @@ class SandboxPool:
 
 
 def _data_pipe(data: bytes, fds: list[int]) -> int:
-    """A pipe holding ``data`` (a few KB, within the pipe buffer) for bwrap to read; its read end."""
+    """A pipe holding ``data`` (the stage-one filter, the compiled harness: tens of KB) for bwrap
+    to read; its read end. The buffer is sized to hold it all, so the write never waits."""
     r, w = os.pipe()
     fds.append(r)
+    if len(data) > 1 << 16:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, len(data))  # up to fs.pipe-max-size (1 MiB by default)
     os.write(w, data)
     os.close(w)
     return r
