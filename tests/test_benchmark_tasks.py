@@ -142,3 +142,34 @@ def test_math_reads_its_published_folder_of_one_json_per_problem(tmp_path: Path)
     rep = load_file(str(tmp_path / "MATH" / "train"), PARSERS["math"])
     assert [p.answer for p in rep.problems] == ["5", "42"] and rep.skipped == 1
     assert rep.errors == [f"{tmp_path / 'MATH' / 'train'}: bad.json: expected a JSON object, got list"]
+
+
+def test_mbpp_rl_prompts_hide_the_tests_they_are_scored_on(files: dict) -> None:
+    """RL on MBPP shows one assert and scores all of them (and challenge_test_list); evaluation
+    keeps the paper's protocol. A lookup table of the shown input passes the published protocol
+    and fails the hidden one; the reference solution passes both."""
+    from miles_core.data.codesets import PROTOCOLS, parse_mbpp, parse_mbpp_hidden
+    from miles_core.rewards.code import score_completions
+    from miles_core.rewards.pool import SandboxLimits, SandboxPool
+
+    row = {"text": "Write a function to add two numbers.", "code": "def add(a, b):\r\n  return a + b",
+           "task_id": 700, "test_setup_code": "",
+           "test_list": ["assert add(1, 2) == 3", "assert add(5, 5) == 10", "assert add(-1, 1) == 0"],
+           "challenge_test_list": ["assert add(10**20, 1) == 10**20 + 1"]}
+    shown, hidden = parse_mbpp(row), parse_mbpp_hidden(row)
+    assert all(t in shown.prompt for t in row["test_list"]) and shown.meta["protocol"] == PROTOCOLS[False]
+    assert "add(1, 2)" in hidden.prompt and "add(5, 5)" not in hidden.prompt and "10**20" not in hidden.prompt
+    assert hidden.meta["protocol"] == PROTOCOLS[True] and hidden.meta["shown_tests"] == 1
+    lookup = "def add(a, b):\n    return {(1, 2): 3, (5, 5): 10, (-1, 1): 0}[(a, b)]\n"
+    one_shown = "def add(a, b):\n    return 3\n"
+    gold = "def add(a, b):\n    return a + b\n"
+    with SandboxPool(1, SandboxLimits(timeout_s=5.0), isolation="bwrap_shared", cache_size=0) as pool:
+        got = score_completions([gold, lookup, one_shown, gold, lookup, one_shown],
+                                [shown.answer] * 3 + [hidden.answer] * 3, pool=pool)
+    published, secret = [s.score for s in got[:3]], [s.score for s in got[3:]]
+    assert published[:2] == [1.0, 1.0]           # the classic hack wins under the published protocol
+    assert secret[0] == 1.0 and secret[1] < 1.0 and secret[2] < 1.0  # and loses where the tests are hidden
+    # the RL split of a built task uses the hidden protocol, the test split the published one
+    data = build_task(_recipe("mbpp", files["mbpp"]))
+    assert {p.meta["protocol"] for p in data.task.train} == {PROTOCOLS[True]}
+    assert {p.meta["protocol"] for p in data.test} == {PROTOCOLS[False]}

@@ -7,11 +7,13 @@ Formats, as their authors publish them:
   ``entry_point``. The harness runs ``prompt + completion + test + check(entry_point)``.
 * MBPP (google-research ``mbpp/mbpp.jsonl``; the HF "sanitized" config too): ``text`` (or
   ``prompt``), ``code``, ``task_id``, ``test_list`` (assert lines), ``test_setup_code``,
-  ``challenge_test_list`` (not used), ``test_imports`` (sanitized). Its README fixes the splits by
+  ``challenge_test_list`` (harder asserts, scored with the hidden tests), ``test_imports`` (sanitized). Its README fixes the splits by
   task id: 11-510 test, 1-10 few-shot prompts, 511-600 validation, 601-974 train.
 
 Prompts: HumanEval's is DARE's ("Complete the following python code:" and the prompt); MBPP's is
-its paper's, the task text followed by its tests, zero-shot. The answer is JSON for
+its paper's, the task text followed by its tests, zero-shot, for evaluation (:func:`parse_mbpp`);
+RL prompts show one test and score them all (:func:`parse_mbpp_hidden`), so a policy cannot earn
+the reward by hard-coding what it was shown. The answer is JSON for
 ``rewards/code.py``: the tests run in the sandbox's two-process harness (sandbox_tests.py), each
 assert of MBPP scored apart, HumanEval's ``check`` as one.
 """
@@ -82,11 +84,30 @@ def mbpp_split(row: dict) -> str:
 
 
 def parse_mbpp(row: dict) -> Problem:
+    """An MBPP row under the benchmark's published protocol (evaluation): the prompt lists the
+    three asserts it is scored on, as the MBPP paper's prompt does."""
+    return _mbpp(row, hidden=False)
+
+
+def parse_mbpp_hidden(row: dict) -> Problem:
+    """An MBPP row for RL: the prompt shows the first assert only, and the reward scores every
+    assert plus ``challenge_test_list``. Under the published protocol a lookup table of the three
+    shown inputs scores 1.0, the classic reward hack of this benchmark; here it fails the hidden
+    asserts."""
+    return _mbpp(row, hidden=True)
+
+
+PROTOCOLS = {False: "published: the prompt lists the asserts it is scored on (MBPP paper)",
+             True: "hidden: the prompt shows the first assert; all asserts and challenge_test_list are scored"}
+
+
+def _mbpp(row: dict, hidden: bool) -> Problem:
     text = need_str(row, "text" if "text" in row or "prompt" not in row else "prompt")
     code = need_str(row, "code")
     tests = need_list(row, "test_list", str)
     if any(not t.strip() for t in tests):
         raise RowError("field 'test_list' holds an empty test")
+    challenge = need_list(row, "challenge_test_list", str) if row.get("challenge_test_list") else []
     m = _ENTRY.match(tests[0])
     if not m:
         raise RowError(f"field 'test_list': cannot find the function the first test calls ({tests[0][:50]!r})")
@@ -97,9 +118,14 @@ def parse_mbpp(row: dict) -> Problem:
     if not isinstance(imports, list) or not all(isinstance(x, str) for x in imports):
         raise RowError("field 'test_imports' must be a list of strings")
     head = "\n".join(imports)
-    listed = "\n".join(tests)
-    prompt = (f"You are an expert Python programmer, and here is your task: {text.strip()} "
-              f"Your code should pass these tests:\n\n{listed}\n")
-    answer = tests_answer(m.group(1), tests, setup=f"{head}\n{setup}".strip() + "\n", prefix=head + "\n" if head else "")
+    if hidden:
+        shown, scored = tests[:1], tests + [t for t in challenge if t.strip()]
+        ask = "Your code should pass this test, and others like it"
+    else:
+        shown, scored, ask = tests, tests, "Your code should pass these tests"
+    listed = "\n".join(shown)
+    prompt = f"You are an expert Python programmer, and here is your task: {text.strip()} {ask}:\n\n{listed}\n"
+    answer = tests_answer(m.group(1), scored, setup=f"{head}\n{setup}".strip() + "\n", prefix=head + "\n" if head else "")
     return Problem(prompt=prompt, target=code.replace("\r\n", "\n"), answer=answer,
-                   meta={"task": "mbpp", "task_id": row.get("task_id"), "entry_point": m.group(1)})
+                   meta={"task": "mbpp", "task_id": row.get("task_id"), "entry_point": m.group(1),
+                         "protocol": PROTOCOLS[hidden], "shown_tests": len(shown)})

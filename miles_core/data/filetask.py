@@ -33,21 +33,29 @@ def prompt_key(prompt: str) -> str:
 class FileTask:
     """Problems from a train file and a test file (module docstring)."""
 
-    def __init__(self, name: str, parse: Parse, train_uri: str, test_uri: str, keep: Keep | None = None) -> None:
+    def __init__(self, name: str, parse: Parse, train_uri: str, test_uri: str, keep: Keep | None = None,
+                 parse_train: Parse | None = None) -> None:
+        """``parse_train``: how train rows (SFT and RL prompts) become problems when that differs
+        from evaluation's ``parse`` (MBPP's hidden tests); de-duplication always compares the
+        prompts ``parse`` makes, so a test problem is found in the train file either way."""
         self.name = name
         self.test_report = self._load(test_uri, parse, keep, "test", "task.test_path")
-        self.train_report = self._load(train_uri, parse, keep, "train", "task.path") if train_uri else None
+        self.train_report = self._load(train_uri, parse_train or parse, keep, "train", "task.path",
+                                       parse) if train_uri else None
         test_keys = {prompt_key(p.prompt) for p in self.test_report.problems}
         train = self.train_report.problems if self.train_report else []
-        self.train = [p for p in train if prompt_key(p.prompt) not in test_keys]
+        self.train = [p for p in train if p.meta.pop("dedup_key") not in test_keys]
         self.overlap = len(train) - len(self.train)  # train rows dropped because they are test problems
         self.test = self.test_report.problems
 
     @staticmethod
-    def _load(uri: str, parse: Parse, keep: Keep | None, split: str, field: str) -> LoadReport:
+    def _load(uri: str, parse: Parse, keep: Keep | None, split: str, field: str,
+              key_parse: Parse | None = None) -> LoadReport:
         def parse_kept(row: dict) -> Problem:
             p = parse(row)
             p.meta["in_split"] = keep is None or keep(split, row)
+            if key_parse is not None:  # the prompt evaluation would show, for de-duplication
+                p.meta["dedup_key"] = prompt_key((key_parse(row) if key_parse is not parse else p).prompt)
             return p
         try:
             report = load_file(uri, parse_kept)
@@ -96,17 +104,19 @@ def _mbpp_keep(split: str, row: dict) -> bool:
     return part in ("test", "") if split == "test" else part not in ("test", "prompt")
 
 
-def _build(name: str, parse: Parse, keep: Keep | None = None) -> Callable[[TaskConfig], tuple[FileTask, int]]:
+def _build(name: str, parse: Parse, keep: Keep | None = None,
+           parse_train: Parse | None = None) -> Callable[[TaskConfig], tuple[FileTask, int]]:
     def build(t: TaskConfig) -> tuple[FileTask, int]:
         if not t.test_path:
             raise ConfigError(f"task.test_path: the {name} task reads its problems from files; set task.test_path "
                               f"(and task.path for SFT/RL), e.g. --set task.test_path=data/{name}/test.jsonl")
-        return FileTask(name, parse, t.path, t.test_path, keep), 1
+        return FileTask(name, parse, t.path, t.test_path, keep, parse_train), 1
     return build
 
 
-def file_spec(name: str, parse: Parse, check_reward: str, keep: Keep | None = None) -> TaskSpec:
-    return TaskSpec(name, _build(name, parse, keep), lambda p: p.strip(), check_reward)
+def file_spec(name: str, parse: Parse, check_reward: str, keep: Keep | None = None,
+              parse_train: Parse | None = None) -> TaskSpec:
+    return TaskSpec(name, _build(name, parse, keep, parse_train), lambda p: p.strip(), check_reward)
 
 
 SPECS = (file_spec("gsm8k", mathsets.parse_gsm8k, "math_verify"),
@@ -114,7 +124,7 @@ SPECS = (file_spec("gsm8k", mathsets.parse_gsm8k, "math_verify"),
          file_spec("math500", mathsets.parse_math, "math_verify"),
          file_spec("sudoku", d1sets.parse_sudoku, "sudoku"),
          file_spec("humaneval", codesets.parse_humaneval, "code_pass"),
-         file_spec("mbpp", codesets.parse_mbpp, "code_pass", _mbpp_keep))
+         file_spec("mbpp", codesets.parse_mbpp, "code_pass", _mbpp_keep, codesets.parse_mbpp_hidden))
 COUNTDOWN_FILES = file_spec("countdown", d1sets.parse_countdown, "countdown_d1")  # task.test_path set
 PARSERS: dict[str, Parse] = {s.name: p for s, p in zip(SPECS, (mathsets.parse_gsm8k, mathsets.parse_math,
                                                                 mathsets.parse_math, d1sets.parse_sudoku,
