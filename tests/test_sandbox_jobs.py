@@ -105,3 +105,25 @@ def test_a_later_job_observes_nothing_of_an_earlier_one(pool: SandboxPool) -> No
 def test_an_honest_large_report_after_the_attacker_still_arrives(pool: SandboxPool) -> None:
     _one(pool, ATTACK)
     assert _one(pool, BIG) == ["y" * 10_000] * 30
+
+
+def test_a_flood_of_large_wrong_reports_keeps_the_cache_under_its_bound() -> None:
+    """Each report is ~0.75 MB of floats (~1.5 MB parsed). 40 distinct ones under a 24 MiB bound
+    keep the trainer's memory (traced allocations, pool still open) under the bound plus slack; the
+    control, with no byte bound, grows past it, so the check can fail."""
+    import tracemalloc
+
+    grown = {}
+    for bound in (24 << 20, 1 << 40):
+        with SandboxPool(1, LIMITS, isolation="bwrap_shared", cache_bytes=bound) as pool:
+            tracemalloc.start()
+            base = tracemalloc.get_traced_memory()[0]
+            for i in range(40):
+                res = pool.run([Job(f"def f(x):\n    return [x + k / 7 + {i} for k in range(1000)]\n",
+                                    [[j] for j in range(40)])])[0]
+                assert res.status == "ok", res
+            grown[bound] = tracemalloc.get_traced_memory()[0] - base
+            tracemalloc.stop()
+            assert pool._cached_bytes <= bound
+    assert grown[24 << 20] < (24 << 20) + (8 << 20), grown
+    assert grown[1 << 40] > (40 << 20), grown  # the control: unbounded, it holds them all

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -92,7 +93,7 @@ class SandboxPool:
     """
 
     def __init__(self, workers: int | None = None, limits: SandboxLimits | None = None, *, audit_hook: bool = True,
-                 isolation: Mode = "bwrap", cache_size: int = 20_000) -> None:
+                 isolation: Mode = "bwrap", cache_size: int = 20_000, cache_bytes: int = 64 << 20) -> None:
         import queue
         import tempfile
 
@@ -111,8 +112,9 @@ class SandboxPool:
                       "stage_two": filter_rules(2), "preimport": iso.mode != "bwrap"}
         self._count = itertools.count()
         self._queue: Any = queue.SimpleQueue()
-        self.cache_size = cache_size
-        self._cache: OrderedDict[str, ExecResult] = OrderedDict()
+        self.cache_size, self.cache_bytes = cache_size, cache_bytes
+        self._cache: OrderedDict[str, tuple[ExecResult, int]] = OrderedDict()  # key -> (result, its bytes)
+        self._cached_bytes = 0
         self._cache_lock = threading.Lock()
         self.closed = False
         if iso.mode == "none":
@@ -239,7 +241,8 @@ class SandboxPool:
         """Queue ``jobs``; the Future resolves to their results, in order.
 
         Identical jobs (same source and inputs: common within an RL group) run once, and results
-        of recent jobs are reused from an LRU cache (``cache_size``), except timeouts, worker
+        of recent jobs are reused from an LRU cache (at most ``cache_size`` results and
+        ``cache_bytes`` of them in the trainer's memory, :func:`_cost`), except timeouts, worker
         errors and setup failures, which may be transient. Programs are assumed deterministic for this purpose.
         """
         if self.closed:
@@ -251,9 +254,10 @@ class SandboxPool:
         for k, m in enumerate(msgs):
             key = json.dumps(m, sort_keys=True)
             with self._cache_lock:
-                hit = self._cache.get(key)
-                if hit is not None:
+                entry = self._cache.get(key)
+                if entry is not None:
                     self._cache.move_to_end(key)
+            hit = entry[0] if entry is not None else None
             if hit is not None:
                 results[k] = hit
             else:
@@ -261,11 +265,14 @@ class SandboxPool:
         left, lock = [len(groups)], threading.Lock()
 
         def done(key: str, res: ExecResult) -> None:
-            if self.cache_size and res.status not in _NOT_CACHED:
+            cost = _cost(key, res) if self.cache_size and res.status not in _NOT_CACHED else 0
+            if cost and cost <= self.cache_bytes // 16:  # one large report never takes the cache over
                 with self._cache_lock:
-                    self._cache[key] = res
-                    while len(self._cache) > self.cache_size:
-                        self._cache.popitem(last=False)
+                    old = self._cache.pop(key, None)
+                    self._cached_bytes += cost - (old[1] if old else 0)
+                    self._cache[key] = (res, cost)
+                    while len(self._cache) > self.cache_size or self._cached_bytes > self.cache_bytes:
+                        self._cached_bytes -= self._cache.popitem(last=False)[1][1]
             with lock:
                 for k in groups[key]:
                     results[k] = res
@@ -314,6 +321,22 @@ class SandboxPool:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _cost(key: str, res: ExecResult) -> int:
+    """Bytes a cached result holds in the trainer: the key, the texts and every parsed output
+    (sys.getsizeof over the objects, containers walked; a report is at most result_bytes)."""
+    total, stack = sys.getsizeof(key) + sys.getsizeof(res.reason) + sys.getsizeof(res.output_tail) + 200, [
+        res.outputs, res.errors]
+    while stack:
+        o = stack.pop()
+        total += sys.getsizeof(o)
+        if isinstance(o, dict):
+            stack.extend(o.keys())
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
 
 
 def _data_pipe(data: bytes, fds: list[int]) -> int:
