@@ -210,6 +210,7 @@ def _audit_hook(job_dir: str, read_roots: tuple[str, ...], importable: frozenset
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     deny_events, deny_prefixes, path_events, safe = _DENY_EVENTS, _DENY_PREFIXES, _PATH_EVENTS, SAFE_MODULES
     getframe, realpath, fsdecode, fspath, sep = sys._getframe, os.path.realpath, os.fsdecode, os.fspath, os.sep
+    isabs = os.path.isabs
     write, exit_, encode, pack = os.write, os._exit, _json.encode_basestring_ascii, _HDR.pack
     inside = lambda p, root: p == root or p.startswith(root + sep)  # noqa: E731
 
@@ -239,8 +240,13 @@ def _audit_hook(job_dir: str, read_roots: tuple[str, ...], importable: frozenset
         elif event == "object.__setattr__" and type(args[0]).__name__ in ("function", "code", "cell") \
                 and by_completion():
             deny(f"setting {args[1]} on a {type(args[0]).__name__}")
-        elif event == "open" and not isinstance(args[0], int):
+        elif event == "open" and isinstance(args[0], int):
+            if args[0] > 2 and by_completion():  # its report and pipes are written by the harness alone
+                deny(f"open of descriptor {args[0]}")
+        elif event == "open":
             mode, flags = args[1] or "", args[2] or 0
+            if not isabs(fsdecode(fspath(args[0]))) and by_completion():
+                deny("open of a relative path (the event does not say which directory a dir_fd names)")
             p = real(args[0])
             writing = any(c in mode for c in "wax+") or bool(flags & write_flags)
             if not inside(p, job_dir) and (writing or not any(inside(p, r) for r in read_roots)):
@@ -248,6 +254,10 @@ def _audit_hook(job_dir: str, read_roots: tuple[str, ...], importable: frozenset
         elif event in path_events:
             listing = event in ("os.listdir", "os.scandir")  # the import system lists the stdlib
             for a in args[:2]:
+                if isinstance(a, int) and not isinstance(a, bool) and by_completion():
+                    deny(f"{event} on descriptor {a}")
+                if isinstance(a, (str, bytes, os.PathLike)) and not isabs(fsdecode(fspath(a))) and by_completion():
+                    deny(f"{event} of a relative path")
                 if isinstance(a, (str, bytes, os.PathLike)) and not inside(real(a), job_dir) and not (
                         listing and any(inside(real(a), r) for r in read_roots)):
                     deny(f"{event} {real(a)!r} outside the sandbox directory")
@@ -315,10 +325,27 @@ def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any
     for name in [m for m in sys.modules if m.split(".")[0] not in SAFE_MODULES and m not in _KEEP]:
         del sys.modules[name]
     if opts["audit_hook"]:
-        sys.addaudithook(_audit_hook(os.path.realpath(job_dir), tuple(opts["read_roots"]),
-                                     frozenset(opts["importable"]), 3))
+        importable = frozenset(opts["importable"])
+        _guard_builtins(importable | SAFE_MODULES)
+        sys.addaudithook(_audit_hook(os.path.realpath(job_dir), tuple(opts["read_roots"]), importable, 3))
     os.write(3, SETUP_OK)  # the last word of trusted code: without it, the reader knows setup failed
     (harness or _harness)(job, *range(3, 3 + len(keep)))
+
+
+def _guard_builtins(allowed: frozenset[str]) -> None:
+    """``_imp.create_builtin`` makes a built-in module (gc, fcntl, faulthandler) without an import
+    event: the import system's loaders call it through the ``_imp`` module, so a run gets a
+    version that refuses every module the policy does not allow."""
+    import _imp
+
+    create = _imp.create_builtin
+
+    def create_builtin(spec: Any) -> Any:
+        name = getattr(spec, "name", None)
+        if type(name) is not str or name.split(".")[0] not in allowed:
+            raise ImportError(f"built-in module {name!r} refused by the sandbox policy")
+        return create(spec)
+    _imp.create_builtin = create_builtin
 
 
 _KEEP = frozenset({"sys", "builtins", "os", "posix", "posixpath", "os.path", "io", "abc", "codecs", "encodings",
