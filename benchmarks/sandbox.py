@@ -11,7 +11,8 @@ Two workloads, as the rewards send them (no result cache, one worker per usable 
 Arms: ``bwrap`` (a new sandbox per completion, the default), ``bwrap_shared`` (one sandbox per
 worker; the code recipe's choice) and ``none`` (no kernel boundary, for reference), each as the
 code is now; and ``before: bwrap`` / ``before: bwrap_shared``, the same pools at BASELINE_REV (the
-commit before runs were forked from a zygote that never holds a job), taken from this repository's
+commit before a job left nothing for the next: one report pipe for all runs, no refusal of xattrs,
+times, new inodes; no callbacks or mutated arguments in the tester), taken from this repository's
 git history and run in a subprocess with the same measurement code. Throughput: every completion
 submitted at once. Latency: 200 more, one at a time, end to end. Run: python -m benchmarks.sandbox
 """
@@ -33,7 +34,7 @@ from typing import Any, Callable, Sequence
 from benchmarks.harness import table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
-BASELINE_REV = "03fa119"  # the last commit whose runs were forked from the worker holding the job
+BASELINE_REV = "7830191"  # the last commit before a report FIFO per job, stage two's trace refusals, the callback tester
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = "def check(candidate):\n    assert candidate(1) == {a}\n    assert candidate(2) == {b}\n" \
         "    assert candidate(-3) == {c}\ncheck(f)\n"
