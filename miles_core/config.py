@@ -130,7 +130,6 @@ class SamplerConfig:
     max_per_step: int = bounded(8, 1)               # nsd: cap on positions committed in one step
     min_per_step: int = bounded(1, 1)               # nsd: always commit at least this many
     cache: Literal["none", "prefix", "dual"] = "none"  # KV cache (miles_core/models/window.py): prompt + finished blocks, + suffix
-    sync_every: int = bounded(4, 1)                 # nsd: steps between the host's checks for finished rows
     eos_stop: bool = False              # a row whose finished blocks hold EOS skips its later blocks (all EOS)
 
     def hash(self, completion_len: int) -> str:
@@ -191,6 +190,8 @@ class ADPOConfig:
     step_fraction: float = bounded(0.5, 1e-09, 1.0)          # rho: rows per trajectory = ceil(rho K), the update's forwards
     step_cover: bool = True             # the rows partition all K steps (every token scored); False: a random rho of the steps
     step_merge: int = bounded(1, 1)                   # s > 1: runs of s steps, a random rho of them (TraceRL shrinkage)
+    step_sampling: Literal["uniform", "uncertainty"] = "uniform"  # step_cover=false: which steps are drawn (uncertainty: by 1 - mu, reweighted)
+    step_floor: float = bounded(0.05, 1e-3, 1.0)      # uncertainty: the least probability any step is drawn with
     renoise_output: bool = False        # renoising chains: also score the output (last argmax) at the last step's T
     kl_coef: float = bounded(0.0, 0.0)                # KL to the reference (adapter disabled)
     entropy_floor: float = bounded(0.0, 0.0)          # penalise mean entropy below this (NSD guard)
@@ -407,6 +408,9 @@ def validate(obj: Any, path: str = "") -> None:
         need(obj.estimator in known, "estimator",
              f"{obj.estimator!r} is not a registered estimator{did_you_mean(obj.estimator, known)}; "
              f"registered: {', '.join(map(repr, sorted(known)))}")
+    if isinstance(obj, ADPOConfig):
+        need(obj.step_sampling == "uniform" or (not obj.step_cover and obj.step_merge == 1), "step_sampling",
+             "'uncertainty' draws single steps: it needs adpo.step_cover=false and adpo.step_merge=1")
     if isinstance(obj, SamplerConfig):
         need(1 <= obj.min_per_step <= obj.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
     if isinstance(obj, RenoiseConfig):

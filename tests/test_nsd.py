@@ -75,7 +75,7 @@ def test_nsd_flops_scale_with_realised_steps():
     m = model()
     meters = {}
     for name, cfg in {"static": SamplerConfig(kind="static", steps=12), "nsd": SamplerConfig(kind="nsd", threshold=0.05,
-                                                                                              max_per_step=6, sync_every=1)}.items():
+                                                                                              max_per_step=6)}.items():
         meter = FlopMeter()
         with meter.measure("s"):
             out = sample(m, TOK, PROMPTS, cfg, 12, torch.Generator().manual_seed(0))
@@ -114,3 +114,22 @@ def test_prefix_cache_is_exact_when_the_suffix_is_unchanged():
     full, cache = m.window(x, attn, (0, 14), (0, 14), keep=((0, 6),))
     part, _ = m.window(x, attn, (6, 14), (6, 14), cache)
     assert torch.allclose(full[:, 6:], part, atol=1e-5)
+
+
+@pytest.mark.parametrize("block,threshold,cap,cache", [(0, 0.5, 4, "none"), (4, 0.3, 2, "none"), (6, 0.9, 3, "prefix"),
+                                                       (0, 0.6, 12, "dual"), (0, 1.0, 1, "none")])
+def test_a_row_that_has_finished_its_block_costs_no_further_forward(block, threshold, cap, cache):
+    """Every row a forward carries is a step in which that row had a position to decide: the LM
+    head's rows, summed over calls, equal the recorded NFE (rows finish at different steps here)."""
+    m = model()
+    carried: list[int] = []
+    hook = m.lm_head.register_forward_hook(lambda mod, inp, out: carried.append(inp[0].shape[0]))
+    try:
+        out = sample(m, TOK, PROMPTS, SamplerConfig(kind="nsd", threshold=threshold, max_per_step=cap, block_size=block,
+                                                    temperature=1.0, cache=cache), 12, torch.Generator().manual_seed(3))
+    finally:
+        hook.remove()
+    assert (out.step_map >= 0).all()                     # every position committed
+    assert sum(carried) == int(out.nfe.sum())
+    if threshold < 1.0:
+        assert len(set(out.nfe.tolist())) > 1            # the rows did finish at different steps

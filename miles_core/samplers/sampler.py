@@ -11,10 +11,12 @@ positions in their current block, and a commit rule picks which positions to rev
 Everything lives on the model's device: state, seeded noise, commit rules. Logits are computed
 for the current block only (miles_core/models/window.py) and never leave the device; what comes back to the
 host is the final tokens, ``step_map``, log-probs and NFE. The host reads the device once per
-block (which rows have work) and, under NSD, one [B] flag every ``sampler.sync_every`` steps
-(which rows finished); a static block has a known number of steps and no read at all, so a GPU
-queue is never drained inside the step loop. Rows that finish stop costing denoiser calls at the
-next such read; NFE is counted per sequence (steps in which it had a position to decide).
+block (which rows have work) and, under NSD, the rows' mask counts [A] only at steps after which
+a row can have finished (``next_finish``: the fewest masks left over ``max_per_step``); a static
+block has a known number of steps and no read at all. So a GPU queue is drained only where a read
+can save a forward, and a row that finishes costs no further denoiser call: every forward a row
+takes is one of its NFE (a test counts them). NFE is counted per sequence (steps in which it had a
+position to decide).
 
 ``sampler.cache`` (prefix / dual, Fast-dLLM) reuses keys/values inside a block; the recorded
 log-probs are those of the distribution actually sampled from. ``sampler.eos_stop``: a row whose
@@ -113,6 +115,14 @@ def nsd_commit(conf: Tensor, eligible: Tensor, threshold: float, lo: int, hi: in
     return topk_commit(conf, eligible, n)
 
 
+def next_finish(fewest_masks: int, max_per_step: int) -> int:
+    """Steps until the first row can run out of masks, when the row with the fewest has
+    ``fewest_masks`` left and a step commits at most ``max_per_step``: NSD reads its rows' mask
+    counts exactly then, so a finished row never costs a forward (it leaves the batch before the
+    next one) and a read is never spent where no row can have finished."""
+    return max(1, -(-fewest_masks // max_per_step))
+
+
 def device_generator(generator: torch.Generator, device: torch.device) -> torch.Generator:
     """The caller's seeded CPU generator, or (model on a GPU) a generator there seeded from one draw
     of it, so the noise is drawn where it is used and a run stays reproducible from its seed."""
@@ -188,6 +198,8 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             table = [transfer_counts(hi_b - lo_b, block, per_block) for lo_b, hi_b in zip(start, end)]
             last = max(sum(n > 0 for n in t) for t in table)      # steps some row has a token to commit in
             counts = torch.tensor(table, dtype=torch.long, device=dev)[rows]       # [A, per_block]
+        else:  # NSD: a row's part starts all masks and loses at most max_per_step a step
+            read_at = next_finish(min(hi_b - lo_b for hi_b, lo_b in zip(end, start) if hi_b > lo_b), cfg.max_per_step)
         cache: KVCache | None = None
         j = 0
         while True:
@@ -210,11 +222,15 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             if cfg.kind == "static":
                 if j == last:                        # a static block ends after its steps: no host read
                     break
-            elif j % cfg.sync_every == 0:
-                left = ((x[rows, a:e] == tok.mask_id) & part).any(1).nonzero().squeeze(1)   # NSD's read: one [A] flag
+            elif j == read_at:  # the first step after which some row may have no mask left
+                masks = ((x[rows, a:e] == tok.mask_id) & part).sum(1)                # [A] masks left
+                left = masks.nonzero().squeeze(1)       # NSD's read: which rows go on (the queue drains here)
                 if left.numel() == 0:
                     break
-                rows, part, cache = rows[left], part[left], cache.select(left) if cache is not None else None
+                fewest = int(masks[left].min())         # and the soonest one of them can finish (no second wait)
+                if left.numel() < masks.numel():
+                    rows, part, cache = rows[left], part[left], cache.select(left) if cache is not None else None
+                read_at = j + next_finish(fewest, cfg.max_per_step)
         if cfg.eos_stop:
             stopped |= (x[:, width:e] == tok.eos_id).any(1)
     if cfg.eos_stop:  # skipped blocks: EOS, never revealed in a recorded state (step_map -1)
