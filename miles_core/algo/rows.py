@@ -76,6 +76,56 @@ def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Ge
     return Rows(torch.cat(trajs), torch.cat(steps), torch.cat(weights), None if singles else table)
 
 
+def step_uncertainty(batch: TrajectoryBatch) -> Tensor:
+    """[B, K] how much choice the behaviour policy had at each recorded step: the sum over the
+    tokens committed at step k of 1 - mu(token) (0 for k >= K_b).
+
+    Why this measure: a row's gradient is sum_i A w_i grad log pi(x_i), and the gradient of
+    log softmax(z)[x] in the logits is onehot(x) - p, whose norm lies between 1 - p(x) and
+    sqrt(2) (1 - p(x)); a step whose committed tokens were near-certain carries almost nothing."""
+    k_max = int(batch.num_steps.max())
+    sm = batch.step_map
+    col = torch.where(sm >= 0, sm, torch.full_like(sm, k_max))                 # -1 (never decided) -> spare
+    doubt = (1.0 - batch.logp.double().exp()).clamp_min(0.0) * (sm >= 0)        # [B, L]
+    return torch.zeros(sm.shape[0], k_max + 1, dtype=torch.float64).scatter_add_(1, col, doubt)[:, :k_max]
+
+
+def inclusion_probs(u: Tensor, valid: Tensor, budget: Tensor, floor: float) -> Tensor:
+    """[B, K] pi_bk = clamp(c_b u_bk, floor, 1) on valid steps (0 elsewhere), c_b chosen so that
+    sum_k pi_bk = budget_b [B] where that is reachable (all at ``floor`` when the floor already
+    spends more; every step with u > 0 at 1 when even that spends less). Proportional to u is the
+    Horvitz-Thompson design that minimises variance when a step's gradient scales with u; the
+    floor keeps every step drawable, which is what makes the reweighted estimate unbiased."""
+    u = u.double() * valid
+    pos = u > 0
+    smallest = torch.where(pos, u, torch.full_like(u, float("inf"))).min(1).values       # [B]
+    hi = torch.where(torch.isfinite(smallest), 1.0 / smallest, torch.ones_like(smallest))
+    lo = torch.zeros_like(hi)
+
+    def at(c: Tensor) -> Tensor:
+        return (c[:, None] * u).clamp(floor, 1.0) * valid
+
+    for _ in range(60):  # bisection on c_b: sum_k pi_bk is non-decreasing in c_b
+        mid = (lo + hi) / 2
+        under = at(mid).sum(1) < budget
+        lo, hi = torch.where(under, mid, lo), torch.where(under, hi, mid)
+    return at(hi)
+
+
+def uncertainty_rows(batch: TrajectoryBatch, step_fraction: float, floor: float, generator: torch.Generator) -> Rows:
+    """Recorded-step rows drawn where the behaviour policy had a choice (NSD's allocation applied to
+    the update): step k of trajectory b is a row with probability pi_bk (:func:`inclusion_probs` of
+    :func:`step_uncertainty`, rho K_b rows expected), independently, with weight 1 / pi_bk, so the
+    loss's expectation over the draws is the full objective over every step (Horvitz-Thompson), as
+    ``build_rows``' uniform draw is, but the forwards go to the steps whose gradients are not ~0."""
+    k_b = batch.num_steps
+    valid = torch.arange(int(k_b.max()))[None, :] < k_b[:, None]                # [B, K]
+    pi = inclusion_probs(step_uncertainty(batch), valid, step_fraction * k_b.double(), floor)
+    take = (torch.rand(pi.shape, generator=generator, dtype=torch.float64) < pi) & valid
+    traj, step = take.nonzero(as_tuple=True)
+    return Rows(traj, step, (1.0 / pi[traj, step]).float())
+
+
 def step_commits(step_map: Tensor, first: Tensor, end: Tensor) -> Tensor:
     """[R, L] the positions a row scores: those committed at steps first .. end - 1 ([R] each)."""
     return (step_map >= first[:, None]) & (step_map < end[:, None])

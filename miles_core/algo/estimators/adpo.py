@@ -28,13 +28,21 @@ those ceil(rho K_b) rows are spent is ``adpo.step_cover``:
 * False: a random rho of the steps, each exact, reweighted by K_b / m_b so the objective is
   unbiased for the full one; 1 - rho of the tokens get no gradient in that update.
 
+``adpo.step_sampling = uncertainty`` (with ``step_cover`` false) draws each step with probability
+rising in how uncertain the behaviour policy was about the tokens it committed there (the sum of
+1 - mu), rho K_b rows expected, each reweighted by 1 / its probability so the objective stays the
+full one (Horvitz-Thompson); ``adpo.step_floor`` is the least probability of any step. NSD's
+saving in the update: a step where every committed token was near-certain has a near-zero
+gradient, so its forward is better spent on a step with a real choice (algo/rows.py).
+
 ``adpo.step_merge`` = s > 1 fixes the run length at s and scores a random rho of the runs
 (reweighted), as TraceRL does; ``step_cover`` is then not read.
 
 The one estimator with rows for a renoising chain (DiffusionGemma, algo/renoise_rows.py): its
 steps are recorded actions too, whereas there is no masked state to take an ELBO over.
 
-Reads ``adpo.step_fraction``, ``adpo.step_cover``, ``adpo.step_merge``, ``adpo.is_cap`` and, for renoising
+Reads ``adpo.step_fraction``, ``adpo.step_cover``, ``adpo.step_merge``, ``adpo.step_sampling``,
+``adpo.step_floor``, ``adpo.is_cap`` and, for renoising
 chains, ``adpo.renoise_output`` (algo/renoise_rows.py).
 """
 
@@ -46,7 +54,7 @@ import torch
 
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.renoise_rows import RenoiseStepRows, renoise_rows
-from miles_core.algo.rows import MaskedStepRows, RecordedStep, Rows, build_rows
+from miles_core.algo.rows import MaskedStepRows, RecordedStep, Rows, build_rows, uncertainty_rows
 from miles_core.config import ADPOConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
@@ -55,7 +63,10 @@ from miles_core.types import RenoiseBatch, TrajectoryBatch
 def step_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
               generator: torch.Generator, model: Any = None) -> tuple[Rows, MaskedStepRows]:
     """The rows (ceil(rho K_b) per trajectory: runs covering every step, or sampled steps) and their scorer."""
-    rows = build_rows(sub, cfg.step_fraction, generator, cfg.step_merge, cfg.step_cover)
+    if cfg.step_sampling == "uncertainty":
+        rows = uncertainty_rows(sub, cfg.step_fraction, cfg.step_floor, generator)
+    else:
+        rows = build_rows(sub, cfg.step_fraction, generator, cfg.step_merge, cfg.step_cover)
     prompt_width = max(len(p) for p in sub.prompt_ids)
     torch.rand(len(sub), prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
     return rows, MaskedStepRows(sub, tok, temperature, RecordedStep(rows.bounds))
@@ -70,6 +81,6 @@ def chain_rows(sub: RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperatu
 
 @register_estimator("adpo")
 class ADPO(Estimator):
-    reads = ("step_fraction", "step_cover", "step_merge", "is_cap", "renoise_output")
+    reads = ("step_fraction", "step_cover", "step_merge", "step_sampling", "step_floor", "is_cap", "renoise_output")
 
     builders = {"masked": step_rows, "renoise": chain_rows}  # batch kind -> its rows
