@@ -273,7 +273,8 @@ def train_arm(cfg, data, ckpt: Path, sampler, iterations: int, thr_start: float 
     seconds = time.perf_counter() - t0
     r = run_eval(learner.model, learner.tok, cfg, data)
     return {"pass1": r.pass_at["pass@1"], "flops": meter.total, "sample_flops": meter.totals.get("sample", 0),
-            "update_flops": meter.totals.get("update", 0), "completions": n, "seconds": seconds}
+            "update_flops": meter.totals.get("update", 0), "completions": n, "seconds": seconds,
+            "correct": [c[0] for c in r.correct]}
 
 
 def synthetic_batch(tok, batch: int, prompt_len: int, length: int, k: int, seed: int):

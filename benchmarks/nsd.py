@@ -1,13 +1,19 @@
 """Native Speculative Denoising vs static schedules: FLOPs, NFE, speed and accuracy.
 
 Part 1, sampling: on >= 500 held-out problems (greedy), the static schedule with one token per
-step and the LLaDA-style fixed K, against NSD at several confidence thresholds.
-Part 2, training: ADPO from the same SFT checkpoint with static versus NSD rollouts for the same
-number of sampled completions; total denoiser FLOPs (sampling + update) and final pass@1 under
-one pinned eval config, averaged over ``--seeds`` (one run is within its own noise of 2 points:
-a binomial SE of 2.1 points on 500 problems alone). FLOPs are measured with torch.utils.flop_counter.
-The SFT checkpoint (seed ``sft.seed``) is ``--checkpoint DIR``'s, trained there when absent.
-Run: python -m benchmarks.nsd [--checkpoint DIR] [--seeds 0 1] [--set key=value ...]
+step and the LLaDA-style fixed K, against NSD at several confidence thresholds; FLOPs per forward
+(per NFE: one sequence through the denoiser for one step) per mode, so a schedule that spent
+forwards on finished rows would show it.
+Part 2, training: ADPO from the same SFT checkpoint, for the same number of sampled completions:
+static rollouts with the recipe's update (covering rows, rho = adpo.step_fraction) against NSD's
+both halves: NSD rollouts, and an update whose rows are drawn where the behaviour policy had a
+choice (``adpo.step_sampling=uncertainty`` at rho = ``--train-step-fraction``, reweighted so the
+objective is unchanged). Total denoiser FLOPs (sampling + update) and final pass@1 under one pinned
+eval config, over ``--seeds`` (one run is within its own noise of 2 points: a binomial SE of 2.1
+points on 500 problems alone), with the paired sign test over every (seed, problem) pair. FLOPs are
+measured with torch.utils.flop_counter. The SFT checkpoint (seed ``sft.seed``) is ``--checkpoint
+DIR``'s, trained there when absent.
+Run: python -m benchmarks.nsd [--checkpoint DIR] [--seeds 0 1 2 3] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import bench_args, finish, over_seeds, sft_checkpoint, table, train_arm, workdir
+from benchmarks.harness import bench_args, finish, over_seeds, paired, sft_checkpoint, table, train_arm, workdir
 from miles_core.config import SamplerConfig, load_recipe
 from miles_core.eval.evaluate import evaluate
 from miles_core.flops import FlopMeter
@@ -46,6 +52,7 @@ def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> lis
         sec = time.perf_counter() - t0
         rows.append({"name": name, "kind": s.kind, "threshold": s.threshold if s.kind == "nsd" else None,
                      "pass1": r.pass_at["pass@1"], "nfe": r.metrics["nfe_mean"], "flops": meter.total,
+                     "flops_per_forward": meter.total / (r.metrics["nfe_mean"] * len(probs)),
                      "tokens_per_s": n * L / sec, "seconds": sec})
         print(f"  {name}: pass@1 {rows[-1]['pass1']:.3f} NFE {rows[-1]['nfe']:.2f} GFLOP {meter.total / 1e9:.2f}", flush=True)
     return rows
@@ -54,20 +61,29 @@ def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> lis
 def _mean_runs(runs: list[dict], seeds: list[int]) -> dict:
     """Seed-averaged pass@1 and FLOPs; the per-seed runs kept alongside."""
     keys = ("pass1", "flops", "sample_flops", "update_flops", "completions", "seconds")
-    return {**{k: sum(r[k] for r in runs) / len(runs) for k in keys}, "seeds": seeds, "per_seed": runs}
+    return {**{k: sum(r[k] for r in runs) / len(runs) for k in keys}, "seeds": seeds,
+            "per_seed": [{k: v for k, v in r.items() if k != "correct"} for r in runs]}
 
 
 def _train_job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
-    """One (rollout sampler, threshold start, seed) training run (``over_seeds`` runs them in parallel)."""
-    sampler, thr_start, seed = job
-    cfg = load_recipe("arith", [*overrides, f"train.seed={seed}"])
+    """One (rollout sampler, threshold start, the arm's own overrides, seed) training run
+    (``over_seeds`` runs them in parallel)."""
+    sampler, thr_start, arm, seed = job
+    cfg = load_recipe("arith", [*overrides, *arm, f"train.seed={seed}"])
     return train_arm(cfg, build_task(cfg), Path(ckpt), sampler, iterations, thr_start)
 
 
+def nsd_update(step_fraction: float) -> list[str]:
+    """NSD's update: rows where the behaviour policy had a choice, rho K_b of them expected."""
+    return ["adpo.step_cover=false", "adpo.step_sampling=uncertainty", f"adpo.step_fraction={step_fraction}"]
+
+
 def main() -> None:
-    ap = bench_args(__doc__, seeds=(0, 1), checkpoint=True, workdir=True)
+    ap = bench_args(__doc__, seeds=(0, 1, 2, 3), checkpoint=True, workdir=True)
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9, 0.95])
     ap.add_argument("--train-threshold", type=float, default=0.9)
+    ap.add_argument("--train-step-fraction", type=float, default=0.3,
+                    help="rho of NSD's update: expected rows per trajectory / its steps (static: the recipe's)")
     ap.add_argument("--problems", type=int, default=500)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of part 1 (state it with the figures)")
@@ -84,33 +100,51 @@ def main() -> None:
     nsd_rows = [r for r in rows if r["kind"] == "nsd"]
     ok = [r for r in nsd_rows if r["pass1"] >= static1["pass1"] - 0.01]
     chosen = min(ok, key=lambda r: r["flops"]) if ok else max(nsd_rows, key=lambda r: r["pass1"])
-    print(table([[r["name"], r["pass1"], r["nfe"], r["flops"] / 1e9, r["tokens_per_s"]] for r in rows],
-                ["sampler", "pass@1", "NFE", "GFLOP", "tokens/s"]))
+    print(table([[r["name"], r["pass1"], r["nfe"], r["flops"] / 1e9, r["flops_per_forward"] / 1e6, r["tokens_per_s"]]
+                 for r in rows], ["sampler", "pass@1", "NFE", "GFLOP", "MFLOP per forward", "tokens/s"]))
     print("part 2: ADPO training with static vs NSD rollouts", flush=True)
     iters = args.iterations or cfg.train.iterations
     static_s = replace(cfg.sampler, kind="static")
     nsd_s = replace(cfg.sampler, kind="nsd", threshold=args.train_threshold)
     thr0 = min(0.99, args.train_threshold + 0.05)
-    jobs = [(sm, ts, sd) for sm, ts in ((static_s, None), (nsd_s, thr0)) for sd in args.seeds]
+    nsd_arm = nsd_update(args.train_step_fraction)
+    # the control: NSD rollouts and the same expected rows, drawn uniformly (what the allocation adds)
+    uniform_arm = ["adpo.step_cover=false", f"adpo.step_fraction={args.train_step_fraction}"]
+    arms = ((static_s, None, []), (nsd_s, thr0, nsd_arm), (nsd_s, thr0, uniform_arm))
+    jobs = [(sm, ts, arm, sd) for sm, ts, arm in arms for sd in args.seeds]
     runs = over_seeds(_train_job, jobs, args.set, str(ckpt), iters)
     k = len(args.seeds)
-    tr_static, tr_nsd = (_mean_runs(runs[:k], args.seeds), _mean_runs(runs[k:], args.seeds))
+    by_arm = [runs[i * k:(i + 1) * k] for i in range(len(arms))]
+    tr_static, tr_nsd, tr_uniform = (_mean_runs(r, args.seeds) for r in by_arm)
+
+    def against_static(arm_runs: list[dict]) -> dict:
+        """Every (seed, problem) pair: the arm's run against the static run of the same seed."""
+        return paired([c for r in arm_runs for c in r["correct"]], [c for r in by_arm[0] for c in r["correct"]])
+
+    test, test_uniform = against_static(by_arm[1]), against_static(by_arm[2])
     payload = {
         "static_flops": static1["flops"], "nsd_flops": chosen["flops"],
         "flops_reduction": 1 - chosen["flops"] / static1["flops"], "static_pass1": static1["pass1"],
         "nsd_pass1": chosen["pass1"], "nsd_threshold": chosen["threshold"],
         "train_flops_reduction": 1 - tr_nsd["flops"] / tr_static["flops"], "train_static_pass1": tr_static["pass1"],
-        "train_nsd_pass1": tr_nsd["pass1"], "train_static": tr_static, "train_nsd": tr_nsd,
+        "train_nsd_pass1": tr_nsd["pass1"], "train_paired": test, "train_p": test["p"],
+        "train_static": tr_static, "train_nsd": tr_nsd, "train_nsd_overrides": nsd_arm,
+        "train_nsd_uniform": {**tr_uniform, "overrides": uniform_arm, "paired_vs_static": test_uniform},
+        "flops_per_forward": {r["name"]: r["flops_per_forward"] for r in rows},
         "train_static_sampler": static_s.__dict__, "train_nsd_sampler": nsd_s.__dict__, "sampling_rows": rows,
         "problems": args.problems, "overrides": args.set, "threads": args.threads, "seconds": time.perf_counter() - t_all,
         "eval_config": eval_config(cfg).to_dict(), "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"},
     }
     print(f"flops_reduction {payload['flops_reduction']:.3f} (pass@1 {chosen['pass1']:.3f} vs {static1['pass1']:.3f}); "
           f"train_flops_reduction {payload['train_flops_reduction']:.3f} "
-          f"(pass@1 {tr_nsd['pass1']:.3f} vs {tr_static['pass1']:.3f})")
-    finish("nsd", payload, [[name, r["pass1"], r["sample_flops"] / 1e9, r["update_flops"] / 1e9, r["flops"] / 1e9]
-                            for name, r in (("static", tr_static), ("nsd", tr_nsd))],
-           ["rollouts", "final pass@1", "sample GFLOP", "update GFLOP", "total GFLOP"], args.out)
+          f"(pass@1 {tr_nsd['pass1']:.3f} vs {tr_static['pass1']:.3f}, paired over {k} seeds: "
+          f"{test['wins']:.0f} won, {test['losses']:.0f} lost, p = {test['p']:.3g})")
+    finish("nsd", payload, [[name, r["pass1"], r["sample_flops"] / 1e9, r["update_flops"] / 1e9, r["flops"] / 1e9,
+                             "" if t is None else f"{t['wins']:.0f} / {t['losses']:.0f}, p = {t['p']:.3g}"]
+                            for name, r, t in (("static K=8, covering rows", tr_static, None),
+                                               ("NSD, rows by uncertainty", tr_nsd, test),
+                                               ("NSD, rows uniform (control)", tr_uniform, test_uniform))],
+           ["rollouts, update", "final pass@1", "sample GFLOP", "update GFLOP", "total GFLOP", "vs static"], args.out)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_core.algo.rows import Rows
+from miles_core.algo.rows import FixedRows, Rows
 from miles_core.config import RenoiseConfig
 from miles_core.models import canvas
 from miles_core.samplers.renoise import after_eos, replay_states, settings, temperature, token_logp
@@ -90,7 +90,7 @@ def chain_conditioning(model: Any, batch: RenoiseBatch, states: Tensor, cfg: Ren
     return soft
 
 
-class RenoiseStepRows:
+class RenoiseStepRows(FixedRows):
     """The update engine's :class:`~miles_core.algo.rows.RowScorer` for renoising chains."""
 
     def __init__(self, model: Any, batch: RenoiseBatch, cfg: RenoiseConfig, tok: Any,

@@ -155,9 +155,21 @@ class RowView(Protocol):
 class RowScorer(Protocol):
     """What the update engine (algo/update.py) needs from one kind of recorded trajectory:
     masked-diffusion rows (:class:`MaskedStepRows`, algo/elbo.py), renoising chains
-    (algo/renoise_rows.py), continuous Gaussian step rows (continuous/train.py)."""
+    (algo/renoise_rows.py), continuous Gaussian step rows (continuous/train.py). Every member is
+    required (the engine probes for none); :class:`FixedRows` gives the ones a scorer whose rows
+    never change and that has no memory model can take as they are."""
 
     width: int  # L: scored positions per row (completion length, or 1 for a continuous step)
+    per_epoch: bool  # True: the rows' masks are redrawn each epoch, so pi_prox is scored per epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Score the masks of ``epoch`` from now on (the engine calls it only when ``per_epoch``)."""
+        ...
+
+    def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor | None:
+        """[R] memory of each row in positions (its forwards' plus ``head`` per scored position),
+        which ``adpo.chunk_tokens`` budgets; None: no memory model, chunks of ``adpo.row_chunk`` rows."""
+        ...
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
         """Current-policy log-probs [R, L], entropy [R, L] or None, commit mask [R, L] of rows (traj, step)."""
@@ -167,6 +179,19 @@ class RowScorer(Protocol):
         """The sampling policy's stored log-probs [R, L]; None: rows are on-policy (mu = pi_prox);
         NaN where a row has no recorded mu for a token (the engine uses pi_prox there)."""
         ...
+
+
+class FixedRows:
+    """The :class:`RowScorer` members of a scorer whose rows are the same in every epoch and that
+    states no memory cost per row (renoising chains, continuous steps): chunks by row count."""
+
+    per_epoch = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Nothing to redraw: the rows are recorded actions."""
+
+    def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor | None:
+        return None
 
 
 class RecordedStep:

@@ -66,8 +66,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     # adpo.chunk_tokens: a memory budget in positions per forward/backward. A row costs its sequence
     # positions plus its scored positions weighted by what their logits hold (window.head_weight), so
     # a chunk's activations are the same size whatever K, the prompt and the completion lengths.
-    cost = scorer.row_cost(rows.traj, rows.step, head_weight(model)) if cfg.chunk_tokens > 0 and \
-        hasattr(scorer, "row_cost") else None
+    cost = scorer.row_cost(rows.traj, rows.step, head_weight(model)) if cfg.chunk_tokens > 0 else None
 
     def chunks(idx: Tensor):
         if cost is None:
@@ -101,7 +100,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
         if backward:
             (torch.nan_to_num(logp, 0.0, 0.0, 0.0).sum() * 0.0).backward()
 
-    per_epoch = getattr(scorer, "per_epoch", False)  # rows redrawn each epoch (fresh masks)
+    per_epoch = scorer.per_epoch  # rows redrawn each epoch (fresh masks)
     perms = [torch.randperm(n_rows, generator=generator) for _ in range(cfg.epochs)]
     # pi_prox is the policy before this update, and the first minibatch's forward runs on exactly
     # those weights: its rows take pi_prox from their own log-probs (detached), so only the other

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from miles_core.algo.advantages import group_advantages
-from miles_core.algo.rows import Rows
+from miles_core.algo.rows import FixedRows, Rows
 from miles_core.algo.update import policy_update
 from miles_core.config import ADPOConfig
 from miles_core.continuous.sde import DEFAULT_SCHEDULE, ContinuousBatch, NoiseSchedule, ddim_step, sample_ode, sample_sde
@@ -100,7 +100,7 @@ def score_steps(model, batch: ContinuousBatch, traj: Tensor, step: Tensor,
 
 
 @dataclass
-class GaussianStepRows:
+class GaussianStepRows(FixedRows):
     """Rows of a continuous batch for the update engine: one scored "token" per (b, k), the
     recorded transition x_k -> x_{k+1} under the Gaussian step of :func:`ddim_step`."""
 
