@@ -7,7 +7,10 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      the recipe's ``train.reward`` (``code_pass``: 1 when the completion, executed in the sandbox,
      passes every hidden test; ``code_tests``: the fraction it passes);
   3. both evaluated on the same held-out functions (>= 200, disjoint from training) with one
-     pinned greedy eval config; pass@1 = the completion passes every test in the sandbox.
+     pinned greedy eval config; pass@1 = the completion passes every test in the sandbox. Beside it,
+     per arm and seed, the fraction passing every visible example (the outputs the prompt shows)
+     and the hard-coding rate: the fraction passing those but failing a hidden input, i.e. fitting
+     the prompt without being the function (code_eval's ``hardcoding``, scored in the sandbox).
 ``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
 (it adds RL's wall-clock again, so it is off by default).
 ``--checkpoint DIR`` keeps the SFT checkpoints in DIR (``seed{N}/sft``): trained there when absent,
@@ -23,6 +26,7 @@ import dataclasses
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from benchmarks.harness import bench_args, finish, over_seeds, paired, seed_mean, sft_checkpoint, table, workdir
 
@@ -35,19 +39,48 @@ PASS_K = 8  # side measurement: pass@1 / pass@8 of samples at temperature 1
 
 
 def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
-    """``run_eval`` (eval/evaluate.py) (pass@1 = the code_tests reward in the sandbox) plus per-family rates;
-    ``steps`` overrides the number of denoising passes (a side measurement, never the headline)."""
+    """``run_eval`` (eval/evaluate.py) (pass@1 = the code_tests reward in the sandbox) plus per-family
+    rates and :func:`hardcoding` of the same greedy completions; ``steps`` overrides the number of
+    denoising passes (a side measurement, never the headline)."""
+    from miles_core.data.registry import check_reward
     from miles_core.eval.evaluate import run_eval
+    from miles_core.rewards.registry import reward_for_recipe
 
     if steps is not None:
         cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, steps=steps))
     r = run_eval(model, tok, cfg, data)
     probs = data.test[:r.config.num_problems]
+    prompts, answers, seen = [p.prompt for p in probs], [p.answer for p in probs], [c[0] for c in r.completions]
+    hc = hardcoding(prompts, seen, answers, data.task.cfg.examples, reward_for_recipe(cfg, check_reward(cfg.task)))
     fam_total = Counter(p.meta["family"] for p in probs)
     fam_ok = Counter(p.meta["family"] for p, c in zip(probs, r.correct) if c[0])
     return {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "config": r.config.to_dict(),
             "per_family": {f: fam_ok[f] / n for f, n in sorted(fam_total.items())},
-            "samples": [{k: s[k] for k in ("prompt", "completion", "correct")} for s in r.samples[:8]]}
+            "samples": [{k: s[k] for k in ("prompt", "completion", "correct")} for s in r.samples[:8]],
+            "visible_pass": hc["visible_pass"], "hardcoded_rate": hc["hardcoded_rate"], "hardcoded": hc["hardcoded"],
+            "hardcoded_samples": [{"prompt": p, "completion": c} for p, c, h in zip(prompts, seen, hc["hardcoded"]) if h][:5]}
+
+
+def hardcoding(prompts: Sequence[str], completions: Sequence[str], answers: Sequence[str], examples: int,
+               reward: Callable[..., list]) -> dict[str, Any]:
+    """Which completions fit the prompt without being the function: each is scored by ``reward``
+    (the eval's own sandbox reward; passing = 1.0, as pass@1 counts) on its visible examples alone
+    and on its hidden inputs alone (data/code.py's split_answer), in one call. ``hardcoded``: passes
+    every visible example but fails a hidden input (a lookup table of the shown outputs, or a shape
+    that agrees only on x = 0..examples-1), which pass@1 cannot tell from any other failure.
+    Rates are over all problems; ``visible_pass`` is the fraction fitting the prompt at all."""
+    from miles_core.data.code import split_answer
+
+    n = len(answers)
+    if len(prompts) != n or len(completions) != n:
+        raise ValueError(f"hardcoding: {len(prompts)} prompts, {len(completions)} completions, {n} answers")
+    parts = [split_answer(a, examples) for a in answers]
+    scores = reward(list(prompts) * 2, list(completions) * 2, answer=[v for v, _ in parts] + [h for _, h in parts])
+    ok = [s is not None and s >= 1.0 for s in scores]
+    visible, hidden = ok[:n], ok[n:]
+    flags = [v and not h for v, h in zip(visible, hidden)]
+    return {"visible_pass": sum(visible) / max(n, 1), "hardcoded_rate": sum(flags) / max(n, 1),
+            "visible": visible, "hidden": hidden, "hardcoded": flags}
 
 
 def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, float]:
@@ -143,9 +176,13 @@ def main() -> None:
                for a in ("sft", "adpo")}
     st = paired([c for p in per_seed for c in p["results"]["adpo"]["correct"]],
                 [c for p in per_seed for c in p["results"]["sft"]["correct"]])
-    rows = [[p["seed"]] + [p["results"][a]["pass1"] for a in arms] for p in per_seed]
-    rows.append(["mean"] + [mean[a] for a in arms])
-    print(table(rows, ["seed"] + [f"{a}_pass1" for a in arms]))
+    hc_keys = ("visible_pass", "hardcoded_rate")
+    hard = {a: {m: seed_mean(per_seed, lambda p: p["results"][a][m]) for m in hc_keys} for a in arms}
+    rows = [[p["seed"]] + [p["results"][a][m] for m in ("pass1",) + hc_keys for a in arms] for p in per_seed]
+    rows.append(["mean"] + [mean[a] for a in arms] + [hard[a][m] for m in hc_keys for a in arms])
+    print(table(rows, ["seed"] + [f"{a}_{m}" for m in ("pass1", "visible", "hardcoded") for a in arms]))
+    print("visible = passes every example the prompt shows; hardcoded = passes them but fails a hidden input "
+          "(both of all held-out problems)")
     val = {a: seed_mean(per_seed, lambda p: p["results"][f"{a}_val"]["pass1"]) for a in ("sft", "adpo")}
     n_tasks = len(per_seed[0]["results"]["sft"]["correct"])
     print(f"ADPO - SFT = {100 * (mean['adpo'] - mean['sft']):+.1f} points on {n_tasks} "
@@ -161,11 +198,13 @@ def main() -> None:
         "sequential_decoding_pass1": {a: seed_mean(per_seed, lambda p: p["results"][f"{a}_sequential"]["pass1"])
                                       for a in ("sft", "adpo")},
         "val_pass1": val,
+        "hardcoding": hard,  # per arm: visible_pass, hardcoded_rate (code_eval's hardcoding), mean over seeds
         f"sampled_t1_pass_at_{PASS_K}": sampled,
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
                       **{f"{a}_{m}": p["results"][f"{a}_{r}"]["pass1"] for a in ("sft", "adpo")
                          for m, r in (("sequential_pass1", "sequential"), ("val_pass1", "val"))},
                       "sft_sampled": p["results"]["sft_sampled"], "adpo_sampled": p["results"]["adpo_sampled"],
+                      **{f"{a}_{m}": p["results"][a][m] for a in arms for m in hc_keys + ("hardcoded_samples",)},
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],
                       "sft_seconds": p["sft_seconds"], "adpo_seconds": p["adpo_seconds"], "sft_curve": p["sft_curve"],

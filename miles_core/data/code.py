@@ -153,6 +153,19 @@ def make_tests(fn: CodeFunction, cfg: CodeConfig) -> list[list[Any]]:
     return [[[x], y] for x, y in zip(xs, fn.visible + fn.hidden)]
 
 
+def split_answer(answer: str, examples: int) -> tuple[str, str]:
+    """A problem's ``answer`` (its :func:`make_tests`, encoded) as two answers of the same form:
+    its visible examples (x = 0..examples-1, what the prompt shows) and its hidden inputs. Scored
+    apart, they tell a program that only fits the prompt from one that is the function. Raises ValueError when the
+    first ``examples`` tests are not x = 0..examples-1 or nothing hidden is left (a wrong count)."""
+    spec = decode_answer(answer)
+    tests = spec["tests"]
+    if not 0 < examples < len(tests) or [t[0] for t in tests[:examples]] != [[x] for x in range(examples)]:
+        raise ValueError(f"split_answer: the first {examples} of {len(tests)} tests are not the visible x = 0..{examples - 1}")
+    return (encode_answer(tests[:examples], spec["entry"], spec["params"]),
+            encode_answer(tests[examples:], spec["entry"], spec["params"]))
+
+
 def encode_answer(tests: list[list[Any]], entry: str = ENTRY, params: str = PARAMS) -> str:
     """The ``Problem.answer`` string: what the ``code_tests`` reward needs, as JSON."""
     return json.dumps({"entry": entry, "params": params, "tests": tests}, separators=(",", ":"))

@@ -42,6 +42,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     model.eval()
     gen = torch.Generator().manual_seed(ec.seed)
     correct: list[list[bool]] = [[] for _ in prompts]
+    texts: list[list[str]] = [[] for _ in prompts]
     samples: list[dict] = []
     nfe_total, tokens, reward_sum, t0 = 0, 0, 0.0, time.perf_counter()
     order = [(i, s) for s in range(ec.n_samples) for i in range(len(prompts))]
@@ -55,6 +56,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
             ok = r is not None and r >= 1.0
             reward_sum += float(r or 0.0)  # d1's Sudoku metric is this mean (cells), not pass@1 (grids)
             correct[i].append(ok)
+            texts[i].append(c)
             if len(samples) < 20 and s == 0:
                 samples.append({"prompt": prompts[i], "completion": c, "answer": answers[i], "correct": ok})
         nfe_total += int(batch.nfe.sum())
@@ -64,7 +66,7 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     metrics = {"nfe_mean": nfe_total / max(len(order), 1), "tokens_per_s": tokens / max(seconds, 1e-9),
                "seconds": seconds, "reward_mean": reward_sum / max(len(order), 1)}
     return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics,
-                      correct=correct, problems_digest=problems_digest(prompts, answers))
+                      correct=correct, problems_digest=problems_digest(prompts, answers), completions=texts)
 
 
 def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: SamplerConfig | None = None,

@@ -164,6 +164,9 @@ class EvalResult:
     metrics: dict[str, float] = field(default_factory=dict)
     correct: list[list[bool]] = field(default_factory=list)  # per problem, per sample (paired tests)
     problems_digest: str = ""  # problems_digest(prompts, answers): which problems ``correct`` is about
+    # per problem, per sample: the completion text, for scoring it another way (kept in memory only;
+    # the stored record keeps ``samples``)
+    completions: list[list[str]] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
