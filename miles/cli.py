@@ -28,6 +28,7 @@ from miles import __version__
 from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, bare_word_error, call_flow, cmd_data, cmd_demo,
                             cmd_export, cmd_generate, cmd_models, cmd_recipes, cmd_serve, cmd_stop, print_result,
                             validate_recipe)
+from miles.lm_eval_cmd import add_parser as add_lm_eval_parser
 from miles.console import LOG_NAME, log_to_file, merge_overrides, prefect_defaults, startup_advice
 
 EXIT_RUN_FAILED = 1
@@ -180,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 when any row was skipped")
     p.set_defaults(func=cmd_data)
+
+    add_lm_eval_parser(sub)
 
     p = sub.add_parser("recipes", help="list built-in recipes", description="List built-in recipes.")
     p.set_defaults(func=cmd_recipes)
