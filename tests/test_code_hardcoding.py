@@ -102,6 +102,8 @@ def test_code_eval_is_run_eval_plus_the_hard_coding_rate_of_the_same_completions
     assert ours["config"] == ref.config.to_dict() and ours["correct"] == [c[0] for c in ref.correct]
     assert [s["completion"] for s in ours["samples"]] == [s["completion"] for s in ref.samples[:8]]
     assert [c[0] for c in ref.completions][:len(ref.samples)] == [s["completion"] for s in ref.samples]
+    assert ref.runtime == {"batch_size": cfg.eval.batch_size, "dtype": "float32", "device": "cpu",
+                           "torch_threads": torch.get_num_threads()}   # recorded beside the number
     assert len(ours["hardcoded"]) == len(data.test) == 8
     assert 0.0 <= ours["hardcoded_rate"] <= ours["visible_pass"] <= 1.0
     assert not any(h and c for h, c in zip(ours["hardcoded"], ours["correct"]))  # solved is never hard-coded

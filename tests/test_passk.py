@@ -66,8 +66,9 @@ def test_eval_config_and_result_roundtrip() -> None:
     assert cfg.fingerprint() == EvalConfig.from_dict(d).fingerprint() != EvalConfig().fingerprint()
     res = EvalResult(pass_at={"pass@1": 0.5}, num_problems=50, config=cfg,
                      samples=[{"prompt": "1+2", "completion": "1+2=3", "answer": "3", "correct": True}],
-                     metrics={"nfe_mean": 7.5})
+                     metrics={"nfe_mean": 7.5}, runtime={"batch_size": 8, "dtype": "bfloat16", "device": "cuda:0"})
     rd = json.loads(json.dumps(res.to_dict()))
+    assert rd["runtime"] == {"batch_size": 8, "dtype": "bfloat16", "device": "cuda:0"}
     assert rd["config"]["steps"] == 16 and rd["config_fingerprint"] == cfg.fingerprint()
     assert EvalResult.from_dict(rd) == res
 

@@ -66,7 +66,15 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
     metrics = {"nfe_mean": nfe_total / max(len(order), 1), "tokens_per_s": tokens / max(seconds, 1e-9),
                "seconds": seconds, "reward_mean": reward_sum / max(len(order), 1)}
     return EvalResult(pass_at=pass_at, num_problems=len(prompts), config=ec, samples=samples, metrics=metrics,
-                      correct=correct, problems_digest=problems_digest(prompts, answers), completions=texts)
+                      correct=correct, problems_digest=problems_digest(prompts, answers), completions=texts,
+                      runtime=runtime_of(model, batch_size))
+
+
+def runtime_of(model, batch_size: int) -> dict[str, str | int]:
+    """Batch size, dtype and device of an evaluation: recorded beside its number."""
+    p = next(model.parameters())
+    return {"batch_size": int(batch_size), "dtype": str(p.dtype).replace("torch.", ""), "device": str(p.device),
+            "torch_threads": torch.get_num_threads()}
 
 
 def eval_config(cfg: RecipeConfig, num_problems: int | None = None, sampler: SamplerConfig | None = None,

@@ -70,6 +70,21 @@ def bind(task: str, reward: str | None = None) -> tuple[Callable[..., Any], ...]
     return process_docs, doc_to_text, doc_to_target, process_results
 
 
+def readable_rows(task: str, path: str | Path) -> list[dict]:
+    """The rows of a benchmark file (any format Miles reads: JSONL, .gz, JSON, CSV, Parquet, a
+    MATH folder) that ``miles eval`` evaluates, as plain JSON rows in file order: lm-eval's JSON
+    loader then reads exactly those, where a malformed row (bad UTF-8, a missing field) would
+    otherwise fail the whole file or be scored as a problem Miles never poses."""
+    from miles_core.data.public import DataFileError, LoadReport, iter_rows
+
+    report = LoadReport(str(path))
+    rows = [row for _, row in iter_rows(str(path), report) if keeps(task, row)]
+    if not rows:
+        raise DataFileError(f"lm-eval task {task!r}: {path} holds no row miles eval would evaluate "
+                            f"({report.skipped} skipped: {report.errors[:3]})")
+    return rows
+
+
 def _yaml(name: str, task: str, path: Path, kind: str) -> str:
     fn = task
     head = [f"task: {name}", "dataset_path: json",
@@ -106,12 +121,12 @@ def write_task_folder(out: str | Path, files: dict[str, str | Path], reward: str
             raise ValueError(f"lm-eval task {task!r}: Miles writes tasks for {', '.join(BENCHMARKS)} and 'problems'")
         if task == "problems" and not reward and kind == "generate_until":
             raise ValueError("lm-eval task 'problems': name the reward its completions are scored by")
-        p = Path(path).resolve()
-        if not p.exists():
-            raise FileNotFoundError(f"lm-eval task {task!r}: no file {p}")
         name = f"{prefix}_{task}"
         fn = task
-        (out / f"{name}.yaml").write_text(_yaml(name, task, p, kind))
+        rows = readable_rows(task, path)
+        (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (out / f"{name}.yaml").write_text(f"# {len(rows)} rows of {path} that miles eval reads\n" +
+                                          _yaml(name, task, out / f"{name}.jsonl", kind))
         shim.append(f"process_docs_{fn}, doc_to_text_{fn}, doc_to_target_{fn}, process_results_{fn} = "
                     f"bind({task!r}, {reward if task == 'problems' else None!r})")
         names.append(name)

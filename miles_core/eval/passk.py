@@ -167,6 +167,10 @@ class EvalResult:
     # per problem, per sample: the completion text, for scoring it another way (kept in memory only;
     # the stored record keeps ``samples``)
     completions: list[list[str]] = field(default_factory=list, repr=False)
+    # how it ran, beside the number: batch size, dtype, device (not in the fingerprint: a row's
+    # greedy output does not depend on its batch, tests/test_engine.py; dtype and device are named
+    # here so two numbers from different hardware are never mistaken for one setting)
+    runtime: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -178,6 +182,7 @@ class EvalResult:
             "metrics": {k: float(v) for k, v in self.metrics.items()},
             "correct": [[bool(x) for x in row] for row in self.correct],
             "problems_digest": self.problems_digest,
+            "runtime": dict(self.runtime),
         }
 
     @classmethod
@@ -190,4 +195,5 @@ class EvalResult:
             metrics=dict(d.get("metrics", {})),
             correct=[list(row) for row in d.get("correct", [])],
             problems_digest=str(d.get("problems_digest", "")),
+            runtime=dict(d.get("runtime", {})),
         )
