@@ -120,3 +120,23 @@ def test_lm_eval_end_to_end_in_a_fresh_process(tmp_path: Path) -> None:
     s = res["miles"]
     assert s["batch_size"] == 8 and s["mc_num"] == 8 and s["dtype"] == "torch.float32" and s["device"] == "cpu"
     assert s["sampler"]["temperature"] == 0.0 and s["completion_len"] == L
+
+
+def test_greedy_generation_does_not_depend_on_the_batch(tmp_path: Path) -> None:
+    """A prompt alone and inside a batch of 8 (left padding, prompts of 1 to 12 characters) gives
+    the same output, through lm-eval's generate_until. Weights scaled x15: logit gaps are large,
+    so float summation order over different batch shapes cannot flip a decision."""
+    from lm_eval.api.instance import Instance
+
+    from miles_core.eval.lm_harness import MilesLM
+
+    m = random_model(4)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.mul_(15 / 4)
+    save_checkpoint(m, TOK, tmp_path / "ck")
+    prompts = ["3", "12+4", "7*8-1", "9-9", "44*2+10", "5*5", "1+2+3+4+5+6", "8"]
+    reqs = [Instance("generate_until", {}, (p, {"until": []}), i) for i, p in enumerate(prompts)]
+    together = MilesLM(str(tmp_path / "ck"), "arith", batch_size=8).generate_until(reqs)
+    alone = MilesLM(str(tmp_path / "ck"), "arith", batch_size=1).generate_until(reqs)
+    assert together == alone and len(set(together)) > 1      # the outputs differ between prompts
