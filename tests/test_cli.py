@@ -25,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve", "data", "export", "stop"]
+COMMANDS = ["train", "sft", "eval", "generate", "demo", "recipes", "models", "serve", "data", "export", "stop", "lm-eval"]
 FLOW_STARTED = ("Beginning flow run", "Starting temporary server")
 
 
