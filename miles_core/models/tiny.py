@@ -89,13 +89,6 @@ class TinyDenoiser(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def _bias(self, attention_mask: Tensor | None, b: int, dtype: torch.dtype) -> Tensor | None:
-        if attention_mask is None:
-            return None
-        # [B, 1, 1, S]: padded keys get -inf, every query still sees all real tokens
-        bias = torch.zeros(b, 1, 1, attention_mask.shape[1], dtype=dtype, device=attention_mask.device)
-        return bias.masked_fill(~attention_mask.bool()[:, None, None, :], float("-inf"))
-
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         t = input_ids.shape[1]
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

@@ -105,8 +105,3 @@ class RequestCounter:
 
 # One counter per process: what a run reports in its status file.
 PROCESS = RequestCounter()
-
-
-def count_requests(fs: AbstractFileSystem) -> bool:
-    """Attach the process-wide counter :data:`PROCESS` to ``fs``; see :meth:`RequestCounter.attach`."""
-    return PROCESS.attach(fs)
