@@ -16,7 +16,7 @@ peak memory depends on the chunk size, not on the number of denoising steps.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -31,29 +31,185 @@ from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
 from miles_core.models.window import head_weight
 
-__all__ = ["RowScorer", "adpo_update", "deterministic_forward", "estimator_rows", "policy_update"]
+__all__ = ["ChunkPlan", "RowScorer", "UpdateStats", "adpo_update", "deterministic_forward", "estimator_rows",
+           "minibatch_step", "policy_update", "proximal_logprobs"]
+
+
+class ChunkPlan:
+    """Phase 1, the chunk plan: which of ``rows`` each forward/backward of this rank carries.
+
+    ``adpo.chunk_tokens`` > 0 is a memory budget in positions per forward/backward (a row costs its
+    sequence plus its scored positions weighted by what their logits hold, ``window.head_weight``,
+    so a chunk's activations are the same size whatever K and the lengths); otherwise chunks of
+    ``adpo.row_chunk`` rows. ``owned`` [B] (data parallel): the trajectories this rank holds; it
+    runs only their rows. Sharded (FSDP2), every rank runs as many chunks as the busiest one,
+    padded with None, since every forward and backward there is a collective (parallel.py)."""
+
+    def __init__(self, model: Any, scorer: RowScorer, rows: Rows, cfg: ADPOConfig, world: World | None,
+                 owned: Tensor | None) -> None:
+        self.rows, self.cfg, self.world, self.owned = rows, cfg, world, owned
+        self.sharded = world is not None and world.sharded
+        self.cost = scorer.row_cost(rows.traj, rows.step, head_weight(model)) if cfg.chunk_tokens > 0 else None
+
+    def own(self, idx: Tensor) -> Tensor:
+        return idx if self.owned is None else idx[self.owned[self.rows.traj[idx]]]
+
+    def chunks(self, idx: Tensor) -> Iterator[Tensor]:
+        if self.cost is None:
+            for s in range(0, idx.numel(), self.cfg.row_chunk):
+                yield idx[s:s + self.cfg.row_chunk]
+            return
+        c = self.cost[idx]
+        group = ((c.cumsum(0) - c) // self.cfg.chunk_tokens).long()           # rows starting in one budget
+        for g in group.unique_consecutive().tolist():
+            yield idx[group == g]
+
+    def mine(self, idx: Tensor) -> list[Tensor | None]:
+        """This rank's chunks of ``idx`` (None: a padding chunk, sharded only)."""
+        cs: list[Tensor | None] = list(self.chunks(self.own(idx)))
+        if self.sharded:
+            cs += [None] * (int(self.world.max_over_ranks(len(cs))) - len(cs))
+        return cs
+
+
+def pad_pass(model: Any, scorer: RowScorer, rows: Rows, idx: Tensor, cfg: ADPOConfig, backward: bool) -> None:
+    """A padding chunk: one row of ``idx`` through the same passes as a real chunk, its loss x 0
+    (non-finite log-probs of another rank's skeleton row zeroed first), so FSDP's collectives
+    match across ranks and nothing is added to the gradient or the stats."""
+    t, k = rows.traj[idx[:1]], rows.step[idx[:1]]
+    logp = scorer.score(model, t, k)[0]
+    if backward and cfg.kl_coef > 0:
+        with torch.no_grad(), reference_policy(model) as ref_model:
+            scorer.score(ref_model, t, k)
+    if backward:
+        (torch.nan_to_num(logp, 0.0, 0.0, 0.0).sum() * 0.0).backward()
+
+
+def proximal_logprobs(model: Any, scorer: RowScorer, plan: ChunkPlan, first: Tensor, mu_all: Tensor | None,
+                      fresh: Tensor | None, device: torch.device) -> list[Tensor]:
+    """Phase 2, pi_prox [R, L] per epoch (one for all epochs unless ``scorer.per_epoch``): the
+    policy before this update, frozen, scored by a no-grad pass only where it is not known. The
+    ``first`` minibatch's rows take it from their own forward in phase 3 (the weights have not
+    stepped yet); rows of a ``fresh`` trajectory whose every token has a recorded mu take mu (the
+    sampler ran the same step function on the same weights). Empty when one optimizer step is all
+    the update takes (pi_prox is then the forward's own log-probs)."""
+    rows, cfg, world = plan.rows, plan.cfg, plan.world
+    n_rows = rows.traj.numel()
+    if cfg.num_minibatches * cfg.epochs <= 1:
+        return []
+    own_pass = torch.ones(n_rows, dtype=torch.bool)
+    own_pass[first] = False
+    by_mu = torch.zeros_like(own_pass)   # rows sampled by these very weights with every token's mu recorded
+    if fresh is not None and mu_all is not None:
+        by_mu = fresh[rows.traj].cpu() & ~mu_all.isnan().any(1).cpu()
+    own_pass &= ~by_mu
+    proxes = []
+    for e in range(cfg.epochs if scorer.per_epoch else 1):
+        if scorer.per_epoch:
+            scorer.set_epoch(e)
+        prox = torch.zeros(n_rows, scorer.width, device=device)
+        with torch.no_grad():
+            for c in plan.mine(torch.arange(n_rows)[own_pass] if e == 0 else torch.arange(n_rows)):
+                if c is None:
+                    pad_pass(model, scorer, rows, torch.arange(n_rows), cfg, backward=False)
+                    continue
+                prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
+        if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
+            world.all_reduce_(prox)
+        if by_mu.any():  # after the sum: every rank holds mu
+            prox[by_mu.to(device)] = mu_all[by_mu.to(mu_all.device)].to(device, prox.dtype)
+        proxes.append(prox)
+    return proxes
+
+
+class UpdateStats:
+    """Phase 4's inputs, kept as tensors on the device (sums and counts, the peaks) until one
+    reduction over ranks and one host read at the end of the update."""
+
+    def __init__(self, device: torch.device) -> None:
+        zero = torch.zeros((), device=device)
+        self.sums = {k: zero.clone() for k in (*SUM_KEYS, "tokens", "loss")}
+        self.iw_max, self.grad_norm, self.device = zero.clone(), zero.clone(), device
+
+    def add(self, out: Any) -> None:
+        for k in SUM_KEYS + ("tokens",):
+            self.sums[k] += out.sums[k].to(self.device)
+        self.sums["loss"] += out.loss.detach().to(self.device)
+        self.iw_max = torch.maximum(self.iw_max, out.sums["iw_max"].to(self.device))
+
+    def reduce(self, world: World | None, n_rows: int) -> dict[str, float]:
+        """Phase 4: one sum and one max over ranks, one host read; per-token means."""
+        total = torch.stack([self.sums[k] for k in (*SUM_KEYS, "tokens", "loss")])
+        peaks = torch.stack([self.iw_max, self.grad_norm])
+        if world is not None:
+            world.all_reduce_(total)
+            world.all_reduce_(peaks, op="max")
+        vals, (iw_peak, gn) = total.tolist(), peaks.tolist()  # the update's one host read of its stats
+        tokens = vals[len(SUM_KEYS)]
+        stats = {k: v / max(tokens, 1.0) for k, v in zip(SUM_KEYS, vals)}
+        stats.update(iw_max=iw_peak, grad_norm=gn, loss=vals[-1], tokens=tokens, rows=float(n_rows))
+        return stats
+
+
+def minibatch_step(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, plan: ChunkPlan, mb: Tensor,
+                   loss_fn: Any, adv: Tensor, normaliser: float, prox: Tensor | None, prox_from_forward: bool,
+                   mu_all: Tensor | None, params: list, stats: UpdateStats, scheduler: Any = None) -> None:
+    """Phase 3, one optimizer step over minibatch ``mb``: this rank's chunks forward and backward
+    (the graph of one chunk at a time: one denoising step per row), gradients summed over ranks,
+    clipped, stepped. ``prox_from_forward``: the first minibatch, whose pi_prox is its own detached
+    log-probs (written into ``prox`` for later epochs)."""
+    rows, cfg, world = plan.rows, plan.cfg, plan.world
+    optimizer.zero_grad(set_to_none=True)
+    cs = plan.mine(mb)
+    for i, c in enumerate(cs):
+        if plan.sharded:  # accumulate unsharded; reduce-scatter once, after the minibatch's last chunk
+            fsdp_root(model).set_requires_gradient_sync(i == len(cs) - 1)
+        if c is None:
+            pad_pass(model, scorer, rows, mb, cfg, backward=True)
+            continue
+        t_idx, s_idx = rows.traj[c], rows.step[c]
+        logp, ent, commit = scorer.score(model, t_idx, s_idx)
+        if prox is None or prox_from_forward:
+            prox_c = logp.detach()
+            if prox is not None:  # later epochs of the same rows read it back
+                prox[c] = prox_c.to(prox.device)
+        else:
+            prox_c = prox[c]
+        behav = None if mu_all is None else mu_all[c.to(mu_all.device)]
+        ref = None
+        if cfg.kl_coef > 0:
+            with torch.no_grad(), reference_policy(model) as ref_model:
+                ref = scorer.score(ref_model, t_idx, s_idx)[0]
+        mu = prox_c if behav is None else torch.where(behav.isnan(), prox_c, behav.to(logp.device))  # NaN: no recorded mu
+        out = loss_fn(logp, prox_c, mu, adv[t_idx].to(logp.device),
+                      commit, rows.weight[c].to(logp.device), normaliser / cfg.num_minibatches, ref, ent)
+        # sharded, x D: FSDP averages
+        (out.loss * world.size if plan.sharded else out.loss).backward()
+        stats.add(out)
+    if world is not None and not plan.sharded:  # (FSDP reduce-scattered in the last backward)
+        world.sync_grads(params)  # sum over ranks: the loss is already / global normaliser
+    stats.grad_norm = full_tensors(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).to(stats.device)
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
                   normaliser: float, cfg: ADPOConfig, generator: torch.Generator, scheduler: Any = None,
                   world: World | None = None, owned: Tensor | None = None,
                   fresh: Tensor | None = None) -> dict[str, float]:
-    """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``.
+    """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``, in four
+    phases (as verl marks its phases): the chunk plan (:class:`ChunkPlan`), the proximal log-probs
+    (:func:`proximal_logprobs`), the minibatch steps (:func:`minibatch_step`) and the stats
+    (:meth:`UpdateStats.reduce`).
 
     ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update, so chunked
-    backward passes (``row_chunk`` rows each, or as many as ``chunk_tokens`` positions allow) add up to
-    the full-batch gradient. ``world`` (data
-    parallel): every rank holds the same rows and generator state, and ``owned`` [B] (bool) says
-    which trajectories it holds (it read its share of the global batch; learner/shares.py); it
-    scores only their rows, and gradients are summed over ranks before clipping and the step
-    (by FSDP's reduce-scatter when ``world.sharded``: then every rank runs as many chunks).
-    Stats stay tensors (sums and counts) until one reduction and one host read at the end.
-
-    pi_prox, the policy before the update, costs a no-grad pass only where it is not known already:
-    a row of a ``fresh`` [B] trajectory (sampled by the weights this update starts from) with a
-    recorded mu for every token has pi_prox = mu (the sampler ran the same step function on the same
-    weights), and the first minibatch's rows take it from their own forward
-    (:func:`deterministic_forward`).
+    backward passes add up to the full-batch gradient. ``world`` (data parallel): every rank holds
+    the same rows and generator state, and ``owned`` [B] (bool) says which trajectories it holds
+    (it read its share of the global batch; learner/shares.py); it scores only their rows, and
+    gradients are summed over ranks before clipping and the step (by FSDP's reduce-scatter when
+    ``world.sharded``). ``fresh`` [B]: trajectories sampled by the weights this update starts from
+    (their pi_prox is their recorded mu).
     """
     n_rows = rows.traj.numel()
     loss_fn = get_estimator(cfg.estimator).loss(cfg)
@@ -61,133 +217,24 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
     device = params[0].device if params else torch.device("cpu")
     if world is not None and world.size > 1 and owned is None:
         raise ValueError("policy_update: a world of several ranks needs `owned`, the trajectories each rank holds")
-    own = (lambda idx: idx) if owned is None else (lambda idx: idx[owned[rows.traj[idx]]])  # noqa: E731
-
-    # adpo.chunk_tokens: a memory budget in positions per forward/backward. A row costs its sequence
-    # positions plus its scored positions weighted by what their logits hold (window.head_weight), so
-    # a chunk's activations are the same size whatever K, the prompt and the completion lengths.
-    cost = scorer.row_cost(rows.traj, rows.step, head_weight(model)) if cfg.chunk_tokens > 0 else None
-
-    def chunks(idx: Tensor):
-        if cost is None:
-            for s in range(0, idx.numel(), cfg.row_chunk):
-                yield idx[s:s + cfg.row_chunk]
-            return
-        c = cost[idx]
-        group = ((c.cumsum(0) - c) // cfg.chunk_tokens).long()           # rows starting in one budget
-        for g in group.unique_consecutive().tolist():
-            yield idx[group == g]
-
-    sharded = world is not None and world.sharded
-
-    def my_chunks(idx: Tensor) -> list[Tensor | None]:
-        """This rank's chunks of ``idx``; sharded (FSDP2), padded with None to as many as any rank
-        runs, since every forward and backward there is a collective (parallel.py)."""
-        cs: list[Tensor | None] = list(chunks(own(idx)))
-        if sharded:
-            cs += [None] * (int(world.max_over_ranks(len(cs))) - len(cs))
-        return cs
-
-    def pad_pass(idx: Tensor, backward: bool) -> None:
-        """A padding chunk: one row of ``idx`` through the same passes as a real chunk, its loss x 0
-        (non-finite log-probs of another rank's skeleton row zeroed first), so FSDP's collectives
-        match across ranks and nothing is added to the gradient or the stats."""
-        t, k = rows.traj[idx[:1]], rows.step[idx[:1]]
-        logp = scorer.score(model, t, k)[0]
-        if backward and cfg.kl_coef > 0:
-            with torch.no_grad(), reference_policy(model) as ref_model:
-                scorer.score(ref_model, t, k)
-        if backward:
-            (torch.nan_to_num(logp, 0.0, 0.0, 0.0).sum() * 0.0).backward()
-
-    per_epoch = scorer.per_epoch  # rows redrawn each epoch (fresh masks)
+    plan = ChunkPlan(model, scorer, rows, cfg, world, owned)
     perms = [torch.randperm(n_rows, generator=generator) for _ in range(cfg.epochs)]
-    # pi_prox is the policy before this update, and the first minibatch's forward runs on exactly
-    # those weights: its rows take pi_prox from their own log-probs (detached), so only the other
-    # rows need a separate no-grad pass, 1 / num_minibatches of those forwards saved. Exact only for
-    # a deterministic forward: with active dropout every row gets its own pass.
+    # the first minibatch's forward runs on exactly the weights before the update: exact only for a
+    # deterministic forward (with active dropout every row gets its own no-grad pass)
     first = perms[0].chunk(cfg.num_minibatches)[0] if deterministic_forward(model) else perms[0][:0]
-    own_pass = torch.ones(n_rows, dtype=torch.bool)
-    own_pass[first] = False
     mu_all = scorer.behaviour(rows.traj, rows.step)  # [R, L] recorded mu (NaN: none); None: on-policy rows
-    # rows sampled by these very weights whose every token has a recorded mu: pi_prox is mu itself
-    by_mu = torch.zeros_like(own_pass)
-    if fresh is not None and mu_all is not None:
-        by_mu = fresh[rows.traj].cpu() & ~mu_all.isnan().any(1).cpu()
-    own_pass &= ~by_mu
-    proxes: list[Tensor] = []
-    if cfg.num_minibatches * cfg.epochs > 1:  # pi_prox = policy before this update, frozen
-        for e in range(cfg.epochs if per_epoch else 1):
-            if per_epoch:
-                scorer.set_epoch(e)
-            prox = torch.zeros(n_rows, scorer.width, device=device)
-            with torch.no_grad():
-                for c in my_chunks(torch.arange(n_rows)[own_pass] if e == 0 else torch.arange(n_rows)):
-                    if c is None:
-                        pad_pass(torch.arange(n_rows), backward=False)
-                        continue
-                    prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
-            if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
-                world.all_reduce_(prox)
-            if by_mu.any():  # after the sum: every rank holds mu
-                prox[by_mu.to(device)] = mu_all[by_mu.to(mu_all.device)].to(device, prox.dtype)
-            proxes.append(prox)
-    zero = torch.zeros((), device=device)
-    sums = {k: zero.clone() for k in (*SUM_KEYS, "tokens", "loss")}
-    iw_max, grad_norm = zero.clone(), zero.clone()
+    proxes = proximal_logprobs(model, scorer, plan, first, mu_all, fresh, device)
+    stats = UpdateStats(device)
     model.train()
     for epoch in range(cfg.epochs):
-        if per_epoch:
+        if scorer.per_epoch:
             scorer.set_epoch(epoch)
-        prox = proxes[epoch if per_epoch else 0] if proxes else None
+        prox = proxes[epoch if scorer.per_epoch else 0] if proxes else None
         for i_mb, mb in enumerate(perms[epoch].chunk(cfg.num_minibatches)):
-            before_any_step = epoch == 0 and i_mb == 0
-            optimizer.zero_grad(set_to_none=True)
-            cs = my_chunks(mb)
-            for i, c in enumerate(cs):
-                if sharded:  # accumulate unsharded; reduce-scatter once, after the minibatch's last chunk
-                    fsdp_root(model).set_requires_gradient_sync(i == len(cs) - 1)
-                if c is None:
-                    pad_pass(mb, backward=True)
-                    continue
-                t_idx, s_idx = rows.traj[c], rows.step[c]
-                logp, ent, commit = scorer.score(model, t_idx, s_idx)
-                if prox is None or (before_any_step and first.numel()):
-                    prox_c = logp.detach()
-                    if prox is not None:  # later epochs of the same rows read it back
-                        prox[c] = prox_c.to(device)
-                else:
-                    prox_c = prox[c]
-                behav = None if mu_all is None else mu_all[c.to(mu_all.device)]
-                ref = None
-                if cfg.kl_coef > 0:
-                    with torch.no_grad(), reference_policy(model) as ref_model:
-                        ref = scorer.score(ref_model, t_idx, s_idx)[0]
-                mu = prox_c if behav is None else torch.where(behav.isnan(), prox_c, behav.to(logp.device))  # NaN: no recorded mu
-                out = loss_fn(logp, prox_c, mu, adv[t_idx].to(logp.device),
-                              commit, rows.weight[c].to(logp.device), normaliser / cfg.num_minibatches, ref, ent)
-                # graph of this chunk only: one denoising step per row; sharded, x D: FSDP averages
-                (out.loss * world.size if sharded else out.loss).backward()
-                for k in SUM_KEYS + ("tokens",):
-                    sums[k] += out.sums[k].to(device)
-                sums["loss"] += out.loss.detach().to(device)
-                iw_max = torch.maximum(iw_max, out.sums["iw_max"].to(device))
-            if world is not None and not sharded:  # (FSDP reduce-scattered in the last backward)
-                world.sync_grads(params)  # sum over ranks: the loss is already / global normaliser
-            grad_norm = full_tensors(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).to(device)
-            optimizer.step()
-            if scheduler is not None:
-                scheduler.step()
-    total = torch.stack([sums[k] for k in (*SUM_KEYS, "tokens", "loss")])
-    peaks = torch.stack([iw_max, grad_norm])
-    if world is not None:  # one sum and one max over ranks for every stat of the update
-        world.all_reduce_(total)
-        world.all_reduce_(peaks, op="max")
-    vals, (iw_peak, gn) = total.tolist(), peaks.tolist()  # the update's one host read of its stats
-    tokens = vals[len(SUM_KEYS)]
-    stats = {k: v / max(tokens, 1.0) for k, v in zip(SUM_KEYS, vals)}
-    stats.update(iw_max=iw_peak, grad_norm=gn, loss=vals[-1], tokens=tokens, rows=float(n_rows))
-    return stats
+            from_forward = epoch == 0 and i_mb == 0 and first.numel() > 0
+            minibatch_step(model, optimizer, scorer, plan, mb, loss_fn, adv, normaliser, prox, from_forward,
+                           mu_all, params, stats, scheduler)
+    return stats.reduce(world, n_rows)
 
 
 def deterministic_forward(model: Any) -> bool:
