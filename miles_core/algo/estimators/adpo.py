@@ -11,20 +11,11 @@ those ceil(rho K_b) rows are spent is ``adpo.step_cover``:
   state, so every committed token gets a gradient in every update. A run of one step is exact; a
   longer run scores its later tokens at an earlier state than they were sampled from, so its
   ratio is against the proximal policy (TraceRL's shrinkage, Wang et al., 2025, arXiv:2509.06949,
-  with the run length chosen from K and rho instead of fixed). Why it is the default: at rho = 0.5
-  on the arith recipe, scoring every token at an earlier state (0.345 pass@1) beat scoring half of
-  them exactly (0.330) at the same forwards, and scoring all of them exactly (rho = 1, twice the
-  forwards) reached 0.359 (``python -m benchmarks.estimators``, 4 seeds); a token without a
-  gradient in an update teaches nothing there, whereas the earlier state only blurs its context.
-  The re-measurement on 4 x 1700 paired problems did not confirm the lead: covering 0.355, sampled
-  steps 0.357 (p = 0.70), both far above SFT's 0.303 (docs/concepts/estimators.md). At equal forwards
-  the two designs tie on this task; covering stays the default because it leaves no committed token
-  without a gradient at small rho (0.25 in the large recipes, where sampling would skip 3 of 4).
-  Since an exact row of a fresh batch needs no proximal pass (algo/update.py), the recipes with two
-  minibatches spend the previous FLOPs on rho = 0.625. Over two tables of 4 SFT checkpoints each
-  (13,600 paired problems, two machines) it is 1.7 points above rho 0.5 (p = 1.6e-6), level with
-  EBPO (p = 0.54), and not separated from exact steps at rho 0.75 (+0.55 for those, p = 0.11) or
-  from every step exactly (+0.52, p = 0.13; 1.4x the update FLOPs on this engine).
+  with the run length chosen from K and rho instead of fixed). Why it is the default: a token
+  without a gradient in an update teaches nothing there, whereas the earlier state only blurs its
+  context, so at small rho (0.25 in the large recipes) covering leaves no committed token out where
+  sampling would skip 3 of 4; at equal forwards on arith the two designs are within noise of each
+  other (the measurements: docs/concepts/estimators.md).
 * False: a random rho of the steps, each exact, reweighted by K_b / m_b so the objective is
   unbiased for the full one; 1 - rho of the tokens get no gradient in that update.
 
