@@ -73,6 +73,17 @@ def test_the_estimate_converges_to_the_elbo_by_enumeration() -> None:
     assert abs(ll - want) < 4 * se + 1e-6 and se < 0.2 * abs(want)
 
 
+def test_a_misspelt_model_argument_is_refused_by_name(tmp_path: Path) -> None:
+    from miles_core.eval.lm_harness import MilesLM
+
+    save_checkpoint(random_model(), TOK, tmp_path / "ck")
+    with pytest.raises(TypeError, match="mc_nm"):
+        MilesLM.create_from_arg_string(f"pretrained={tmp_path / 'ck'},recipe=arith,mc_nm=8", {"batch_size": 4})
+    lm = MilesLM.create_from_arg_string(f"pretrained={tmp_path / 'ck'},recipe=arith,mc_num=8",
+                                        {"batch_size": 4, "device": "cpu"})
+    assert lm.settings()["mc_num"] == 8 and lm.settings()["batch_size"] == 4
+
+
 def test_request_seeds_and_stop_strings() -> None:
     assert request_seed(1, "a", "b") == request_seed(1, "a", "b") != request_seed(1, "ab", "")
     assert cut_at_stops("12;34\n56", [";", "\n"]) == "12" and cut_at_stops("1234", []) == "1234"

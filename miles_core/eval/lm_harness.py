@@ -113,17 +113,21 @@ class MilesLM(LM):
     """A Miles policy for lm-eval: ``pretrained`` (a base or exported folder), optionally ``adapter``
     (a peft folder Miles trained), and the ``recipe`` it was trained with (a built-in name, a YAML
     path, or the resolved mapping a registered model carries), which gives the prompt template and
-    the evaluation sampler. ``mc_num``: Monte-Carlo draws of the ELBO per log-likelihood request."""
+    the evaluation sampler. ``mc_num``: Monte-Carlo draws of the ELBO per log-likelihood request.
+    A misspelt model argument fails naming itself (no catch-all keyword); ``max_batch_size`` is
+    lm-eval's and unused (batches are ``batch_size``)."""
 
     def __init__(self, pretrained: str, recipe: str | dict = "arith", adapter: str | None = None,
                  batch_size: int | str = 8, mc_num: int = 64, seed: int = 1234, greedy_check: bool = True,
-                 window: bool = True, **_: Any) -> None:
+                 window: bool = True, max_batch_size: int | None = None, device: str | None = None) -> None:
         super().__init__()
         from miles_core.models.lora import load_adapter
 
         self.cfg: RecipeConfig = load_recipe(recipe) if isinstance(recipe, (dict, str)) else recipe
         base, self.tok = load_base(self.cfg, pretrained)
         self.model = (load_adapter(base, adapter) if adapter else base).eval()
+        if device is not None:  # lm-eval's --device; by default the recipe's model.device placed it
+            self.model.to(device)
         self.ec = eval_config(self.cfg)
         self.sampler: SamplerConfig = sampler_for(self.ec)
         self.batch_size = int(batch_size) if str(batch_size) != "auto" else 8
