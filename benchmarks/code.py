@@ -158,7 +158,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
         print(f"[seed {seed}] SFT continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
     return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_curve": sft_curve,
             "reward_seconds": reward_seconds[0], "completions": n, "reward_status_counts": dict(statuses),
-            "adpo_curve": curve, "sandbox_layers": shared_pool().layers,
+            "adpo_curve": curve, "sandbox_layers": shared_pool(cfg.sandbox.isolation).layers,
             "guard_rollbacks": learner.guard.rollbacks if learner.guard else 0, "sft_trained": sft["trained"]}
 
 

@@ -11,19 +11,9 @@ from benchmarks.code import code_eval, hardcoding
 from miles_core.config import load_recipe
 from miles_core.data.code import CodeConfig, CodeTask, decode_answer, split_answer
 from miles_core.data.registry import build_task, check_reward
-from miles_core.rewards import pool
 from miles_core.rewards.registry import reward_for_recipe
 
 CFG = CodeConfig()
-
-
-@pytest.fixture(autouse=True)
-def keep_isolation():
-    """code_eval and the recipe's reward set the process-wide sandbox isolation to the recipe's;
-    put it back so the tests after these keep theirs."""
-    before = pool._ISOLATION[0]
-    yield
-    pool.set_isolation(before)
 
 
 @pytest.fixture

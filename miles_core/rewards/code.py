@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 from miles_core.data.code import decode_answer
 from miles_core.data.codesets import program
-from miles_core.rewards.pool import ExecResult, Job, SandboxPool, shared_pool
+from miles_core.rewards.pool import ExecResult, Job, Mode, SandboxPool, shared_pool
 
 log = logging.getLogger("miles.rewards.code")
 MAX_COMPLETION_CHARS = 20_000
@@ -121,12 +121,13 @@ def benchmark_tests(answer: Any) -> dict | None:
     return spec if ok else None
 
 
-def submit_scores(completions: Sequence[Any], answers: Sequence[Any],
-                  pool: SandboxPool | None = None) -> "Future[list[Score | None]]":
-    """Start scoring in the sandbox workers and return at once (the caller can keep sampling)."""
+def submit_scores(completions: Sequence[Any], answers: Sequence[Any], pool: SandboxPool | None = None,
+                  isolation: Mode = "bwrap") -> "Future[list[Score | None]]":
+    """Start scoring in the sandbox workers and return at once (the caller can keep sampling);
+    ``pool``, or this process's shared pool of ``isolation``."""
     plan, expected = _prepare(completions, answers)
     jobs = [p for p in plan if isinstance(p, Job)]
-    inner = (pool or shared_pool()).submit(jobs)
+    inner = (pool or shared_pool(isolation)).submit(jobs)
     out: Future = Future()
 
     def finish(f: Future) -> None:
@@ -142,10 +143,10 @@ def submit_scores(completions: Sequence[Any], answers: Sequence[Any],
     return out
 
 
-def score_completions(completions: Sequence[Any], answers: Sequence[Any],
-                      pool: SandboxPool | None = None) -> list[Score | None]:
+def score_completions(completions: Sequence[Any], answers: Sequence[Any], pool: SandboxPool | None = None,
+                      isolation: Mode = "bwrap") -> list[Score | None]:
     """(score, reason) for every completion; None where the reference tests are missing or malformed."""
-    return submit_scores(completions, answers, pool).result()
+    return submit_scores(completions, answers, pool, isolation).result()
 
 
 def summarize(scores: Sequence[Score | None]) -> dict[str, Any]:
@@ -156,11 +157,12 @@ def summarize(scores: Sequence[Score | None]) -> dict[str, Any]:
 
 
 def code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], answer: Sequence[Any] | None = None,
-                      **_: Any) -> list[float | None]:
-    """Fraction of hidden tests passed (executed in the sandbox); 0 with a logged reason on any failure."""
+                      isolation: Mode = "bwrap", **_: Any) -> list[float | None]:
+    """Fraction of hidden tests passed (executed in the sandbox of ``isolation``: the default, a
+    sandbox per run, unless the caller's recipe says otherwise); 0 with a logged reason on any failure."""
     if answer is None:
         raise ValueError("code_tests reward: needs meta 'answer' (the JSON tests of each completion)")
-    scores = score_completions(completions, answer)
+    scores = score_completions(completions, answer, isolation=isolation)
     code_tests_reward.last_stats = summarize(scores)  # type: ignore[attr-defined]
     log.debug("code_tests: %s", code_tests_reward.last_stats)  # type: ignore[attr-defined]
     return [None if s is None else s.score for s in scores]
@@ -170,9 +172,10 @@ code_tests_reward.last_stats = {}  # type: ignore[attr-defined]
 
 
 def code_pass_reward(prompts: Sequence[str], completions: Sequence[Any], answer: Sequence[Any] | None = None,
-                     **_: Any) -> list[float | None]:
+                     isolation: Mode = "bwrap", **_: Any) -> list[float | None]:
     """1.0 when the completion passes *every* hidden test, else 0: pass@1's own criterion. Unlike
     ``code_tests`` it gives no credit to a program that is right on some inputs only (e.g. the right
     constant with the wrong shape), which an RL policy can otherwise settle for. Reasons and stats
     as ``code_tests`` (``code_tests_reward.last_stats``)."""
-    return [None if v is None else float(v >= 1.0) for v in code_tests_reward(prompts, completions, answer=answer)]
+    return [None if v is None else float(v >= 1.0)
+            for v in code_tests_reward(prompts, completions, answer=answer, isolation=isolation)]

@@ -383,7 +383,6 @@ _NOT_CACHED = frozenset({"timeout", "worker_error", "setup_failed"})
 
 _SHARED: dict[tuple[int, str], SandboxPool] = {}
 _SHARED_LOCK = threading.Lock()
-_ISOLATION: list[Mode] = ["bwrap"]
 
 
 def _job_message(job: Job, k: int) -> dict:
@@ -409,20 +408,18 @@ def _job_message(job: Job, k: int) -> dict:
     return msg
 
 
-def set_isolation(mode: Mode) -> None:
-    """The isolation the code rewards' shared pool uses (a recipe's ``sandbox.isolation``)."""
-    if mode not in MODES:
-        raise ValueError(f"sandbox.isolation: {mode!r} is not one of {', '.join(MODES)}")
-    _ISOLATION[0] = mode
-
-
-def shared_pool() -> SandboxPool:
+def shared_pool(isolation: Mode = "bwrap") -> SandboxPool:
     """One pool per process and isolation mode with default limits, closed at exit (what the code
-    reward uses). Raises IsolationUnavailable where the configured isolation cannot be had."""
-    key = (os.getpid(), _ISOLATION[0])
+    rewards use). ``isolation`` is each call's (a recipe's ``sandbox.isolation``, carried by the
+    reward ``rewards/registry.py::reward_for_recipe`` binds), never process state, so one part of
+    a program cannot change how another's completions are run. Raises IsolationUnavailable where
+    that isolation cannot be had."""
+    if isolation not in MODES:
+        raise ValueError(f"sandbox.isolation: {isolation!r} is not one of {', '.join(MODES)}")
+    key = (os.getpid(), isolation)
     with _SHARED_LOCK:
         pool = _SHARED.get(key)
         if pool is None or pool.closed:
-            pool = _SHARED[key] = SandboxPool(isolation=_ISOLATION[0])
+            pool = _SHARED[key] = SandboxPool(isolation=isolation)
             atexit.register(pool.close)
         return pool

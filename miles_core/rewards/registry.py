@@ -15,7 +15,6 @@ from miles_core.config import RecipeConfig
 from miles_core.rewards.code import code_pass_reward, code_tests_reward
 from miles_core.rewards.math import RewardFn, format_reward, math_exact_reward, nonempty_reward
 from miles_core.rewards.mathverify import math_verify_reward
-from miles_core.rewards.pool import set_isolation
 from miles_core.rewards.puzzles import countdown_d1_reward, sudoku_reward
 from miles_core.rewards.reasoning_gym import reasoning_gym_reward
 from miles_core.rewards.verifiers import arith_digits_reward, arith_steps_reward, countdown_reward
@@ -79,7 +78,19 @@ def get_reward(name: str) -> RewardFn:
     raise ValueError(f"unknown reward {name!r}; allowed: {sorted(REWARDS)} or a 'name:weight,...' combination")
 
 
+class RecipeReward:
+    """A reward bound to its recipe's ``sandbox.isolation``: every call passes it to the reward as
+    ``isolation`` (the code rewards run their completions there; the others ignore it). A value,
+    not process state: a picklable object whose ``__name__`` is the reward's."""
+
+    def __init__(self, fn: RewardFn, isolation: str) -> None:
+        self.fn, self.isolation = fn, isolation
+        self.__name__ = getattr(fn, "__name__", "reward")
+
+    def __call__(self, prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
+        return self.fn(prompts, completions, **{"isolation": self.isolation, **meta})
+
+
 def reward_for_recipe(cfg: RecipeConfig, name: str | None = None) -> RewardFn:
-    """The reward ``name`` (default ``train.reward``) with the recipe's ``sandbox.isolation`` applied."""
-    set_isolation(cfg.sandbox.isolation)
-    return get_reward(cfg.train.reward if name is None else name)
+    """The reward ``name`` (default ``train.reward``), its code run under the recipe's ``sandbox.isolation``."""
+    return RecipeReward(get_reward(cfg.train.reward if name is None else name), cfg.sandbox.isolation)
