@@ -389,9 +389,10 @@ def test_a_recipes_isolation_travels_with_its_reward_never_through_the_process(m
     """reward_for_recipe binds the recipe's sandbox.isolation to the reward it returns; a reward
     taken by name afterwards in the same process still runs a sandbox per run (bwrap), and the
     bound one runs its own mode, in either order."""
+    import dataclasses
     import pickle
 
-    from miles_core.config import load_recipe
+    from miles_core.config import RecipeConfig, SandboxSettings
     from miles_core.rewards import code as code_mod
     from miles_core.rewards.registry import reward_for_recipe
 
@@ -399,7 +400,8 @@ def test_a_recipes_isolation_travels_with_its_reward_never_through_the_process(m
     real = code_mod.shared_pool
     monkeypatch.setattr(code_mod, "shared_pool", lambda isolation="bwrap": seen.append(isolation) or real(isolation))
     ans = _answer([(0, 0), (3, 9)])
-    shared = reward_for_recipe(load_recipe("code", ["sandbox.isolation=bwrap_shared"]), "code_tests")
+    recipe = dataclasses.replace(RecipeConfig(), sandbox=SandboxSettings(isolation="bwrap_shared"))  # no YAML here
+    shared = reward_for_recipe(recipe, "code_tests")
     assert shared(["0,1,4"], ["x*x"], answer=[ans]) == [1.0]
     assert get_reward("code_tests")(["0,1,4"], ["x*x"], answer=[ans]) == [1.0]
     assert shared(["0,1,4"], ["x*4"], answer=[ans]) == [0.5]
