@@ -129,7 +129,7 @@ def test_lm_eval_end_to_end_in_a_fresh_process(tmp_path: Path) -> None:
     # lm-eval's perplexity aggregate is exp(-mean log-likelihood) over the rows
     assert lik["perplexity,none"] == pytest.approx(math.exp(-(L * logp["7"] + L * logp["8"]) / 2), rel=1e-4)
     s = res["miles"]
-    assert s["batch_size"] == 8 and s["mc_num"] == 8 and s["dtype"] == "torch.float32" and s["device"] == "cpu"
+    assert s["batch_size"] == 8 and s["mc_num"] == 8 and s["dtype"] == "float32" and s["device"] == "cpu"
     assert s["sampler"]["temperature"] == 0.0 and s["completion_len"] == L
 
 

@@ -42,7 +42,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from miles_core.config import RecipeConfig, SamplerConfig, load_recipe
-from miles_core.eval.evaluate import eval_config, sampler_for
+from miles_core.eval.evaluate import eval_config, runtime_of, sampler_for
 from miles_core.models.base import load_base
 from miles_core.models.window import model_device, window_logits
 from miles_core.samplers.registry import sample_for
@@ -139,12 +139,10 @@ class MilesLM(LM):
 
     def settings(self) -> dict[str, Any]:
         """What is recorded beside every lm-eval number this model produces."""
-        p = next(self.model.parameters())
         return {"model": "miles", **self.source, "recipe": self.cfg.name, "task": self.cfg.task.name,
                 "sampler": dataclasses.asdict(self.sampler), "completion_len": self.ec.completion_len,
-                "eval_fingerprint": self.ec.fingerprint(), "batch_size": self.batch_size, "dtype": str(p.dtype),
-                "device": str(p.device), "mc_num": self.mc_num, "seed": self.seed,
-                "greedy_check": self.greedy_check, "window": self.window}
+                "eval_fingerprint": self.ec.fingerprint(), **runtime_of(self.model, self.batch_size),
+                "mc_num": self.mc_num, "seed": self.seed, "greedy_check": self.greedy_check, "window": self.window}
 
     # ---- generation ---------------------------------------------------------------------------
     def generate_until(self, requests: list, disable_tqdm: bool = False) -> list[str]:
