@@ -66,7 +66,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
     def load_context(self, context: Any) -> None:
         from miles_core.config import load_recipe
         from miles_core.eval.evaluate import sampler_for
-        from miles_core.models.base import load_base
+        from miles_core.models.base import load_base, max_positions
         from miles_core.models.lora import load_adapter
         from miles_core.eval.evaluate import eval_config
 
@@ -82,8 +82,7 @@ class MilesGenerator(mlflow.pyfunc.PythonModel):
         self.sampler = sampler_for(ec)
         self.seed = ec.seed
         self.completion_len = ec.completion_len
-        c = getattr(base.config, "text_config", base.config)  # tiny: max_len; transformers: max_position_embeddings
-        self.max_len = int(getattr(c, "max_len", None) or c.max_position_embeddings)
+        self.max_len = max_positions(base)
 
     def _canonical(self, prompt: str) -> str:
         # each task class says how its prompts are normalised (whitespace, countdown's sorted numbers)

@@ -43,7 +43,7 @@ from lm_eval.api.registry import register_model
 
 from miles_core.config import RecipeConfig, SamplerConfig, load_recipe
 from miles_core.eval.evaluate import eval_config, runtime_of, sampler_for
-from miles_core.models.base import load_base
+from miles_core.models.base import load_base, max_positions
 from miles_core.models.window import model_device, window_logits
 from miles_core.samplers.registry import sample_for
 from miles_core.samplers.step import step_from_logits
@@ -161,9 +161,8 @@ class MilesLM(LM):
 
     # ---- likelihood ---------------------------------------------------------------------------
     def _fits(self, n: int, what: str) -> None:
-        c = getattr(self.model.config, "text_config", self.model.config)
-        limit = int(getattr(c, "max_len", None) or getattr(c, "max_position_embeddings", 0) or 0)
-        if limit and n > limit:
+        limit = max_positions(self.model)
+        if n > limit:
             raise ValueError(f"{what}: {n} tokens do not fit the model's {limit} positions")
 
     def _greedy(self, context: list[int], target: list[int], windowed: bool) -> bool:

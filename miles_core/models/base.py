@@ -158,6 +158,14 @@ def base_identity(directory: str | Path) -> dict[str, str]:
     return out
 
 
+def max_positions(model: nn.Module) -> int:
+    """Positions a loaded denoiser can take (prompt + completion): the tiny model's ``max_len``,
+    a transformers config's ``max_position_embeddings`` (its text config for a multimodal one);
+    what serving and lm-eval check a request against before it reaches the model."""
+    c = getattr(model.config, "text_config", model.config)
+    return int(getattr(c, "max_len", None) or c.max_position_embeddings)
+
+
 def save_checkpoint(model: nn.Module, tokenizer: AnyTokenizer, directory: str | Path) -> None:
     """Write model weights, config and tokenizer so ``load_checkpoint`` restores them exactly
     (a Llama-Diffusion model is written as a standard Hugging Face folder)."""
