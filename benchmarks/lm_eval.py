@@ -124,7 +124,7 @@ def scoring_check(task: str, rows_file: Path) -> dict[str, float]:
     from miles_core.eval.lm_tasks import bind, parse
     from tests.helpers.sample_files import corrupt_completion, gold_completion
 
-    score = bind(task)[3]
+    score = bind(task)[2]
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     gold = [score(r, [gold_completion(task, parse(task, r))])["exact_match"] for r in rows]
     bad = [score(r, [corrupt_completion(task, parse(task, r))])["exact_match"] for r in rows]

@@ -46,13 +46,11 @@ def keeps(task: str, doc: dict) -> bool:
 
 
 def bind(task: str, reward: str | None = None) -> tuple[Callable[..., Any], ...]:
-    """(process_docs, doc_to_text, doc_to_target, process_results) of one task, for its YAML."""
+    """(doc_to_text, doc_to_target, process_results) of one task, for its YAML (its rows are
+    already the ones ``miles eval`` evaluates: :func:`readable_rows`)."""
     from miles_core.rewards.registry import get_reward
 
     name = reward or CHECK.get(task)  # a log-likelihood 'problems' task scores no completion
-
-    def process_docs(dataset: Any) -> Any:
-        return dataset.filter(lambda d: keeps(task, d))
 
     def doc_to_text(doc: dict) -> str:
         return parse(task, doc).prompt
@@ -67,7 +65,7 @@ def bind(task: str, reward: str | None = None) -> tuple[Callable[..., Any], ...]
         r = get_reward(name)([p.prompt], [results[0]], answer=[p.answer])[0]
         return {"exact_match": float(r is not None and r >= 1.0)}
 
-    return process_docs, doc_to_text, doc_to_target, process_results
+    return doc_to_text, doc_to_target, process_results
 
 
 def readable_rows(task: str, path: str | Path) -> list[dict]:
@@ -89,7 +87,7 @@ def _yaml(name: str, task: str, path: Path, kind: str) -> str:
     fn = task
     head = [f"task: {name}", "dataset_path: json",
             "dataset_kwargs:", "  data_files:", f"    test: {json.dumps(str(path))}",
-            "test_split: test", f"process_docs: !function miles_lm_tasks.process_docs_{fn}",
+            "test_split: test",
             f"doc_to_text: !function miles_lm_tasks.doc_to_text_{fn}",
             f"doc_to_target: !function miles_lm_tasks.doc_to_target_{fn}", 'target_delimiter: ""',
             'fewshot_delimiter: "\\n\\n"']
@@ -127,7 +125,7 @@ def write_task_folder(out: str | Path, files: dict[str, str | Path], reward: str
         (out / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         (out / f"{name}.yaml").write_text(f"# {len(rows)} rows of {path} that miles eval reads\n" +
                                           _yaml(name, task, out / f"{name}.jsonl", kind))
-        shim.append(f"process_docs_{fn}, doc_to_text_{fn}, doc_to_target_{fn}, process_results_{fn} = "
+        shim.append(f"doc_to_text_{fn}, doc_to_target_{fn}, process_results_{fn} = "
                     f"bind({task!r}, {reward if task == 'problems' else None!r})")
         names.append(name)
     (out / "miles_lm_tasks.py").write_text("\n".join(shim) + "\n")
