@@ -335,34 +335,51 @@ def _print_where_to_look(run_dir: Path, model_uri: str | None = None, store: str
         print(f'  serve it   : {miles} serve --model "models:/{name}@champion"{flag} --port 5001')
 
 
+def model_source(source: str, base: str | None, tracking_uri_arg: str | None, scratch: str) -> dict[str, Any]:
+    """What a command's model argument names, as local folders: ``base_dir``, ``adapter_dir`` (None
+    for a model folder or a base-only registered model), ``recipe`` and ``registered`` (a registered
+    model's recipe and registry entry; None for a folder). SRC is a ``models:/`` or ``runs:/`` URI,
+    downloaded into ``scratch`` from the store training registered into; an adapter folder, its
+    base ``base`` or its ``base_model_name_or_path``; or a model folder. ``base`` also replaces a
+    registered model's base."""
+    if source.startswith(("models:/", "runs:/")):
+        import tracking
+        from tracking import registry
+
+        tracking.configure(tracking_uri(tracking_uri_arg))
+        src = registry.resolve_model(source, scratch)
+        return {"base_dir": Path(base or src["base_dir"]),
+                "adapter_dir": Path(src["adapter_dir"]) if src["adapter_dir"] else None,
+                "recipe": src["recipe"], "registered": src}
+    path = Path(source)
+    if (path / "adapter_config.json").exists():
+        from miles_core.models.export import adapter_base
+
+        found = Path(base) if base else adapter_base(path)
+        if found is None:
+            raise UsageError(f"{path}: its base_model_name_or_path is not a folder here; pass --base DIR")
+        return {"base_dir": found, "adapter_dir": path, "recipe": None, "registered": None}
+    if (path / "config.json").exists():
+        return {"base_dir": path, "adapter_dir": None, "recipe": None, "registered": None}
+    raise UsageError(f"{source}: not a models:/ or runs:/ URI, an adapter folder (adapter_config.json) "
+                     "or a model folder (config.json)")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """``miles export SRC OUT``: an adapter (a folder, or a registered ``models:/NAME@alias``) merged
     into its base and written as a model folder in the family's published layout, with a model card."""
     import tempfile
 
-    from miles_core.models.export import BaseMismatch, adapter_base, export_merged, transformers_loads
+    from miles_core.models.export import BaseMismatch, export_merged, transformers_loads
 
     with tempfile.TemporaryDirectory(prefix="miles-export-") as dl:  # a registered model's download
-        card: dict = {}
-        if args.source.startswith(("models:/", "runs:/")):
-            import tracking
-            from tracking import registry
-
-            tracking.configure(tracking_uri(args.tracking_uri))  # the store training registered into
-            src = registry.resolve_model(args.source, dl)
-            if not src["adapter_dir"]:
-                raise UsageError(f"{args.source} holds no adapter (a base-only model): nothing to merge")
-            base_dir, adapter_dir = Path(args.base or src["base_dir"]), Path(src["adapter_dir"])
-            card = {"name": src["name"], "version": src["version"], "pass1": src["registered_pass1"],
-                    "fingerprint": src.get("eval_fingerprint"), "recipe": src["recipe"]}
-        else:
-            adapter_dir = Path(args.source)
-            if not (adapter_dir / "adapter_config.json").exists():
-                raise UsageError(f"{adapter_dir}: not a peft adapter folder (no adapter_config.json)")
-            found = Path(args.base) if args.base else adapter_base(adapter_dir)
-            if found is None:
-                raise UsageError(f"{adapter_dir}: its base_model_name_or_path is not a folder here; pass --base DIR")
-            base_dir = found
+        src = model_source(args.source, args.base, args.tracking_uri, dl)
+        base_dir, adapter_dir, reg = src["base_dir"], src["adapter_dir"], src["registered"]
+        if adapter_dir is None:
+            raise UsageError(f"{args.source} holds no adapter (a base-only model): nothing to merge" if reg else
+                             f"{args.source}: not a peft adapter folder (no adapter_config.json)")
+        card = {"name": reg["name"], "version": reg["version"], "pass1": reg["registered_pass1"],
+                "fingerprint": reg.get("eval_fingerprint"), "recipe": reg["recipe"]} if reg else {}
         try:
             out = export_merged(base_dir, adapter_dir, args.out, card, dtype=args.dtype)
         except (BaseMismatch, FileExistsError) as e:

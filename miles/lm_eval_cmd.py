@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from miles.commands import UsageError, tracking_uri
+from miles.commands import UsageError, model_source
 
 
 def add_parser(sub: Any) -> None:
@@ -46,30 +46,13 @@ def add_parser(sub: Any) -> None:
 
 
 def open_source(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
-    """``pretrained``, ``adapter`` and ``recipe`` of what ``--model`` names."""
-    src = args.model
-    if src.startswith(("models:/", "runs:/")):
-        import tracking
-        from tracking import registry
-
-        tracking.configure(tracking_uri(args.tracking_uri))
-        got = registry.resolve_model(src, scratch)
-        return {"pretrained": got["base_dir"], "adapter": got["adapter_dir"], "recipe": args.recipe or got["recipe"]}
-    path = Path(src)
-    if not path.is_dir():
-        raise UsageError(f"--model {src}: no such folder, and not a models:/ or runs:/ URI")
-    if args.recipe is None:
-        raise UsageError(f"--model {src}: a folder does not record its recipe; pass --recipe NAME_OR_YAML")
-    if (path / "adapter_config.json").exists():
-        from miles_core.models.export import adapter_base
-
-        base = Path(args.base) if args.base else adapter_base(path)
-        if base is None:
-            raise UsageError(f"{path}: its base_model_name_or_path is not a folder here; pass --base DIR")
-        return {"pretrained": str(base), "adapter": str(path), "recipe": args.recipe}
-    if not (path / "config.json").exists():
-        raise UsageError(f"--model {src}: neither an adapter folder (adapter_config.json) nor a model folder (config.json)")
-    return {"pretrained": str(path), "adapter": None, "recipe": args.recipe}
+    """``pretrained``, ``adapter`` and ``recipe`` of what ``--model`` names (commands.model_source)."""
+    src = model_source(args.model, args.base, args.tracking_uri, scratch)
+    recipe = args.recipe or src["recipe"]
+    if recipe is None:
+        raise UsageError(f"--model {args.model}: a folder does not record its recipe; pass --recipe NAME_OR_YAML")
+    return {"pretrained": str(src["base_dir"]), "adapter": str(src["adapter_dir"]) if src["adapter_dir"] else None,
+            "recipe": recipe}
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
