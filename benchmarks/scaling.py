@@ -140,6 +140,7 @@ def learner_rank(args: argparse.Namespace) -> None:
     from miles_core.config import load_recipe
     from miles_core.parallel import World, close_world, init_world
     from miles_core.learner.policy import Learner
+    from miles_core.learner.shares import owned_rows
     from miles_core.storage import TrajectoryStore
 
     world = init_world("gloo")
@@ -148,9 +149,10 @@ def learner_rank(args: argparse.Namespace) -> None:
     cfg = load_recipe(RECIPE, args.overrides)
     learner = Learner(cfg, args.base)
     batches = {n: TrajectoryStore(args.store).read_batch(f"procs{n}") for n in (1, 2)}
-    first = torch.arange(len(batches[2])) < len(batches[2]) // 2
-    mine = first if world.rank == 0 else ~first  # each rank holds half the trajectories (learner/shares.py)
-    learner.update(batches[2], world=world, owned=mine)  # warm-up, both ranks
+    whole = batches[2]
+    mine = owned_rows(0, len(whole), 1, cfg.train.group_size, world).nonzero().squeeze(1)  # its half (learner/shares.py)
+    share, keys = whole.select(mine), mine
+    learner.update(share, world=world, keys=keys)  # warm-up, both ranks
     recs = []
     for r in range(args.rounds):
         for n in (1, 2, 0):  # 0: both ranks run 1-rank updates side by side, no collectives (machine ceiling)
@@ -160,7 +162,7 @@ def learner_rank(args: argparse.Namespace) -> None:
             for _ in range(args.updates):
                 if n != 1 or world.rank == 0:
                     t0, c0 = time.perf_counter(), time.process_time()
-                    stats = learner.update(batches[max(n, 1)], world=world, owned=mine) if n == 2 else \
+                    stats = learner.update(share, world=world, keys=keys) if n == 2 else \
                         learner.update(batches[1])
                     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
                 else:
@@ -182,6 +184,7 @@ def make_learner_store(base: str, work: Path, a: argparse.Namespace) -> str:
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.learner.policy import Learner
+    from miles_core.learner.shares import owned_rows
     from miles_core.storage import TrajectoryStore
 
     cfg = load_recipe(RECIPE, _overrides(a))

@@ -104,6 +104,15 @@ class TrajectoryBatch:
         )
 
     @staticmethod
+    def empty(completion_len: int) -> "TrajectoryBatch":
+        """No rows: a learner rank's share of an update whose batches it would have read were
+        dropped (it still takes part in the update's collectives)."""
+        z = torch.zeros(0, completion_len, dtype=torch.long)
+        none = torch.zeros(0, dtype=torch.long)
+        return TrajectoryBatch([], z, z.clone(), torch.zeros(0, completion_len), none, none.clone(), none.clone(),
+                               torch.zeros(0), torch.zeros(0))
+
+    @staticmethod
     def concat(batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
         """Concatenate batches with equal completion length (group ids must already be unique)."""
         if not batches:

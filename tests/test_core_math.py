@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from miles_core.algo.update import as_draws
+
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
 from miles_core.algo.loss import ADPOLoss
 from miles_core.algo.schedule import lr_factor
@@ -57,7 +59,7 @@ def test_step_map_rebuilds_every_state_and_scoring_reproduces_logp(remasking, bl
         rebuilt = rebuild_state(batch.completion_ids, batch.step_map, torch.full((4,), k), TOK.mask_id)
         assert torch.equal(x[:, width:], rebuilt)
     # scoring each recorded (b, k) row with the learner's path reproduces the stored log-prob exactly
-    rows = build_rows(batch, 1.0, torch.Generator())
+    rows = build_rows(batch, 1.0, as_draws(torch.Generator(), len(batch)))
     logp, _, commit = score_rows(model.inner, batch, rows.traj, rows.step, TOK, 1.0)
     stored = batch.logp[rows.traj]
     assert torch.equal(logp[commit], stored[commit])
@@ -157,7 +159,7 @@ def test_group_advantages_hand_values():
 def test_step_subsampling_is_unbiased_reweighting():
     model = tiny_model()
     batch = sample(model, TOK, PROMPTS, SamplerConfig(steps=8), 8, torch.Generator().manual_seed(0))
-    rows = build_rows(batch, 0.25, torch.Generator().manual_seed(1))
+    rows = build_rows(batch, 0.25, as_draws(torch.Generator().manual_seed(1), len(batch)))
     for b in range(4):
         m = rows.traj == b
         assert int(m.sum()) == 2 and torch.allclose(rows.weight[m], torch.tensor(4.0))
@@ -167,7 +169,7 @@ def test_step_subsampling_is_unbiased_reweighting():
     est = []
     gen = torch.Generator().manual_seed(2)
     for _ in range(4000):
-        rr = build_rows(batch, 0.25, gen)
+        rr = build_rows(batch, 0.25, as_draws(gen, len(batch)))
         m = rr.traj == 0
         est.append(float((rr.weight[m] * f[rr.step[m]]).sum()))
     assert sum(est) / len(est) == pytest.approx(float(f.sum()), rel=0.03)

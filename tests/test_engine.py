@@ -13,6 +13,7 @@ import torch
 
 from tests.helpers.llada_reference import logp_gap, replay_decisions
 from miles_core.algo.rows import score_rows
+from miles_core.algo.update import as_draws
 from miles_core.config import ConfigError, SamplerConfig
 from miles_core.models.base import load_checkpoint
 from miles_core.models.hf import init_tiny
@@ -262,7 +263,7 @@ def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> 
     comp = torch.arange(10, 22).view(2, 6)
     batch = TrajectoryBatch(prompt_ids=[[5], [6]], completion_ids=comp, step_map=step_map, logp=torch.zeros(2, 6),
                             nfe=torch.tensor([5, 3]), group_id=torch.tensor([0, 0]), policy_version=torch.zeros(2).long())
-    rows = build_rows(batch, 1.0, torch.Generator(), merge=2)
+    rows = build_rows(batch, 1.0, as_draws(torch.Generator(), len(batch)), merge=2)
     assert rows.traj.tolist() == [0, 0, 0, 1, 1] and rows.step.tolist() == [0, 1, 2, 0, 1]   # ceil(5/2), ceil(3/2)
     x, _, width, commit = row_inputs(batch, rows.traj, rows.step, TOK, RecordedStep(rows.bounds))
     m = TOK.mask_id
@@ -277,7 +278,7 @@ def test_a_merged_row_is_scored_against_the_proximal_policy_not_the_recorded_mu(
 
     model, tok = models["tiny"]
     batch = sample(model, tok, prompts_for(tok, 2, 6), NSD, 16, torch.Generator().manual_seed(0))
-    merged = build_rows(batch, 1.0, torch.Generator(), merge=2)
+    merged = build_rows(batch, 1.0, as_draws(torch.Generator(), len(batch)), merge=2)
     one, two = MaskedStepRows(batch, tok, 1.0, RecordedStep()), MaskedStepRows(batch, tok, 1.0, RecordedStep(merged.bounds))
     idx = torch.tensor([0, 1])
     assert torch.equal(one.behaviour(idx, idx), batch.logp[idx]) and two.behaviour(idx, idx).isnan().all()
@@ -297,7 +298,7 @@ def test_covering_rows_partition_every_step_into_near_equal_runs() -> None:
                             policy_version=torch.zeros(3).long())
     runs = set()
     for seed in range(30):
-        rows = build_rows(batch, 0.5, torch.Generator().manual_seed(seed), cover=True)
+        rows = build_rows(batch, 0.5, as_draws(torch.Generator().manual_seed(seed), len(batch)), cover=True)
         assert rows.traj.tolist() == [0, 0, 0, 1, 1, 2, 2] and rows.weight.tolist() == [1.0] * 7
         view = RecordedStep(rows.bounds)
         _, _, _, commit = row_inputs(batch, rows.traj, rows.step, TOK, view)
@@ -322,8 +323,8 @@ def test_covering_rows_at_rho_one_are_every_step_exactly(models: dict) -> None:
 
     model, tok = models["tiny"]
     batch = sample(model, tok, prompts_for(tok, 3, 5), NSD, 16, torch.Generator().manual_seed(0))
-    a = build_rows(batch, 1.0, torch.Generator().manual_seed(4), cover=True)
-    b = build_rows(batch, 1.0, torch.Generator().manual_seed(4), cover=False)
+    a = build_rows(batch, 1.0, as_draws(torch.Generator().manual_seed(4), len(batch)), cover=True)
+    b = build_rows(batch, 1.0, as_draws(torch.Generator().manual_seed(4), len(batch)), cover=False)
     assert a.bounds is None and b.bounds is None
     assert torch.equal(a.traj, b.traj) and torch.equal(a.step, b.step) and torch.equal(a.weight, b.weight)
 

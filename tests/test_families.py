@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from miles_core.algo.update import as_draws
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
@@ -393,7 +395,7 @@ def test_samplers_record_steps_that_scoring_reproduces(ckpts: dict[str, Path], f
     batch = sample(model, tok, prompts, cfg, 8, torch.Generator().manual_seed(0))
     assert (batch.step_map >= 0).all() and torch.isfinite(batch.logp).all()
     assert not any(t in tok.forbidden_ids for t in batch.completion_ids.flatten().tolist())
-    rows = build_rows(batch, 1.0, torch.Generator())
+    rows = build_rows(batch, 1.0, as_draws(torch.Generator(), len(batch)))
     logp, _, commit = score_rows(model, batch, rows.traj, rows.step, tok, 1.0)
     assert commit.sum() == batch.completion_ids.numel()
     assert torch.allclose(logp[commit], batch.logp[rows.traj][commit], atol=1e-5)

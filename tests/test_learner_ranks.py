@@ -118,9 +118,33 @@ def torchrun(run: str, tmp: Path, nproc: int, *extra: str, restarts: int = 0,
     return subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=open(tmp / "torchrun.log", "wb"), stderr=subprocess.STDOUT)
 
 
+@pytest.mark.parametrize("ranks,batches,groups", [(2, 3, 3), (3, 5, 2)])
+def test_each_rank_updating_on_its_own_share_makes_the_one_process_update(ranks: int, batches: int,
+                                                                           groups: int) -> None:
+    """D gloo ranks, each building rows for and scoring only the trajectories it holds (uneven
+    shares of whole groups, a group without advantage among them), make one process's update of
+    the whole global batch for adpo (covering rows), espo (counts stratified over a group) and wd1
+    (weights softmaxed over a group); no rank passes another's trajectories to the row builder."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+           str(ranks), str(ROOT / "tests" / "helpers" / "shares_update.py"), str(batches), str(groups)]
+    out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    lines = out.stdout.splitlines()
+    for estimator in ("adpo", "espo", "wd1"):
+        line = next(x for x in lines if x.startswith(f"estimator={estimator} "))
+        fields = dict(f.split("=") for f in line.split())
+        assert float(fields["max_abs_diff"]) < 1e-6 and float(fields["moved"]) > 1e-3, line
+    built = sorted(tuple(map(int, x.split("=")[1].split(":"))) for x in lines if x.startswith("built="))
+    total = batches * groups * 4
+    assert [r for r, _, _ in built] == list(range(ranks))
+    assert sum(h for _, _, h in built) == total and len({h for _, _, h in built}) > 1  # a partition, uneven
+    assert all(0 < b <= h < total for _, b, h in built)  # each built rows for its own trajectories only
+
+
 def test_a_global_batch_read_in_shares_by_two_ranks_is_the_one_process_update(tmp_path: Path, base_dir: Path) -> None:
     """Four sampler batches make one update (async_rl.global_batch=32): rank 0 reads batches 0 and
-    2, rank 1 batches 1 and 3, and the adapter they publish equals one process's, which reads all."""
+    1, rank 1 batches 2 and 3, and the adapter they publish equals one process's, which reads all."""
     run = committed_run(tmp_path / "one", base_dir, 4, "async_rl.global_batch=32")
     two = tmp_path / "two" / "run"
     shutil.copytree(run, two)
@@ -201,7 +225,7 @@ def test_fsdp_ranks_publish_and_resume_the_one_process_updates(tmp_path: Path, b
 
 @pytest.mark.parametrize("minibatches,kl", [(1, 0.0), (2, 0.1)])
 def test_an_fsdp_update_with_unequal_shares_is_the_one_process_update(tmp_path: Path, minibatches: int, kl: float) -> None:
-    """FSDP2 needs every rank to run as many passes: rank 1, holding 3 of 12 trajectories, pads its
+    """FSDP2 needs every rank to run as many passes: rank 1, holding 4 of 12 trajectories, pads its
     chunks; the sharded update still equals one process's (and the KL's reference passes pad too)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2",
            str(ROOT / "tests" / "helpers" / "fsdp_update.py"), str(minibatches), str(kl)]

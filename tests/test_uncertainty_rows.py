@@ -18,7 +18,7 @@ from torch import nn
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.rows import (MaskedStepRows, RecordedStep, Rows, inclusion_probs, step_uncertainty,
                                   uncertainty_rows)
-from miles_core.algo.update import adpo_update, policy_update
+from miles_core.algo.update import adpo_update, as_draws, policy_update
 from miles_core.config import ADPOConfig, ConfigError, load_recipe
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -93,7 +93,7 @@ def test_the_draw_includes_each_step_with_its_probability_and_weighs_it_back() -
     hits = torch.zeros(2, 3)
     g, n = torch.Generator().manual_seed(1), 3000
     for _ in range(n):
-        r = uncertainty_rows(tb, 0.5, 0.05, g)
+        r = uncertainty_rows(tb, 0.5, 0.05, as_draws(g, len(tb)))
         hits[r.traj, r.step] += 1
         torch.testing.assert_close(r.weight, (1 / pi[r.traj, r.step]).float())   # E[w 1{drawn}] = 1 per step
     torch.testing.assert_close(hits / n, pi.float(), atol=0.035, rtol=0)        # 4 standard errors at most
@@ -130,7 +130,7 @@ def test_the_estimator_builds_these_rows_and_the_engine_runs_them() -> None:
     model = TwoToken(0)
     stats = adpo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0,
                         torch.Generator().manual_seed(5))
-    want = uncertainty_rows(tb, 0.5, cfg.step_floor, torch.Generator().manual_seed(5))
+    want = uncertainty_rows(tb, 0.5, cfg.step_floor, as_draws(torch.Generator().manual_seed(5), len(tb)))
     assert stats["rows"] == want.traj.numel()
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from miles_core.parallel import World
 from miles_core.types import TrajectoryBatch
 
 
@@ -55,12 +56,19 @@ class Health:
     rows: int              # completions in the batch
 
 
-def batch_health(batch: TrajectoryBatch) -> Health:
-    """What the guard looks at, from a scored batch (decoded completions + rewards)."""
-    n = max(len(batch.completions), 1)
-    empty = sum(1 for c in batch.completions if not c.strip()) / n if batch.completions else 0.0
+def batch_health(batch: TrajectoryBatch, world: World | None = None) -> Health:
+    """What the guard looks at, from a scored batch (decoded completions + rewards). ``world``:
+    ``batch`` is this rank's share of the global batch; the health is the whole batch's, from
+    four sums and a max over ranks (the guard then decides the same on every rank)."""
     r = batch.reward[~torch.isnan(batch.reward)] if batch.reward is not None else torch.empty(0)
-    return Health(empty, float(r.mean()) if r.numel() else float("nan"), int(batch.policy_version.min()), len(batch))
+    empty = sum(1 for c in batch.completions if not c.strip())
+    sums = torch.tensor([empty, len(batch.completions), float(r.sum()), r.numel(), len(batch)], dtype=torch.float64)
+    oldest = torch.tensor([-float(batch.policy_version.min()) if len(batch) else -float("inf")], dtype=torch.float64)
+    if world is not None:
+        world.all_reduce_(sums)
+        world.all_reduce_(oldest, op="max")
+    empty, texts, r_sum, r_n, rows = sums.tolist()
+    return Health(empty / texts if texts else 0.0, r_sum / r_n if r_n else float("nan"), int(-oldest[0]), int(rows))
 
 
 class CollapseGuard:

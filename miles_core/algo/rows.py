@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
+from miles_core.algo.draws import STREAM_PROMPT, Draws
 from miles_core.samplers.step import left_pad, rebuild_state, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -44,7 +46,7 @@ def step_groups(k_b: int, groups: int, generator: torch.Generator) -> Tensor:
     return torch.cat([torch.zeros(1, dtype=torch.long), (q + longer).cumsum(0)])
 
 
-def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Generator, merge: int = 1,
+def build_rows(batch: TrajectoryBatch, step_fraction: float, draws: Draws, merge: int = 1,
                cover: bool = False) -> Rows:
     """The recorded-step rows of ``batch``: ceil(rho K_b) rows per trajectory (rho = ``step_fraction``).
 
@@ -53,9 +55,11 @@ def build_rows(batch: TrajectoryBatch, step_fraction: float, generator: torch.Ge
     update at the cost of rho K_b forwards; a run of one step is scored exactly at its own state.
     Otherwise a random fraction rho of each trajectory's steps (or of its runs of ``merge`` = s > 1
     steps, TraceRL) is scored and reweighted by K_b / m_b, unbiased for the full objective but
-    leaving 1 - rho of the tokens without a gradient in that update."""
+    leaving 1 - rho of the tokens without a gradient in that update. Each trajectory draws from
+    its own generator (``draws``), so its rows do not depend on the rest of the batch."""
     trajs, steps, weights, bounds = [], [], [], []
     for b, k in enumerate(batch.num_steps.tolist()):
+        generator = draws.gen(b)
         if cover and merge == 1:
             m_b = max(1, min(k, math.ceil(step_fraction * k)))
             bounds.append(step_groups(k, m_b, generator))
@@ -112,7 +116,7 @@ def inclusion_probs(u: Tensor, valid: Tensor, budget: Tensor, floor: float) -> T
     return at(hi)
 
 
-def uncertainty_rows(batch: TrajectoryBatch, step_fraction: float, floor: float, generator: torch.Generator) -> Rows:
+def uncertainty_rows(batch: TrajectoryBatch, step_fraction: float, floor: float, draws: Draws) -> Rows:
     """Recorded-step rows drawn where the behaviour policy had a choice (NSD's allocation applied to
     the update): step k of trajectory b is a row with probability pi_bk (:func:`inclusion_probs` of
     :func:`step_uncertainty`, rho K_b rows expected), independently, with weight 1 / pi_bk, so the
@@ -121,7 +125,10 @@ def uncertainty_rows(batch: TrajectoryBatch, step_fraction: float, floor: float,
     k_b = batch.num_steps
     valid = torch.arange(int(k_b.max()))[None, :] < k_b[:, None]                # [B, K]
     pi = inclusion_probs(step_uncertainty(batch), valid, step_fraction * k_b.double(), floor)
-    take = (torch.rand(pi.shape, generator=generator, dtype=torch.float64) < pi) & valid
+    width = pi.shape[1]
+    u = draws.cat(lambda b, g: F.pad(torch.rand(1, int(k_b[b]), generator=g, dtype=torch.float64),
+                                     (0, width - int(k_b[b])), value=2.0), dim=0)  # [B, K]
+    take = (u < pi) & valid
     traj, step = take.nonzero(as_tuple=True)
     return Rows(traj, step, (1.0 / pi[traj, step]).float())
 
@@ -192,6 +199,25 @@ class FixedRows:
 
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor | None:
         return None
+
+
+class NoRows(FixedRows):
+    """The scorer of a data-parallel rank that holds no row of this update (its trajectories all
+    carried no advantage, or the batches it would have read were dropped): it scores nothing and
+    still takes part in every collective of the update (gradient sums, stats)."""
+
+    def __init__(self, width: int) -> None:
+        self.width = width
+
+    def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:
+        raise RuntimeError("NoRows.score: this rank holds no rows (a padding chunk scores the pad rows)")
+
+    def behaviour(self, traj: Tensor, step: Tensor) -> None:
+        return None
+
+
+def no_rows() -> Rows:
+    return Rows(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), torch.zeros(0))
 
 
 class RecordedStep:
@@ -280,6 +306,21 @@ def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharToke
     x = torch.cat([prompt, state], dim=1)
     attn = torch.cat([real, torch.ones_like(state, dtype=torch.bool)], dim=1)
     return x, attn, prompt.shape[1], commit
+
+
+def prompt_masks(batch: TrajectoryBatch, draws: Draws, epochs: int, n: int, prob: float) -> Tensor:
+    """[E, n, B, P] random prompt masks (d1: each prompt token masked with ``prob``), right-aligned
+    as :func:`row_inputs` aligns prompts: each trajectory draws for its own prompt length, so its
+    masks are the same in any batch (P, the widest prompt, depends on the batch)."""
+    width = max(len(p) for p in batch.prompt_ids)
+
+    def one(b: int, g: torch.Generator) -> Tensor:
+        own = len(batch.prompt_ids[b])
+        out = torch.zeros(epochs, n, 1, width, dtype=torch.bool)
+        out[..., width - own:] = torch.rand(epochs, n, 1, own, generator=g) < prob
+        return out
+
+    return draws.cat(one, dim=2, stream=STREAM_PROMPT)
 
 
 RECORDED = RecordedStep()

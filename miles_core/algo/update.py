@@ -21,9 +21,10 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from miles_core.algo.draws import Draws, minibatches
 from miles_core.algo.estimators import get_estimator
 from miles_core.algo.loss import SUM_KEYS
-from miles_core.algo.rows import Rows, RowScorer
+from miles_core.algo.rows import NoRows, Rows, RowScorer, no_rows
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
 from miles_core.parallel import World, fsdp_root, full_tensors
@@ -31,8 +32,8 @@ from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
 from miles_core.models.window import head_weight
 
-__all__ = ["ChunkPlan", "RowScorer", "UpdateStats", "adpo_update", "deterministic_forward", "estimator_rows",
-           "minibatch_step", "policy_update", "proximal_logprobs"]
+__all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "adpo_update", "deterministic_forward",
+           "estimator_rows", "minibatch_step", "policy_update", "proximal_logprobs"]
 
 
 class ChunkPlan:
@@ -41,18 +42,19 @@ class ChunkPlan:
     ``adpo.chunk_tokens`` > 0 is a memory budget in positions per forward/backward (a row costs its
     sequence plus its scored positions weighted by what their logits hold, ``window.head_weight``,
     so a chunk's activations are the same size whatever K and the lengths); otherwise chunks of
-    ``adpo.row_chunk`` rows. ``owned`` [B] (data parallel): the trajectories this rank holds; it
-    runs only their rows. Sharded (FSDP2), every rank runs as many chunks as the busiest one,
-    padded with None, since every forward and backward there is a collective (parallel.py)."""
+    ``adpo.row_chunk`` rows. ``rows`` are this rank's (data parallel: the rows of the trajectories
+    it holds, learner/shares.py). Sharded (FSDP2), every rank runs as many chunks as the busiest
+    one, padded with None, since every forward and backward there is a collective (parallel.py);
+    a padding chunk runs one row of ``pad`` (scorer and rows: default this rank's own)."""
 
     def __init__(self, model: Any, scorer: RowScorer, rows: Rows, cfg: ADPOConfig, world: World | None,
-                 owned: Tensor | None) -> None:
-        self.rows, self.cfg, self.world, self.owned = rows, cfg, world, owned
+                 pad: tuple[RowScorer, Rows] | None = None) -> None:
+        self.rows, self.cfg, self.world = rows, cfg, world
         self.sharded = world is not None and world.sharded
+        self.pad = pad or (scorer, rows)
+        if self.sharded and self.pad[1].traj.numel() == 0:
+            raise ValueError("a sharded update needs a row to pad with on every rank (adpo_update passes one)")
         self.cost = scorer.row_cost(rows.traj, rows.step, head_weight(model)) if cfg.chunk_tokens > 0 else None
-
-    def own(self, idx: Tensor) -> Tensor:
-        return idx if self.owned is None else idx[self.owned[self.rows.traj[idx]]]
 
     def chunks(self, idx: Tensor) -> Iterator[Tensor]:
         if self.cost is None:
@@ -66,17 +68,18 @@ class ChunkPlan:
 
     def mine(self, idx: Tensor) -> list[Tensor | None]:
         """This rank's chunks of ``idx`` (None: a padding chunk, sharded only)."""
-        cs: list[Tensor | None] = list(self.chunks(self.own(idx)))
+        cs: list[Tensor | None] = list(self.chunks(idx))
         if self.sharded:
             cs += [None] * (int(self.world.max_over_ranks(len(cs))) - len(cs))
         return cs
 
 
-def pad_pass(model: Any, scorer: RowScorer, rows: Rows, idx: Tensor, cfg: ADPOConfig, backward: bool) -> None:
-    """A padding chunk: one row of ``idx`` through the same passes as a real chunk, its loss x 0
-    (non-finite log-probs of another rank's skeleton row zeroed first), so FSDP's collectives
-    match across ranks and nothing is added to the gradient or the stats."""
-    t, k = rows.traj[idx[:1]], rows.step[idx[:1]]
+def pad_pass(plan: ChunkPlan, model: Any, backward: bool) -> None:
+    """A padding chunk: one row of ``plan.pad`` through the same passes as a real chunk, its loss
+    x 0 (non-finite log-probs zeroed first), so FSDP's collectives match across ranks and nothing
+    is added to the gradient or the stats."""
+    scorer, rows, cfg = plan.pad[0], plan.pad[1], plan.cfg
+    t, k = rows.traj[:1], rows.step[:1]
     logp = scorer.score(model, t, k)[0]
     if backward and cfg.kl_coef > 0:
         with torch.no_grad(), reference_policy(model) as ref_model:
@@ -92,8 +95,9 @@ def proximal_logprobs(model: Any, scorer: RowScorer, plan: ChunkPlan, first: Ten
     ``first`` minibatch's rows take it from their own forward in phase 3 (the weights have not
     stepped yet); rows of a ``fresh`` trajectory whose every token has a recorded mu take mu (the
     sampler ran the same step function on the same weights). Empty when one optimizer step is all
-    the update takes (pi_prox is then the forward's own log-probs)."""
-    rows, cfg, world = plan.rows, plan.cfg, plan.world
+    the update takes (pi_prox is then the forward's own log-probs). Each rank scores its own rows
+    only: nothing here is exchanged."""
+    rows, cfg = plan.rows, plan.cfg
     n_rows = rows.traj.numel()
     if cfg.num_minibatches * cfg.epochs <= 1:
         return []
@@ -111,12 +115,10 @@ def proximal_logprobs(model: Any, scorer: RowScorer, plan: ChunkPlan, first: Ten
         with torch.no_grad():
             for c in plan.mine(torch.arange(n_rows)[own_pass] if e == 0 else torch.arange(n_rows)):
                 if c is None:
-                    pad_pass(model, scorer, rows, torch.arange(n_rows), cfg, backward=False)
+                    pad_pass(plan, model, backward=False)
                     continue
                 prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
-        if world is not None:  # each rank scored its own rows, zeros elsewhere: the sum is exact
-            world.all_reduce_(prox)
-        if by_mu.any():  # after the sum: every rank holds mu
+        if by_mu.any():
             prox[by_mu.to(device)] = mu_all[by_mu.to(mu_all.device)].to(device, prox.dtype)
         proxes.append(prox)
     return proxes
@@ -138,8 +140,10 @@ class UpdateStats:
         self.iw_max = torch.maximum(self.iw_max, out.sums["iw_max"].to(self.device))
 
     def reduce(self, world: World | None, n_rows: int) -> dict[str, float]:
-        """Phase 4: one sum and one max over ranks, one host read; per-token means."""
-        total = torch.stack([self.sums[k] for k in (*SUM_KEYS, "tokens", "loss")])
+        """Phase 4: one sum and one max over ranks, one host read; per-token means. ``n_rows``:
+        this rank's rows (the stats report the update's, summed)."""
+        rows = torch.tensor(float(n_rows), device=self.device)
+        total = torch.stack([self.sums[k] for k in (*SUM_KEYS, "tokens", "loss")] + [rows])
         peaks = torch.stack([self.iw_max, self.grad_norm])
         if world is not None:
             world.all_reduce_(total)
@@ -147,7 +151,7 @@ class UpdateStats:
         vals, (iw_peak, gn) = total.tolist(), peaks.tolist()  # the update's one host read of its stats
         tokens = vals[len(SUM_KEYS)]
         stats = {k: v / max(tokens, 1.0) for k, v in zip(SUM_KEYS, vals)}
-        stats.update(iw_max=iw_peak, grad_norm=gn, loss=vals[-1], tokens=tokens, rows=float(n_rows))
+        stats.update(iw_max=iw_peak, grad_norm=gn, loss=vals[-2], tokens=tokens, rows=vals[-1])
         return stats
 
 
@@ -165,7 +169,7 @@ def minibatch_step(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScor
         if plan.sharded:  # accumulate unsharded; reduce-scatter once, after the minibatch's last chunk
             fsdp_root(model).set_requires_gradient_sync(i == len(cs) - 1)
         if c is None:
-            pad_pass(model, scorer, rows, mb, cfg, backward=True)
+            pad_pass(plan, model, backward=True)
             continue
         t_idx, s_idx = rows.traj[c], rows.step[c]
         logp, ent, commit = scorer.score(model, t_idx, s_idx)
@@ -195,33 +199,35 @@ def minibatch_step(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScor
 
 
 def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
-                  normaliser: float, cfg: ADPOConfig, generator: torch.Generator, scheduler: Any = None,
-                  world: World | None = None, owned: Tensor | None = None,
-                  fresh: Tensor | None = None) -> dict[str, float]:
+                  normaliser: float, cfg: ADPOConfig, draws: Draws | torch.Generator, scheduler: Any = None,
+                  world: World | None = None, fresh: Tensor | None = None,
+                  pad: tuple[RowScorer, Rows] | None = None) -> dict[str, float]:
     """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``, in four
     phases (as verl marks its phases): the chunk plan (:class:`ChunkPlan`), the proximal log-probs
     (:func:`proximal_logprobs`), the minibatch steps (:func:`minibatch_step`) and the stats
     (:meth:`UpdateStats.reduce`).
 
-    ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update, so chunked
-    backward passes add up to the full-batch gradient. ``world`` (data parallel): every rank holds
-    the same rows and generator state, and ``owned`` [B] (bool) says which trajectories it holds
-    (it read its share of the global batch; learner/shares.py); it scores only their rows, and
-    gradients are summed over ranks before clipping and the step (by FSDP's reduce-scatter when
-    ``world.sharded``). ``fresh`` [B]: trajectories sampled by the weights this update starts from
-    (their pi_prox is their recorded mu).
+    ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update (the whole
+    global batch's), so chunked backward passes add up to the full-batch gradient. ``draws``: the
+    trajectories' own random draws (algo/draws.py; a generator: keyed by position), which deal
+    each row to a minibatch.
+    ``world`` (data parallel): ``rows`` are the rows of the trajectories this rank holds (it read
+    its share of the global batch, learner/shares.py); gradients are summed over ranks before
+    clipping and the step (by FSDP's reduce-scatter when ``world.sharded``; ``pad``: what a rank
+    with no rows of its own pads with). Since no draw depends on other ranks' trajectories, the D
+    ranks together make one process's update of the whole batch. ``fresh`` [B]: trajectories
+    sampled by the weights this update starts from (their pi_prox is their recorded mu).
     """
     n_rows = rows.traj.numel()
+    draws = as_draws(draws, adv.numel())
     loss_fn = get_estimator(cfg.estimator).loss(cfg)
     params = trainable_parameters(model)
     device = params[0].device if params else torch.device("cpu")
-    if world is not None and world.size > 1 and owned is None:
-        raise ValueError("policy_update: a world of several ranks needs `owned`, the trajectories each rank holds")
-    plan = ChunkPlan(model, scorer, rows, cfg, world, owned)
-    perms = [torch.randperm(n_rows, generator=generator) for _ in range(cfg.epochs)]
+    plan = ChunkPlan(model, scorer, rows, cfg, world, pad)
+    batches = [minibatches(rows.traj, draws, cfg.num_minibatches, e) for e in range(cfg.epochs)]
     # the first minibatch's forward runs on exactly the weights before the update: exact only for a
     # deterministic forward (with active dropout every row gets its own no-grad pass)
-    first = perms[0].chunk(cfg.num_minibatches)[0] if deterministic_forward(model) else perms[0][:0]
+    first = batches[0][0] if deterministic_forward(model) else rows.traj[:0]
     mu_all = scorer.behaviour(rows.traj, rows.step)  # [R, L] recorded mu (NaN: none); None: on-policy rows
     proxes = proximal_logprobs(model, scorer, plan, first, mu_all, fresh, device)
     stats = UpdateStats(device)
@@ -230,7 +236,7 @@ def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScore
         if scorer.per_epoch:
             scorer.set_epoch(epoch)
         prox = proxes[epoch if scorer.per_epoch else 0] if proxes else None
-        for i_mb, mb in enumerate(perms[epoch].chunk(cfg.num_minibatches)):
+        for i_mb, mb in enumerate(batches[epoch]):
             from_forward = epoch == 0 and i_mb == 0 and first.numel() > 0
             minibatch_step(model, optimizer, scorer, plan, mb, loss_fn, adv, normaliser, prox, from_forward,
                            mu_all, params, stats, scheduler)
@@ -251,41 +257,73 @@ def deterministic_forward(model: Any) -> bool:
 
 
 def estimator_rows(sub: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-                   generator: torch.Generator, model: Any = None) -> tuple[Rows, RowScorer]:
+                   draws: Draws | torch.Generator, model: Any = None) -> tuple[Rows, RowScorer]:
     """The rows ``cfg.estimator`` builds for the kept trajectories (by the batch's ``kind``), and the
-    scorer that scores them. Random draws happen here, in a fixed order, so every rank of a world
-    draws the same. ``model``: what a renoising chain's rows rebuild its self-conditioning with."""
-    return get_estimator(cfg.estimator).rows(sub, cfg, tok, temperature, generator, model)
+    scorer that scores them, every draw from each trajectory's own generator (``draws``; a
+    generator: keyed by position, as :func:`adpo_update` keys it). ``model``: what a renoising
+    chain's rows rebuild its self-conditioning with."""
+    return get_estimator(cfg.estimator).rows(sub, cfg, tok, temperature, as_draws(draws, len(sub)), model)
+
+
+def as_draws(draws: Draws | torch.Generator, n: int) -> Draws:
+    """``draws`` as they are, or a generator's: one seed drawn from it, ``n`` trajectories keyed by position."""
+    return Draws.positional(draws, n) if isinstance(draws, torch.Generator) else draws
+
+
+def global_counts(world: World | None, *counts: float) -> list[float]:
+    """``counts`` summed over ranks (one all-reduce): what the update needs of the whole batch."""
+    t = torch.tensor(counts, dtype=torch.float64)
+    if world is not None:
+        world.all_reduce_(t)
+    return t.tolist()
 
 
 def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
-                tok: CharTokenizer, temperature: float, generator: torch.Generator,
-                scheduler: Any = None, world: World | None = None, owned: Tensor | None = None,
-                version: int | None = None) -> dict[str, float]:
-    """One policy update on a masked-diffusion ``batch`` (see :func:`policy_update` for ``world``):
-    rows of the trajectories with a non-zero advantage, their loss normaliser, then the engine.
-    A renoising batch (DiffusionGemma) has its own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`,
-    built by the estimators that declare its kind; its temperature schedule travels with the batch,
-    so ``temperature`` is not read for it). ``version``: the policy version the model holds; the
-    trajectories it sampled (``batch.policy_version``) have pi_prox = their recorded mu."""
+                tok: CharTokenizer, temperature: float, draws: Draws | torch.Generator,
+                scheduler: Any = None, world: World | None = None, version: int | None = None) -> dict[str, float]:
+    """One policy update on a masked-diffusion ``batch``: rows of the trajectories with a non-zero
+    advantage, their loss normaliser, then the engine. A renoising batch (DiffusionGemma) has its
+    own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`, built by the estimators that
+    declare its kind; its temperature schedule travels with the batch, so ``temperature`` is not
+    read for it). ``draws``: the trajectories' keyed draws (a generator: keyed by position, for a
+    caller holding one whole batch). ``version``: the policy version the model holds; the
+    trajectories it sampled (``batch.policy_version``) have pi_prox = their recorded mu.
+
+    ``world`` (data parallel): ``batch`` is this rank's share (whole groups, learner/shares.py);
+    what the update needs of the whole global batch is two counts (kept trajectories, all
+    trajectories), summed over ranks; everything else is per trajectory."""
     assert batch.advantage is not None
+    draws = as_draws(draws, len(batch)).with_groups(batch.group_id)
+    if len(draws) != len(batch):
+        raise ValueError(f"adpo_update: {len(draws)} trajectory keys for a batch of {len(batch)}")
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
-    stats: dict[str, float] = {"rows": 0.0, "trajectories": float(keep.numel()),
-                               "skipped_trajectories": float(len(batch) - keep.numel())}
-    if keep.numel() == 0:
+    kept, total = global_counts(world, keep.numel(), len(batch))
+    stats: dict[str, float] = {"rows": 0.0, "trajectories": kept, "skipped_trajectories": total - kept}
+    if kept == 0:
         return stats
-    sub = batch.select(keep)
     estimator = get_estimator(cfg.estimator)
-    rows, scorer = estimator.rows(sub, cfg, tok, temperature, generator, model)
-    if rows.traj.numel() == 0:  # renoising rows that all stopped after one step: nothing carries an action
+    sub = batch.select(keep)
+    if keep.numel():
+        rows, scorer = estimator.rows(sub, cfg, tok, temperature, draws.select(keep), model)
+    else:  # another rank holds every kept trajectory: this one joins the collectives with no rows
+        rows, scorer = no_rows(), NoRows(batch.completion_len)
+    pad = None
+    if world is not None and world.sharded and rows.traj.numel() == 0:  # FSDP: pad with a row of our own
+        if len(batch) == 0:
+            raise ValueError(f"rank {world.rank} holds no trajectory of this update (its batches were dropped); "
+                             "a sharded update needs one to pad its passes with")
+        one = torch.arange(1)
+        pad_rows, pad_scorer = estimator.rows(batch.select(one), cfg, tok, temperature, draws.select(one), model)
+        pad = (pad_scorer, pad_rows)
+    if global_counts(world, rows.traj.numel())[0] == 0:  # renoising rows that all stopped after one step
         return stats
     # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
     # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
-    normaliser = float((len(sub) if cfg.loss_norm == "informative" else len(batch)) * sub.completion_len)
+    normaliser = float((kept if cfg.loss_norm == "informative" else total) * batch.completion_len)
     adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub)   # [B_kept]
     fresh = None if version is None else sub.policy_version == version
-    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, generator, scheduler, world,
-                               None if owned is None else owned[keep], fresh))
+    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, draws.select(keep), scheduler,
+                               world, fresh, pad))
     return stats

@@ -16,6 +16,7 @@ import torch
 from miles_core.algo.guard import CollapseGuard, batch_health
 from miles_core.algo.rl import sample_batch
 from miles_core.algo.schedule import lr_factor
+from miles_core.algo.draws import Draws
 from miles_core.algo.update import adpo_update
 from miles_core.config import RecipeConfig
 from miles_core.data.registry import TaskData
@@ -82,17 +83,18 @@ class Learner:
                             self.version)
 
     def update(self, batch: TrajectoryBatch, temperature: float | None = None,
-               world: World | None = None, owned: torch.Tensor | None = None) -> dict[str, float]:
+               world: World | None = None, keys: torch.Tensor | None = None) -> dict[str, float]:
         """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
         then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th
         unhealthy batch in a row) the last healthy policy is restored and published as a new
         version; ``stats["rolled_back"]``/``["guard_skipped"]`` say so and ``self.guard_event`` says why.
-        Raises CollapseError when rolling back no longer helps. ``world``: data-parallel ranks
-        (torchrun), each scoring the rows of the trajectories ``owned`` [B] says it holds
-        (learner/shares.py); the guard sees the same batch on every rank."""
+        Raises CollapseError when rolling back no longer helps. ``keys`` [B]: each trajectory's
+        name for its random draws (algo/draws.py; default its position). ``world``: data-parallel
+        ranks (torchrun), ``batch`` being this rank's share of the global batch and ``keys`` its
+        trajectories' keys (learner/shares.py); the guard sees the whole batch's health on every rank."""
         self.guard_event = ""
         if self.guard is not None:
-            h = batch_health(batch)
+            h = batch_health(batch, world)
             reason = self.guard.collapse_reason(h)
             if reason is not None:
                 self.guard_event = reason
@@ -108,7 +110,9 @@ class Learner:
                         "guard_rollbacks": float(self.guard.rollbacks)}
             self.guard.accept(h)
         t = self.cfg.sampler.temperature if temperature is None else temperature
-        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, self.gen, self.sched, world, owned,
+        seed = int(torch.randint(1 << 62, (1,), generator=self.gen))  # the update's one draw from the run's stream
+        draws = Draws(seed, torch.arange(len(batch)) if keys is None else keys)
+        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, draws, self.sched, world,
                             self.version)
         self.version += 1
         if self.guard is not None:

@@ -36,7 +36,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles_core.algo.draws import trajectory_keys
 from miles_core.algo.rl import batch_id
+from miles_core.algo.update import global_counts
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.policy import Learner
@@ -196,47 +198,56 @@ class LearnerRun:
         the update that consumed it. With D ranks each reads only its share (learner/shares.py)."""
         bids = [bids] if isinstance(bids, str) else list(bids)
         t_read, world, m = time.perf_counter(), self.world, len(bids)
-        n = self.cfg.train.prompts_per_iter * self.cfg.train.group_size  # rows of a sampler batch
-        share = my_share(m, n, world) if world.size > 1 else range(m)
-        fates = agree(m, {j: self._judge(bids[j], first_reader(j, n, m, world)) for j in share}, world)
-        fresh: list[tuple[str, TrajectoryBatch, int]] = []  # (id, batch, behaviour version)
-        held: list[Tensor] = []
+        group = self.cfg.train.group_size
+        n = self.cfg.train.prompts_per_iter * group  # rows of a sampler batch
+        multi = world.size > 1
+        share = my_share(m, n, group, world) if multi else range(m)
+        judged = {j: self._judge(bids[j], first_reader(j, n, m, group, world)) for j in share}
+        verdicts = agree(m, {j: v for j, (v, _) in judged.items()}, world)
+        fresh: list[tuple[str, int, int]] = []  # (id, behaviour version, rows)
+        parts: list[TrajectoryBatch] = []       # this rank's rows of each fresh batch it read
+        keys: list[Tensor] = []                 # their trajectories' keys (algo/draws.py)
         dropped = 0
-        for j, (bid, ((what, info), batch, here)) in enumerate(zip(bids, fates)):
+        for j, (bid, (what, info)) in enumerate(zip(bids, verdicts)):
             if what == "quarantined":
                 self.ledger["quarantined"].append({"id": bid, "reason": str(info)[:300]})
             elif what == "dropped":
                 self.ledger["dropped"].append({"id": bid, "staleness": info})
                 dropped += 1
             else:
-                fresh.append((bid, batch, info))
-                if world.size > 1 and len(batch) != n:
+                batch = judged[j][1] if j in judged else None
+                fresh.append((bid, info, n if batch is None else len(batch)))
+                if batch is None:
+                    continue
+                if multi and len(batch) != n:
                     raise ValueError(f"batch {bid} has {len(batch)} rows; the ranks split sampler batches of "
                                      f"{n} (train.prompts_per_iter x train.group_size)")
-                mine = owned_rows(j, n, m, world) if world.size > 1 else torch.full((len(batch),), True)
-                held.append(mine & here)
+                mine = owned_rows(j, n, m, group, world).nonzero().squeeze(1) if multi else torch.arange(len(batch))
+                parts.append(batch.select(mine) if multi else batch)
+                keys.append(trajectory_keys(bid, len(batch))[mine])
         if not fresh:
             return ("dropped" if dropped else "quarantined"), {}
-        kind = type(fresh[0][1])
+        kind = type(parts[0]) if parts else TrajectoryBatch
         if len(fresh) > 1 and not hasattr(kind, "concat"):
             raise ValueError(f"async_rl.global_batch: {kind.__name__} batches cannot be joined into one update; "
                              "use one sampler batch per update (async_rl.global_batch=0)")
-        batch = fresh[0][1] if len(fresh) == 1 else kind.concat([b for _, b, _ in fresh])
+        batch = (parts[0] if len(parts) == 1 else kind.concat(parts) if parts
+                 else TrajectoryBatch.empty(self.cfg.task.completion_len))
         version_before = self.learner.version
-        staleness = version_before - min(v for _, _, v in fresh)
+        staleness = version_before - min(v for _, v, _ in fresh)
         t0 = time.perf_counter()
-        multi = world.size > 1
-        stats = self.learner.update(batch, world=world if multi else None, owned=torch.cat(held) if multi else None)
+        stats = self.learner.update(batch, world=world if multi else None, keys=torch.cat(keys) if keys else None)
         t1 = time.perf_counter()
         stats.update(staleness=float(staleness), seconds=t1 - t0, batches=float(len(fresh)),
                      tokens_per_s=stats.get("tokens", 0.0) / max(t1 - t0, 1e-9))
         update = len(self.history) + 1
-        for bid, b, v in fresh:
+        for bid, v, rows in fresh:
             self.ledger["consumed"].append({"id": bid, "staleness": version_before - v, "policy_version": v,
-                                            "learner_version": self.learner.version, "rows": len(b), "update": update})
-        reward = torch.nan_to_num(batch.reward, nan=0.0)
+                                            "learner_version": self.learner.version, "rows": rows, "update": update})
+        reward_sum, count = global_counts(world if multi else None, float(torch.nan_to_num(batch.reward, nan=0.0).sum()),
+                                          len(batch))
         self.history.append({"update": update, "version": self.learner.version, "batches": len(fresh), "at": time.time(),
-                             "staleness": staleness, "reward_mean": float(reward.mean()),
+                             "staleness": staleness, "reward_mean": reward_sum / max(count, 1.0),
                              "read_s": t0 - t_read, "update_s": t1 - t0, "guard_event": self.learner.guard_event,
                              **{k: float(v) for k, v in stats.items() if k in HISTORY_KEYS}})
         self._since_ckpt += 1

@@ -1,5 +1,5 @@
 """Run under torchrun (2 ranks, gloo): one ADPO update through FSDP2 (parallel.shard_model), rank 0
-holding 9 of the 12 trajectories and rank 1 three (so rank 1 pads its chunk list), against one
+holding 8 of the 12 trajectories and rank 1 four (so rank 1 pads its chunk list), against one
 unsharded process on the whole batch. Prints ``max_abs_diff=...`` and the two grad norms on rank 0.
 Args: num_minibatches kl_coef."""
 
@@ -11,6 +11,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_parallel import TOK, _batch, _model  # noqa: E402
 
+from miles_core.algo.draws import Draws  # noqa: E402
 from miles_core.algo.update import adpo_update  # noqa: E402
 from miles_core.config import ADPOConfig  # noqa: E402
 from miles_core.models.lora import adapter_tensors  # noqa: E402
@@ -20,7 +21,7 @@ world = init_world("gloo")
 cfg = ADPOConfig(num_minibatches=int(sys.argv[1]), row_chunk=3, step_fraction=0.5, kl_coef=float(sys.argv[2]),
                  max_grad_norm=1e9)
 batch = _batch(_model())
-mine = (torch.arange(len(batch)) < 9) == (world.rank == 0)
+mine = (torch.arange(len(batch)) < 8) == (world.rank == 0)  # whole groups of 4, as learner/shares.py splits
 
 
 def update(sharded: bool) -> tuple[dict, dict]:
@@ -28,8 +29,12 @@ def update(sharded: bool) -> tuple[dict, dict]:
     if sharded:
         shard_model(model, world)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    stats = adpo_update(model, opt, batch, cfg, TOK, 1.0, torch.Generator().manual_seed(1),
-                        world=world if sharded else None, owned=mine if sharded else None)
+    if sharded:  # this rank's share only, its trajectories keyed as in the whole batch
+        idx = mine.nonzero().squeeze(1)
+        stats = adpo_update(model, opt, batch.select(idx), cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))[idx]),
+                            world=world)
+    else:
+        stats = adpo_update(model, opt, batch, cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))))
     return stats, {k: v.detach().clone() for k, v in full_tensors(adapter_tensors(model)).items()}
 
 

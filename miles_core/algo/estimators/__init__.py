@@ -17,16 +17,18 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, TypeVar
 
-import torch
 from torch import Tensor
 
+from miles_core.algo.draws import Draws
 from miles_core.algo.loss import ADPOLoss
 from miles_core.algo.rows import Rows, RowScorer
 from miles_core.config import BUILTIN_ESTIMATORS, ESTIMATORS, ADPOConfig, ConfigError
 from miles_core.tokenizer import CharTokenizer
 
-# (batch, cfg, tok, temperature, generator, model) -> the rows of the batch and their scorer
-RowBuilder = Callable[[Any, ADPOConfig, CharTokenizer, float, torch.Generator, Any], tuple[Rows, RowScorer]]
+# (batch, cfg, tok, temperature, draws, model) -> the rows of the batch and their scorer; every
+# random draw comes from ``draws``' per-trajectory generators (algo/draws.py), so a rank holding
+# a share of the batch builds exactly its trajectories' rows of the whole batch
+RowBuilder = Callable[[Any, ADPOConfig, CharTokenizer, float, Draws, Any], tuple[Rows, RowScorer]]
 
 
 class Estimator:
@@ -52,7 +54,7 @@ class Estimator:
         return adv
 
     def rows(self, batch: Any, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-             generator: torch.Generator, model: Any = None) -> tuple[Rows, RowScorer]:
+             draws: Draws, model: Any = None) -> tuple[Rows, RowScorer]:
         """The rows of ``batch`` and their scorer, by the batch's kind; a kind this estimator has no
         rows for fails naming both (a renoising chain has no masked states to score an ELBO on)."""
         builders = self.row_builders()
@@ -61,7 +63,7 @@ class Estimator:
             can = [e.name for e in _REGISTRY.values() if batch.kind in e.row_builders()]
             raise ValueError(f"adpo.estimator={self.name!r} builds no rows for a {batch.kind!r} batch ("
                              f"{type(batch).__name__}); estimators that do: {', '.join(map(repr, can))}")
-        return build(batch, cfg, tok, temperature, generator, model)
+        return build(batch, cfg, tok, temperature, draws, model)
 
 
 _REGISTRY: dict[str, Estimator] = {}

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from miles_core.algo.draws import Draws
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.renoise_rows import RenoiseStepRows, renoise_rows
 from miles_core.algo.rows import MaskedStepRows, RecordedStep, Rows, build_rows, uncertainty_rows
@@ -52,21 +53,19 @@ from miles_core.types import RenoiseBatch, TrajectoryBatch
 
 
 def step_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-              generator: torch.Generator, model: Any = None) -> tuple[Rows, MaskedStepRows]:
+              draws: Draws, model: Any = None) -> tuple[Rows, MaskedStepRows]:
     """The rows (ceil(rho K_b) per trajectory: runs covering every step, or sampled steps) and their scorer."""
     if cfg.step_sampling == "uncertainty":
-        rows = uncertainty_rows(sub, cfg.step_fraction, cfg.step_floor, generator)
+        rows = uncertainty_rows(sub, cfg.step_fraction, cfg.step_floor, draws)
     else:
-        rows = build_rows(sub, cfg.step_fraction, generator, cfg.step_merge, cfg.step_cover)
-    prompt_width = max(len(p) for p in sub.prompt_ids)
-    torch.rand(len(sub), prompt_width, generator=generator)  # keeps ADPO's random stream as it always was
+        rows = build_rows(sub, cfg.step_fraction, draws, cfg.step_merge, cfg.step_cover)
     return rows, MaskedStepRows(sub, tok, temperature, RecordedStep(rows.bounds))
 
 
 def chain_rows(sub: RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-               generator: torch.Generator, model: Any = None) -> tuple[Rows, RenoiseStepRows]:
+               draws: Draws, model: Any = None) -> tuple[Rows, RenoiseStepRows]:
     """A renoising chain's action rows; its temperature schedule travels with the batch, so
-    ``temperature`` is not read, and nothing is drawn from ``generator``."""
+    ``temperature`` is not read, and nothing is drawn."""
     return renoise_rows(model, sub, tok, cfg.renoise_output)
 
 

@@ -14,7 +14,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from miles_core.algo.draws import Draws
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.estimators.meanfield import draw_rows
 from miles_core.algo.rows import MaskedCopy, MaskedStepRows, Rows
@@ -24,12 +26,16 @@ from miles_core.types import TrajectoryBatch
 
 
 def coupled_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-                 generator: torch.Generator, model: Any = None) -> tuple[Rows, MaskedStepRows]:
-    """2n rows per trajectory (row 2i: M_i, row 2i + 1: ~M_i) and the masks M [E, n, B, L], drawn now:
-    each draw's level t [E, n, B, 1] first, then its tokens."""
-    b, n = len(sub), cfg.mask_samples
-    t = torch.rand(cfg.epochs, n, b, 1, generator=generator)
-    comp = torch.rand(cfg.epochs, n, b, sub.completion_len, generator=generator) < t
+                 draws: Draws, model: Any = None) -> tuple[Rows, MaskedStepRows]:
+    """2n rows per trajectory (row 2i: M_i, row 2i + 1: ~M_i) and the masks M [E, n, B, L], drawn now,
+    each trajectory from its own generator: each draw's level t [E, n, 1, 1] first, then its tokens."""
+    b, n, e, length = len(sub), cfg.mask_samples, cfg.epochs, sub.completion_len
+
+    def one(_: int, g: torch.Generator) -> Tensor:
+        t = torch.rand(e, n, 1, 1, generator=g)
+        return torch.rand(e, n, 1, length, generator=g) < t
+
+    comp = draws.cat(one, dim=2)
     return draw_rows(b, n, per_draw=2), MaskedStepRows(sub, tok, temperature, MaskedCopy(), comp_masks=comp)
 
 

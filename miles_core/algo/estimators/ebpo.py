@@ -32,6 +32,7 @@ from torch import Tensor
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.elbo import MASKED_COPY, CopyScorer, effective_block, one_row_each, uniform_subset
 from miles_core.algo.loss import SequenceRatioLoss
+from miles_core.algo.draws import Draws
 from miles_core.algo.rows import Rows, score_rows, seq_len
 from miles_core.config import ADPOConfig
 from miles_core.tokenizer import CharTokenizer
@@ -81,11 +82,13 @@ class BlockELBORows(CopyScorer):
 
 
 def ebpo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-              generator: torch.Generator, model: Any = None) -> tuple[Rows, BlockELBORows]:
-    """One row per kept trajectory; its N timesteps' noised blocks drawn now."""
+              draws: Draws, model: Any = None) -> tuple[Rows, BlockELBORows]:
+    """One row per kept trajectory; its N timesteps' noised blocks drawn now, each trajectory's
+    from its own generator."""
     b, n, length = len(sub), cfg.mask_samples, sub.completion_len
     rows = one_row_each(b)
-    comp, frac = block_noise(generator, (cfg.epochs, n, b), length, cfg.mask_block)
+    each = [block_noise(draws.gen(i), (cfg.epochs, n, 1), length, cfg.mask_block) for i in range(b)]
+    comp, frac = torch.cat([c for c, _ in each], 2), torch.cat([f for _, f in each], 2)
     block = effective_block(length, cfg.mask_block)
     return rows, BlockELBORows(sub, tok, temperature, comp, frac=frac, block=block)
 

@@ -24,6 +24,7 @@ from torch import Tensor
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.elbo import CopyScorer, one_row_each, uniform_subset
 from miles_core.algo.loss import SequenceRatioLoss
+from miles_core.algo.draws import STREAM_GROUP, Draws
 from miles_core.algo.rows import Rows
 from miles_core.config import ADPOConfig
 from miles_core.tokenizer import CharTokenizer
@@ -32,8 +33,8 @@ from miles_core.types import TrajectoryBatch
 
 def stratified_masks(gen: torch.Generator, epochs: int, n: int, b: int, length: int) -> tuple[Tensor, Tensor]:
     """ESPO's copies [E, n, B, L] masking exactly x tokens, the counts x of a draw evenly spaced over
-    0..L across the B trajectories from one uniform offset (LLaDA's stratified estimator), and t =
-    x / (L + 1) [E, n, B]."""
+    0..L across B trajectories (one group) from one uniform offset (LLaDA's stratified estimator),
+    and t = x / (L + 1) [E, n, B]."""
     offset = torch.randint(length + 1, (epochs, n, 1), generator=gen).float()
     spread = torch.arange(b).float() * ((length + 1) / b)
     x = torch.round(offset + spread).long() % (length + 1)                             # [E, n, B]
@@ -59,11 +60,18 @@ class SequenceELBORows(CopyScorer):
 
 
 def espo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-              generator: torch.Generator, model: Any = None) -> tuple[Rows, SequenceELBORows]:
-    """One row per kept trajectory; its stratified copies (each pair's first half) drawn now."""
+              draws: Draws, model: Any = None) -> tuple[Rows, SequenceELBORows]:
+    """One row per kept trajectory; its stratified copies (each pair's first half) drawn now. The
+    counts are stratified over each group's kept members (a group is never split between learner
+    ranks, learner/shares.py), from an offset its first member draws: the same in any batch."""
     b, n, length = len(sub), cfg.mask_samples, sub.completion_len
     rows = one_row_each(b)
-    comp, t = stratified_masks(generator, cfg.epochs, n, b, length)
+    comp = torch.empty(cfg.epochs, n, b, length, dtype=torch.bool)
+    t = torch.empty(cfg.epochs, n, b)
+    for g in sub.group_id.unique().tolist():
+        idx = (sub.group_id == g).nonzero().squeeze(1)
+        comp[:, :, idx], t[:, :, idx] = stratified_masks(draws.gen(int(idx[0]), STREAM_GROUP), cfg.epochs, n,
+                                                         idx.numel(), length)
     return rows, SequenceELBORows(sub, tok, temperature, comp, t=t)
 
 

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from miles_core.algo.estimators import Estimator, register_estimator
-from miles_core.algo.rows import FullyMasked, MaskedStepRows, Rows
+from miles_core.algo.draws import Draws
+from miles_core.algo.rows import FullyMasked, MaskedStepRows, Rows, prompt_masks
 from miles_core.config import ADPOConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -31,11 +32,10 @@ def draw_rows(b: int, n: int, per_draw: int = 1) -> Rows:
 
 
 def meanfield_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-                   generator: torch.Generator, model: Any = None) -> tuple[Rows, MaskedStepRows]:
+                   draws: Draws, model: Any = None) -> tuple[Rows, MaskedStepRows]:
     """n rows per trajectory and their prompt masks [E, n, B, P], drawn now."""
     b, n = len(sub), cfg.mask_samples
-    prompt_width = max(len(p) for p in sub.prompt_ids)
-    masks = torch.rand(cfg.epochs, n, b, prompt_width, generator=generator) < cfg.prompt_mask_prob
+    masks = prompt_masks(sub, draws, cfg.epochs, n, cfg.prompt_mask_prob)
     return draw_rows(b, n), MaskedStepRows(sub, tok, temperature, FullyMasked(), prompt_masks=masks)
 
 

@@ -32,7 +32,8 @@ from torch import Tensor
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.elbo import CopyScorer, effective_block, one_row_each, uniform_subset
 from miles_core.algo.loss import ADPOLoss
-from miles_core.algo.rows import Rows
+from miles_core.algo.draws import Draws
+from miles_core.algo.rows import Rows, prompt_masks
 from miles_core.config import ADPOConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -75,13 +76,12 @@ class SandwichRows(CopyScorer):
 
 
 def spg_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-             generator: torch.Generator, model: Any = None) -> tuple[Rows, SandwichRows]:
-    """One row per kept trajectory; its J block-wise copies, then their prompt masks, drawn now."""
+             draws: Draws, model: Any = None) -> tuple[Rows, SandwichRows]:
+    """One row per kept trajectory; its J block-wise copies and their prompt masks, drawn now."""
     b, n, length = len(sub), cfg.mask_samples, sub.completion_len
     rows = one_row_each(b)
-    comp = block_masks(generator, (cfg.epochs, n, b), length, cfg.mask_block)
-    width = max(len(p) for p in sub.prompt_ids)
-    prompt = torch.rand(cfg.epochs, n, b, width, generator=generator) < cfg.prompt_mask_prob
+    comp = draws.cat(lambda _, g: block_masks(g, (cfg.epochs, n, 1), length, cfg.mask_block), dim=2)
+    prompt = prompt_masks(sub, draws, cfg.epochs, n, cfg.prompt_mask_prob)
     return rows, SandwichRows(sub, tok, temperature, comp, prompt, beta=cfg.eubo_beta, mix=cfg.spg_mix,
                               advantage=torch.nan_to_num(sub.advantage, nan=0.0))
 
