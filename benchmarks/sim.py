@@ -167,15 +167,22 @@ def allreduce_s(p: Params) -> float:
     return 2 * (d - 1) * (p.link_latency_s + p.allreduce_bytes / d / p.link_bytes_s)
 
 
-def shares(batches: int, n: int, d: int) -> list[int]:
+def shares(batches: int, n: int, d: int, group: int = 1) -> list[int]:
     """How many sampler batches each of ``d`` ranks reads for a global batch of ``batches`` x ``n``
-    rows (learner/shares.py::my_share in closed form): rank r owns global rows
-    [ceil(r B n / D), ceil((r + 1) B n / D)) and reads every batch those rows touch."""
-    total, out = batches * n, []
+    rows in groups of ``group`` (learner/shares.py::my_share in closed form): with U = B n / G
+    groups, rank r owns groups [ceil(r U / D), ceil((r + 1) U / D)) and reads every batch their
+    rows touch."""
+    units, out = batches * n // group, []
     for r in range(d):
-        lo, hi = -(-r * total // d), -(-(r + 1) * total // d)
+        lo, hi = -(-r * units // d) * group, -(-(r + 1) * units // d) * group
         out.append((hi - 1) // n - lo // n + 1 if hi > lo else 0)
     return out
+
+
+def largest_share(batches: int, n: int, d: int, group: int = 1) -> int:
+    """Rows of the busiest rank's share (whole groups): it sets the update's pace."""
+    units = batches * n // group
+    return -(-units // d) * group
 
 
 def update_time(p: Params, batches: int = 1) -> float:

@@ -5,7 +5,7 @@ all as local processes, and read back the run's summary. Arguments are URIs and 
 from __future__ import annotations
 
 import subprocess
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ def prepare(run_uri: str, cfg: dict[str, Any], base_checkpoint: str) -> dict[str
 @task(name="plan-async-placement", **LIGHT)
 def plan(run_uri: str, cfg: dict[str, Any], base_checkpoint: str, devices: int | None) -> dict[str, Any]:
     """Seconds per completion measured with the base (asyncrl/placement.py::measure), then the split of
-    ``devices`` that balances samplers and learner ranks, with its global batch; without ``devices``,
+    ``devices`` that balances samplers and learner ranks for the recipe's global batch; without ``devices``,
     the recipe's own split judged. A run that already exists keeps the split it was started with.
     ``overrides``: what the recipe needs to run the planned split; ``describe``: its predicted idle."""
     recipe = load_recipe(cfg)
@@ -36,14 +36,14 @@ def plan(run_uri: str, cfg: dict[str, Any], base_checkpoint: str, devices: int |
     if spec is not None:  # a resumed run: its split is in run.json, whatever devices says now
         recipe, devices = load_recipe(spec["cfg"]), None
     costs = measure(recipe, base_checkpoint)
-    a, per = recipe.async_rl, recipe.train.prompts_per_iter * recipe.train.group_size
+    a = recipe.async_rl
+    b = recipe.batches_per_update()
     if devices:
-        pl = place(devices, costs.rollout_s, costs.update_s, recipe.adpo.max_staleness)
-        overrides = [f"async_rl.num_samplers={pl.samplers}", f"async_rl.learner_ranks={pl.learner_ranks}",
-                     f"async_rl.global_batch={pl.batches_per_update * per}"]
+        pl = place(devices, costs.rollout_s, costs.update_s, recipe.adpo.max_staleness, b,
+                   b * recipe.train.prompts_per_iter)
+        overrides = [f"async_rl.num_samplers={pl.samplers}", f"async_rl.learner_ranks={pl.learner_ranks}"]
     else:
-        pl = replace(predict(a.num_samplers, a.learner_ranks, costs.rollout_s, costs.update_s,
-                             recipe.adpo.max_staleness), batches_per_update=recipe.batches_per_update())
+        pl = predict(a.num_samplers, a.learner_ranks, costs.rollout_s, costs.update_s, recipe.adpo.max_staleness, b)
         overrides = []
     return {**asdict(pl), "rollout_s_per_completion": costs.rollout_s, "update_s_per_completion": costs.update_s,
             "devices": devices, "overrides": overrides, "describe": pl.describe()}

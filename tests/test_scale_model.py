@@ -70,15 +70,23 @@ def test_admission_keeps_staleness_bounded_without_drops_and_back_off_cuts_polls
     assert plain["dropped"] == backed["dropped"] == 0
 
 
-def test_placement_balances_the_sides_and_sizes_the_global_batch() -> None:
-    from miles_core.asyncrl.placement import batches_per_update, place, predict
+def test_placement_balances_the_sides_for_the_recipes_global_batch() -> None:
+    from miles_core.asyncrl.placement import admitted_samplers, admitting_batch, place, predict
 
-    pl = place(10, rollout_s=3.0, update_s=2.0, max_staleness=6)  # 3 : 2 balances 6 samplers : 4 ranks
+    pl = place(10, rollout_s=3.0, update_s=2.0, max_staleness=6, batches_per_update=3)  # 3 : 2 balances 6 : 4
     assert (pl.samplers, pl.learner_ranks) == (6, 4) and pl.sampler_idle == pytest.approx(0.0, abs=1e-12)
-    assert pl.learner_idle == pytest.approx(0.0, abs=1e-12) and pl.batches_per_update == 3  # ceil(6 / (6 - 1 - 3))
-    off = predict(8, 2, 3.0, 2.0, 6)  # too many samplers: they wait for the learner
+    assert pl.learner_idle == pytest.approx(0.0, abs=1e-12) and pl.batches_per_update == 3  # never changed
+    off = predict(8, 2, 3.0, 2.0, 6, 4)  # too many samplers: they wait for the learner
     assert off.learner_idle == 0.0 and off.sampler_idle == pytest.approx(1 - (2 / 2.0) / (8 / 3.0))
-    assert batches_per_update(100, 4) == 100 and batches_per_update(100, 8) == 25
+    assert admitted_samplers(3, 6) == 6 and admitting_batch(100, 4) == 100 and admitting_batch(100, 8) == 25
+    # a global batch small for the fleet: 2 batches admit 4 samplers, so the devices go to learner
+    # ranks (which shorten versions) and the samplers beyond the window are predicted idle
+    small = place(20, rollout_s=3.0, update_s=2.0, max_staleness=6, batches_per_update=2)
+    assert small.admitted == 4 and small.learner_ranks >= 3 and small.sampler_idle > 0.5
+    assert "admits 4 samplers" in small.describe()
+    # learner ranks divide the update's groups: 6 groups over 10 devices -> 1, 2, 3 or 6 ranks
+    assert place(10, 3.0, 2.0, 6, 3, groups_per_update=6).learner_ranks in (1, 2, 3, 6)
+    assert place(10, 3.0, 2.0, 6, 3, groups_per_update=6).learner_ranks == 3
     with pytest.raises(ValueError, match="at least 2 devices"):
         place(1, 1.0, 1.0, 4)
 
@@ -99,11 +107,14 @@ def test_poll_back_off_in_the_async_workers() -> None:
         load_recipe("arith", ["async_rl.poll_backoff=0.5"])
 
 
-@pytest.mark.parametrize("batches,n,d", [(19, 8, 27), (5, 8, 7), (1, 8, 2), (3, 4, 2), (2, 8, 5), (7, 3, 4)])
-def test_shares_match_the_learner_ranks_reads(batches: int, n: int, d: int) -> None:
-    # the model's closed form against learner/shares.py::my_share, rank by rank
-    from benchmarks.sim import shares
-    from miles_core.learner.shares import my_share
+@pytest.mark.parametrize("batches,n,d,group", [(19, 8, 27, 4), (5, 8, 7, 2), (1, 8, 2, 4), (3, 4, 2, 1),
+                                               (2, 8, 5, 2), (7, 3, 4, 3), (13, 6, 9, 6)])
+def test_shares_match_the_learner_ranks_reads(batches: int, n: int, d: int, group: int) -> None:
+    # the model's closed form against learner/shares.py::my_share and owned_rows, rank by rank
+    from benchmarks.sim import largest_share, shares
+    from miles_core.learner.shares import my_share, owned_rows
     from miles_core.parallel import World
 
-    assert shares(batches, n, d) == [len(my_share(batches, n, World(r, d))) for r in range(d)]
+    assert shares(batches, n, d, group) == [len(my_share(batches, n, group, World(r, d))) for r in range(d)]
+    rows = [sum(int(owned_rows(j, n, batches, group, World(r, d)).sum()) for j in range(batches)) for r in range(d)]
+    assert largest_share(batches, n, d, group) == max(rows)

@@ -1,5 +1,5 @@
-"""How to split a run's devices between samplers and learner ranks, and how big a global batch
-keeps every sampler admitted, from measured seconds per completion.
+"""How to split a run's devices between samplers and learner ranks for the recipe's global batch,
+from measured seconds per completion.
 
 Why from measurements: a device spends ``rollout_s`` sampling and scoring a completion, or
 ``update_s`` learning from it (one learner rank). Samplers then make S / rollout_s completions per
@@ -8,14 +8,18 @@ idles. The split that balances them (S : D = rollout_s : update_s) leaves neithe
 :func:`place` prints what each side is predicted to idle for any split, so a run never starts on
 an unbalanced split silently.
 
-The global batch: a sampler may start batch slot k only while k < (S_max + v + 1) B
-(sampler.py::admits, S_max = ``adpo.max_staleness``). In steady state the admitted window of
-(S_max + 1) B slots holds one batch in flight per sampler, the B the learner is assembling and
-the B it updates on, so B >= samplers / (S_max - 1) keeps admission from stalling the samplers;
-but then a rollout spans S_max - 1 versions and one slower than the mean arrives staler than
-S_max and is dropped. Three versions of slack for rollout-time variance, B >= samplers /
-(S_max - 4), gave no drops in benchmarks/sim.py at a rollout-time CV of 0.2 from 8 to 4,096 GPUs
-(benchmarks/scale_model.py); with S_max <= 5 that is B = samplers.
+The global batch is the user's (``async_rl.global_batch``, B sampler batches per update): it is
+the optimiser's batch, so placement never changes it. It bounds how many samplers can be kept
+busy: a sampler may start slot k only while k < (S_max + v + 1) B (sampler.py::admits, S_max =
+``adpo.max_staleness``); the window holds the B batches the learner assembles, the B it updates
+on and those in flight, and a rollout must land within S_max versions of its start, with
+:data:`SLACK_VERSIONS` versions kept for rollout-time variance. So about (S_max - 1 - slack) B
+samplers sample at once (:func:`admitted_samplers`); more wait in admission, which is the honest
+cost of a global batch small for the fleet (strong scaling), and :func:`place` then gives the
+devices to learner ranks, which shorten the versions, instead. :func:`admitting_batch` is the
+smallest global batch that keeps S samplers admitted (what weak scaling grows with the fleet).
+Learner ranks split the update in whole groups (learner/shares.py), so :func:`place` only picks a
+D that divides the update's groups: every rank holds as many rows.
 """
 
 from __future__ import annotations
@@ -35,38 +39,56 @@ class Placement:
     sampler_idle: float        # predicted fraction of time the samplers wait
     learner_idle: float        # predicted fraction of time the learner ranks wait
     batches_per_update: int    # B: sampler batches per update (async_rl.global_batch / batch completions)
+    admitted: int              # samplers the admission window keeps sampling (admitted_samplers)
 
     def describe(self) -> str:
-        return (f"{self.samplers} samplers : {self.learner_ranks} learner ranks, predicted idle: samplers "
-                f"{self.sampler_idle:.1%}, learner {self.learner_idle:.1%}; {self.batches_per_update} sampler "
-                "batches per update")
+        out = (f"{self.samplers} samplers : {self.learner_ranks} learner ranks, predicted idle: samplers "
+               f"{self.sampler_idle:.1%}, learner {self.learner_idle:.1%}; {self.batches_per_update} sampler "
+               "batches per update")
+        if self.samplers > self.admitted:
+            out += (f"; the global batch admits {self.admitted} samplers at a time (the rest wait in admission: "
+                    "raise async_rl.global_batch or adpo.max_staleness to use them)")
+        return out
 
 
 SLACK_VERSIONS = 3  # for rollout-time variance (module docstring)
 
 
-def batches_per_update(samplers: int, max_staleness: int) -> int:
-    """B whose admission window holds every sampler's batch in flight with slack (module docstring)."""
+def admitted_samplers(batches_per_update: int, max_staleness: int) -> int:
+    """Samplers the admission window of a global batch of B sampler batches keeps sampling."""
+    return max(1, (max_staleness - 1 - SLACK_VERSIONS) * batches_per_update)
+
+
+def admitting_batch(samplers: int, max_staleness: int) -> int:
+    """The smallest B whose admission window keeps ``samplers`` sampling (module docstring)."""
     return max(1, math.ceil(samplers / max(max_staleness - 1 - SLACK_VERSIONS, 1)))
 
 
-def predict(samplers: int, learner_ranks: int, rollout_s: float, update_s: float, max_staleness: int) -> Placement:
+def predict(samplers: int, learner_ranks: int, rollout_s: float, update_s: float, max_staleness: int,
+            batches_per_update: int = 1) -> Placement:
     """Idle fractions of a given split, from seconds per completion on one device."""
     if samplers < 1 or learner_ranks < 1 or rollout_s <= 0 or update_s <= 0:
         raise ValueError("placement needs >= 1 sampler, >= 1 learner rank and positive seconds per completion "
                          f"(got {samplers}, {learner_ranks}, {rollout_s}, {update_s})")
-    make, take = samplers / rollout_s, learner_ranks / update_s  # completions per second each side can do
+    admitted = admitted_samplers(batches_per_update, max_staleness)
+    # completions per second each side can do (samplers beyond the window wait in admission)
+    make, take = min(samplers, admitted) / rollout_s, learner_ranks / update_s
     pace = min(make, take)
-    return Placement(samplers, learner_ranks, 1 - pace / make, 1 - pace / take,
-                     batches_per_update(samplers, max_staleness))
+    return Placement(samplers, learner_ranks, 1 - pace / (samplers / rollout_s), 1 - pace / take,
+                     batches_per_update, admitted)
 
 
-def place(devices: int, rollout_s: float, update_s: float, max_staleness: int) -> Placement:
-    """The split of ``devices`` (>= 2) with the highest throughput; ties go to fewer learner ranks."""
+def place(devices: int, rollout_s: float, update_s: float, max_staleness: int, batches_per_update: int = 1,
+          groups_per_update: int | None = None) -> Placement:
+    """The split of ``devices`` (>= 2) with the highest throughput for the global batch of
+    ``batches_per_update`` sampler batches, learner ranks dividing its ``groups_per_update`` (when
+    given); ties go to fewer learner ranks."""
     if devices < 2:
         raise ValueError(f"placement needs at least 2 devices (one sampler, one learner rank), got {devices}")
-    splits = [predict(devices - d, d, rollout_s, update_s, max_staleness) for d in range(1, devices)]
-    return max(splits, key=lambda p: (min(p.samplers / rollout_s, p.learner_ranks / update_s), -p.learner_ranks))
+    ranks = [d for d in range(1, devices) if groups_per_update is None or groups_per_update % d == 0]
+    splits = [predict(devices - d, d, rollout_s, update_s, max_staleness, batches_per_update) for d in ranks]
+    return max(splits, key=lambda p: (min(min(p.samplers, p.admitted) / rollout_s, p.learner_ranks / update_s),
+                                      -p.learner_ranks))
 
 
 @dataclass(frozen=True)
