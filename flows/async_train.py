@@ -159,7 +159,8 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
               "learner_idle_fraction": summ.get("idle_fraction"), "max_staleness_seen": summ.get("max_staleness_seen"),
               "dropped_batches": summ.get("dropped"), "consumed_batches": summ.get("consumed"),
               "model_uri": reg.get("model_uri"), "promoted": reg.get("promoted"),
-              "placement": {k: plan[k] for k in ("samplers", "learner_ranks", "batches_per_update", *PLACEMENT_METRICS)}}
+              "placement": {k: plan[k] for k in ("samplers", "learner_ranks", "batches_per_update", "admitted",
+                                                 "describe", *PLACEMENT_METRICS)}}
     log.info("async train done: %s", result)
     return result
 

@@ -332,7 +332,7 @@ def test_async_train_flow_runs_workers_logs_and_registers(trained: TrainedProjec
 
 @pytest.mark.e2e
 def test_async_train_flow_places_devices_and_runs_a_torchrun_learner(trained: TrainedProject) -> None:
-    """--devices splits by measured costs (the global batch with it); --ranks 2 runs the learner as two
+    """--devices splits by measured costs for the recipe's global batch; --ranks 2 runs the learner as two
     gloo ranks under torchrun inside the local run, consuming every batch once."""
     from flows.async_train import async_train_flow
 
@@ -341,7 +341,10 @@ def test_async_train_flow_places_devices_and_runs_a_torchrun_learner(trained: Tr
                               base_checkpoint=trained.sft["base_checkpoint"], devices=3, batches_per_sampler=1,
                               experiment=EXPERIMENT, register_as=None, timeout_s=600)
     pl = placed["placement"]
-    assert pl["samplers"] + pl["learner_ranks"] == 3 and min(pl["sampler_idle"], pl["learner_idle"]) == 0.0
+    # one side saturated, unless the recipe's global batch admits fewer samplers than placed (they wait)
+    assert pl["samplers"] + pl["learner_ranks"] == 3 and pl["batches_per_update"] == 1
+    assert min(pl["sampler_idle"], pl["learner_idle"]) == 0.0 or (pl["samplers"] > pl["admitted"]
+                                                                   and "admits" in pl["describe"])
     assert placed["consumed_batches"] + placed["dropped_batches"] == pl["samplers"]
     out = async_train_flow(recipe="tiny", overrides=ov, run_dir=str(trained.root / "ranks"),
                            base_checkpoint=trained.sft["base_checkpoint"], num_samplers=1, learner_ranks=2,
