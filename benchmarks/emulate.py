@@ -41,7 +41,7 @@ from miles_core.config import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 STALENESS = 6
 OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
-             "adpo.step_fraction=0.5", "adpo.num_minibatches=1", "adpo.kl_coef=0.0", f"adpo.max_staleness={STALENESS}",
+             "adpo.step_fraction=0.5", "adpo.num_minibatches=4", "adpo.kl_coef=0.0", f"adpo.max_staleness={STALENESS}",
              "lora.r=4", "lora.targets=q_proj,v_proj,ballast", "async_rl.sync_dtype=bfloat16",
              "async_rl.checkpoint_every=10", "async_rl.poll_interval=0.05", "async_rl.poll_backoff=2.0",
              "async_rl.poll_max_interval=1.0", "async_rl.retain_heap_mb=0", "guard.enabled=false",
@@ -110,13 +110,17 @@ def measure_store(server: Any, n: int = 30) -> dict[str, float]:
 
 def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos: bool) -> dict[str, Any]:
     from miles_core.asyncrl.launch import command
-    from miles_core.asyncrl.placement import place
+    from miles_core.asyncrl.placement import admitting_batch, place
     from miles_core.storage.run import RunStore, prepare_run
 
     probe = load_recipe("tiny", OVERRIDES)
     c = probe.train.prompts_per_iter * probe.train.group_size
     st = json.loads(os.environ["MILES_STANDIN"])
-    pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS)
+    # weak scaling, as at 4,096 GPUs (benchmarks/scale_model.py): the global batch that admits the
+    # balanced split's samplers, lowered by at most 10% so the ranks' shares are equal
+    balanced = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS, procs)
+    pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS,
+               admitting_batch(balanced.samplers, STALENESS), probe.train.prompts_per_iter, 0.1)
     cfg = load_recipe("tiny", [*OVERRIDES, f"async_rl.num_samplers={pl.samplers}",
                                f"async_rl.batches_per_sampler={batches}", f"async_rl.global_batch={pl.batches_per_update * c}"])
     run = f"s3://{server.bucket}/emulate/{procs}-{int(time.time())}"
@@ -160,7 +164,7 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
     cpu1 = cpu_times()
     for p in samplers.values():
         p.wait(60)
-    return {**summarize(rs, cfg, pl, st, c, procs, killed), "scale": st["scale"],
+    return {**summarize(rs, cfg, pl, st, c, procs, killed, t0), "scale": st["scale"],
             "cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1.0)}
 
 
@@ -186,7 +190,11 @@ def wire_costs(samp: list[dict], lead: dict, others: list[dict]) -> dict[str, fl
             "learner_status": per([lead], "status")}
 
 
-def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int, killed: dict[str, int]) -> dict:
+def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int, killed: dict[str, int],
+              started: float) -> dict:
+    """The run's figures: steady efficiency (after the first two updates, what the model's
+    ``after_two_updates`` rate predicts) and over the whole run (from the launch to the last
+    update: start-up and fill included), and the inputs the scale model takes."""
     status = rs.read_json("learner", "status.json")
     hist = rs.read_json("learner", "history.json")
     history, ledger = hist["history"], hist["ledger"]
@@ -210,7 +218,9 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
     exactly_once = len(ids) == len(set(ids)) == committed - len(ledger["dropped"]) - len(ledger["quarantined"])
     return {"processes": procs, "samplers": pl.samplers, "learner_ranks": pl.learner_ranks,
             "batches_per_update": pl.batches_per_update, "batches": committed, "completions_per_batch": c,
+            "group_size": cfg.train.group_size, "minibatches": cfg.adpo.num_minibatches,
             "efficiency": done / span / ideal if span > 0 else float("nan"),
+            "whole_run_efficiency": sum(h["batches"] for h in history) * c / (history[-1]["at"] - started) / ideal,
             "completions_per_s": done / span if span > 0 else float("nan"), "ideal_completions_per_s": ideal,
             "learner_idle": status["idle_fraction_steady"], "sampler_idle": wait / max(wait + busy, 1e-9),
             "dropped": status["dropped"], "staleness_max": status["max_staleness_seen"],
@@ -265,10 +275,11 @@ def main() -> None:
     rows = [[r["processes"], f"{r['samplers']}:{r['learner_ranks']}", r["batches_per_update"], f"{r['efficiency']:.3f}",
              f"{r['learner_idle']:.2f}", f"{r['sampler_idle']:.2f}", r["dropped"], r["staleness_max"],
              f"{r['requests_per_batch']:.1f}", r["exactly_once"], f"{r['measured_rollout_s']:.2f}/{r['rollout_s']:.2f}",
-             f"{r['measured_update_s']:.2f}/{r['update_s']:.2f}", f"{r['cpu_busy']:.2f}"] for r in runs]
+             f"{r['measured_update_s']:.2f}/{r['update_s']:.2f}", f"{r['cpu_busy']:.2f}",
+             f"{r['whole_run_efficiency']:.3f}"] for r in runs]
     finish("emulate", {"runs": runs, "scale": args.scale, "cpus": usable_cpus(), "staleness_bound": STALENESS}, rows,
            ["procs", "S:D", "B", "eff", "L idle", "S idle", "dropped", "max stale", "req/batch", "once",
-            "rollout s meas/plan", "update s meas/plan", "CPU busy"], out=args.out)
+            "rollout s meas/plan", "update s meas/plan", "CPU busy", "whole run"], out=args.out)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,41 @@
 """Predict Miles' asynchronous efficiency from 8 to 4,096 GPUs with the discrete-event model
-(benchmarks/sim.py) for the design as built, and validate the model on the emulated runs.
+(benchmarks/sim.py), every cost that grows with the cluster charged, and validate it out of
+sample on the emulated runs.
 
-    python -m benchmarks.emulate && python -m benchmarks.scale_model
+    python -m benchmarks.host_costs && python -m benchmarks.emulate && python -m benchmarks.scale_model
 
 The design as built (miles_core/asyncrl): admission (a sampler starts slot k only while
-k < (S + v + 1) B), global-batch updates of B sampler batches read in shares by D learner ranks,
-samplers polling only ``adapters/LATEST`` (and ``control/STOP``) with back-off, and the split and
-B that ``asyncrl/placement.py`` picks from seconds per completion.
+k < (S + v + 1) B), updates on the recipe's global batch of B sampler batches, each learner rank
+reading, building and scoring only its share in whole groups (learner/shares.py; the busiest
+rank's share and the slowest rank set the pace), samplers polling ``adapters/LATEST`` with
+back-off, and the split of ``asyncrl/placement.py`` for that global batch.
 
-Inputs. ``llada_8b``: LLaDA-8B's shape (64 completions x 256 tokens, 256-token prompts, d1's 128
-steps, ADPO on a quarter of the steps, LoRA r=64 on every projection) costed by FLOPs at an
-assumed 35% of an H200's 989 dense bf16 TFLOP/s: derived, not measured (no H200 was lent).
-Named assumptions for a real deployment: S3's documented 3,500 PUT and 5,500 GET per second per
-prefix (all keys on one prefix here, the worst case), 20 ms per request, 90 MB/s per connection,
-40 GB/s all-reduce bus bandwidth per rank, polls backing off x2 up to 5 s (2.6% of a rollout).
+Inputs. ``llada_8b``: the gsm8k recipe at LLaDA-8B's shape (16 prompts x 6 completions of 256
+tokens, 256-token prompts, 128 steps, ADPO on a quarter of the steps, 4 minibatches, LoRA r=64 on
+every projection) costed by FLOPs at an assumed 35% of an H200's 989 dense bf16 TFLOP/s:
+derived, not measured (no H200 was lent). Charged from measurements on this machine class
+(benchmarks/host_costs.py, required): each rank's host work per update as a function of its share
+and B, rank 0's publish and checkpoint, a sampler's adapter load and Parquet write. Stated
+assumptions: rollout times lognormal (CV 0.3) with a heavy tail (2% of rollouts take 3x), each
+rank's optimizer-step time spread 1% (identical GPUs on identical shapes; the slowest of D sets
+the pace and placement leaves the learner that margin; 0 to 5% printed beside), 60 s of
+rendezvous and loading
+before version 0 and the 16 GB base read by every process from the store, S3's documented
+3,500 PUT and 5,500 GET per second per prefix (all keys on one prefix), 20 ms per request,
+90 MB/s per connection, 40 GB/s all-reduce bus bandwidth per rank, polls backing off x2 to 5 s.
 
-Validation: every run of benchmarks/results/emulate.json (the real code on SeaweedFS with a
-calibrated compute stand-in) predicted from the same stand-in costs and the store latency the run
-measured: efficiency and requests per batch, predicted beside measured.
+Curves. *Weak* scaling: the global batch grows with the cluster, 32 completions per GPU up to a
+cap of 131,072 (the optimiser changes with the cluster: fewer, larger updates); *strong*
+scaling: a fixed global batch of 4,608 completions (48 sampler batches). Each point gives the
+steady efficiency (after the pipeline fills), the efficiency over a whole run of ``--hours``
+(start-up and fill included, the steady rate extrapolated beyond the simulated window) and its
+first bottleneck. Efficiency = completions/s / (N x one GPU's synchronous completions/s).
 
-Efficiency = completions/s / (N x one GPU's synchronous completions/s), N = samplers + learner
-ranks; the seed's headline was 94.6% at 4,096. Writes benchmarks/results/scale_model.json.
+Validation. The emulated runs (benchmarks/emulate.py): the model's inputs that this 2-core machine
+changes with the process count (measured rollout and update seconds, host seconds, start-up)
+are fitted on the 4- and 16-process runs only, linearly in the process count, and the 64-process
+run is predicted from the fit: out of sample, error with its sign.
+Writes benchmarks/results/scale_model.json.
 """
 
 from __future__ import annotations
@@ -31,14 +46,19 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.harness import RESULTS, table, write_result
-from benchmarks.sim import Params, simulate
-from miles_core.asyncrl.placement import Placement, place
+from benchmarks.host_costs import host_seconds
+from benchmarks.sim import Params, largest_share, shares, simulate
+from miles_core.asyncrl.placement import Placement, admitting_batch, place
 from miles_core.storage.uri import S3_CONNECTIONS
 
-GPUS = (8, 64, 512, 4096)
+GPUS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 H200_FLOPS, MFU = 989e12, 0.35
 # one S3 connection ~90 MB/s; Miles moves large objects over S3_CONNECTIONS (storage/uri.py)
 REAL_S3 = dict(store_latency_s=0.020, store_bytes_s=90e6 * S3_CONNECTIONS, link_bytes_s=40e9, link_latency_s=10e-6)
+WEAK_PER_GPU, WEAK_CAP = 32, 131_072   # completions per update per GPU, and the cap
+ROUND_DOWN = 0.1                       # weak: placement may lower the batch 10% so the ranks' shares are equal
+RANK_CVS = (0.0, 0.01, 0.02, 0.05)     # the slowest-rank sensitivity at 4,096 GPUs (weak)
+STRONG_BATCH = 4_608                   # completions per update (48 sampler batches of 96)
 SEED_CLAIM = 0.946
 
 
@@ -48,36 +68,92 @@ def _load(name: str) -> dict | None:
 
 
 def llada_8b() -> Params:
-    """LLaDA-8B shape costed by FLOPs (module docstring): derived, not measured."""
-    n, prompt, gen, steps, rows = 8e9, 256, 256, 128, 0.25
-    rollout = 2 * n * 64 * (prompt + gen) * steps / (H200_FLOPS * MFU)
-    update = 3 * 2 * n * 64 * (prompt + gen) * steps * rows / (H200_FLOPS * MFU)
+    """The gsm8k recipe at LLaDA-8B shape costed by FLOPs (module docstring): derived, not measured."""
+    n, prompt, gen, steps, rows, per = 8e9, 256, 256, 128, 0.25, 96
+    rollout = 2 * n * per * (prompt + gen) * steps / (H200_FLOPS * MFU)
+    update = 3 * 2 * n * per * (prompt + gen) * steps * rows / (H200_FLOPS * MFU)
     lora = 32 * (4 * (4096 * 64 * 2) + 3 * (4096 + 12288) * 64)  # r=64 on q,k,v,o,gate,up,down
-    return Params(rollout_s=rollout, update_s=update, completions_per_batch=64, adapter_bytes=2 * lora,
-                  allreduce_bytes=4 * lora, batch_bytes=64 * 768 * 10, checkpoint_bytes=12 * lora, rollout_cv=0.2,
-                  max_staleness=6, checkpoint_every=10, poll_s=0.05, poll_backoff=2.0, poll_max_s=5.0, learner_samples=False,
-                  shared_budget=False, **REAL_S3)
+    return Params(rollout_s=rollout, update_s=update, completions_per_batch=per, group_size=6, minibatches=4,
+                  adapter_bytes=2 * lora, allreduce_bytes=4 * lora, batch_bytes=per * 768 * 10,
+                  checkpoint_bytes=12 * lora, rollout_cv=0.3, rollout_tail_p=0.02, rollout_tail_x=3.0, rank_cv=0.01,
+                  base_bytes=16e9, learner_start_s=60.0, max_staleness=6, checkpoint_every=10, poll_s=0.05,
+                  poll_backoff=2.0, poll_max_s=5.0, learner_samples=False, shared_budget=False, **REAL_S3)
 
 
-def configure(base: Params, gpus: int) -> tuple[Params, Placement]:
-    """``gpus`` split as placement.py splits them, with its global batch; a budget beyond the horizon."""
-    c = base.completions_per_batch
-    pl = place(gpus, base.rollout_s / c, base.update_s / c, base.max_staleness)
-    return replace(base, samplers=pl.samplers, learner_ranks=pl.learner_ranks, batches=10**9,
-                   batches_per_update=pl.batches_per_update), pl
+def charge_host(p: Params, costs: dict[str, Any]) -> Params:
+    """``p`` with the measured host seconds (benchmarks/host_costs.py) of its shape: the busiest
+    rank's per update (its share, B, the batches it reads) plus rank 0's publish and checkpoint,
+    and a sampler's per batch."""
+    b, n, d, g = p.batches_per_update, p.completions_per_batch, p.learner_ranks, p.group_size
+    rank = host_seconds(costs["fit"], largest_share(b, n, d, g), b, max(shares(b, n, d, g)))
+    extra = costs["rank0_and_sampler"]
+    return replace(p, learner_host_s=rank + extra["rank0_per_update_s"], sampler_host_s=extra["sampler_per_batch_s"])
+
+
+def configure(base: Params, gpus: int, completions: int, costs: dict[str, Any],
+              round_down: float = 0.0) -> tuple[Params, Placement]:
+    """``gpus`` split as placement.py splits them for a global batch of ``completions`` (lowered by
+    at most ``round_down`` so the ranks hold equal shares), host costs charged, a budget beyond
+    the horizon."""
+    n = base.completions_per_batch
+    b = max(1, completions // n)
+    pl = place(gpus, base.rollout_s / n, base.update_s / n, base.max_staleness, b, n // base.group_size, round_down,
+               base.rank_cv)
+    p = replace(base, samplers=pl.samplers, learner_ranks=pl.learner_ranks, batches=10**9,
+                batches_per_update=pl.batches_per_update)
+    return charge_host(p, costs), pl
+
+
+def one_gpu(p: Params) -> float:
+    """One GPU's synchronous completions/s: rollout then update of each batch, nothing overlapped."""
+    return p.completions_per_batch / (p.rollout_s + p.update_s)
 
 
 def efficiency(p: Params, r: dict) -> float:
     """Steady-state completions/s (after the pipeline's fill) over N GPUs' synchronous ideal."""
-    one_gpu = p.completions_per_batch / (p.rollout_s + p.update_s)  # one GPU, synchronous
-    return r["steady_completions_per_s"] / ((p.samplers + p.learner_ranks) * one_gpu)
+    return r["steady_completions_per_s"] / ((p.samplers + p.learner_ranks) * one_gpu(p))
+
+
+def whole_run(p: Params, r: dict, hours: float) -> float:
+    """Efficiency over a run of ``hours``: what the simulated window consumed (start-up and fill
+    included) plus the steady rate for the rest of the run, over N GPUs' ideal for the whole run."""
+    span = hours * 3600.0
+    done = r["consumed"] * p.completions_per_batch + r["steady_completions_per_s"] * max(span - r["seconds"], 0.0)
+    return done / (span * (p.samplers + p.learner_ranks) * one_gpu(p))
+
+
+def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: float) -> list[dict[str, Any]]:
+    """Weak or strong scaling over :data:`GPUS`: per point the split, the global batch, steady and
+    whole-run efficiency, the first bottleneck."""
+    out = []
+    for gpus in GPUS:
+        completions = min(WEAK_PER_GPU * gpus, WEAK_CAP) if kind == "weak" else STRONG_BATCH
+        p, pl = configure(base, gpus, completions, costs, ROUND_DOWN if kind == "weak" else 0.0)
+        warm = 8 * p.rollout_s + p.learner_start_s
+        # enough rollouts for 20 updates at least, however few samplers fill one global batch
+        span = max(rollouts, 20 * p.batches_per_update // max(min(p.samplers, pl.admitted), 1))
+        r = simulate(p, warm + span * p.rollout_s, warmup_s=warm)
+        out.append({"curve": kind, "gpus": gpus, "samplers": p.samplers, "learner_ranks": p.learner_ranks,
+                    "global_batch": p.batches_per_update * p.completions_per_batch,
+                    "batches_per_update": p.batches_per_update, "admitted_samplers": pl.admitted,
+                    "learner_host_s": p.learner_host_s, "steady": efficiency(p, r), "whole_run": whole_run(p, r, hours),
+                    "predicted_idle": {"samplers": pl.sampler_idle, "learner": pl.learner_idle},
+                    **{k: v for k, v in r.items() if k != "staleness_hist"},
+                    "staleness_max": max(r["staleness_hist"] or {0: 0})})
+    return out
+
+
+# ---------------------------------------------------------------------------------- validation
+CALIBRATED = ("measured_rollout_s", "measured_update_s", "learner_host_s", "sampler_host_s", "learner_start_s",
+              "startup_polls")
 
 
 def emulated_params(run: dict) -> Params:
-    """The model of one emulated run: its stand-in's costs, split, global batch and budget, and
-    the store latency that run measured on SeaweedFS."""
+    """The model of one emulated run from its (measured or fitted) costs, split, global batch,
+    budget and the store latency that run measured on SeaweedFS."""
     return Params(samplers=run["samplers"], learner_ranks=run["learner_ranks"], batches=run["batches"],
-                  completions_per_batch=run["completions_per_batch"], rollout_s=run["measured_rollout_s"], rollout_cv=0.05,
+                  completions_per_batch=run["completions_per_batch"], group_size=run.get("group_size", 1),
+                  minibatches=run.get("minibatches", 1), rollout_s=run["measured_rollout_s"], rollout_cv=0.05,
                   update_s=run["measured_update_s"],
                   allreduce_bytes=run["allreduce_bytes"], link_bytes_s=run["link_bytes_s"], link_latency_s=2e-4,
                   adapter_bytes=run["adapter_bytes"], batch_bytes=run["batch_bytes"], checkpoint_every=1,
@@ -91,39 +167,89 @@ def emulated_params(run: dict) -> Params:
                   **({"wire": run["wire"]} if "wire" in run else {}))
 
 
-def validation() -> list[dict[str, Any]]:
-    """Predicted against measured for every emulated run found in results/."""
+def calibrate(runs: list[dict], at: int) -> dict:
+    """``at`` processes' inputs from the calibration ``runs``: each of :data:`CALIBRATED` a line
+    in the process count through them (the last run's value when only one), the wire costs their
+    mean; the run's own split, batch and budget are the design's, not fitted."""
+    xs = [r["processes"] for r in runs]
+    fitted: dict[str, Any] = {}
+    for key in CALIBRATED:
+        ys = [r.get(key, 0.0) for r in runs]
+        if len(runs) >= 2 and xs[-1] != xs[0]:
+            slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+            fitted[key] = max(ys[0] + slope * (at - xs[0]), 0.0)
+        else:
+            fitted[key] = ys[-1]
+    wires = [r["wire"] for r in runs if "wire" in r]
+    if wires:
+        fitted["wire"] = {k: sum(w[k] for w in wires) / len(wires) for k in wires[0]}
+    return fitted
+
+
+def validation(calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict[str, Any]]:
+    """Every emulated run predicted: from a fit on ``calibrate_on`` (out of sample for the others)."""
+    runs = (_load("emulate") or {}).get("runs", [])
+    cal = [r for r in runs if r["processes"] in calibrate_on]
     out: list[dict[str, Any]] = []
-    for run in (_load("emulate") or {}).get("runs", []):
-        r = simulate(emulated_params(run))
+    for run in runs:
+        sample = "in sample" if run["processes"] in calibrate_on else "out of sample"
+        r = simulate(emulated_params({**run, **calibrate(cal, run["processes"])}))
         pred = r["after_two_updates_completions_per_s"] / run["ideal_completions_per_s"]  # as emulate.py measures
-        out.append({"run": f"emulated, {run['processes']} processes", "metric": "efficiency", "predicted": pred,
-                    "measured": run["efficiency"], "error": pred / run["efficiency"] - 1})
-        out.append({"run": f"emulated, {run['processes']} processes", "metric": "requests per batch",
-                    "predicted": r["requests_per_batch"], "measured": run["requests_per_batch"],
-                    "error": r["requests_per_batch"] / run["requests_per_batch"] - 1})
+        name = f"emulated, {run['processes']} processes ({sample})"
+        out.append({"run": name, "metric": "efficiency", "predicted": pred, "measured": run["efficiency"],
+                    "error": pred / run["efficiency"] - 1, "out_of_sample": sample == "out of sample"})
+        out.append({"run": name, "metric": "requests per batch", "predicted": r["requests_per_batch"],
+                    "measured": run["requests_per_batch"], "error": r["requests_per_batch"] / run["requests_per_batch"] - 1,
+                    "out_of_sample": sample == "out of sample"})
     return out
+
+
+def sensitivity(base: Params, costs: dict[str, Any], rollouts: int, hours: float) -> list[dict[str, Any]]:
+    """Weak scaling at 4,096 GPUs as the per-rank spread varies (placement told each value)."""
+    out = []
+    for cv in RANK_CVS:
+        p, pl = configure(replace(base, rank_cv=cv), GPUS[-1], min(WEAK_PER_GPU * GPUS[-1], WEAK_CAP), costs, ROUND_DOWN)
+        warm = 8 * p.rollout_s + p.learner_start_s
+        r = simulate(p, warm + rollouts * p.rollout_s, warmup_s=warm)
+        out.append({"rank_cv": cv, "samplers": p.samplers, "learner_ranks": p.learner_ranks,
+                    "global_batch": p.batches_per_update * p.completions_per_batch, "steady": efficiency(p, r),
+                    "whole_run": whole_run(p, r, hours), "dropped": r["dropped"], "bottleneck": r["bottleneck"]})
+    return out
+
+
+def below(points: list[dict], level: float = 0.9) -> dict[str, Any] | None:
+    """The first point from which every larger size's steady efficiency is below ``level`` (a
+    small size can dip below it by its integer split alone and recover at the next)."""
+    for i, pt in enumerate(points):
+        if all(q["steady"] < level for q in points[i:]):
+            return pt
+    return None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rollouts", type=int, default=40, help="simulated rollouts per sampler (the first 8 fill the pipeline)")
+    ap.add_argument("--rollouts", type=int, default=24, help="simulated rollouts per sampler after the fill")
+    ap.add_argument("--hours", type=float, default=24.0, help="the whole run's length")
     args = ap.parse_args()
+    costs = _load("host_costs")
+    if costs is None:
+        raise SystemExit("benchmarks/results/host_costs.json is missing: run python -m benchmarks.host_costs first "
+                         "(the model charges the measured host work)")
     base = llada_8b()
-    points, rows = [], []
-    for gpus in GPUS:
-        p, pl = configure(base, gpus)
-        r = simulate(p, args.rollouts * p.rollout_s, warmup_s=8 * p.rollout_s)
-        eff = efficiency(p, r)
-        points.append({"size": "llada_8b", "gpus": gpus, "samplers": p.samplers, "learner_ranks": p.learner_ranks,
-                       "batches_per_update": p.batches_per_update, "efficiency": eff,
-                       "predicted_idle": {"samplers": pl.sampler_idle, "learner": pl.learner_idle}, **r})
-        rows.append([gpus, f"{p.samplers}:{p.learner_ranks}", p.batches_per_update, f"{r['completions_per_s']:.1f}",
-                     f"{eff:.3f}", f"{r['learner_idle_fraction']:.2f}", f"{r['sampler_idle_fraction']:.2f}",
-                     f"{max(r['staleness_hist'] or {0: 0})}", r["dropped"], f"{r['requests_per_batch']:.1f}",
-                     f"{sum(r['store_requests_per_s'].values()):.0f}", r["bottleneck"]])
-    print(table(rows, ["GPUs", "S:D", "B", "compl/s", "eff", "L idle", "S idle", "max stale", "dropped",
-                       "req/batch", "req/s", "bottleneck"]))
+    curves = {kind: curve(kind, base, costs, args.rollouts, args.hours) for kind in ("weak", "strong")}
+    for kind, pts in curves.items():
+        print(f"\n{kind} scaling ({'32 completions per GPU, cap 131,072' if kind == 'weak' else 'global batch 4,608'})")
+        print(table([[pt["gpus"], f"{pt['samplers']}:{pt['learner_ranks']}", pt["global_batch"],
+                      f"{pt['learner_host_s']:.2f}", f"{pt['steady']:.3f}", f"{pt['whole_run']:.3f}",
+                      f"{pt['learner_idle_fraction']:.2f}", f"{pt['sampler_idle_fraction']:.2f}", pt["staleness_max"],
+                      pt["dropped"], f"{sum(pt['store_requests_per_s'].values()):.0f}", pt["bottleneck"]] for pt in pts],
+                    ["GPUs", "S:D", "global batch", "host s", "steady", f"{args.hours:g} h", "L idle", "S idle",
+                     "max stale", "dropped", "req/s", "bottleneck"]))
+    sens = sensitivity(base, costs, args.rollouts, args.hours)
+    print("\nweak scaling at 4,096 GPUs as each rank's step-time spread varies (the slowest of D sets the pace)")
+    print(table([[s["rank_cv"], f"{s['samplers']}:{s['learner_ranks']}", s["global_batch"], f"{s['steady']:.3f}",
+                  f"{s['whole_run']:.3f}", s["dropped"], s["bottleneck"]] for s in sens],
+                ["rank CV", "S:D", "global batch", "steady", f"{args.hours:g} h", "dropped", "bottleneck"]))
     val = validation()
     if val:
         print()
@@ -131,12 +257,20 @@ def main() -> None:
                      for v in val], ["validation run", "metric", "predicted", "measured", "error"]))
     else:
         print("\nno emulated runs in benchmarks/results/ to validate against (run python -m benchmarks.emulate)")
-    at4096 = next(pt for pt in points if pt["gpus"] == 4096)
-    print(f"\nefficiency at 4,096 GPUs (llada_8b): {at4096['efficiency']:.3f} (seed's claim {SEED_CLAIM})")
+    weak4096 = curves["weak"][-1]
+    drop = below(curves["strong"])
+    print(f"\nweak scaling at 4,096 GPUs (llada_8b, global batch {weak4096['global_batch']:,}): steady "
+          f"{weak4096['steady']:.3f}, whole {args.hours:g} h run {weak4096['whole_run']:.3f} (seed's claim {SEED_CLAIM})")
+    print("strong scaling (4,608 completions): " + (f"below 0.9 from {drop['gpus']} GPUs ({drop['steady']:.3f}, "
+                                                    f"{drop['bottleneck']}; the batch admits {drop['admitted_samplers']} "
+                                                    "samplers)" if drop else "never below 0.9 up to 4,096 GPUs"))
     path = write_result("scale_model", {
-        "validation": val, "points": points,
-        "bottleneck": {f"{pt['size']}/{pt['gpus']}": pt["bottleneck"] for pt in points},
-        "inputs": {"llada_8b": {**base.__dict__, "source": f"FLOPs at {MFU:.0%} of {H200_FLOPS / 1e12:.0f} TFLOP/s"}},
+        "weak": curves["weak"], "strong": curves["strong"], "validation": val, "rank_cv_sensitivity": sens,
+        "strong_below_0_9_at": drop["gpus"] if drop else None,
+        "inputs": {"llada_8b": {**base.__dict__, "source": f"FLOPs at {MFU:.0%} of {H200_FLOPS / 1e12:.0f} TFLOP/s"},
+                   "host_costs": costs["fit"], "rank0_and_sampler": costs["rank0_and_sampler"],
+                   "weak": {"per_gpu": WEAK_PER_GPU, "cap": WEAK_CAP}, "strong": STRONG_BATCH, "hours": args.hours,
+                   "admitting_batch_4096": admitting_batch(weak4096["samplers"], base.max_staleness)},
         "seed_claim_4096": SEED_CLAIM})
     print(f"wrote {path}")
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import random
 import zlib
+from statistics import NormalDist
 from dataclasses import dataclass, field
 from typing import Any, Generator
 
@@ -60,11 +61,17 @@ class Params:
     learner_ranks: int = 1
     batches: int = 150                 # the run's budget (shared_budget: claimed by any sampler)
     completions_per_batch: int = 128
-    rollout_s: float = 0.25            # one sampler's rollout + reward per batch (mean)
-    rollout_cv: float = 0.1            # coefficient of variation of the rollout time (lognormal)
+    rollout_s: float = 0.25            # one sampler's rollout + reward per batch (mean, tail included)
+    rollout_cv: float = 0.1            # coefficient of variation of the rollout time (lognormal body)
+    rollout_tail_p: float = 0.0        # heavy tail: this share of rollouts takes rollout_tail_x x the body's
+    rollout_tail_x: float = 1.0
     update_s: float = 0.18             # one learner rank's update of a whole batch
     min_update_s: float = 0.0          # floor per update however many ranks share it (kernel launches, ...)
-    allreduce_bytes: float = 0.0       # gradient bytes all-reduced per update (the adapter's)
+    group_size: int = 1                # completions per prompt: ranks hold whole groups (learner/shares.py)
+    rank_cv: float = 0.0               # spread of one rank's optimizer-step time: the slowest of D sets the pace
+    minibatches: int = 1               # optimizer steps per update, each all-reducing the gradient
+    allreduce_bytes: float = 0.0       # gradient bytes all-reduced per optimizer step (the adapter's)
+    base_bytes: float = 0.0            # what every process reads from the store at start (the base)
     link_bytes_s: float = 25e9         # all-reduce bus bandwidth per rank (NCCL busbw)
     link_latency_s: float = 10e-6      # per ring step
     batch_bytes: float = 200e3
@@ -153,10 +160,15 @@ class Run:
 
 
 def _rollout(p: Params, rng: random.Random) -> float:
+    """Lognormal body (CV ``rollout_cv``) and a heavy tail (``rollout_tail_p`` of rollouts take
+    ``rollout_tail_x`` times as long), scaled so the mean is ``rollout_s``."""
+    body = p.rollout_s / (1 + p.rollout_tail_p * (p.rollout_tail_x - 1))
+    if p.rollout_tail_p and rng.random() < p.rollout_tail_p:
+        body *= p.rollout_tail_x
     if p.rollout_cv <= 0:
-        return p.rollout_s
+        return body
     s2 = math.log(1 + p.rollout_cv ** 2)
-    return rng.lognormvariate(math.log(p.rollout_s) - s2 / 2, math.sqrt(s2))
+    return rng.lognormvariate(math.log(body) - s2 / 2, math.sqrt(s2))
 
 
 def allreduce_s(p: Params) -> float:
@@ -185,9 +197,21 @@ def largest_share(batches: int, n: int, d: int, group: int = 1) -> int:
     return -(-units // d) * group
 
 
-def update_time(p: Params, batches: int = 1) -> float:
-    """One update of ``batches`` batches split over the ranks, plus the gradient all-reduce."""
-    return max(batches * p.update_s / p.learner_ranks, p.min_update_s) + allreduce_s(p)
+def update_time(p: Params, batches: int = 1, rng: random.Random | None = None) -> float:
+    """One update of ``batches`` batches split over the ranks in whole groups (the busiest rank's
+    share sets the pace), plus ``minibatches`` gradient all-reduces. With ``rng`` and ``rank_cv``,
+    each rank's time varies (normal, that CV) and the slowest of the D sets the pace: the max of D
+    normals is drawn as Phi^-1(u^(1/D))."""
+    n = p.completions_per_batch
+    rows = largest_share(batches, n, p.learner_ranks, p.group_size) if p.learner_ranks > 1 else batches * n
+    compute, step = 0.0, rows * p.update_s / n / p.minibatches
+    for _ in range(p.minibatches):  # each optimizer step waits for the slowest rank, then all-reduces
+        slowest = 1.0
+        if rng is not None and p.rank_cv > 0 and p.learner_ranks > 1:
+            u = max(rng.random(), 1e-12) ** (1.0 / p.learner_ranks)
+            slowest = max(1.0 + p.rank_cv * NormalDist().inv_cdf(min(u, 1 - 1e-12)), 0.0)
+        compute += step * slowest
+    return max(compute, p.min_update_s) + p.minibatches * allreduce_s(p)
 
 
 def _wait(env: simpy.Environment, p: Params, cond, poll, cap: float = 0.0) -> Generator:
@@ -212,7 +236,7 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
 
     def poll() -> Generator:  # control/STOP and adapters/LATEST
         yield from store.request("get", "adapters/LATEST", n=w["poll"])
-    yield from store.request("get", "base", n=w["sampler_start"])  # the spec, the base's files
+    yield from store.request("get", "base", p.base_bytes, n=w["sampler_start"])  # the spec, the base's files
     yield from _wait(env, p, lambda: run.version >= 0, poll, p.startup_poll_s)
     seq = 0
     while True:
@@ -251,8 +275,9 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
     # loading and rendezvous; then each rank reads the spec and the base (in parallel), rank 0 also
     # checks for a checkpoint and adapter and publishes version 0
     yield env.timeout(p.learner_start_s)
-    others = [env.process(store.request("get", "base", n=w["rank_start"])) for _ in range(p.learner_ranks - 1)]
-    yield from store.request("get", "base", p.adapter_bytes, n=w["learner_start"])
+    others = [env.process(store.request("get", "base", p.base_bytes, n=w["rank_start"]))
+              for _ in range(p.learner_ranks - 1)]
+    yield from store.request("get", "base", p.base_bytes + p.adapter_bytes, n=w["learner_start"])
     yield simpy.AllOf(env, others)
     run.version = 0
     interval = p.poll_s
@@ -282,7 +307,8 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
         def ingest(share: int) -> Generator:  # one rank reads its share: marker and data of each batch
             for _ in range(share):
                 yield from store.request("get", "trajectories/batch", p.batch_bytes, n=w["read"])
-        reads = shares(len(taken), p.completions_per_batch, p.learner_ranks) if p.learner_ranks > 1 else [len(taken)]
+        reads = (shares(len(taken), p.completions_per_batch, p.learner_ranks, p.group_size) if p.learner_ranks > 1
+                 else [len(taken)])
         yield simpy.AllOf(env, [env.process(ingest(k)) for k in reads if k])
         yield env.timeout(p.learner_host_s)
         for _, version in taken:
@@ -295,7 +321,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
             continue
         run.staleness.extend(fresh)
         t1 = env.now
-        yield env.timeout(update_time(p, len(fresh)))
+        yield env.timeout(update_time(p, len(fresh), rng))
         run.learner_compute_s += env.now - t1
         run.version += 1
         before = run.version - 1

@@ -71,7 +71,7 @@ def test_admission_keeps_staleness_bounded_without_drops_and_back_off_cuts_polls
 
 
 def test_placement_balances_the_sides_for_the_recipes_global_batch() -> None:
-    from miles_core.asyncrl.placement import admitted_samplers, admitting_batch, place, predict
+    from miles_core.asyncrl.placement import admitted_samplers, admitting_batch, even_batch, even_ranks, place, predict
 
     pl = place(10, rollout_s=3.0, update_s=2.0, max_staleness=6, batches_per_update=3)  # 3 : 2 balances 6 : 4
     assert (pl.samplers, pl.learner_ranks) == (6, 4) and pl.sampler_idle == pytest.approx(0.0, abs=1e-12)
@@ -84,9 +84,17 @@ def test_placement_balances_the_sides_for_the_recipes_global_batch() -> None:
     small = place(20, rollout_s=3.0, update_s=2.0, max_staleness=6, batches_per_update=2)
     assert small.admitted == 4 and small.learner_ranks >= 3 and small.sampler_idle > 0.5
     assert "admits 4 samplers" in small.describe()
-    # learner ranks divide the update's groups: 6 groups over 10 devices -> 1, 2, 3 or 6 ranks
-    assert place(10, 3.0, 2.0, 6, 3, groups_per_update=6).learner_ranks in (1, 2, 3, 6)
-    assert place(10, 3.0, 2.0, 6, 3, groups_per_update=6).learner_ranks == 3
+    # ranks share whole groups and the busiest sets the pace: 4 ranks over 6 groups work as 3
+    assert even_ranks(4, 6) == 3 and even_ranks(3, 6) == 3 and even_ranks(5, 7) == 3.5
+    assert place(10, 3.0, 2.0, 6, 3, groups_per_batch=2).learner_ranks == 3  # 4 is worth no more than 3
+    assert place(40, 3.0, 2.0, 6, 1, groups_per_batch=2).learner_ranks == 2  # never more ranks than groups
+    # rounding the batch down (never up) so the ranks of the balanced split hold equal shares
+    assert even_batch(1365, 16, 1760, 0.1) == 1320 and even_batch(1365, 16, 1755, 0.1) == 1365
+    assert even_batch(10, 3, 4, 0.0) == 10 and even_batch(12, 3, 4, 0.0) == 12
+    fixed = place(7, 3.0, 2.0, 6, 5, groups_per_batch=1)          # 5 groups: 3 ranks work as 2.5
+    rounded = place(7, 3.0, 2.0, 6, 5, groups_per_batch=1, round_down=0.2)
+    assert fixed.batches_per_update == 5 and rounded.batches_per_update <= 5
+    assert (rounded.batches_per_update, rounded.learner_ranks) == (4, 2) or rounded.learner_idle <= fixed.learner_idle
     with pytest.raises(ValueError, match="at least 2 devices"):
         place(1, 1.0, 1.0, 4)
 
@@ -118,3 +126,33 @@ def test_shares_match_the_learner_ranks_reads(batches: int, n: int, d: int, grou
     assert shares(batches, n, d, group) == [len(my_share(batches, n, group, World(r, d))) for r in range(d)]
     rows = [sum(int(owned_rows(j, n, batches, group, World(r, d)).sum()) for j in range(batches)) for r in range(d)]
     assert largest_share(batches, n, d, group) == max(rows)
+
+
+def test_the_slowest_rank_sets_the_pace_as_the_expected_maximum_of_normals() -> None:
+    """placement's straggler factor (Blom's E[max of D normals]) against Monte Carlo, and the
+    model's per-step draw of the slowest rank against the same expectation."""
+    from benchmarks.sim import update_time
+    from miles_core.asyncrl.placement import straggler
+
+    rng = random.Random(0)
+    for d in (2, 27, 1755):
+        mc = sum(max(rng.gauss(0, 1) for _ in range(d)) for _ in range(300 if d < 1000 else 40)) / (300 if d < 1000 else 40)
+        assert straggler(d, 1.0) - 1 == pytest.approx(mc, rel=0.08)
+    assert straggler(1, 0.5) == 1.0 and straggler(64, 0.0) == 1.0
+    p = Params(learner_ranks=64, completions_per_batch=64, update_s=6.4, rank_cv=0.05, minibatches=4)
+    rng = random.Random(1)
+    mean = sum(update_time(p, 1, rng) for _ in range(2000)) / 2000
+    assert mean == pytest.approx(0.1 * straggler(64, 0.05), rel=0.01)   # 1 row each: 0.1 s, x the slowest
+    assert update_time(p) == pytest.approx(0.1)                        # no rng: the mean rank
+
+
+def test_whole_run_efficiency_counts_the_start_and_extrapolates_the_steady_rate() -> None:
+    from benchmarks.scale_model import efficiency, one_gpu, whole_run
+
+    p = Params(samplers=2, learner_ranks=1, batches=400, rollout_s=0.2, rollout_cv=0.0, update_s=0.05,
+               learner_start_s=5.0, learner_samples=False, shared_budget=False, **FAST_STORE)
+    r = simulate(p, horizon_s=20.0, warmup_s=6.0)
+    window = r["consumed"] * p.completions_per_batch / (r["seconds"] * 3 * one_gpu(p))
+    assert whole_run(p, r, r["seconds"] / 3600) == pytest.approx(window)          # the window alone
+    long = whole_run(p, r, 24.0)
+    assert window < long < efficiency(p, r) + 1e-9  # the start weighs less over a day, never more than steady

@@ -1,0 +1,234 @@
+"""Host work per update of one learner rank, and per batch of one sampler, at the real shapes: what
+the scale model charges for the work this 2-core machine cannot show at 4,096 GPUs.
+
+    python -m benchmarks.host_costs [--points NAME ...]
+
+A learner rank's update, before the device computes anything (the code the rank runs, on
+synthetic batches of the real shape: n completions of L tokens committed over K steps, prompts
+of P tokens): read its share from a local store (Parquet), agree on verdicts (its own pickled,
+the D ranks' unpickled, as ``all_gather_object`` does), cut its rows out of the batches it read
+and key them, the collapse guard's health, the estimator's rows (ADPO covering a quarter of the
+steps, algo/rows.py), the minibatch deal (algo/draws.py), the chunk plan's row costs and the
+behaviour log-prob gather (algo/update.py). ``after``: the rank's own share (learner/shares.py);
+``before``: every trajectory of the global batch, as a rank did when each built the whole batch
+(the same functions over all B n trajectories, plus the metadata it then exchanged, pickled and
+unpickled: per row the prompt length, step map, group, version, reward, advantage, NFE and text).
+Rank 0 also publishes the adapter every update and checkpoints every ``checkpoint_every``
+(LLaDA-8B's r = 64 LoRA, saved as the learner saves them); a sampler loads each new adapter and
+writes its batch. Each (point, mode) runs in a fresh process, so its peak memory is its own
+(``ru_maxrss`` above the process after imports). Seconds depend on this machine's CPU: the
+figure is for this machine class, and the scale model takes it as measured.
+Writes benchmarks/results/host_costs.json (with a least-squares fit the scale model reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness import bench_args, finish
+
+REPO = Path(__file__).resolve().parents[1]
+# (B sampler batches, D ranks, n completions per batch, G group size); K steps, L and P tokens fixed below
+POINTS = {
+    "emulated 64 procs": (64, 27, 64, 8),
+    "4,096 GPUs, old weak batch": (1171, 1755, 64, 8),
+    "4,096 GPUs, fixed 4,096": (64, 256, 64, 8),
+    # the sweep the fit is made on: share sizes 8 .. 384 trajectories, B from 4 to 512
+    "fit 1": (4, 1, 96, 6), "fit 2": (16, 4, 96, 6), "fit 3": (64, 16, 96, 6), "fit 4": (512, 128, 96, 6),
+    "fit 5": (128, 512, 96, 6), "fit 6": (16, 16, 96, 6),
+}
+K, L, P = 128, 256, 256
+LORA_PARAMS = 32 * (4 * (4096 * 64 * 2) + 3 * (4096 + 12288) * 64)  # LLaDA-8B, r = 64 on every projection
+CHECKPOINT_EVERY = 10
+
+
+def _batch(n: int, group: int, seed: int) -> Any:
+    import torch
+
+    from benchmarks.harness import synthetic_batch
+    from miles_core.tokenizer import CharTokenizer
+
+    b = synthetic_batch(CharTokenizer(), n, P, L, K, seed)
+    b.group_id = torch.arange(n) // group + seed * n
+    b.reward = (torch.arange(n) % 2).float()
+    b.completions = ["x" * L] * n
+    b.prompts = ["p" * P] * n
+    return b
+
+
+def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
+    """The busiest rank's host seconds per phase and peak bytes, in this (fresh) process."""
+    import torch
+
+    from miles_core.algo.draws import Draws, minibatches, trajectory_keys
+    from miles_core.algo.estimators import get_estimator
+    from miles_core.algo.guard import batch_health
+    from miles_core.config import ADPOConfig
+    from miles_core.learner.shares import my_share, owned_rows
+    from miles_core.parallel import World
+    from miles_core.storage import TrajectoryStore
+    from miles_core.tokenizer import CharTokenizer
+    from miles_core.types import TrajectoryBatch
+
+    torch.set_num_threads(1)
+    base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    world = World(0, D)  # rank 0 holds the most groups (ceil shares come first)
+    share = my_share(B, n, group, world)
+    t: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        store = TrajectoryStore(tmp)
+        for j in share:  # committed by the samplers: not this rank's time
+            store.write_batch(_batch(n, group, j), f"b{j:05d}")
+        t0 = time.perf_counter()
+        read = {j: store.read_batch(f"b{j:05d}") for j in share}
+        t["read"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    mine = pickle.dumps({j: ("fresh", 0) for j in share})
+    per_rank = max(1, B // D + 1)
+    gathered = [pickle.dumps({j: ("fresh", 0) for j in range(r * per_rank, (r + 1) * per_rank)}) for r in range(D)]
+    verdicts = [pickle.loads(g) for g in gathered] + [pickle.loads(mine)]
+    t["agree"] = time.perf_counter() - t0
+    del verdicts
+    if mode == "before":  # the whole global batch on this rank: its share real, the rest as built from metadata
+        t0 = time.perf_counter()
+        others = [_batch(n, group, j) for j in range(B) if j not in read]
+        t_make = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        meta = [{"prompt_lens": [len(p) for p in b.prompt_ids], "step_map": b.step_map, "nfe": b.nfe,
+                 "group_id": b.group_id, "policy_version": b.policy_version, "reward": b.reward,
+                 "advantage": b.advantage, "completions": list(b.completions)} for b in others]
+        pickle.loads(pickle.dumps(meta))
+        t["agree"] += time.perf_counter() - t0
+        del meta
+        t0 = time.perf_counter()
+        local = TrajectoryBatch.concat(list(read.values()) + others)
+        keys = torch.cat([trajectory_keys(f"b{j:05d}", n) for j in range(B)])
+        t["share"] = time.perf_counter() - t0
+        del t_make
+    else:
+        t0 = time.perf_counter()
+        parts, keys_l = [], []
+        for j, b in read.items():
+            idx = owned_rows(j, n, B, group, world).nonzero().squeeze(1)
+            parts.append(b.select(idx))
+            keys_l.append(trajectory_keys(f"b{j:05d}", n)[idx])
+        local = TrajectoryBatch.concat(parts)
+        keys = torch.cat(keys_l)
+        t["share"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    batch_health(local)
+    t["health"] = time.perf_counter() - t0
+    cfg = ADPOConfig(step_fraction=0.25, num_minibatches=4, chunk_tokens=8192)
+    t0 = time.perf_counter()
+    draws = Draws(1, keys, local.group_id)
+    rows, scorer = get_estimator("adpo").rows(local, cfg, CharTokenizer(), 1.0, draws)
+    t["rows"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    minibatches(rows.traj, draws, cfg.num_minibatches, 0)
+    scorer.row_cost(rows.traj, rows.step, 1.0)
+    mu = scorer.behaviour(rows.traj, rows.step)
+    t["plan"] = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
+    return {"B": B, "D": D, "n": n, "group": group, "mode": mode, "trajectories": len(local),
+            "rows": int(rows.traj.numel()), "batches_read": len(share), "behaviour_bytes": mu.numel() * 4,
+            "phases": t, "host_s": sum(t.values()), "peak_bytes": peak}
+
+
+def rank0_and_sampler() -> dict[str, float]:
+    """Rank 0's publish (every update) and checkpoint (every ``CHECKPOINT_EVERY``), a sampler's
+    adapter load and batch write, at LLaDA-8B's LoRA size."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from miles_core.storage import TrajectoryStore
+
+    torch.set_num_threads(1)
+    rows = 4096
+    adapter = {f"l{i}": torch.randn(rows, LORA_PARAMS // rows // 64, dtype=torch.bfloat16) for i in range(64)}
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        save_file(adapter, f"{tmp}/adapter.safetensors")
+        publish = time.perf_counter() - t0
+        t0 = time.perf_counter()  # read and cast into float32 LoRA tensors, as a sampler swaps them in
+        loaded = {k: v.float() for k, v in load_file(f"{tmp}/adapter.safetensors").items()}
+        fetch = time.perf_counter() - t0
+        del loaded
+        state = {k: v.float() for k, v in adapter.items()}  # adapter + AdamW's two moments, float32
+        t0 = time.perf_counter()
+        torch.save({"adapter": state, "exp_avg": state, "exp_avg_sq": state}, f"{tmp}/ckpt.pt")
+        ckpt = time.perf_counter() - t0
+        batch = _batch(96, 6, 0)
+        t0 = time.perf_counter()
+        TrajectoryStore(tmp).write_batch(batch, "w0-00000")
+        write = time.perf_counter() - t0
+    return {"publish_s": publish, "checkpoint_s": ckpt, "checkpoint_every": CHECKPOINT_EVERY,
+            "rank0_per_update_s": publish + ckpt / CHECKPOINT_EVERY, "sampler_fetch_s": fetch,
+            "sampler_write_s": write, "sampler_per_batch_s": fetch + write, "adapter_bytes": 2 * LORA_PARAMS}
+
+
+def fit(points: list[dict]) -> dict[str, float]:
+    """Least squares host_s = a + b x trajectories + c x B + d x batches read over the ``after``
+    measurements: the per-rank host seconds as a function of the shape (benchmarks/scale_model.py)."""
+    import numpy as np
+
+    after = [p for p in points if p["mode"] == "after"]
+    x = np.array([[1.0, p["trajectories"], p["B"], p["batches_read"]] for p in after])
+    y = np.array([p["host_s"] for p in after])
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    coef = np.maximum(coef, 0.0)  # a negative cost is noise: clipped at 0
+    pred = x @ coef
+    return {"const_s": float(coef[0]), "per_trajectory_s": float(coef[1]), "per_batch_in_update_s": float(coef[2]),
+            "per_batch_read_s": float(coef[3]), "max_rel_error": float(np.max(np.abs(pred - y) / y))}
+
+
+def host_seconds(model: dict[str, float], trajectories: float, batches: float, read: float) -> float:
+    """One rank's host seconds per update from :func:`fit`'s coefficients."""
+    return (model["const_s"] + model["per_trajectory_s"] * trajectories + model["per_batch_in_update_s"] * batches
+            + model["per_batch_read_s"] * read)
+
+
+def main() -> None:
+    ap = bench_args(__doc__, sets=False)
+    ap.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS))
+    ap.add_argument("--before", nargs="*", default=["emulated 64 procs", "4,096 GPUs, old weak batch",
+                                                     "4,096 GPUs, fixed 4,096"], help="points also measured before")
+    ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one (point, mode) in this process
+    args = ap.parse_args()
+    if args.one:
+        print(json.dumps(one(*json.loads(args.one))))
+        return
+    measured = []
+    for name in args.points:
+        for mode in (["before"] if name in args.before else []) + ["after"]:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.host_costs", "--one",
+                                  json.dumps([*POINTS[name], mode])], cwd=REPO, capture_output=True, text=True)
+            if out.returncode:
+                raise RuntimeError(f"{name} ({mode}) failed:\n{out.stderr[-3000:]}")
+            measured.append({"point": name, **json.loads(out.stdout.strip().splitlines()[-1])})
+            m = measured[-1]
+            print(f"  {name} {mode}: {m['host_s']:.3f} s, {m['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+    extra = rank0_and_sampler()
+    model = fit(measured)
+    rows = [[m["point"], m["B"], m["D"], m["mode"], m["trajectories"], m["batches_read"], f"{m['host_s']:.3f}",
+             f"{m['peak_bytes'] / 2**20:.0f}", " ".join(f"{k} {v:.3f}" for k, v in m["phases"].items())]
+            for m in measured]
+    print(f"rank 0 adds per update: publish {extra['publish_s']:.2f} s + checkpoint {extra['checkpoint_s']:.2f} s / "
+          f"{CHECKPOINT_EVERY}; a sampler per batch: adapter load {extra['sampler_fetch_s']:.2f} s + write "
+          f"{extra['sampler_write_s']:.3f} s")
+    print(f"fit: {model}")
+    finish("host_costs", {"points": measured, "rank0_and_sampler": extra, "fit": model,
+                          "shape": {"K": K, "L": L, "P": P, "lora_params": LORA_PARAMS}}, rows,
+           ["point", "B", "D", "mode", "traj", "read", "host s", "peak MiB", "phases (s)"], out=args.out)
+
+
+if __name__ == "__main__":
+    main()
