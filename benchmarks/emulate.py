@@ -40,7 +40,7 @@ from miles_core.config import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STALENESS = 6
-OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4",
+OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=4", "train.group_size=2", "sampler.steps=4",
              "adpo.step_fraction=0.5", "adpo.num_minibatches=4", "adpo.kl_coef=0.0", f"adpo.max_staleness={STALENESS}",
              "lora.r=4", "lora.targets=q_proj,v_proj,ballast", "async_rl.sync_dtype=bfloat16",
              "async_rl.checkpoint_every=10", "async_rl.poll_interval=0.05", "async_rl.poll_backoff=2.0",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor
@@ -104,13 +104,15 @@ class TrajectoryBatch:
         )
 
     @staticmethod
-    def empty(completion_len: int) -> "TrajectoryBatch":
-        """No rows: a learner rank's share of an update whose batches it would have read were
-        dropped (it still takes part in the update's collectives)."""
-        z = torch.zeros(0, completion_len, dtype=torch.long)
-        none = torch.zeros(0, dtype=torch.long)
-        return TrajectoryBatch([], z, z.clone(), torch.zeros(0, completion_len), none, none.clone(), none.clone(),
-                               torch.zeros(0), torch.zeros(0))
+    def empty(completion_len: int, rows: int = 0, prompt_id: int = 0) -> "TrajectoryBatch":
+        """``rows`` blank rows (default none): a learner rank's share of an update that holds none
+        of its groups (a short last update, or its batches were dropped); it still takes part in
+        the update's collectives. A sharded rank pads its passes with one blank row (prompt
+        ``prompt_id``, no advantage), whose loss is multiplied by zero."""
+        z = torch.zeros(rows, completion_len, dtype=torch.long)
+        none = torch.zeros(rows, dtype=torch.long)
+        return TrajectoryBatch([[prompt_id]] * rows, z, z.clone(), torch.zeros(rows, completion_len), none + 1,
+                               none.clone(), none.clone(), torch.zeros(rows), torch.zeros(rows))
 
     @staticmethod
     def concat(batches: list["TrajectoryBatch"]) -> "TrajectoryBatch":
@@ -219,3 +221,49 @@ class RenoiseBatch:
             group_id=self.group_id[i], policy_version=self.policy_version[i], reward=self.reward[i],
             advantage=self.advantage[i], prompts=pick(self.prompts), completions=pick(self.completions),
             meta=pick(self.meta), sampler=self.sampler, sampler_hash=self.sampler_hash, created_at=self.created_at)
+
+    @staticmethod
+    def concat(batches: list["RenoiseBatch"]) -> "RenoiseBatch":
+        """Concatenate chains sampled with the same settings (so the same temperature schedule and
+        max steps K) and canvas length; group ids must already be unique."""
+        if not batches:
+            raise ValueError("RenoiseBatch.concat: empty list")
+        first = batches[0]
+        for b in batches[1:]:
+            if b.sampler != first.sampler or b.max_steps != first.max_steps or b.completion_len != first.completion_len:
+                raise ValueError("RenoiseBatch.concat: batches sampled with other settings (renoise sampler, max "
+                                 "steps or canvas length) cannot be scored as one update")
+        cat = lambda name: torch.cat([getattr(b, name) for b in batches])  # noqa: E731
+        join = lambda name: [x for b in batches for x in getattr(b, name)]  # noqa: E731
+        return RenoiseBatch(
+            prompt_ids=join("prompt_ids"), completion_ids=cat("completion_ids"), accepted=cat("accepted"),
+            tokens=cat("tokens"), logp=cat("logp"), num_steps=cat("num_steps"), seed=cat("seed"),
+            group_id=cat("group_id"), policy_version=cat("policy_version"), reward=cat("reward"),
+            advantage=cat("advantage"), prompts=join("prompts"), completions=join("completions"), meta=join("meta"),
+            sampler=first.sampler, sampler_hash=first.sampler_hash, created_at=min(b.created_at for b in batches))
+
+
+class Batch(Protocol):
+    """What the learner runtime, the store and the update engine read of any recorded batch
+    (:class:`TrajectoryBatch`, :class:`RenoiseBatch`): its kind (which rows the estimators build,
+    which layout the store writes), its rows' groups, versions, rewards and advantages, and how
+    to take rows out of it and join several into one update."""
+
+    kind: ClassVar[str]
+    prompt_ids: list[list[int]]
+    completion_ids: Tensor
+    group_id: Tensor
+    policy_version: Tensor
+    reward: Tensor | None
+    advantage: Tensor | None
+    completions: list[str]
+
+    def __len__(self) -> int: ...
+
+    @property
+    def completion_len(self) -> int: ...
+
+    def select(self, idx: Tensor | list[int]) -> "Batch": ...
+
+    @staticmethod
+    def concat(batches: list[Any]) -> "Batch": ...

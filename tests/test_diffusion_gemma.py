@@ -22,6 +22,7 @@ from miles_core.samplers import renoise as rn
 from miles_core.storage.errors import SchemaError
 from miles_core.storage.renoise import from_table, to_table
 from miles_core.storage.trajectories import TrajectoryStore
+from miles_core.types import RenoiseBatch
 from miles_core.tokenizer import CharTokenizer
 
 pytestmark = [pytest.mark.filterwarnings("ignore::FutureWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -235,6 +236,24 @@ def test_record_round_trips_through_the_store_and_bad_rows_are_named(model, tmp_
                            pa.array(steps, type=pa.int32()))
     with pytest.raises(SchemaError, match="row 1"):
         from_table(bad)
+
+
+def test_chains_sampled_alike_join_into_one_update_and_others_are_refused(model):
+    """A global batch of several renoising sampler batches (async_rl.global_batch): concat keeps
+    every row's action record; a batch sampled with other settings cannot join it."""
+    one = rn.sample(model, TOK, _ids(PROMPTS[:2]), EARLY, torch.tensor([1, 2]))
+    two = rn.sample(model, TOK, _ids(PROMPTS[2:]), EARLY, torch.tensor([3, 4]))
+    for b in (one, two):
+        b.reward, b.advantage = torch.tensor([1.0, 0.0]), torch.tensor([0.5, -0.5])
+    both = RenoiseBatch.concat([one, two])
+    assert len(both) == 4 and torch.equal(both.seed, torch.tensor([1, 2, 3, 4]))
+    for name in ("accepted", "tokens", "logp", "num_steps", "completion_ids"):
+        assert torch.equal(getattr(both, name)[2:], getattr(two, name)), name
+    assert torch.equal(both.select([2, 3]).accepted, two.accepted)
+    other = rn.sample(model, TOK, _ids(PROMPTS[:2]), dataclasses.replace(EARLY, output="sample"), torch.tensor([5, 6]))
+    other.reward, other.advantage = torch.tensor([1.0, 0.0]), torch.tensor([0.5, -0.5])
+    with pytest.raises(ValueError, match="other settings"):
+        RenoiseBatch.concat([one, other])
 
 
 def test_models_init_and_check_know_the_family(tmp_path):

@@ -156,3 +156,17 @@ def test_whole_run_efficiency_counts_the_start_and_extrapolates_the_steady_rate(
     assert whole_run(p, r, r["seconds"] / 3600) == pytest.approx(window)          # the window alone
     long = whole_run(p, r, 24.0)
     assert window < long < efficiency(p, r) + 1e-9  # the start weighs less over a day, never more than steady
+
+
+def test_validation_calibrates_on_the_small_runs_and_extrapolates_to_the_large_one() -> None:
+    """The 64-process prediction takes nothing from the 64-process run: each contended cost is
+    the line through the 4- and 16-process runs, the wire costs their mean."""
+    from benchmarks.scale_model import CALIBRATED, calibrate
+
+    runs = [{"processes": 4, **{k: 1.0 for k in CALIBRATED}, "wire": {"poll": 2.0}},
+            {"processes": 16, **{k: 2.0 for k in CALIBRATED}, "wire": {"poll": 4.0}}]
+    at64 = calibrate(runs, 64)
+    assert all(at64[k] == pytest.approx(1.0 + (64 - 4) / 12) for k in CALIBRATED) and at64["wire"] == {"poll": 3.0}
+    falling = [{**runs[0], "learner_host_s": 2.0}, {**runs[1], "learner_host_s": 1.0}]
+    assert calibrate(falling, 64)["learner_host_s"] == 0.0  # a line below zero is clipped, never negative
+    assert calibrate(runs[:1], 64)["measured_update_s"] == 1.0  # one run: its own value

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from miles_core.parallel import World
-from miles_core.types import TrajectoryBatch
+from miles_core.types import Batch
 
 
 class CollapseError(RuntimeError):
@@ -56,7 +56,7 @@ class Health:
     rows: int              # completions in the batch
 
 
-def batch_health(batch: TrajectoryBatch, world: World | None = None) -> Health:
+def batch_health(batch: Batch, world: World | None = None) -> Health:
     """What the guard looks at, from a scored batch (decoded completions + rewards). ``world``:
     ``batch`` is this rank's share of the global batch; the health is the whole batch's, from
     four sums and a max over ranks (the guard then decides the same on every rank)."""

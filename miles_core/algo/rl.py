@@ -16,7 +16,7 @@ from miles_core.config import RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData
 from miles_core.samplers.registry import sample_for
 from miles_core.tokenizer import CharTokenizer
-from miles_core.types import RenoiseBatch, TrajectoryBatch
+from miles_core.types import Batch, RenoiseBatch, TrajectoryBatch
 
 RewardFn = Callable[..., list]
 
@@ -37,7 +37,7 @@ def rollout(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence
     return batch
 
 
-def score_rewards(batch: TrajectoryBatch, reward_fn: RewardFn) -> TrajectoryBatch:
+def score_rewards(batch: Batch, reward_fn: RewardFn) -> Batch:
     """Apply a reward function with the TRL contract ``fn(prompts, completions, **meta)``.
 
     A reward of None (unscorable reference) becomes NaN and is treated as 0 for advantages.
@@ -55,13 +55,13 @@ def score_rewards(batch: TrajectoryBatch, reward_fn: RewardFn) -> TrajectoryBatc
     return batch
 
 
-def assign_advantages(batch: TrajectoryBatch, std_normalize: bool = False) -> TrajectoryBatch:
+def assign_advantages(batch: Batch, std_normalize: bool = False) -> Batch:
     assert batch.reward is not None
     batch.advantage = group_advantages(batch.reward, batch.group_id, std_normalize)
     return batch
 
 
-def rollout_stats(batch: TrajectoryBatch) -> dict[str, float]:
+def rollout_stats(batch: Batch) -> dict[str, float]:
     """Reward mean/std, NFE, fraction of groups with no signal: what to watch for collapse."""
     assert batch.reward is not None and batch.advantage is not None
     r = torch.nan_to_num(batch.reward, nan=0.0)
@@ -91,7 +91,7 @@ def _seed(*parts: object) -> int:
 
 
 def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: RewardFn | None, worker: str, index: int,
-                 seq: int, version: int) -> TrajectoryBatch:
+                 seq: int, version: int) -> Batch:
     """Batch ``seq`` of ``worker``: prompts and noise seeded from (run seed, worker, seq), so a
     restarted sampler redoes the batch it lost with the same prompts and noise (with the adapter
     version it holds then). Used by samplers and by a learner that samples while it would

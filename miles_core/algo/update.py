@@ -310,11 +310,9 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
         rows, scorer = no_rows(), NoRows(batch.completion_len)
     pad = None
     if world is not None and world.sharded and rows.traj.numel() == 0:  # FSDP: pad with a row of our own
-        if len(batch) == 0:
-            raise ValueError(f"rank {world.rank} holds no trajectory of this update (its batches were dropped); "
-                             "a sharded update needs one to pad its passes with")
         one = torch.arange(1)
-        pad_rows, pad_scorer = estimator.rows(batch.select(one), cfg, tok, temperature, draws.select(one), model)
+        source = batch.select(one) if len(batch) else TrajectoryBatch.empty(batch.completion_len, 1, tok.pad_id)
+        pad_rows, pad_scorer = estimator.rows(source, cfg, tok, temperature, Draws(draws.seed, one), model)
         pad = (pad_scorer, pad_rows)
     if global_counts(world, rows.traj.numel())[0] == 0:  # renoising rows that all stopped after one step
         return stats
@@ -322,7 +320,7 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.
     normaliser = float((kept if cfg.loss_norm == "informative" else total) * batch.completion_len)
-    adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub)   # [B_kept]
+    adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub) if keep.numel() else torch.zeros(0)
     fresh = None if version is None else sub.policy_version == version
     stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, draws.select(keep), scheduler,
                                world, fresh, pad))

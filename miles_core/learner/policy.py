@@ -25,7 +25,7 @@ from miles_core.models.activations import checkpoint_layers
 from miles_core.models.lora import adapter_tensors, add_lora_from, load_adapter, save_adapter
 from miles_core.parallel import World, full_tensors, shard_like, shard_model
 from miles_core.rewards.registry import reward_for_recipe
-from miles_core.types import TrajectoryBatch
+from miles_core.types import Batch
 
 
 class Learner:
@@ -74,7 +74,7 @@ class Learner:
                 "opt": copy.deepcopy(self.opt.state_dict()), "sched": self.sched.state_dict()}
 
     def sample(self, data: TaskData, seq: int, worker: str = "learner", index: int = 0,
-               cfg: RecipeConfig | None = None) -> TrajectoryBatch:
+               cfg: RecipeConfig | None = None) -> Batch:
         """Batch ``seq`` of ``worker`` sampled with the current policy, scored, with advantages:
         :func:`~miles_core.algo.rl.sample_batch`, the one batch producer (seeded by the run seed,
         the worker and ``seq``, never by state the learner carries). ``cfg``: another sampler
@@ -82,7 +82,7 @@ class Learner:
         return sample_batch(cfg or self.cfg, self.model, self.tok, data, self.reward_fn, worker, index, seq,
                             self.version)
 
-    def update(self, batch: TrajectoryBatch, temperature: float | None = None,
+    def update(self, batch: Batch, temperature: float | None = None,
                world: World | None = None, keys: torch.Tensor | None = None) -> dict[str, float]:
         """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
         then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th

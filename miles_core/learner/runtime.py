@@ -45,7 +45,7 @@ from miles_core.learner.policy import Learner
 from miles_core.learner.shares import Verdict, agree, first_reader, my_share, owned_rows
 from miles_core.parallel import World
 from miles_core.storage import AdapterExistsError, BatchExistsError, CorruptBatchError
-from miles_core.types import TrajectoryBatch
+from miles_core.types import Batch, TrajectoryBatch
 from miles_core.storage import uri as U
 from miles_core.storage.run import RunStore, changed_settings, prepare_run
 
@@ -102,7 +102,7 @@ class LearnerRun:
             self.world.broadcast_(self.learner.params)
         self._since_ckpt = 0
         self._data: TaskData | None = None
-        self._collected: tuple[str, TrajectoryBatch] | None = None  # the batch collect() just committed
+        self._collected: tuple[str, Batch] | None = None  # the batch collect() just committed
         unpublished = self.world.is_main and not self.rs.retry(
             lambda: self.rs.adapters.is_committed(self.learner.version), "checking adapter")
         if self.world.broadcast_object(unpublished):  # rank 0's answer: every rank joins a sharded publish
@@ -148,7 +148,7 @@ class LearnerRun:
             self._data = build_task(self.cfg)
         return self._data
 
-    def collect(self, seq: int, worker: str = "learner", index: int = 0) -> tuple[str, TrajectoryBatch, bool]:
+    def collect(self, seq: int, worker: str = "learner", index: int = 0) -> tuple[str, Batch, bool]:
         """Sample batch ``seq`` of ``worker`` with the current policy, score it and commit it to
         ``trajectories/`` -> (batch id, batch, reused). The prompts and noise are seeded from the
         batch id, so a retry samples the same batch; when an earlier attempt's commit landed, the
@@ -168,7 +168,7 @@ class LearnerRun:
         self._collected = (bid, batch)
         return bid, batch, reused
 
-    def _judge(self, bid: str, quarantine: bool = True) -> tuple[Verdict, TrajectoryBatch | None]:
+    def _judge(self, bid: str, quarantine: bool = True) -> tuple[Verdict, Batch | None]:
         """Read batch ``bid`` (the one :meth:`collect` holds, else from the store) and judge it:
         corrupt (quarantined in the store here when ``quarantine``: one rank moves it),
         staler than ``adpo.max_staleness``, or fresh."""
@@ -205,7 +205,7 @@ class LearnerRun:
         judged = {j: self._judge(bids[j], first_reader(j, n, m, group, world)) for j in share}
         verdicts = agree(m, {j: v for j, (v, _) in judged.items()}, world)
         fresh: list[tuple[str, int, int]] = []  # (id, behaviour version, rows)
-        parts: list[TrajectoryBatch] = []       # this rank's rows of each fresh batch it read
+        parts: list[Batch] = []                 # this rank's rows of each fresh batch it read
         keys: list[Tensor] = []                 # their trajectories' keys (algo/draws.py)
         dropped = 0
         for j, (bid, (what, info)) in enumerate(zip(bids, verdicts)):
@@ -227,12 +227,8 @@ class LearnerRun:
                 keys.append(trajectory_keys(bid, len(batch))[mine])
         if not fresh:
             return ("dropped" if dropped else "quarantined"), {}
-        kind = type(parts[0]) if parts else TrajectoryBatch
-        if len(fresh) > 1 and not hasattr(kind, "concat"):
-            raise ValueError(f"async_rl.global_batch: {kind.__name__} batches cannot be joined into one update; "
-                             "use one sampler batch per update (async_rl.global_batch=0)")
-        batch = (parts[0] if len(parts) == 1 else kind.concat(parts) if parts
-                 else TrajectoryBatch.empty(self.cfg.task.completion_len))
+        batch: Batch = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts) if parts
+                        else TrajectoryBatch.empty(self.cfg.task.completion_len))
         version_before = self.learner.version
         staleness = version_before - min(v for _, v, _ in fresh)
         t0 = time.perf_counter()

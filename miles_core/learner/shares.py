@@ -29,13 +29,12 @@ Verdict = tuple[str, Any]  # ("fresh", behaviour version) | ("dropped", stalenes
 
 def owned_rows(j: int, n: int, batches: int, group: int, world: World) -> Tensor:
     """[n] bool: the rows of sampler batch ``j`` this rank owns. Row i of batch j is global row
-    j n + i, in group (j n + i) // G; rank r owns groups [r U / D, (r + 1) U / D), U = B n / G."""
+    j n + i, in group (j n + i) // G; rank r owns groups [r U / D, (r + 1) U / D), U = B n / G.
+    With fewer groups than ranks (a run's last, short update) some ranks own none: they take part
+    in the update's collectives with no rows (algo/update.py)."""
     if n % group:
         raise ValueError(f"a sampler batch of {n} rows is not whole groups of train.group_size={group}")
     units = batches * n // group
-    if units < world.size:
-        raise ValueError(f"{units} groups per update cannot be split over {world.size} learner ranks: raise "
-                         "async_rl.global_batch or use fewer ranks (placement.py rounds it)")
     g = torch.arange(j * n, (j + 1) * n) // group
     return g * world.size // units == world.rank
 

@@ -1,8 +1,9 @@
 """What the rest of Miles asks of a model family, as one record per family.
 
 Why a record instead of branches: loading, LoRA, sampling, evaluation, serving and storage each
-used to test for DiffusionGemma (and the loader for every family in turn). Each backend module
-(models/tiny.py, llama.py, hf.py, diffusion_gemma.py) now describes itself with a :class:`Family`,
+need to know what a family is without testing for one by name (and the loader without trying
+every family in turn). Each backend module (models/tiny.py, llama.py, hf.py, diffusion_gemma.py)
+describes itself with a :class:`Family`,
 models/registry.py collects them, and callers look the family up (``family_of(model)``,
 ``family_named(name)``) and use its fields. Adding a family is one backend module ending in a
 ``Family`` plus one line in the registry (docs: "Adding a model family").

@@ -2,10 +2,9 @@
 and the published families of models/hf.py): switching a native causal LM to bidirectional
 attention, real-token positions, quiet loading, and the projection names LoRA adapts.
 
-Why a module of its own: models/hf.py used to import these from models/llama.py, which imported
-models/lora.py for its LoRA targets, which imported the DiffusionGemma module, which imported
-models/hf.py again: a circle hidden by imports inside functions. Below every backend, they make
-none of them import another.
+Why a module of its own: below every backend, these make none of them import another (models/hf.py
+taking them from models/llama.py would close a circle through models/lora.py and the
+DiffusionGemma module back to models/hf.py).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ def register_layout(batch_kind: str, codec: BatchCodec) -> BatchCodec:
 
 def layout_of(batch: Any) -> BatchCodec:
     """The layout a batch is written in (by its ``kind``)."""
-    kind = getattr(batch, "kind", DEFAULT_KIND)
+    kind = batch.kind
     if kind not in _BY_BATCH_KIND:
         raise ValueError(f"no storage layout for batches of kind {kind!r} (registered: {sorted(_BY_BATCH_KIND)})")
     return _BY_BATCH_KIND[kind]

@@ -35,6 +35,7 @@ def sampler_batch(j: int) -> TrajectoryBatch:
                torch.arange(groups).repeat_interleave(G) + 100 * j)
     b.reward = torch.rand(n, generator=torch.Generator().manual_seed(50 + j)).round()
     b.reward[:G] = 1.0  # a group with no spread: no advantage, its rows are skipped
+    b.reward.view(groups, G)[1:, :2] = torch.tensor([0.0, 1.0])  # every other group has a spread
     b.advantage = group_advantages(b.reward, b.group_id)
     return b
 
@@ -56,9 +57,10 @@ for estimator in ("adpo", "espo", "wd1"):
             local, k = TrajectoryBatch.concat(batches), torch.cat(keys)
         else:
             idx = [m.nonzero().squeeze(1) for m in mine]
-            local = TrajectoryBatch.concat([b.select(i) for b, i in zip(batches, idx) if i.numel()])
+            held = [b.select(i) for b, i in zip(batches, idx) if i.numel()]
+            local = TrajectoryBatch.concat(held) if held else TrajectoryBatch.empty(batches[0].completion_len)
             k = torch.cat([kk[i] for kk, i in zip(keys, idx)])
-        adpo_update(model, opt, local, cfg, TOK, 1.0, Draws(2026, k), world=world if mine is not None else None)
+        adpo_update(model, opt, local, cfg, TOK, 1.0, Draws(2026, k.long()), world=world if mine is not None else None)
         return {name: v.detach().clone() for name, v in model.state_dict().items() if "lora_" in name}
 
     built.clear()
