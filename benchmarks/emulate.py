@@ -66,7 +66,8 @@ def _children(pid: int) -> list[int]:
 def stand_in(cfg: Any, scale: float = SCALE) -> dict[str, Any]:
     """The stand-in's settings for the emulation recipe's batches (benchmarks/standin.py)."""
     c = cfg.train.prompts_per_iter * cfg.train.group_size
-    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction, scale), "lora_r": cfg.lora.r}
+    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction, scale, cfg.adpo.num_minibatches),
+            "lora_r": cfg.lora.r}
 
 
 def cpu_times() -> tuple[float, float]:

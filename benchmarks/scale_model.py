@@ -67,13 +67,20 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def update_passes(minibatches: int) -> float:
+    """Forwards per scored row in an update: forward and backward (3), plus a no-grad forward for
+    the proximal policy for every row outside the first minibatch (algo/update.py::proximal_logprobs;
+    rows sampled by the very weights updated, whose recorded mu stands in, are few asynchronously)."""
+    return 3.0 + (1.0 - 1.0 / minibatches)
+
+
 def llada_8b() -> Params:
     """The gsm8k recipe at LLaDA-8B shape costed by FLOPs (module docstring): derived, not measured."""
-    n, prompt, gen, steps, rows, per = 8e9, 256, 256, 128, 0.25, 96
+    n, prompt, gen, steps, rows, per, minibatches = 8e9, 256, 256, 128, 0.25, 96, 4
     rollout = 2 * n * per * (prompt + gen) * steps / (H200_FLOPS * MFU)
-    update = 3 * 2 * n * per * (prompt + gen) * steps * rows / (H200_FLOPS * MFU)
+    update = update_passes(minibatches) * 2 * n * per * (prompt + gen) * steps * rows / (H200_FLOPS * MFU)
     lora = 32 * (4 * (4096 * 64 * 2) + 3 * (4096 + 12288) * 64)  # r=64 on q,k,v,o,gate,up,down
-    return Params(rollout_s=rollout, update_s=update, completions_per_batch=per, group_size=6, minibatches=4,
+    return Params(rollout_s=rollout, update_s=update, completions_per_batch=per, group_size=6, minibatches=minibatches,
                   adapter_bytes=2 * lora, allreduce_bytes=4 * lora, batch_bytes=per * 768 * 10,
                   checkpoint_bytes=12 * lora, rollout_cv=0.3, rollout_tail_p=0.02, rollout_tail_x=3.0, rank_cv=0.01,
                   base_bytes=16e9, learner_start_s=60.0, max_staleness=6, checkpoint_every=10, poll_s=0.05,

@@ -36,15 +36,19 @@ from torch import nn
 SCALE = 1 / 8  # one constant for both: seconds and bytes are LLaDA-8B's times this
 
 
-def settings(batch_completions: int, steps: int, step_fraction: float, scale: float = SCALE) -> dict[str, Any]:
+def settings(batch_completions: int, steps: int, step_fraction: float, scale: float = SCALE,
+             minibatches: int = 1) -> dict[str, Any]:
     """The stand-in's waits and ballast for a run whose sampler batches hold ``batch_completions``
-    completions sampled in ``steps`` steps, ADPO scoring ``step_fraction`` of them; LLaDA-8B's
-    seconds and bytes times ``scale``."""
-    from benchmarks.scale_model import llada_8b
+    completions sampled in ``steps`` steps, ADPO scoring ``step_fraction`` of them in
+    ``minibatches`` optimizer steps; LLaDA-8B's seconds and bytes times ``scale``. ``row_fwd_s``
+    is one row's forward: an update's row costs a forward and a backward (3 forwards), and all
+    but the first minibatch's rows one more no-grad forward for the proximal policy
+    (scale_model.update_passes)."""
+    from benchmarks.scale_model import llada_8b, update_passes
 
     real = llada_8b()
     rows = batch_completions * steps * step_fraction  # scored rows per sampler batch (ADPO)
-    return {"step_s": scale * real.rollout_s / steps, "row_s": scale * real.update_s / rows,
+    return {"step_s": scale * real.rollout_s / steps, "row_fwd_s": scale * real.update_s / rows / update_passes(minibatches),
             "rollout_s": scale * real.rollout_s, "update_s": scale * real.update_s,
             "adapter_bytes": scale * real.adapter_bytes, "scale": scale}
 
@@ -57,13 +61,14 @@ def _sleep_until(deadline: float) -> None:
 
 class _Wait:
     """Hooks on the first and last blocks (every pass runs both, whichever logits it then
-    computes). A sampling step ends ``step_s`` after its first block began; with gradients on, a
-    chunk of R scored rows ends its forward R x row_s / 3 after it began and its backward (when
-    the gradient reaches the first block's output) 2 R x row_s / 3 after its forward ended. Host
+    computes). In a sampler a pass is a sampling step, which ends ``step_s`` after its first
+    block began. In the learner a chunk of R scored rows ends its forward R x ``row_fwd_s`` after
+    it began (a no-grad pass, the proximal policy's, ends there) and its backward (when the
+    gradient reaches the first block's output) 2 R x ``row_fwd_s`` after its forward ended. Host
     work inside those spans overlaps the wait instead of adding to it."""
 
-    def __init__(self, step_s: float, row_s: float) -> None:
-        self.step_s, self.row_s = step_s, row_s
+    def __init__(self, step_s: float, row_fwd_s: float, learner: bool) -> None:
+        self.step_s, self.row_fwd_s, self.learner = step_s, row_fwd_s, learner
         self.t0 = 0.0
         self.first: torch.Tensor | None = None
 
@@ -76,24 +81,27 @@ class _Wait:
 
     def __call__(self, module: nn.Module, args: Any, out: Any) -> Any:
         h = out[0] if isinstance(out, tuple) else out  # [R, T, d]
-        if not torch.is_grad_enabled():
+        if not self.learner:
             _sleep_until(self.t0 + self.step_s)
             return out
         rows = h.shape[0]
-        _sleep_until(self.t0 + rows * self.row_s / 3)
-        back, first = 2 * rows * self.row_s / 3, self.first if self.first is not None else h
+        _sleep_until(self.t0 + rows * self.row_fwd_s)
+        if not torch.is_grad_enabled():
+            return out
+        back, first = 2 * rows * self.row_fwd_s, self.first if self.first is not None else h
         if first.requires_grad:
             t1 = time.perf_counter()
             first.register_hook(lambda g: (_sleep_until(t1 + back), g)[1])
         return out
 
 
-def fit(model: nn.Module, cfg: dict[str, Any]) -> nn.Module:
-    """Add the ballast projection (its LoRA carries the adapter's bytes) and the waits."""
+def fit(model: nn.Module, cfg: dict[str, Any], learner: bool = False) -> nn.Module:
+    """Add the ballast projection (its LoRA carries the adapter's bytes) and the waits (a
+    learner's passes are rows, a sampler's are sampling steps)."""
     ballast_out = max(1, int(cfg["adapter_bytes"] / 2 / cfg["lora_r"]))  # bf16 B factor [out, r]
     model.ballast = nn.Linear(1, ballast_out, bias=False)
     nn.init.zeros_(model.ballast.weight)
-    wait = _Wait(cfg["step_s"], cfg["row_s"])
+    wait = _Wait(cfg["step_s"], cfg["row_fwd_s"], learner)
     model.blocks[0].register_forward_pre_hook(wait.start)
     model.blocks[0].register_forward_hook(wait.first_out)
     model.blocks[-1].register_forward_hook(wait)
@@ -119,9 +127,9 @@ def install() -> None:
         if getattr(real, "standin", False):
             continue  # installed already (the forkserver imports this module with the flag set)
 
-        def load_base(recipe: Any, base_dir: Any, _real: Any = real) -> Any:
+        def load_base(recipe: Any, base_dir: Any, _real: Any = real, _learner: bool = mod is policy_mod) -> Any:
             model, tok = _real(recipe, base_dir)
-            return fit(model, cfg), tok
+            return fit(model, cfg, _learner), tok
         load_base.standin = True  # type: ignore[attr-defined]
         mod.load_base = load_base
     for name in ("add_lora_from", "load_adapter"):  # the learner's trainable parameters
