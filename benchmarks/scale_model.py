@@ -28,8 +28,9 @@ Curves. *Weak* scaling: the global batch grows with the cluster, 32 completions 
 cap of 131,072 (the optimiser changes with the cluster: fewer, larger updates); *strong*
 scaling: a fixed global batch of 4,608 completions (48 sampler batches). Each point gives the
 steady efficiency (after the pipeline fills), the efficiency over a whole run of ``--hours``
-(start-up and fill included, the steady rate extrapolated beyond the simulated window) and its
-first bottleneck. Efficiency = completions/s / (N x one GPU's synchronous completions/s).
+(start-up and fill included, the steady rate extrapolated beyond the simulated window), each the
+mean of ``--seeds`` simulations with their range, and its first bottleneck.
+Efficiency = completions/s / (N x one GPU's synchronous completions/s).
 
 Validation. The emulated runs (benchmarks/emulate.py): the model's inputs that this 2-core machine
 changes with the process count (measured rollout and update seconds, host seconds, start-up)
@@ -129,9 +130,21 @@ def whole_run(p: Params, r: dict, hours: float) -> float:
     return done / (span * (p.samplers + p.learner_ranks) * one_gpu(p))
 
 
-def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: float) -> list[dict[str, Any]]:
+def simulate_seeds(p: Params, horizon: float, warm: float, seeds: int, hours: float) -> dict[str, Any]:
+    """``p`` simulated with ``seeds`` seeds: the first seed's counters, steady and whole-run
+    efficiency averaged over the seeds, with their range (a balanced split's efficiency moves by a
+    point or two with the draws of the rollout tail)."""
+    runs = [simulate(replace(p, seed=s), horizon, warmup_s=warm) for s in range(seeds)]
+    steady = [efficiency(p, r) for r in runs]
+    whole = [whole_run(p, r, hours) for r in runs]
+    return {**runs[0], "steady": sum(steady) / seeds, "whole_run": sum(whole) / seeds,
+            "steady_range": [min(steady), max(steady)], "whole_run_range": [min(whole), max(whole)]}
+
+
+def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: float,
+          seeds: int) -> list[dict[str, Any]]:
     """Weak or strong scaling over :data:`GPUS`: per point the split, the global batch, steady and
-    whole-run efficiency, the first bottleneck."""
+    whole-run efficiency (mean over ``seeds``), the first bottleneck."""
     out = []
     for gpus in GPUS:
         completions = min(WEAK_PER_GPU * gpus, WEAK_CAP) if kind == "weak" else STRONG_BATCH
@@ -139,11 +152,11 @@ def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: 
         warm = 8 * p.rollout_s + p.learner_start_s
         # enough rollouts for 20 updates at least, however few samplers fill one global batch
         span = max(rollouts, 20 * p.batches_per_update // max(min(p.samplers, pl.admitted), 1))
-        r = simulate(p, warm + span * p.rollout_s, warmup_s=warm)
+        r = simulate_seeds(p, warm + span * p.rollout_s, warm, seeds, hours)
         out.append({"curve": kind, "gpus": gpus, "samplers": p.samplers, "learner_ranks": p.learner_ranks,
                     "global_batch": p.batches_per_update * p.completions_per_batch,
                     "batches_per_update": p.batches_per_update, "admitted_samplers": pl.admitted,
-                    "learner_host_s": p.learner_host_s, "steady": efficiency(p, r), "whole_run": whole_run(p, r, hours),
+                    "learner_host_s": p.learner_host_s,
                     "predicted_idle": {"samplers": pl.sampler_idle, "learner": pl.learner_idle},
                     **{k: v for k, v in r.items() if k != "staleness_hist"},
                     "staleness_max": max(r["staleness_hist"] or {0: 0})})
@@ -151,8 +164,7 @@ def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: 
 
 
 # ---------------------------------------------------------------------------------- validation
-CALIBRATED = ("measured_rollout_s", "measured_update_s", "learner_host_s", "sampler_host_s", "learner_start_s",
-              "startup_polls")
+CALIBRATED = ("measured_rollout_s", "measured_update_s", "learner_host_s", "sampler_host_s", "learner_start_s")
 
 
 def emulated_params(run: dict) -> Params:
@@ -190,6 +202,7 @@ def calibrate(runs: list[dict], at: int) -> dict:
     wires = [r["wire"] for r in runs if "wire" in r]
     if wires:
         fitted["wire"] = {k: sum(w[k] for w in wires) / len(wires) for k in wires[0]}
+    fitted["startup_polls"] = 0  # the samplers' polls for version 0 follow the back-off rule, not a fit
     return fitted
 
 
@@ -211,16 +224,17 @@ def validation(calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict[str, Any]]:
     return out
 
 
-def sensitivity(base: Params, costs: dict[str, Any], rollouts: int, hours: float) -> list[dict[str, Any]]:
+def sensitivity(base: Params, costs: dict[str, Any], rollouts: int, hours: float, seeds: int) -> list[dict[str, Any]]:
     """Weak scaling at 4,096 GPUs as the per-rank spread varies (placement told each value)."""
     out = []
     for cv in RANK_CVS:
         p, pl = configure(replace(base, rank_cv=cv), GPUS[-1], min(WEAK_PER_GPU * GPUS[-1], WEAK_CAP), costs, ROUND_DOWN)
         warm = 8 * p.rollout_s + p.learner_start_s
-        r = simulate(p, warm + rollouts * p.rollout_s, warmup_s=warm)
+        r = simulate_seeds(p, warm + rollouts * p.rollout_s, warm, seeds, hours)
         out.append({"rank_cv": cv, "samplers": p.samplers, "learner_ranks": p.learner_ranks,
-                    "global_batch": p.batches_per_update * p.completions_per_batch, "steady": efficiency(p, r),
-                    "whole_run": whole_run(p, r, hours), "dropped": r["dropped"], "bottleneck": r["bottleneck"]})
+                    "global_batch": p.batches_per_update * p.completions_per_batch, "steady": r["steady"],
+                    "steady_range": r["steady_range"], "whole_run": r["whole_run"], "dropped": r["dropped"],
+                    "bottleneck": r["bottleneck"]})
     return out
 
 
@@ -237,26 +251,30 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rollouts", type=int, default=24, help="simulated rollouts per sampler after the fill")
     ap.add_argument("--hours", type=float, default=24.0, help="the whole run's length")
+    ap.add_argument("--seeds", type=int, default=3, help="simulations per point (efficiency averaged)")
     args = ap.parse_args()
     costs = _load("host_costs")
     if costs is None:
         raise SystemExit("benchmarks/results/host_costs.json is missing: run python -m benchmarks.host_costs first "
                          "(the model charges the measured host work)")
     base = llada_8b()
-    curves = {kind: curve(kind, base, costs, args.rollouts, args.hours) for kind in ("weak", "strong")}
+    curves = {kind: curve(kind, base, costs, args.rollouts, args.hours, args.seeds) for kind in ("weak", "strong")}
     for kind, pts in curves.items():
         print(f"\n{kind} scaling ({'32 completions per GPU, cap 131,072' if kind == 'weak' else 'global batch 4,608'})")
         print(table([[pt["gpus"], f"{pt['samplers']}:{pt['learner_ranks']}", pt["global_batch"],
-                      f"{pt['learner_host_s']:.2f}", f"{pt['steady']:.3f}", f"{pt['whole_run']:.3f}",
+                      f"{pt['learner_host_s']:.2f}", f"{pt['steady']:.3f}",
+                      f"{pt['steady_range'][0]:.3f}-{pt['steady_range'][1]:.3f}", f"{pt['whole_run']:.3f}",
                       f"{pt['learner_idle_fraction']:.2f}", f"{pt['sampler_idle_fraction']:.2f}", pt["staleness_max"],
                       pt["dropped"], f"{sum(pt['store_requests_per_s'].values()):.0f}", pt["bottleneck"]] for pt in pts],
-                    ["GPUs", "S:D", "global batch", "host s", "steady", f"{args.hours:g} h", "L idle", "S idle",
+                    ["GPUs", "S:D", "global batch", "host s", "steady", "seeds' range", f"{args.hours:g} h", "L idle",
+                     "S idle",
                      "max stale", "dropped", "req/s", "bottleneck"]))
-    sens = sensitivity(base, costs, args.rollouts, args.hours)
+    sens = sensitivity(base, costs, args.rollouts, args.hours, args.seeds)
     print("\nweak scaling at 4,096 GPUs as each rank's step-time spread varies (the slowest of D sets the pace)")
     print(table([[s["rank_cv"], f"{s['samplers']}:{s['learner_ranks']}", s["global_batch"], f"{s['steady']:.3f}",
-                  f"{s['whole_run']:.3f}", s["dropped"], s["bottleneck"]] for s in sens],
-                ["rank CV", "S:D", "global batch", "steady", f"{args.hours:g} h", "dropped", "bottleneck"]))
+                  f"{s['steady_range'][0]:.3f}-{s['steady_range'][1]:.3f}", f"{s['whole_run']:.3f}", s["dropped"],
+                  s["bottleneck"]] for s in sens],
+                ["rank CV", "S:D", "global batch", "steady", "seeds' range", f"{args.hours:g} h", "dropped", "bottleneck"]))
     val = validation()
     if val:
         print()

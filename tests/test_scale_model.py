@@ -167,6 +167,6 @@ def test_validation_calibrates_on_the_small_runs_and_extrapolates_to_the_large_o
             {"processes": 16, **{k: 2.0 for k in CALIBRATED}, "wire": {"poll": 4.0}}]
     at64 = calibrate(runs, 64)
     assert all(at64[k] == pytest.approx(1.0 + (64 - 4) / 12) for k in CALIBRATED) and at64["wire"] == {"poll": 3.0}
-    falling = [{**runs[0], "learner_host_s": 2.0}, {**runs[1], "learner_host_s": 1.0}]
+    falling = [{**runs[0], "learner_host_s": 2.0}, {**runs[1], "learner_host_s": 1.0}]  # noqa: E501
     assert calibrate(falling, 64)["learner_host_s"] == 0.0  # a line below zero is clipped, never negative
     assert calibrate(runs[:1], 64)["measured_update_s"] == 1.0  # one run: its own value
