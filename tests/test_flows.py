@@ -325,7 +325,10 @@ def test_async_train_flow_runs_workers_logs_and_registers(trained: TrainedProjec
     assert {"plots/staleness_histogram.png", "plots/learning_curve.png", "plots/staleness_histogram.json"} <= files
     assert run.data.tags["miles.launcher"] == "processes" and out["model_uri"].startswith("models:/")
     pl = out["placement"]  # the recipe's split judged from measured seconds per completion
-    assert (pl["samplers"], pl["learner_ranks"]) == (2, 1) and min(pl["sampler_idle"], pl["learner_idle"]) == 0.0
+    assert (pl["samplers"], pl["learner_ranks"]) == (2, 1)
+    # one side saturated, unless the recipe's global batch admits fewer samplers than run (they wait)
+    assert min(pl["sampler_idle"], pl["learner_idle"]) == 0.0 or (pl["samplers"] > pl["admitted"]
+                                                                   and "admits" in pl["describe"])
     assert pl["rollout_s_per_completion"] > 0 and pl["update_s_per_completion"] > 0
     assert m["placement/learner_idle"] == pytest.approx(pl["learner_idle"])
 

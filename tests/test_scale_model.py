@@ -163,8 +163,8 @@ def test_validation_calibrates_on_the_small_runs_and_extrapolates_to_the_large_o
     the line through the 4- and 16-process runs, the wire costs their mean."""
     from benchmarks.scale_model import CALIBRATED, calibrate
 
-    runs = [{"processes": 4, **{k: 1.0 for k in CALIBRATED}, "wire": {"poll": 2.0}},
-            {"processes": 16, **{k: 2.0 for k in CALIBRATED}, "wire": {"poll": 4.0}}]
+    runs = [{"processes": 4, **{k: 1.0 for k in CALIBRATED}, "startup_polls": 1.0, "wire": {"poll": 2.0}},
+            {"processes": 16, **{k: 2.0 for k in CALIBRATED}, "startup_polls": 1.0, "wire": {"poll": 4.0}}]
     at64 = calibrate(runs, 64)
     assert all(at64[k] == pytest.approx(1.0 + (64 - 4) / 12) for k in CALIBRATED) and at64["wire"] == {"poll": 3.0}
     falling = [{**runs[0], "learner_host_s": 2.0}, {**runs[1], "learner_host_s": 1.0}]  # noqa: E501
