@@ -238,7 +238,7 @@ def main() -> None:
     env: dict[str, str] = {}
     run_uri = str(work / "async_run")
     if args.s3:
-        from tests.helpers.s3 import start_loopback_s3
+        from benchmarks.loopback_s3 import start_loopback_s3
 
         server, env = start_loopback_s3("miles-bench")
         os.environ.update(env)

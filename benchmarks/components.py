@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from benchmarks.harness import ASYNC_OVERRIDES, table, write_result
-from tests.helpers.s3 import start_loopback_s3
+from benchmarks.loopback_s3 import start_loopback_s3
 
 
 def _median(fn: Callable[[int], Any], reps: int) -> float:

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import synthetic_batch
-from tests.helpers.llada_reference import reference_generate
+from benchmarks.llada_reference import reference_generate
 from miles_core.config import ADPOConfig, SamplerConfig
 from miles_core.models.families import SPECS
 from miles_core.models.hf import HFDiffusion, native_classes, tiny_tokenizer

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import table, write_result
-from tests.helpers.sample_files import corrupt_completion, gold_completion, write_samples
+from benchmarks.sample_files import corrupt_completion, gold_completion, write_samples
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task, check_reward
 from miles_core.rewards.mathverify import check_answer, math_verify_alone

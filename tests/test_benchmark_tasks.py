@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.sample_files import corrupt_completion, gold_completion, write_samples
+from benchmarks.sample_files import corrupt_completion, gold_completion, write_samples
 from miles_core.config import ConfigError, load_recipe
 from miles_core.data.filetask import PARSERS, FileTask, prompt_key
 from miles_core.data.public import DataFileError, load_file
@@ -132,7 +132,7 @@ def test_recipes_pair_a_train_source_with_a_test_source(name: str) -> None:
 def test_math_reads_its_published_folder_of_one_json_per_problem(tmp_path: Path) -> None:
     import json
 
-    from tests.helpers.sample_files import MATH_TRAIN
+    from benchmarks.sample_files import MATH_TRAIN
 
     for i, row in enumerate(MATH_TRAIN):
         d = tmp_path / "MATH" / "train" / row["type"].lower()

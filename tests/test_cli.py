@@ -309,7 +309,7 @@ def test_a_missing_gpu_is_refused_before_any_flow_starts() -> None:
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    from tests.helpers.sample_files import write_samples
+    from benchmarks.sample_files import write_samples
 
     return write_samples(tmp_path_factory.mktemp("bench"))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers.llada_reference import logp_gap, replay_decisions
+from benchmarks.llada_reference import logp_gap, replay_decisions
 from miles_core.algo.rows import score_rows
 from miles_core.algo.update import as_draws
 from miles_core.config import ConfigError, SamplerConfig
