@@ -1,4 +1,4 @@
-"""SDAR with fewer denoising steps than its block (issue 52): a block the prompt ends inside keeps
+"""SDAR with fewer denoising steps than its block: a block the prompt ends inside keeps
 the full block's per-step counts (``get_num_transfer_tokens(block_length, steps)``) until its
 masks run out, as JetAstra/SDAR's ``block_diffusion_generate`` does, instead of spreading the
 steps over the masks left.
