@@ -58,10 +58,15 @@ class Draws:
         self.seed, self.keys, self.groups = int(seed) & MASK64, keys.long(), groups
 
     @classmethod
+    def seeded(cls, generator: torch.Generator, keys: Tensor) -> Draws:
+        """Draws for trajectories ``keys``, the update's seed drawn from ``generator`` (one draw
+        per update, so a seeded generator repeats the update)."""
+        return cls(int(torch.randint(1 << 62, (1,), generator=generator)), keys)
+
+    @classmethod
     def positional(cls, generator: torch.Generator, n: int) -> Draws:
-        """Draws for one whole batch of ``n`` trajectories keyed by position: the seed is drawn
-        from ``generator`` (one draw per update, so a seeded generator repeats the update)."""
-        return cls(int(torch.randint(1 << 62, (1,), generator=generator)), torch.arange(n))
+        """Draws for one whole batch of ``n`` trajectories keyed by position (:meth:`seeded`)."""
+        return cls.seeded(generator, torch.arange(n))
 
     def __len__(self) -> int:
         return self.keys.numel()

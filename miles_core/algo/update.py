@@ -298,24 +298,22 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
         raise ValueError(f"adpo_update: {len(draws)} trajectory keys for a batch of {len(batch)}")
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
-    kept, total = global_counts(world, keep.numel(), len(batch))
-    stats: dict[str, float] = {"rows": 0.0, "trajectories": kept, "skipped_trajectories": total - kept}
-    if kept == 0:
-        return stats
     estimator = get_estimator(cfg.estimator)
     sub = batch.select(keep)
     if keep.numel():
         rows, scorer = estimator.rows(sub, cfg, tok, temperature, draws.select(keep), model)
-    else:  # another rank holds every kept trajectory: this one joins the collectives with no rows
+    else:  # no kept trajectory here (maybe on other ranks): this rank joins the collectives with no rows
         rows, scorer = no_rows(), NoRows(batch.completion_len)
+    kept, total, n_rows = global_counts(world, keep.numel(), len(batch), rows.traj.numel())
+    stats: dict[str, float] = {"rows": 0.0, "trajectories": kept, "skipped_trajectories": total - kept}
+    if n_rows == 0:  # no kept trajectory, or renoising rows that all stopped after one step
+        return stats
     pad = None
     if world is not None and world.sharded and rows.traj.numel() == 0:  # FSDP: pad with a row of our own
         one = torch.arange(1)
         source = batch.select(one) if len(batch) else TrajectoryBatch.empty(batch.completion_len, 1, tok.pad_id)
         pad_rows, pad_scorer = estimator.rows(source, cfg, tok, temperature, Draws(draws.seed, one), model)
         pad = (pad_scorer, pad_rows)
-    if global_counts(world, rows.traj.numel())[0] == 0:  # renoising rows that all stopped after one step
-        return stats
     # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
     # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the
     # whole batch (a constant, as in Dr. GRPO), so the step scales with how much of it is signal.

@@ -110,8 +110,7 @@ class Learner:
                         "guard_rollbacks": float(self.guard.rollbacks)}
             self.guard.accept(h)
         t = self.cfg.sampler.temperature if temperature is None else temperature
-        seed = int(torch.randint(1 << 62, (1,), generator=self.gen))  # the update's one draw from the run's stream
-        draws = Draws(seed, torch.arange(len(batch)) if keys is None else keys)
+        draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys)
         stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, draws, self.sched, world,
                             self.version)
         self.version += 1
