@@ -73,7 +73,7 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
     from miles_core.algo.estimators import get_estimator
     from miles_core.algo.guard import batch_health
     from miles_core.config import ADPOConfig
-    from miles_core.learner.shares import my_share, owned_rows
+    from miles_core.learner.shares import held_rows, my_share
     from miles_core.parallel import World
     from miles_core.storage import TrajectoryStore
     from miles_core.tokenizer import CharTokenizer
@@ -116,13 +116,9 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
         del t_make
     else:
         t0 = time.perf_counter()
-        parts, keys_l = [], []
-        for j, b in read.items():
-            idx = owned_rows(j, n, B, group, world).nonzero().squeeze(1)
-            parts.append(b.select(idx))
-            keys_l.append(trajectory_keys(f"b{j:05d}", n)[idx])
-        local = TrajectoryBatch.concat(parts)
-        keys = torch.cat(keys_l)
+        held = [held_rows(f"b{j:05d}", j, b, B, group, world) for j, b in read.items()]
+        local = TrajectoryBatch.concat([part for part, _ in held])
+        keys = torch.cat([k for _, k in held])
         t["share"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     batch_health(local)

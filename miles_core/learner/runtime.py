@@ -36,13 +36,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_core.algo.draws import trajectory_keys
 from miles_core.algo.rl import batch_id
 from miles_core.algo.update import global_counts
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.policy import Learner
-from miles_core.learner.shares import Verdict, agree, first_reader, my_share, owned_rows
+from miles_core.learner.shares import Verdict, agree, first_reader, held_rows, my_share
 from miles_core.parallel import World
 from miles_core.storage import AdapterExistsError, BatchExistsError, CorruptBatchError
 from miles_core.types import Batch, TrajectoryBatch
@@ -222,9 +221,9 @@ class LearnerRun:
                 if multi and len(batch) != n:
                     raise ValueError(f"batch {bid} has {len(batch)} rows; the ranks split sampler batches of "
                                      f"{n} (train.prompts_per_iter x train.group_size)")
-                mine = owned_rows(j, n, m, group, world).nonzero().squeeze(1) if multi else torch.arange(len(batch))
-                parts.append(batch.select(mine) if multi else batch)
-                keys.append(trajectory_keys(bid, len(batch))[mine])
+                part, part_keys = held_rows(bid, j, batch, m, group, world)
+                parts.append(part)
+                keys.append(part_keys)
         if not fresh:
             return ("dropped" if dropped else "quarantined"), {}
         batch: Batch = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts) if parts

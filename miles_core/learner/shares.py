@@ -22,7 +22,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles_core.algo.draws import trajectory_keys
 from miles_core.parallel import World
+from miles_core.types import Batch
 
 Verdict = tuple[str, Any]  # ("fresh", behaviour version) | ("dropped", staleness) | ("quarantined", reason)
 
@@ -47,6 +49,16 @@ def my_share(batches: int, n: int, group: int, world: World) -> list[int]:
 def first_reader(j: int, n: int, batches: int, group: int, world: World) -> bool:
     """Whether this rank is the lowest one reading batch ``j`` (it alone quarantines a corrupt one)."""
     return all(not owned_rows(j, n, batches, group, World(r, world.size)).any() for r in range(world.rank))
+
+
+def held_rows(bid: str, j: int, batch: Batch, batches: int, group: int, world: World) -> tuple[Batch, Tensor]:
+    """This rank's rows of sampler batch ``j`` (id ``bid``) of ``batches``, and their trajectories'
+    keys [R] (algo/draws.py): all of them, uncopied, in a world of one."""
+    keys = trajectory_keys(bid, len(batch))
+    if world.size == 1:
+        return batch, keys
+    mine = owned_rows(j, len(batch), batches, group, world).nonzero().squeeze(1)
+    return batch.select(mine), keys[mine]
 
 
 def agree(n: int, mine: dict[int, Verdict], world: World) -> list[Verdict]:
