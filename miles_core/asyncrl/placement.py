@@ -22,9 +22,9 @@ Learner ranks split the update in whole groups (learner/shares.py) and the busie
 update's pace, so D ranks over U groups work as U / ceil(U / D) even ones: :func:`place` weighs
 that (never more ranks than groups), and with ``round_down`` may lower the global batch by at
 most that fraction (never raise it) to one whose groups divide evenly over the ranks of a better
-split. With ``rank_cv`` (the spread of one rank's update time: the learner's history records
-each update's slowest and mean rank) the slowest of D ranks is expected to take
-1 + cv E[max of D standard normals] times the mean, and the split leaves the learner that margin.
+split. With ``rank_cv`` (the spread of one rank's update time, stated: nothing here measures it)
+the slowest of D ranks is expected to take 1 + cv E[max of D standard normals] times the mean,
+and the split leaves the learner that margin.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Placement:
     learner_idle: float        # predicted fraction of time the learner ranks wait
     batches_per_update: int    # B: sampler batches per update (async_rl.global_batch / batch completions)
     admitted: int              # samplers the admission window keeps sampling (admitted_samplers)
+    pace: float                # predicted completions per second the run goes at (the slower side's)
 
     def describe(self) -> str:
         out = (f"{self.samplers} samplers : {self.learner_ranks} learner ranks, predicted idle: samplers "
@@ -80,8 +81,8 @@ def even_ranks(learner_ranks: int, groups: int | None, rank_cv: float = 0.0) -> 
 
 def straggler(ranks: int, rank_cv: float) -> float:
     """The slowest of ``ranks`` update times over their mean, each normal with CV ``rank_cv``:
-    1 + cv E[max of D standard normals], E[max] taken as Phi^-1(D / (D + 1)) (Blom's plotting
-    position of the largest of D)."""
+    1 + cv E[max of D standard normals], E[max] taken as Phi^-1((D - 0.375) / (D + 0.25)) (Blom's
+    plotting position of the largest of D)."""
     if ranks <= 1 or rank_cv <= 0:
         return 1.0
     return 1.0 + rank_cv * NormalDist().inv_cdf((ranks - 0.375) / (ranks + 0.25))
@@ -99,7 +100,7 @@ def predict(samplers: int, learner_ranks: int, rollout_s: float, update_s: float
     take = even_ranks(learner_ranks, groups_per_update, rank_cv) / update_s
     pace = min(make, take)
     return Placement(samplers, learner_ranks, 1 - pace / (samplers / rollout_s), 1 - pace / take,
-                     batches_per_update, admitted)
+                     batches_per_update, admitted, pace)
 
 
 def even_batch(batches: int, groups_per_batch: int, ranks: int, round_down: float) -> int:
@@ -126,11 +127,7 @@ def place(devices: int, rollout_s: float, update_s: float, max_staleness: int, b
         groups = None if groups_per_batch is None else b * groups_per_batch
         if groups is None or d <= groups:
             splits.append(predict(devices - d, d, rollout_s, update_s, max_staleness, b, groups, rank_cv))
-
-    def pace(p: Placement) -> float:
-        groups = None if groups_per_batch is None else p.batches_per_update * groups_per_batch
-        return min(min(p.samplers, p.admitted) / rollout_s, even_ranks(p.learner_ranks, groups, rank_cv) / update_s)
-    return max(splits, key=lambda p: (pace(p), p.batches_per_update, -p.learner_ranks))
+    return max(splits, key=lambda p: (p.pace, p.batches_per_update, -p.learner_ranks))
 
 
 @dataclass(frozen=True)
