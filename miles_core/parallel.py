@@ -169,34 +169,27 @@ def close_world(world: World) -> None:
         dist.destroy_process_group()
 
 
-def shard_model(model: torch.nn.Module, world: World) -> None:
+def shard_model(root: torch.nn.Module, world: World, forwards: tuple[str, ...] = ()) -> None:
     """FSDP2 over ``world``: ``fully_shard`` each layer of the denoiser's layer lists, then the
-    denoiser itself (the root), in place. FSDP averages gradients over ranks; the engine scales a
-    sharded rank's loss by D so that the result is the sum (gloo has no pre-multiplied sum for
-    ``set_gradient_divide_factor``). The model's
-    ``window`` (models/window.py: the pass that scores rows and samples) counts as a forward, so
-    FSDP gathers the root's parameters for it too. Call after LoRA is added and before the
-    optimizer is built: the parameters become DTensors."""
+    denoiser itself (``root``: the module under a peft wrapper, where peft injected LoRA in
+    place), in place. FSDP averages gradients over ranks; the engine scales a sharded rank's loss
+    by D so that the result is the sum (gloo has no pre-multiplied sum for
+    ``set_gradient_divide_factor``). ``forwards``: the root's methods that count as a forward, so
+    FSDP gathers its parameters for them too (a window denoiser's ``window``, models/window.py:
+    the pass that scores rows and samples). Call after LoRA is added and before the optimizer is
+    built: the parameters become DTensors."""
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
     if world.size == 1:
         return
-    root = fsdp_root(model)   # peft injects LoRA in place: its layers live in the denoiser
     units = [layer for mods in root.modules() if isinstance(mods, torch.nn.ModuleList)
              for layer in mods if any(True for _ in layer.parameters())]
     for layer in units:
         fully_shard(layer)
     fully_shard(root)
-    if hasattr(root, "window"):
-        register_fsdp_forward_method(root, "window")
+    for name in forwards:
+        register_fsdp_forward_method(root, name)
     world.sharded = True
-
-
-def fsdp_root(model: torch.nn.Module) -> Any:
-    """The FSDP root module of ``model``: the denoiser under a peft wrapper (what
-    models/window.py::inner returns), whose FSDP settings recurse to the layers."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
 
 
 def full_tensors(obj: Any) -> Any:

@@ -11,14 +11,14 @@ from the schedule (or a real bug)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from miles_core.config import SamplerConfig
-from miles_core.models.window import attention_grid
+from miles_core.models.window import (Capabilities, KVCache, Out, Span, WindowDenoiser, attention_grid,
+                                      select_out)
 from miles_core.samplers.sampler import sample, static_counts, transfer_counts
 from miles_core.tokenizer import CharTokenizer
 from benchmarks.llada_reference import reference_generate
@@ -27,7 +27,7 @@ TOK = CharTokenizer()
 BLOCK = 4
 
 
-class HashedBlockCausal(nn.Module):
+class HashedBlockCausal(WindowDenoiser):
     """A block-causal denoiser (attention blocks of ``block_size`` at absolute real positions, as
     SDAR's) with no weights: position i's logits are one token at 4 + 0.5 * level + 0.05 * (i mod
     block), every other token 0, where token and level come from a hash of the (position, id)
@@ -35,14 +35,20 @@ class HashedBlockCausal(nn.Module):
     block changes the predictions in it and after it, so a different schedule decodes differently,
     and no two positions of a block have confidences within float noise of each other."""
 
-    spec = SimpleNamespace(attention="block")  # what attention_grid reads
-
     def __init__(self, vocab_size: int, allowed: list[int], block_size: int = BLOCK, seed: int = 0) -> None:
         super().__init__()
         self.block_size, self.vocab_size = block_size, vocab_size
         g = torch.Generator().manual_seed(seed)
         self.register_buffer("allowed", torch.tensor(allowed, dtype=torch.long))
         self.register_buffer("coef", torch.randint(1, 10_007, (256,), generator=g))
+
+    def capabilities(self) -> Capabilities:
+        return Capabilities(block_size=self.block_size)  # what attention_grid reads
+
+    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
+               keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
+        assert cache is None and not keep
+        return select_out(self(ids, mask), out), None
 
     def forward(self, ids: Tensor, mask: Tensor) -> Tensor:
         """ids, mask [B, T] (mask: real tokens; left padding is not) -> logits [B, T, V]."""

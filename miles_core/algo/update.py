@@ -27,10 +27,10 @@ from miles_core.algo.loss import SUM_KEYS
 from miles_core.algo.rows import NoRows, Rows, RowScorer, no_rows
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
-from miles_core.parallel import World, fsdp_root, full_tensors
+from miles_core.parallel import World, full_tensors
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
-from miles_core.models.window import head_weight
+from miles_core.models.window import capabilities, inner
 
 __all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "adpo_update", "deterministic_forward",
            "estimator_rows", "minibatch_step", "policy_update", "proximal_logprobs"]
@@ -40,7 +40,7 @@ class ChunkPlan:
     """Phase 1, the chunk plan: which of ``rows`` each forward/backward of this rank carries.
 
     ``adpo.chunk_tokens`` > 0 is a memory budget in positions per forward/backward (a row costs its
-    sequence plus its scored positions weighted by what their logits hold, ``window.head_weight``,
+    sequence plus its scored positions weighted by what their logits hold, ``Capabilities.head_weight``,
     so a chunk's activations are the same size whatever K and the lengths); otherwise chunks of
     ``adpo.row_chunk`` rows. ``rows`` are this rank's (data parallel: the rows of the trajectories
     it holds, learner/shares.py). Sharded (FSDP2), every rank runs as many chunks as the busiest
@@ -54,7 +54,7 @@ class ChunkPlan:
         self.pad = pad or (scorer, rows)
         if self.sharded and self.pad[1].traj.numel() == 0:
             raise ValueError("a sharded update needs a row to pad with on every rank (adpo_update passes one)")
-        self.cost = scorer.row_cost(rows.traj, rows.step, head_weight(model)) if cfg.chunk_tokens > 0 else None
+        self.cost = scorer.row_cost(rows.traj, rows.step, capabilities(model).head_weight) if cfg.chunk_tokens > 0 else None
 
     def chunks(self, idx: Tensor) -> Iterator[Tensor]:
         if self.cost is None:
@@ -167,7 +167,7 @@ def minibatch_step(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScor
     cs = plan.mine(mb)
     for i, c in enumerate(cs):
         if plan.sharded:  # accumulate unsharded; reduce-scatter once, after the minibatch's last chunk
-            fsdp_root(model).set_requires_gradient_sync(i == len(cs) - 1)
+            inner(model).set_requires_gradient_sync(i == len(cs) - 1)
         if c is None:
             pad_pass(plan, model, backward=True)
             continue

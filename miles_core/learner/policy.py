@@ -23,6 +23,7 @@ from miles_core.data.registry import TaskData
 from miles_core.models.base import base_identity, load_base, resolve_device
 from miles_core.models.activations import checkpoint_layers
 from miles_core.models.lora import adapter_tensors, add_lora_from, load_adapter, save_adapter
+from miles_core.models.window import WindowDenoiser, inner
 from miles_core.parallel import World, full_tensors, shard_like, shard_model
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.types import Batch
@@ -53,7 +54,8 @@ class Learner:
             checkpoint_layers(self.model)
         self.sharded = world is not None and world.size > 1 and cfg.async_rl.fsdp
         if self.sharded:  # FSDP2: each rank holds 1/D of base and adapter (parallel.py)
-            shard_model(self.model, world)
+            root = inner(self.model)
+            shard_model(root, world, ("window",) if isinstance(root, WindowDenoiser) else ())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
         # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,

@@ -16,6 +16,7 @@ import torch
 
 from miles_core.models.base import load_checkpoint
 from miles_core.models.registry import families, family_named, family_of
+from miles_core.models.window import capabilities
 
 
 def init(family: str, out: str, seed: int = 0) -> str:
@@ -40,13 +41,12 @@ def check(directory: str | Path, family: str = "auto") -> dict[str, Any]:
     ids = torch.tensor([tok.encode("1+2=") + [tok.mask_id] * 4])
     with torch.no_grad():
         logits = model(ids, torch.ones_like(ids, dtype=torch.bool))
-    spec = getattr(model, "spec", None)
-    block = spec is not None and spec.attention == "block"
-    return {"family": fam.name, "native": spec.native if spec else str(getattr(model.config, "model_type", fam.name)),
+    caps = capabilities(model)
+    return {"family": fam.name, "native": caps.native or (fam.model_types[0] if fam.model_types else fam.name),
             "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(next(model.parameters()).dtype),
             "mask_id": tok.mask_id, "eos_id": tok.eos_id, "vocab_size": tok.vocab_size,
-            "logit_shift": bool(spec and spec.logit_shift),
-            "attention": f"block-causal, block {model.block_size}" if block else "bidirectional",
+            "logit_shift": caps.logit_shift,
+            "attention": f"block-causal, block {caps.block_size}" if caps.block_size else "bidirectional",
             "smoke_forward": list(logits.shape), "finite": bool(torch.isfinite(logits).all()), "load_s": load_s}
 
 

@@ -35,7 +35,8 @@ from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.family import Family, LoadOptions
 from miles_core.models.hf_native import PROJECTIONS, make_bidirectional, model_inputs
 from miles_core.models.hf_tokenizer import HFTokenizer, load_tokenizer
-from miles_core.models.window import KVCache, Out, Span, hf_window, select_out
+from miles_core.models.window import (Capabilities, KVCache, Out, Span, WindowDenoiser, head_weight_of, hf_window,
+                                      select_out)
 
 _NATIVE = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
            "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "modernbert": ("ModernBertConfig", "ModernBertForMaskedLM")}
@@ -48,7 +49,7 @@ def native_classes(spec: FamilySpec) -> tuple[type, type]:
     return getattr(transformers, cfg_name), getattr(transformers, model_name)
 
 
-class HFDiffusion(nn.Module):
+class HFDiffusion(WindowDenoiser):
     """A native transformers LM run as a masked-diffusion denoiser of one family (module docstring)."""
 
     def __init__(self, lm: nn.Module, spec: FamilySpec, block_size: int = 4,
@@ -61,13 +62,14 @@ class HFDiffusion(nn.Module):
         if spec.attention == "full":
             make_bidirectional(lm)
 
-    @property
-    def logit_shift(self) -> bool:
-        return self.spec.logit_shift
-
-    @property
-    def kv_cache(self) -> bool:
-        return self.spec.native != "modernbert"
+    def capabilities(self) -> Capabilities:
+        s, c = self.spec, self.lm.config
+        return Capabilities(kv_cache=s.native != "modernbert", block_size=self.block_size if s.attention == "block" else 0,
+                            logit_shift=s.logit_shift, native=s.native, wraps_lm=True,
+                            to_published=s.to_published if s.renames else None,
+                            to_native=s.to_native if s.renames else None,
+                            head_weight=head_weight_of(c.vocab_size, c.hidden_size, c.num_hidden_layers,
+                                                       c.intermediate_size))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         if self.spec.native == "modernbert":  # natively bidirectional, its own masked-LM head
@@ -289,16 +291,37 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, A
     return out
 
 
-class RemoteCodeDiffusion(nn.Module):
+class RemoteCodeDiffusion(WindowDenoiser):
     """``model.family=remote_code``: a folder's own modeling code (``auto_map`` in its config.json),
     run as a bidirectional denoiser through transformers' Auto classes. An explicit opt-in
     (``model.trust_remote_code=true``): it executes Python that ships with the checkpoint, and
     code written for transformers 4 may not run under 5. Logits as the model returns them."""
 
+    # the config names remote code uses for a head_weight_of's sizes (LLaDA's own: d_model, n_layers,
+    # mlp_hidden_size); the first one a config sets counts
+    SIZES = {"vocab": ("vocab_size", "embedding_size"), "hidden": ("hidden_size", "d_model"),
+             "layers": ("num_hidden_layers", "n_layers"), "mlp": ("intermediate_size", "mlp_hidden_size", "d_ff")}
+
     def __init__(self, lm: nn.Module) -> None:
         super().__init__()
         self.lm = lm
         self.config = lm.config
+
+    def capabilities(self) -> Capabilities:
+        """No cache (a full forward per call), the folder's model_type; what its logits weigh when
+        its config names its sizes in one of :attr:`SIZES`' ways, else 0 (only positions count)."""
+        conf = self.config.to_dict()
+        size = {k: next((conf[n] for n in names if conf.get(n)), 0) for k, names in self.SIZES.items()}
+        weight = (head_weight_of(size["vocab"], size["hidden"], size["layers"], size["mlp"] or 4 * size["hidden"])
+                  if size["vocab"] and size["hidden"] and size["layers"] else 0.0)
+        return Capabilities(native=str(conf.get("model_type", "")), wraps_lm=True, head_weight=weight)
+
+    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
+               keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
+        """A full forward sliced to ``out`` (remote code exposes no per-position pass)."""
+        if cache is not None or keep:
+            raise ValueError("remote_code has no KV cache: use sampler.cache=none")
+        return select_out(self.forward(ids, mask), out), None
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         dev = next(self.lm.parameters()).device

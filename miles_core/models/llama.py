@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from miles_core.models.family import Family, LoadOptions
 from miles_core.models.hf_native import PROJECTIONS, make_bidirectional, quiet_progress
 from miles_core.models.hf_tokenizer import HFTokenizer, char_tokenizer
-from miles_core.models.window import KVCache, hf_window
+from miles_core.models.window import Capabilities, KVCache, WindowDenoiser, hf_window, head_weight_of
 
 if TYPE_CHECKING:  # transformers loads with a model, not when the family registry is read
     from transformers import LlamaForCausalLM
@@ -44,7 +44,7 @@ if TYPE_CHECKING:  # transformers loads with a model, not when the family regist
 LLAMA_LORA_TARGETS = PROJECTIONS["llama"]
 
 
-class LlamaDiffusion(nn.Module):
+class LlamaDiffusion(WindowDenoiser):
     """logits = model(input_ids [B, T], attention_mask [B, T] bool) -> [B, T, V] (the Denoiser protocol).
 
     Position ids count real tokens only (``cumsum(mask) - 1``), so a left-padded prompt gets the
@@ -60,6 +60,11 @@ class LlamaDiffusion(nn.Module):
         self.lm = lm
         make_bidirectional(lm)
         self.config = lm.config  # peft reads model.config (model_type 'llama' picks the LoRA targets)
+
+    def capabilities(self) -> Capabilities:
+        c = self.config
+        return Capabilities(kv_cache=True, native="llama", wraps_lm=True, head_weight=head_weight_of(
+            c.vocab_size, c.hidden_size, c.num_hidden_layers, c.intermediate_size))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()

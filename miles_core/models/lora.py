@@ -18,6 +18,7 @@ from torch import nn
 
 from miles_core.models.checkpoint import load_tensors, record_digest
 from miles_core.models.registry import family_of
+from miles_core.models.window import capabilities
 
 if TYPE_CHECKING:
     from miles_core.config import LoraSettings
@@ -95,23 +96,23 @@ def module_paths(base: nn.Module) -> tuple[Paths | None, Paths | None]:
     None) where Miles runs the published class itself (tiny, DiffusionGemma). A family's wrapper
     (models/hf.py, llama.py) holds the native transformers model as ``lm``, and a family with
     renamed tensors (LLaDA's ``model.transformer.blocks.N.…``) maps names as its checkpoints do."""
-    if not isinstance(getattr(base, "lm", None), nn.Module):
+    caps = capabilities(base)
+    if not caps.wraps_lm:
         return None, None
-    spec = getattr(base, "spec", None)
-    renames = spec is not None and bool(spec.renames)
+    to_published, to_native = caps.to_published, caps.to_native
 
     def outside(path: str) -> str | None:
         if not path.startswith("lm."):
             return None
-        if not renames:
+        if to_published is None:
             return path[3:]
-        name = spec.to_published(path[3:] + ".weight")
+        name = to_published(path[3:] + ".weight")
         return None if name is None else name.rsplit(".", 1)[0]
 
     def inside(path: str) -> str | None:
-        if not renames:
+        if to_native is None:
             return "lm." + path
-        name = spec.to_native(path + ".weight")
+        name = to_native(path + ".weight")
         return None if name is None else "lm." + name.rsplit(".", 1)[0]
     return outside, inside
 
@@ -223,8 +224,7 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     cfg.inference_mode = True  # as save_pretrained stores it; load_adapter(trainable=True) overrides
     if to_outside is not None:
         cfg.target_modules = sorted(set(_paths(state)))  # exact module paths: LLaDA's ff_out is also its head
-        native = getattr(getattr(inner, "spec", None), "native", getattr(inner.config, "model_type", ""))
-        cfg.task_type = "CAUSAL_LM" if native in ("llama", "qwen2", "qwen3") else None
+        cfg.task_type = "CAUSAL_LM" if capabilities(model).native in ("llama", "qwen2", "qwen3") else None
     if base:
         cfg.base_model_name_or_path = base.get("hub_id") or base.get("path") or base["name"]
     cfg.save_pretrained(str(d))

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from miles_core.models.checkpoint import load_module, save_module
 from miles_core.models.family import Family, LoadOptions
-from miles_core.models.window import KVCache, Out, Span, key_mask, kept_spans, out_logits
+from miles_core.models.window import (Capabilities, KVCache, Out, Span, WindowDenoiser, head_weight_of, key_mask,
+                                      kept_spans, out_logits)
 from miles_core.tokenizer import CharTokenizer
 
 
@@ -69,7 +70,7 @@ class Block(nn.Module):
         return h + self.fc2(F.gelu(self.fc1(self.ln2(h)))), (k, v)
 
 
-class TinyDenoiser(nn.Module):
+class TinyDenoiser(WindowDenoiser):
     """logits = model(input_ids [B, T], attention_mask [B, T] bool) -> [B, T, V]."""
 
     def __init__(self, cfg: TinyConfig) -> None:
@@ -88,6 +89,10 @@ class TinyDenoiser(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
+
+    def capabilities(self) -> Capabilities:
+        c = self.config
+        return Capabilities(kv_cache=True, head_weight=head_weight_of(c.vocab_size, c.d_model, c.n_layers, c.d_ff))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         t = input_ids.shape[1]

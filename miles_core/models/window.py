@@ -15,9 +15,12 @@ are revealed); in a block-causal one (SDAR) the prefix is exact when blocks alig
 records the log-probs of the distribution it actually sampled from, cached or not, and the learner
 scores without a cache: the importance weight corrects the gap (benchmarks/rollout.py measures it).
 
-Every backend implements ``window(ids, mask, query, out, cache, keep)`` (tiny, the Llama and the
-family classes); anything else (ModernBERT, remote code) gets a full forward sliced to ``out``
-and no cache.
+Every backend class is a :class:`WindowDenoiser` (tiny, the Llama, the published families, remote
+code): it implements ``window(ids, mask, query, out, cache, keep)`` and states its
+:class:`Capabilities` (caches, attention grid, logit shift, what its logits weigh, how its
+tensors are named), which the sampler, the update engine, LoRA and FSDP read instead of probing
+attributes. Anything else (DiffusionGemma's native class, a denoiser built in a test) has the
+default capabilities: a full forward sliced to ``out``, no cache, full attention.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import torch
+from peft import PeftModel
 from torch import Tensor, nn
 
 Span = tuple[int, int]
@@ -54,44 +58,75 @@ class KVCache:
         return KVCache(self.spans, [(k[rows], v[rows]) for k, v in self.layers])
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a denoiser can do beyond ``model(ids, mask) -> logits``, stated by its backend.
+
+    ``kv_cache``: its window keeps prefix/dual caches. ``block_size``: the attention grid of a
+    block-causal model (SDAR: bidirectional within blocks at absolute multiples of it, causal
+    across them), 0 for full attention. ``logit_shift``: position i's logits are read from the
+    hidden state at i - 1 (Dream): a cached step's query then starts one position before the block.
+    ``head_weight``: what one scored position's logits cost in training memory, in units of one
+    position's backbone activations (:func:`head_weight_of`; 0: only positions count).
+    ``native``: the transformers model_type it runs inside (a saved adapter's task type).
+    ``wraps_lm``: the published class runs inside as the attribute ``lm`` (LoRA module paths drop
+    ``lm.``); ``to_published`` / ``to_native``: a native tensor name -> the family's published one
+    and back, when the family renames tensors (LLaDA), else None."""
+
+    kv_cache: bool = False
+    block_size: int = 0
+    logit_shift: bool = False
+    head_weight: float = 0.0
+    native: str = ""
+    wraps_lm: bool = False
+    to_published: Callable[[str], str | None] | None = None
+    to_native: Callable[[str], str | None] | None = None
+
+
+class WindowDenoiser(nn.Module):
+    """A backend that computes logits for a window of positions (module docstring) and states its
+    :class:`Capabilities`. Subclasses implement both methods."""
+
+    def capabilities(self) -> Capabilities:
+        raise NotImplementedError
+
+    def window(self, ids: Tensor, mask: Tensor, query: Span, out: Out, cache: KVCache | None = None,
+               keep: tuple[Span, ...] = ()) -> tuple[Tensor, KVCache | None]:
+        raise NotImplementedError
+
+
 def inner(model: nn.Module) -> nn.Module:
     """The denoiser under a peft wrapper (its LoRA layers are injected in place, so calls through
-    it train and sample the adapted policy)."""
-    get = getattr(model, "get_base_model", None)
-    return get() if callable(get) else model
+    it train and sample the adapted policy; it is also FSDP's root)."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def capabilities(model: nn.Module) -> Capabilities:
+    """The capabilities ``model``'s backend states (peft unwrapped); the defaults for any other module."""
+    m = inner(model)
+    return m.capabilities() if isinstance(m, WindowDenoiser) else Capabilities()
 
 
 def supports_cache(model: nn.Module) -> bool:
-    return hasattr(inner(model), "window") and getattr(inner(model), "kv_cache", True)
+    return capabilities(model).kv_cache
 
 
 def attention_grid(model: nn.Module) -> int:
-    """The attention block size of a block-causal model (SDAR: attention is bidirectional within
-    blocks at absolute multiples of it, causal across them), 0 for a full-attention one."""
-    m = inner(model)
-    spec = getattr(m, "spec", None)
-    return int(getattr(m, "block_size", 0)) if getattr(spec, "attention", "full") == "block" else 0
+    """The attention block size of a block-causal model, 0 for a full-attention one."""
+    return capabilities(model).block_size
 
 
 def logit_shift(model: nn.Module) -> int:
-    """1 when position i's logits are read from the hidden state at i - 1 (Dream), else 0: a cached
-    step's query must then start one position before the block."""
-    return int(bool(getattr(inner(model), "logit_shift", False)))
+    """1 when position i's logits are read from the hidden state at i - 1 (Dream), else 0."""
+    return int(capabilities(model).logit_shift)
 
 
-def head_weight(model: nn.Module) -> float:
-    """What one scored position's logits cost in training memory, in units of one position's
-    backbone activations: ~3 x V floats (logits, tempered logits, log-probs) against ~layers x
-    (8 x hidden + 3 x MLP) floats. 26 for the rollout benchmark's 41M model (vocab 151,936, hidden
-    128), 0.17 for LLaDA-8B; 0 when the config does not say (then only positions count)."""
-    c = getattr(inner(model), "config", None)
-    get = (lambda *names: next((getattr(c, n) for n in names if getattr(c, n, None)), None)) if c is not None \
-        else (lambda *names: None)
-    v, d = get("vocab_size"), get("hidden_size", "d_model")
-    layers, ff = get("num_hidden_layers", "n_layers"), get("intermediate_size", "d_ff")
-    if not (v and d and layers):
-        return 0.0
-    return 3.0 * v / (layers * (8 * d + 3 * (ff or 4 * d)))
+def head_weight_of(vocab: int, hidden: int, layers: int, mlp: int) -> float:
+    """One scored position's logits in training memory, in units of one position's backbone
+    activations: ~3 x V floats (logits, tempered logits, log-probs) against ~layers x (8 x hidden
+    + 3 x MLP) floats. 26 for the rollout benchmark's 41M model (vocab 151,936, hidden 128), 0.17
+    for LLaDA-8B."""
+    return 3.0 * vocab / (layers * (8 * hidden + 3 * mlp))
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -109,7 +144,7 @@ def window_logits(model: nn.Module, ids: Tensor, mask: Tensor, query: Span, out:
     ids, mask [B, T] are the whole sequence (mask: real tokens). ``keep``: spans inside ``query``
     whose keys/values this pass returns as a new cache (None when empty)."""
     m = inner(model)
-    if hasattr(m, "window"):
+    if isinstance(m, WindowDenoiser):
         return m.window(ids, mask, query, out, cache, keep)
     if cache is not None or keep:
         raise ValueError(f"{type(m).__name__} has no KV cache: use sampler.cache=none")

@@ -15,6 +15,7 @@ from miles_core.algo.draws import Draws  # noqa: E402
 from miles_core.algo.update import adpo_update  # noqa: E402
 from miles_core.config import ADPOConfig  # noqa: E402
 from miles_core.models.lora import adapter_tensors  # noqa: E402
+from miles_core.models.window import inner  # noqa: E402
 from miles_core.parallel import full_tensors, init_world, shard_model  # noqa: E402
 
 world = init_world("gloo")
@@ -27,7 +28,7 @@ mine = (torch.arange(len(batch)) < 8) == (world.rank == 0)  # whole groups of 4,
 def update(sharded: bool) -> tuple[dict, dict]:
     model = _model()
     if sharded:
-        shard_model(model, world)
+        shard_model(inner(model), world, ("window",))  # the denoiser under peft; its window is a forward
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     if sharded:  # this rank's share only, its trajectories keyed as in the whole batch
         idx = mine.nonzero().squeeze(1)
