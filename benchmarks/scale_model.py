@@ -126,10 +126,12 @@ def efficiency(p: Params, r: dict) -> float:
 
 
 def whole_run(p: Params, r: dict, hours: float) -> float:
-    """Efficiency over a run of ``hours``: what the simulated window consumed (start-up and fill
-    included) plus the steady rate for the rest of the run, over N GPUs' ideal for the whole run."""
+    """Efficiency over a run of ``hours``: what the simulated window consumed up to its last update
+    (start-up and fill included) plus the steady rate for the rest of the run, over N GPUs' ideal
+    for the whole run."""
     span = hours * 3600.0
-    done = r["consumed"] * p.completions_per_batch + r["steady_completions_per_s"] * max(span - r["seconds"], 0.0)
+    done = (r["consumed"] * p.completions_per_batch
+            + r["steady_completions_per_s"] * max(span - r["last_update_s"], 0.0))
     return done / (span * (p.samplers + p.learner_ranks) * one_gpu(p))
 
 

@@ -338,7 +338,8 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
 def simulate(p: Params, horizon_s: float = 1e7, warmup_s: float = 0.0) -> dict[str, Any]:
     """Run one configuration to the end of its budget or ``horizon_s`` of simulated time (then the
     rates are those of the horizon: a steady-state estimate); the summary scale_model.py prints.
-    ``steady_completions_per_s`` counts only what was consumed after ``warmup_s`` (the pipeline's fill)."""
+    ``steady_completions_per_s`` is the rate between the updates that finished after ``warmup_s``
+    (the pipeline's fill): :func:`steady_rate`."""
     rng = random.Random(p.seed)
     env = simpy.Environment()
     store, run = Store(env, p, rng), Run()
@@ -359,7 +360,7 @@ def simulate(p: Params, horizon_s: float = 1e7, warmup_s: float = 0.0) -> dict[s
     bottleneck = first_saturated([(util, where), (drop_share / 0.2 * 0.9, "staleness bound (batches dropped)"),
                                   (learner_util, "learner ingest (updates + reads)"),
                                   (sampler_compute, "sampler rollouts")])
-    steady = sum(n for t, n in run.consumed_at if t > warmup_s) / max(wall - warmup_s, 1e-9)
+    steady = steady_rate(run.consumed_at, warmup_s, wall)
     late = run.consumed_at[2:]  # what benchmarks/emulate.py measures: after the first two updates
     after_two = sum(n for _, n in late) / (late[-1][0] - run.consumed_at[1][0]) if len(late) >= 1 else 0.0
     return {"seconds": wall, "completions_per_s": run.consumed * p.completions_per_batch / wall if wall else 0.0,
@@ -370,7 +371,18 @@ def simulate(p: Params, horizon_s: float = 1e7, warmup_s: float = 0.0) -> dict[s
             "requests_per_batch": sum(store.counts.values()) / max(run.committed + run.self_sampled, 1),
             "store_max_utilisation": util, "learner_compute_fraction": learner_compute,
             "sampler_compute_fraction": sampler_compute, "bottleneck": bottleneck, "update_s": update_time(p),
-            "finished": bool(run.end_s)}
+            "last_update_s": run.consumed_at[-1][0] if run.consumed_at else wall, "finished": bool(run.end_s)}
+
+
+def steady_rate(consumed_at: list[tuple[float, int]], warmup_s: float, wall: float) -> float:
+    """Completions/s between the updates that finished after ``warmup_s``: what the updates after
+    the first of them consumed, over the time from it to the last. Counting the whole updates that
+    fall in the window (warmup_s, wall] instead moves by up to one update's completions with where
+    the window's end falls in the update cycle: up to 1/40 of a 40-update window."""
+    late = [(t, n) for t, n in consumed_at if t > warmup_s]
+    if len(late) < 2:
+        return sum(n for _, n in late) / max(wall - warmup_s, 1e-9)
+    return sum(n for _, n in late[1:]) / (late[-1][0] - late[0][0])
 
 
 def first_saturated(loads: list[tuple[float, str]], at: float = 0.9) -> str:

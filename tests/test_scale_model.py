@@ -152,8 +152,8 @@ def test_whole_run_efficiency_counts_the_start_and_extrapolates_the_steady_rate(
     p = Params(samplers=2, learner_ranks=1, batches=400, rollout_s=0.2, rollout_cv=0.0, update_s=0.05,
                learner_start_s=5.0, learner_samples=False, shared_budget=False, **FAST_STORE)
     r = simulate(p, horizon_s=20.0, warmup_s=6.0)
-    window = r["consumed"] * p.completions_per_batch / (r["seconds"] * 3 * one_gpu(p))
-    assert whole_run(p, r, r["seconds"] / 3600) == pytest.approx(window)          # the window alone
+    window = r["consumed"] * p.completions_per_batch / (r["last_update_s"] * 3 * one_gpu(p))
+    assert whole_run(p, r, r["last_update_s"] / 3600) == pytest.approx(window)   # up to its last update alone
     long = whole_run(p, r, 24.0)
     assert window < long < efficiency(p, r) + 1e-9  # the start weighs less over a day, never more than steady
 
@@ -170,3 +170,16 @@ def test_validation_calibrates_on_the_small_runs_and_extrapolates_to_the_large_o
     falling = [{**runs[0], "learner_host_s": 2.0}, {**runs[1], "learner_host_s": 1.0}]  # noqa: E501
     assert calibrate(falling, 64)["learner_host_s"] == 0.0  # a line below zero is clipped, never negative
     assert calibrate(runs[:1], 64)["measured_update_s"] == 1.0  # one run: its own value
+
+
+def test_steady_rate_does_not_move_with_where_the_horizon_ends_in_the_update_cycle() -> None:
+    """A learner-bound pipeline without variance consumes one batch per cycle: its steady rate is
+    the cycle's, whichever fraction of a cycle the window ends on (counting the updates inside the
+    window would move by one update in ten here)."""
+    p = Params(samplers=4, learner_ranks=1, batches=10**6, rollout_s=0.2, rollout_cv=0.0, update_s=0.5,
+               completions_per_batch=8, learner_samples=False, shared_budget=False, **FAST_STORE)
+    rates = [simulate(p, horizon_s=7.0 + frac * 0.5, warmup_s=2.0)["steady_completions_per_s"]
+             for frac in (0.0, 0.3, 0.6, 0.9)]
+    cycle = 8 / rates[0]
+    assert 0.5 <= cycle < 0.51  # the update plus the fast store's requests
+    assert max(rates) == pytest.approx(min(rates), rel=1e-9)
