@@ -85,7 +85,8 @@ def evaluate_tasks(p: EvalParams, base: str, adapter_dir: str | None, out: Path)
             "miles.preset": p.preset or ""}
     owner = session.claim(out)
     name = session.run_name("eval", p.tasks or "", out)
-    with session.tracked(owner, p.experiment, name, {"preset": p.preset or "", "tasks": p.tasks}, tags) as run_id:
+    with session.tracked(owner, p.experiment, name, {"preset": p.preset or "", "tasks": p.tasks}, tags) as run_id, \
+            evaluation.model_cache() as models:  # one model, several benchmarks: loaded once
         for name in (p.tasks or "").split(","):
             test_file = evaluation.find_test_file(p.data_dir or "", name)
             over = [f"task.name={name}", f"task.test_path={test_file}", "task.num_val=0",
@@ -93,7 +94,8 @@ def evaluate_tasks(p: EvalParams, base: str, adapter_dir: str | None, out: Path)
                     *p.recipe_overrides()]
             cfg = load_recipe(p.recipe or BENCH_RECIPE, over)
             log.info("evaluating %s on %s (%s)", described, name, test_file)
-            ev = evaluation.evaluate_checkpoint(base, adapter_dir, cfg.to_dict(), str(out / f"{name}.json"), p.progress)
+            ev = evaluation.evaluate_checkpoint(base, adapter_dir, cfg.to_dict(), str(out / f"{name}.json"), p.progress,
+                                                models)
             cells.append({"task": name, "pass1": ev["pass1"], "reward_mean": ev["metrics"].get("reward_mean"),
                           "num_problems": ev["num_problems"], "fingerprint": ev["fingerprint"], "config": ev["config"],
                           "file": test_file})

@@ -1,6 +1,6 @@
 """Synchronous ADPO training flow (ARCHITECTURE.md, "One synchronous iteration"):
 
-    with learner(run_dir):   per iteration: collect (sample, score, commit) -> update (+ publish) -> evaluate every N
+    with learner(run_dir) as lr:   per iteration: collect (sample, score, commit) -> update (+ publish) -> evaluate every N
 
 A sampler and a learner in one process; tasks hand each other batch ids, never tensors. One MLflow run
 per flow run, tagged with the Prefect flow run id: the resolved recipe as params, per-iteration
@@ -42,7 +42,7 @@ def _iteration_metrics(co: dict[str, Any], up: dict[str, Any]) -> dict[str, floa
     return out
 
 
-def _backfill(run: str, run_id: str, start: int) -> None:
+def _backfill(run: training.LearnerSession, run_id: str, start: int) -> None:
     """Log the per-iteration metrics of committed iterations the MLflow run lacks: a crash between an
     update's checkpoint and its ``log_metrics`` would otherwise leave a hole in the resumed curve. The
     batch and the update's history row are in the store, so nothing is recomputed."""
@@ -53,10 +53,11 @@ def _backfill(run: str, run_id: str, start: int) -> None:
         tracking.log_metrics(run_id, _iteration_metrics(co, up), it + 1)
 
 
-def _loop(p: TrainParams, cfg: Any, out: Path, run_id: str, init: dict[str, Any]) -> dict[str, Any]:
-    """Iterations ``init['iteration']..train.iterations``; returns first/last eval and last adapter."""
+def _loop(p: TrainParams, cfg: Any, run: training.LearnerSession, run_id: str, init: dict[str, Any]) -> dict[str, Any]:
+    """Iterations ``init['iteration']..train.iterations`` of the learner ``run``; returns first/last
+    eval and last adapter."""
     log = get_run_logger()
-    run, start, total = str(out), init["iteration"], cfg.train.iterations
+    start, total = init["iteration"], cfg.train.iterations
     every = cfg.train.eval_every if cfg.train.eval_every > 0 else max(total, 1)
     ev = first = training.evaluate_policy(run, init["version"], p.progress)
     tracking.log_eval(run_id, ev, start)
@@ -106,22 +107,19 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
     out = p.run_path("train")
     tracking.configure(p.tracking_uri)
     owner = session.claim(out)
-    previous = training.checkpoint_meta(out)
-    if previous is not None and not p.resume:
-        raise FileExistsError(f"{out} already holds a learner checkpoint (iteration {previous['iteration']}); "
-                              "pass --resume to continue it (resume=True from Python), or choose a new --run-dir")
+    previous = training.existing_run(out, p.resume)
     store = p.store_uri or (previous or {}).get("store_uri") or str(out / "store")
     base, sft = base_or_sft(p, out, p.base_checkpoint or (previous or {}).get("base_checkpoint"))
     tags = {"miles.kind": "train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
             "miles.base_checkpoint": Path(base).resolve(), "miles.sft_run_id": sft.get("mlflow_run_id", "")}
     reg: dict[str, Any] = {}
     name = session.run_name("train", cfg.name, out)
-    with training.learner(out), session.tracked(owner, p.experiment, name, cfg.flat(), tags, p.resume) as run_id:
-        init = training.init_learner(str(out), cfg.to_dict(), str(base), store, p.resume)
+    with training.learner(out) as lr, session.tracked(owner, p.experiment, name, cfg.flat(), tags, p.resume) as run_id:
+        init = training.init_learner(lr, cfg.to_dict(), str(base), store, p.resume)
         tracking.set_tags(run_id, {"miles.run_key": init["run_key"], "miles.resumed_from": init["iteration"]})
         get_run_logger().info("train %s: iterations %d..%d, store %s, MLflow run %s", cfg.name,
                               init["iteration"], cfg.train.iterations, store, run_id)
-        res = _loop(p, cfg, out, run_id, init)
+        res = _loop(p, cfg, lr, run_id, init)
         ev, adapter = res["last"], res["adapter"]
         if p.register_as:
             reg = evaluation.register_policy(

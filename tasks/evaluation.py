@@ -8,9 +8,11 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from prefect import task
@@ -26,7 +28,6 @@ import tracking
 from tracking import registry
 from tasks.common import LIGHT, STORAGE, eval_summary, retry_transient
 
-_LOADED: dict[tuple, tuple[Any, Any]] = {}  # the last (base, adapter, model settings) evaluated here
 _ADAPTER_URI = re.compile(r"^(?P<root>.+)/adapters/v(?P<version>\d+)/?$")
 
 
@@ -66,20 +67,54 @@ def _mtimes(folder: str | None) -> tuple:
     return tuple(sorted((p.name, p.stat().st_mtime_ns) for p in Path(folder).iterdir() if p.is_file()))
 
 
+class ModelCache:
+    """The one model an evaluation loop reuses across benchmarks (a base with its adapter), owned
+    by the flow block that opens it (``with evaluation.model_cache() as models``) and passed to each
+    :func:`evaluate_checkpoint`; its memory goes when the block ends."""
+
+    def __init__(self) -> None:
+        self._key: tuple | None = None
+        self._model: tuple[Any, Any] | None = None
+        self._lock = threading.Lock()
+
+    def get(self, key: tuple, load: Callable[[], tuple[Any, Any]]) -> tuple[Any, Any]:
+        """The (model, tokenizer) of ``key``, loaded by ``load`` unless it is the one held."""
+        with self._lock:
+            if self._key != key:
+                self._key, self._model = None, None  # the old model goes before the new one loads
+                self._model, self._key = load(), key
+            assert self._model is not None
+            return self._model
+
+    def clear(self) -> None:
+        with self._lock:
+            self._key, self._model = None, None
+
+
+@contextmanager
+def model_cache() -> Iterator[ModelCache]:
+    cache = ModelCache()
+    try:
+        yield cache
+    finally:
+        cache.clear()
+
+
 @task(name="evaluate-checkpoint", **LIGHT)
 def evaluate_checkpoint(base_checkpoint: str, adapter_dir: str | None, cfg: dict[str, Any], out_path: str,
-                        progress: bool = False) -> dict[str, Any]:
-    """pass@k of a base checkpoint, with a LoRA adapter folder on top when given."""
+                        progress: bool = False, models: ModelCache | None = None) -> dict[str, Any]:
+    """pass@k of a base checkpoint, with a LoRA adapter folder on top when given; ``models``: the
+    loop's cache, when it evaluates one model on several benchmarks (else loaded for this call)."""
     rc = load_recipe(cfg)
     if rc.torch_threads > 0:
         torch.set_num_threads(rc.torch_threads)
+
+    def load() -> tuple[Any, Any]:
+        model, tok = load_base(rc, base_checkpoint)
+        return (load_adapter(model, adapter_dir) if adapter_dir is not None else model), tok
     key = (str(Path(base_checkpoint).resolve()), adapter_dir, repr(rc.model), _mtimes(base_checkpoint),
            _mtimes(adapter_dir))
-    if key not in _LOADED:  # one model, several benchmarks: load it once per process
-        _LOADED.clear()
-        model, tok = load_base(rc, base_checkpoint)
-        _LOADED[key] = (load_adapter(model, adapter_dir) if adapter_dir is not None else model, tok)
-    model, tok = _LOADED[key]
+    model, tok = models.get(key, load) if models is not None else load()
     set_prompt_format(tok, rc, base_checkpoint)
     res = run_eval(model, tok, rc, build_task(rc), progress=progress)
     return eval_summary(res, Path(out_path))

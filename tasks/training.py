@@ -4,12 +4,15 @@ learner also runs. Arguments and results are paths, URIs and small dicts, never 
 ARCHITECTURE.md). Per iteration: ``collect`` (sample, score, commit to ``trajectories/``) and
 ``update`` (consume it: update, checkpoint, publish).
 
-The learner's lifetime is the flow's ``with learner(run_dir):`` block: building it (base model,
-LoRA, optimizer) is the expensive part, so the tasks inside reuse the one the block opened. The
-source of truth is the run's store (``{store_uri}/learner/CHECKPOINT``, written after every
-update, ledger inside), so a retried task, a resumed flow or a task in another process reloads it
-and carries on. A task that fails drops the open runtime, because a half-applied update must
-never leak into the retry. ``run_dir/learner.json`` only says which store and base the folder
+The learner a flow trains is an explicit handle: ``with learner(run_dir) as lr:`` opens a
+:class:`LearnerSession`, ``init_learner(lr, ...)`` starts or resumes the run in it, and every task
+takes ``lr``. Building the runtime (base model, LoRA, optimizer) is the expensive part, so the
+tasks reuse the one the session holds. The source of truth is the run's store
+(``{store_uri}/learner/CHECKPOINT``, written after every update, ledger inside): a task that fails
+drops the session's runtime, because a half-applied update must never leak into the retry, and
+the next task reopens it from the checkpoint; a session that crosses into another process
+(pickled) reopens it there the same way. A task on a session that was never started, or whose
+block has ended, is an error. ``run_dir/learner.json`` only says which store and base the folder
 trains, so ``resume=True`` finds them.
 
 Batch ids are ``{iteration:06d}-learner`` and each batch's prompts and noise are seeded from
@@ -32,62 +35,97 @@ from prefect import task
 from miles_core.algo.rl import rollout_stats
 from miles_core.config import load_recipe
 from miles_core.eval.evaluate import run_eval
-from miles_core.learner.runtime import (LearnerRun, open_step_run, read_pointer, save_local_adapter, start_step_run,
-                                       write_pointer)
+from miles_core.learner.runtime import (LearnerRun, existing_run, open_step_run, read_pointer, save_local_adapter,
+                                       start_step_run, write_pointer)
 from tasks.common import LIGHT, SAMPLE_ROWS, STORAGE, eval_summary
 
-_OPEN: dict[str, LearnerRun] = {}  # the runtimes of the open learner(run_dir) blocks of this process
-_LOCK = threading.Lock()
 checkpoint_meta = read_pointer  # run_dir/learner.json: which store and base the folder trains
 
 
-def _key(run_dir: str | os.PathLike[str]) -> str:
-    return str(Path(run_dir).resolve())
+class LearnerSession:
+    """The learner of ``run_dir`` for one ``with learner(run_dir)`` block: the handle the flow
+    passes to every task (module docstring). Thread-safe: Prefect may run tasks in threads."""
+
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+        self.run_dir = str(Path(run_dir).resolve())
+        self._run: LearnerRun | None = None
+        self._started = False  # init_learner ran, here or (for a pickled session) in the process that sent it
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple:  # another process gets the handle, never the model: it reopens from the store
+        return _arrived, (self.run_dir, self._started and not self._closed)
+
+    def start(self, run: LearnerRun) -> LearnerRun:
+        """Hold ``run`` (init_learner's started or resumed runtime)."""
+        if run.cfg.torch_threads > 0:
+            torch.set_num_threads(run.cfg.torch_threads)
+        with self._lock:
+            self._run, self._started = run, True
+        return run
+
+    def run(self) -> LearnerRun:
+        """The open runtime; reopened from the store's checkpoint when a failed task dropped it or
+        the session arrived from another process."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the learner block of {self.run_dir} has ended; open a new one")
+            if not self._started:
+                raise RuntimeError(f"the learner of {self.run_dir} was not started: call init_learner first")
+            if self._run is None:
+                self._run = open_step_run(self.run_dir)
+                if self._run.cfg.torch_threads > 0:
+                    torch.set_num_threads(self._run.cfg.torch_threads)
+            return self._run
+
+    def drop(self) -> None:
+        """Forget the runtime (its memory goes; the checkpoint in the store stays)."""
+        with self._lock:
+            self._run = None
+
+    def close(self) -> None:
+        self.drop()
+        self._closed = True
 
 
-def _drop(run_dir: str | os.PathLike[str]) -> None:
-    with _LOCK:
-        _OPEN.pop(_key(run_dir), None)
+def _arrived(run_dir: str, started: bool) -> LearnerSession:
+    """A session unpickled in another process: started there if it was where it came from."""
+    session = LearnerSession(run_dir)
+    session._started = started
+    return session
 
 
 @contextmanager
-def learner(run_dir: str | os.PathLike[str]) -> Iterator[None]:
-    """The learner of ``run_dir`` lives for this block: tasks inside reuse it; on exit its memory
-    goes (the checkpoint in the store stays)."""
+def learner(run_dir: str | os.PathLike[str]) -> Iterator[LearnerSession]:
+    """The learner of ``run_dir`` lives for this block: the tasks take the session it yields; on
+    exit its memory goes (the checkpoint in the store stays)."""
+    session = LearnerSession(run_dir)
     try:
-        yield
+        yield session
     finally:
-        _drop(run_dir)
+        session.close()
 
 
-def _open(run_dir: str, run: LearnerRun) -> LearnerRun:
-    if run.cfg.torch_threads > 0:
-        torch.set_num_threads(run.cfg.torch_threads)
-    with _LOCK:
-        _OPEN[_key(run_dir)] = run
-    return run
-
-
-def _guarded(run_dir: str, fn: Callable[[LearnerRun], Any]) -> Any:
+def _guarded(session: LearnerSession, fn: Callable[[LearnerRun], Any]) -> Any:
     try:
-        with _LOCK:
-            run = _OPEN.get(_key(run_dir))
-        return fn(run or _open(run_dir, open_step_run(run_dir)))
+        return fn(session.run())
     except BaseException:
-        _drop(run_dir)  # never let a half-mutated learner serve the retry
+        session.drop()  # never let a half-mutated learner serve the retry
         raise
 
 
 @task(name="init-learner", **STORAGE, **LIGHT)
-def init_learner(run_dir: str, cfg: dict[str, Any], base_checkpoint: str, store_uri: str,
+def init_learner(session: LearnerSession, cfg: dict[str, Any], base_checkpoint: str, store_uri: str,
                  resume: bool = False) -> dict[str, Any]:
-    """Prepare the run in the store and create its learner (publishing adapter v0), or resume it."""
-    _drop(run_dir)
+    """Prepare the run in the store and create its learner (publishing adapter v0), or resume it;
+    ``session`` holds it for the tasks that follow."""
+    session.drop()
     new_cfg = load_recipe(cfg)
     if new_cfg.torch_threads > 0:
         torch.set_num_threads(new_cfg.torch_threads)
+    run_dir = session.run_dir
     run, resumed = start_step_run(run_dir, new_cfg, base_checkpoint, store_uri, resume)
-    _open(run_dir, run)
+    session.start(run)
     meta = read_pointer(run_dir) or {}
     return {"iteration": meta["iteration"], "version": run.learner.version, "run_key": meta["run_key"],
             "base_checkpoint": meta["base_checkpoint"], "resumed": resumed, "adapter_uri": run.adapter_uri(),
@@ -95,7 +133,7 @@ def init_learner(run_dir: str, cfg: dict[str, Any], base_checkpoint: str, store_
 
 
 @task(name="collect", **STORAGE, **LIGHT)
-def collect(run_dir: str, iteration: int) -> dict[str, Any]:
+def collect(session: LearnerSession, iteration: int) -> dict[str, Any]:
     """Batch ``iteration``: G completions per fresh prompt with the current adapter, rewards and
     group advantages, committed to ``trajectories/`` (LearnerRun.collect)."""
     def go(run: LearnerRun) -> dict[str, Any]:
@@ -112,11 +150,11 @@ def collect(run_dir: str, iteration: int) -> dict[str, Any]:
         # the commit marker: it names the data object that counts (storage/SCHEMA.md)
         return {"batch_id": bid, "uri": f"{run.rs.trajectories.root_uri}/commits/{bid}.json", "reused": reused,
                 "stats": stats, "samples": samples}
-    return _guarded(run_dir, go)
+    return _guarded(session, go)
 
 
 @task(name="update", **STORAGE, **LIGHT)
-def update(run_dir: str, batch_id: str, local_copy: bool = True) -> dict[str, Any]:
+def update(session: LearnerSession, batch_id: str, local_copy: bool = True) -> dict[str, Any]:
     """One ADPO update on a committed batch: checkpoint (ledger inside), then publish the new
     adapter; ``local_copy``: also write it under ``run_dir/adapters`` (for MLflow and registration).
 
@@ -127,21 +165,22 @@ def update(run_dir: str, batch_id: str, local_copy: bool = True) -> dict[str, An
             _, stats = run.consume(batch_id)
         else:
             stats = run.last_update(batch_id)
-        meta = write_pointer(run_dir, run)
-        local = save_local_adapter(run, Path(run_dir) / "adapters") if local_copy else None
+        meta = write_pointer(session.run_dir, run)
+        local = save_local_adapter(run, Path(session.run_dir) / "adapters") if local_copy else None
         return {"version": run.learner.version, "iteration": meta["iteration"],
                 "adapter_dir": str(local) if local else None, "adapter_uri": run.adapter_uri(),
                 "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))},
                 "guard_event": run.learner.guard_event}
-    return _guarded(run_dir, go)
+    return _guarded(session, go)
 
 
 @task(name="evaluate-policy", **LIGHT)
-def evaluate_policy(run_dir: str, version: int, progress: bool = False) -> dict[str, Any]:
+def evaluate_policy(session: LearnerSession, version: int, progress: bool = False) -> dict[str, Any]:
     """pass@k of the learner's current policy on the held-out split (full eval config recorded)."""
     def go(run: LearnerRun) -> dict[str, Any]:
         if run.learner.version != version:
-            raise RuntimeError(f"evaluate_policy: learner in {run_dir} is at version {run.learner.version}, not {version}")
+            raise RuntimeError(f"evaluate_policy: learner in {session.run_dir} is at version {run.learner.version}, "
+                               f"not {version}")
         res = run_eval(run.learner.model, run.learner.tok, run.cfg, run.data, progress=progress)
-        return eval_summary(res, Path(run_dir) / "evals" / f"v{version:06d}.json")
-    return _guarded(run_dir, go)
+        return eval_summary(res, Path(session.run_dir) / "evals" / f"v{version:06d}.json")
+    return _guarded(session, go)

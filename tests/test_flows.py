@@ -247,16 +247,18 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
     assert RunStore(store).trajectories.list_batches() == meta["consumed"]
     assert AdapterRegistry(store).versions() == [0, 1, 2]
     # a retried task finds its work done: the committed batch is reused, the update not applied twice
-    with training.learner(run_dir):
-        again = training.collect.fn(str(run_dir), 1)
+    with training.learner(run_dir) as lr:
+        training.init_learner.fn(lr, meta["cfg"], meta["base_checkpoint"], meta["store_uri"], resume=True)
+        again = training.collect.fn(lr, 1)
         assert again["reused"] and again["batch_id"] == meta["consumed"][1]
-        update = training.update.fn(str(run_dir), meta["consumed"][1])
+        update = training.update.fn(lr, meta["consumed"][1])
         assert update["version"] == 2 and training.checkpoint_meta(run_dir)["iteration"] == 2
     # a crash between an update's checkpoint and its log_metrics: the resumed run backfills the hole
     # from the store (the consumed batch read back, the update's history row), same values
     hole = MlflowClient().create_run(run.info.experiment_id).info.run_id
-    with training.learner(run_dir):
-        train_mod._backfill(str(run_dir), hole, 2)
+    with training.learner(run_dir) as lr:
+        training.init_learner.fn(lr, meta["cfg"], meta["base_checkpoint"], meta["store_uri"], resume=True)
+        train_mod._backfill(lr, hole, 2)
     want = dict(tracking.metric_history(run.info.run_id, "reward/reward_mean"))
     assert dict(tracking.metric_history(hole, "reward/reward_mean")) == want
     assert dict(tracking.metric_history(hole, "update/loss")) == dict(tracking.metric_history(run.info.run_id,

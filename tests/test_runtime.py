@@ -4,6 +4,7 @@ asynchronous learner, on the same code path. The Prefect tasks are called as pla
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -26,11 +27,11 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return train_tiny_base(tmp_path_factory, BASE, "sync")
 
 
-def iterate(run_dir: Path, its: range) -> dict:
+def iterate(lr: training.LearnerSession, its: range) -> dict:
     out = {}
     for it in its:
-        co = training.collect.fn(str(run_dir), it)
-        out = training.update.fn(str(run_dir), co["batch_id"])
+        co = training.collect.fn(lr, it)
+        out = training.update.fn(lr, co["batch_id"])
     return out
 
 
@@ -42,10 +43,10 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
     for name, cuts in (("straight", [range(3)]), ("resumed", [range(2), range(2, 3)])):
         run_dir, store = tmp_path / name, str(tmp_path / name / "store")
         for i, its in enumerate(cuts):
-            with training.learner(run_dir):  # its end drops the runtime, as a new process would start without it
-                init = training.init_learner.fn(str(run_dir), cfg, str(base_dir), store, resume=i > 0)
+            with training.learner(run_dir) as lr:  # its end drops the runtime, as a new process starts without it
+                init = training.init_learner.fn(lr, cfg, str(base_dir), store, resume=i > 0)
                 assert init["iteration"] == its.start and init["resumed"] == (i > 0)
-                last = iterate(run_dir, its)
+                last = iterate(lr, its)
         assert last["version"] == 3 and last["iteration"] == 3 and last["stats"]["rows"] > 0  # the resumed update ran
         rs = RunStore(store)
         ledger = rs.load_checkpoint()["ledger"]
@@ -59,27 +60,33 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
 def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, base_dir: Path) -> None:
     cfg = load_recipe("tiny", BASE).to_dict()
     run_dir, store = tmp_path / "r", str(tmp_path / "r" / "store")
-    with training.learner(run_dir):
-        training.init_learner.fn(str(run_dir), cfg, str(base_dir), store)
-        first = iterate(run_dir, range(1))
+    with training.learner(run_dir) as lr:
+        training.init_learner.fn(lr, cfg, str(base_dir), store)
+        first = iterate(lr, range(1))
+        moved = pickle.loads(pickle.dumps(lr))  # the handle as another process gets it: no model inside
+    with pytest.raises(RuntimeError, match="has ended"):
+        training.collect.fn(lr, 0)  # a task on a closed block is an error, not a silent reload
+    with training.learner(run_dir) as fresh, pytest.raises(RuntimeError, match="not started"):
+        training.collect.fn(fresh, 0)
     # a retry in another process: the same batch id samples the same prompts; the stored batch counts
-    again = training.collect.fn(str(run_dir), 0)
+    assert moved._run is None
+    again = training.collect.fn(moved, 0)
     assert again["reused"] and again["batch_id"] == "000000-learner"
     stored = RunStore(store).trajectories.read_batch("000000-learner")
     fresh = open_step_run(run_dir).learner.sample(build_task(load_recipe(cfg)), 0)  # at version 1 now
     assert fresh.prompts == stored.prompts and fresh.group_id.tolist() == stored.group_id.tolist()
-    update = training.update.fn(str(run_dir), again["batch_id"])
+    update = training.update.fn(moved, again["batch_id"])
     assert update["version"] == first["version"] == 1 and training.checkpoint_meta(run_dir)["iteration"] == 1
     with pytest.raises(FileExistsError, match="resume=True"):
-        training.init_learner.fn(str(run_dir), cfg, str(base_dir), store)
+        training.init_learner.fn(training.LearnerSession(run_dir), cfg, str(base_dir), store)
     with pytest.raises(FileExistsError, match="another training run"):
-        training.init_learner.fn(str(tmp_path / "other"), cfg, str(base_dir), store)
+        training.init_learner.fn(training.LearnerSession(tmp_path / "other"), cfg, str(base_dir), store)
     changed = load_recipe("tiny", BASE + ["adpo.lr=0.1"]).to_dict()
     with pytest.raises(ConfigError, match="adpo.lr"):
-        training.init_learner.fn(str(run_dir), changed, str(base_dir), store, resume=True)
+        training.init_learner.fn(training.LearnerSession(run_dir), changed, str(base_dir), store, resume=True)
     longer = load_recipe("tiny", BASE + ["train.iterations=5"]).to_dict()  # a resumable setting
-    with training.learner(run_dir):
-        assert training.init_learner.fn(str(run_dir), longer, str(base_dir), store, resume=True)["iteration"] == 1
+    with training.learner(run_dir) as lr:
+        assert training.init_learner.fn(lr, longer, str(base_dir), store, resume=True)["iteration"] == 1
 
 
 def test_a_sync_iteration_writes_its_batch_once_and_never_reads_it_back(tmp_path: Path, base_dir: Path) -> None:
@@ -112,22 +119,22 @@ def test_a_copied_run_folder_resumes_into_its_own_store(tmp_path: Path, base_dir
 
     cfg = load_recipe("tiny", BASE).to_dict()
     orig = tmp_path / "orig"
-    with training.learner(orig):
-        training.init_learner.fn(str(orig), cfg, str(base_dir), str(orig / "store"))
-        iterate(orig, range(1))
+    with training.learner(orig) as lr:
+        training.init_learner.fn(lr, cfg, str(base_dir), str(orig / "store"))
+        iterate(lr, range(1))
     copy = tmp_path / "copy"
     shutil.copytree(orig, copy)
-    with training.learner(copy):
-        init = training.init_learner.fn(str(copy), cfg, str(base_dir), str(copy / "store"), resume=True)
+    with training.learner(copy) as lr:
+        init = training.init_learner.fn(lr, cfg, str(base_dir), str(copy / "store"), resume=True)
         assert init["iteration"] == 1
-        iterate(copy, range(1, 2))
+        iterate(lr, range(1, 2))
     assert RunStore(str(copy / "store")).adapters.versions() == [0, 1, 2]
     assert RunStore(str(orig / "store")).adapters.versions() == [0, 1]  # untouched
     assert training.checkpoint_meta(copy)["store_uri"] == str(copy / "store")
 
     ext = tmp_path / "ext"
-    with training.learner(ext):
-        training.init_learner.fn(str(ext), cfg, str(base_dir), str(tmp_path / "ext-store"))
+    with training.learner(ext) as lr:
+        training.init_learner.fn(lr, cfg, str(base_dir), str(tmp_path / "ext-store"))
     shutil.copytree(ext, tmp_path / "ext-copy")
     with pytest.raises(ValueError, match="is a copy of .*write into the original's store"):
         training.checkpoint_meta(tmp_path / "ext-copy")
@@ -144,12 +151,12 @@ def test_a_start_that_failed_before_its_first_update_can_be_started_again(tmp_pa
     prepare_run(str(run_dir / "store"), load_recipe("tiny", [*BASE, "adpo.lr=0.5"]), base_dir)
     assert RunStore(str(run_dir / "store")).exists("run.json") and not (run_dir / "learner.json").exists()
     cfg = load_recipe("tiny", BASE).to_dict()
-    with training.learner(run_dir):
-        init = training.init_learner.fn(str(run_dir), cfg, str(base_dir), str(run_dir / "store"))
+    with training.learner(run_dir) as lr:
+        init = training.init_learner.fn(lr, cfg, str(base_dir), str(run_dir / "store"))
         assert init["iteration"] == 0 and not init["resumed"]
-        iterate(run_dir, range(1))
+        iterate(lr, range(1))
     assert RunStore(str(run_dir / "store")).read_spec()["cfg"]["adpo"]["lr"] == cfg["adpo"]["lr"]
     # a store outside the folder might be another run's: refused, naming it
     prepare_run(str(tmp_path / "shared"), load_recipe("tiny", BASE), base_dir)
     with pytest.raises(FileExistsError, match="another training run"):
-        training.init_learner.fn(str(tmp_path / "r2"), cfg, str(base_dir), str(tmp_path / "shared"))
+        training.init_learner.fn(training.LearnerSession(tmp_path / "r2"), cfg, str(base_dir), str(tmp_path / "shared"))

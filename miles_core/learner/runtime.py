@@ -321,17 +321,24 @@ def open_step_run(run_dir: str | os.PathLike[str]) -> LearnerRun:
     return _step_run(run_dir, meta["store_uri"], load_recipe(meta["cfg"]))
 
 
+def existing_run(run_dir: str | os.PathLike[str], resume: bool) -> dict[str, Any] | None:
+    """``run_dir``'s pointer (None for a new folder); a folder that holds a run is refused unless
+    ``resume``: the one check, made by the flow before it trains an SFT base and again at the start."""
+    meta = read_pointer(run_dir)
+    if meta is not None and not resume:
+        raise FileExistsError(f"{run_dir} already holds a learner checkpoint (iteration {meta['iteration']}); "
+                              "pass --resume to continue it (resume=True from Python), or choose a new --run-dir")
+    return meta
+
+
 def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_uri: str,
                    resume: bool = False) -> tuple[LearnerRun, bool]:
     """Start the run of ``run_dir`` in ``store_uri`` (publishing adapter v0), or resume it -> (run, resumed).
 
     Refused, naming why: a folder that already holds a run without ``resume``; a resume on another
     base or store; a store that holds another run; a changed setting outside :data:`RESUMABLE`."""
-    meta = read_pointer(run_dir)
+    meta = existing_run(run_dir, resume)
     if meta is not None:
-        if not resume:
-            raise FileExistsError(f"{run_dir} already holds a learner checkpoint (iteration {meta['iteration']}); "
-                                  "pass --resume to continue it (resume=True from Python), or choose a new --run-dir")
         if Path(base_checkpoint).resolve() != Path(meta["base_checkpoint"]).resolve():
             raise ValueError(f"cannot resume {run_dir}: it was trained on base {meta['base_checkpoint']}, "
                              f"not {base_checkpoint}")
