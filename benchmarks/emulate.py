@@ -63,10 +63,10 @@ def _children(pid: int) -> list[int]:
         return []
 
 
-def stand_in(cfg: Any, scale: float = SCALE) -> dict[str, Any]:
+def stand_in(cfg: Any, scale: float = SCALE, bytes_scale: float | None = None) -> dict[str, Any]:
     """The stand-in's settings for the emulation recipe's batches (benchmarks/standin.py)."""
     c = cfg.train.prompts_per_iter * cfg.train.group_size
-    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction, scale, cfg.adpo.num_minibatches),
+    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction, scale, cfg.adpo.num_minibatches, bytes_scale),
             "lora_r": cfg.lora.r}
 
 
@@ -247,6 +247,9 @@ def main() -> None:
     ap.add_argument("--batches", type=int, default=4, help="batches per sampler (each a stand-in rollout)")
     ap.add_argument("--chaos", action="store_true", help="SIGKILL 3 samplers and 1 learner rank in the largest run")
     ap.add_argument("--scale", type=float, default=SCALE, help="LLaDA-8B's seconds and bytes times this")
+    ap.add_argument("--bytes-scale", type=float, default=None,
+                    help="LLaDA-8B's bytes times this instead (default: --scale): 64 processes at --scale 0.5 hold "
+                         "an adapter-sized ballast each, more than 24 GiB")
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-emulate-"))
     from miles_core.models.tiny import init_checkpoint
@@ -256,7 +259,8 @@ def main() -> None:
     os.environ.update({"MILES_S3_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.key,
                        "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_DEFAULT_REGION": "us-east-1"})
     probe = load_recipe("tiny", OVERRIDES)
-    os.environ["MILES_STANDIN"] = json.dumps({**stand_in(probe, args.scale), "allreduce_bytes": trained_bytes(probe, base)})
+    os.environ["MILES_STANDIN"] = json.dumps({**stand_in(probe, args.scale, args.bytes_scale),
+                                              "allreduce_bytes": trained_bytes(probe, base)})
     os.environ["MILES_STANDIN_INSTALL"] = "1"  # the forkserver installs it once; forked samplers inherit it
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["miles_core.asyncrl.warm", "benchmarks.standin"])
@@ -278,7 +282,9 @@ def main() -> None:
              f"{r['requests_per_batch']:.1f}", r["exactly_once"], f"{r['measured_rollout_s']:.2f}/{r['rollout_s']:.2f}",
              f"{r['measured_update_s']:.2f}/{r['update_s']:.2f}", f"{r['cpu_busy']:.2f}",
              f"{r['whole_run_efficiency']:.3f}"] for r in runs]
-    finish("emulate", {"runs": runs, "scale": args.scale, "cpus": usable_cpus(), "staleness_bound": STALENESS}, rows,
+    finish("emulate", {"runs": runs, "scale": args.scale,
+                       "bytes_scale": args.scale if args.bytes_scale is None else args.bytes_scale,
+                       "cpus": usable_cpus(), "staleness_bound": STALENESS}, rows,
            ["procs", "S:D", "B", "eff", "L idle", "S idle", "dropped", "max stale", "req/batch", "once",
             "rollout s meas/plan", "update s meas/plan", "CPU busy", "whole run"], out=args.out)
 

@@ -37,10 +37,12 @@ SCALE = 1 / 8  # one constant for both: seconds and bytes are LLaDA-8B's times t
 
 
 def settings(batch_completions: int, steps: int, step_fraction: float, scale: float = SCALE,
-             minibatches: int = 1) -> dict[str, Any]:
+             minibatches: int = 1, bytes_scale: float | None = None) -> dict[str, Any]:
     """The stand-in's waits and ballast for a run whose sampler batches hold ``batch_completions``
     completions sampled in ``steps`` steps, ADPO scoring ``step_fraction`` of them in
-    ``minibatches`` optimizer steps; LLaDA-8B's seconds and bytes times ``scale``. ``row_fwd_s``
+    ``minibatches`` optimizer steps; LLaDA-8B's seconds and bytes times ``scale`` (the bytes times
+    ``bytes_scale`` when given: every process holds an adapter-sized ballast, so a longer time
+    scale with the bytes it implies may not fit the machine's memory). ``row_fwd_s``
     is one row's forward: an update's row costs a forward and a backward (3 forwards), and all
     but the first minibatch's rows one more no-grad forward for the proximal policy
     (scale_model.update_passes)."""
@@ -50,7 +52,8 @@ def settings(batch_completions: int, steps: int, step_fraction: float, scale: fl
     rows = batch_completions * steps * step_fraction  # scored rows per sampler batch (ADPO)
     return {"step_s": scale * real.rollout_s / steps, "row_fwd_s": scale * real.update_s / rows / update_passes(minibatches),
             "rollout_s": scale * real.rollout_s, "update_s": scale * real.update_s,
-            "adapter_bytes": scale * real.adapter_bytes, "scale": scale}
+            "adapter_bytes": (scale if bytes_scale is None else bytes_scale) * real.adapter_bytes, "scale": scale,
+            "bytes_scale": scale if bytes_scale is None else bytes_scale}
 
 
 def _sleep_until(deadline: float) -> None:

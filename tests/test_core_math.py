@@ -16,7 +16,7 @@ from miles_core.algo.rows import build_rows, score_rows
 from miles_core.config import ADPOConfig, SamplerConfig
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.samplers.sampler import nsd_commit, sample, static_counts, topk_commit
-from miles_core.samplers.step import rebuild_state, token_logprobs
+from miles_core.samplers.step import rebuild_state, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 
 TOK = CharTokenizer()
@@ -67,10 +67,10 @@ def test_step_map_rebuilds_every_state_and_scoring_reproduces_logp(remasking, bl
     assert commit.sum() == batch.completion_ids.numel()
 
 
-def test_token_logprobs_matches_brute_force_softmax():
+def test_scored_token_logprobs_match_brute_force_softmax():
     logits = torch.randn(2, 3, TOK.vocab_size)
     tokens = torch.randint(4, TOK.vocab_size, (2, 3))
-    got = token_logprobs(logits, tokens, 0.7, TOK.forbidden_ids)
+    got = step_from_logits(logits, temperature=0.7, forbidden=TOK.forbidden_ids, tokens=tokens, entropy=False).logp
     for i in range(2):
         for j in range(3):
             z = logits[i, j] / 0.7

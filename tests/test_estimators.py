@@ -12,8 +12,9 @@ import torch
 from test_core_train import TOK, base_model, scored_batch
 
 from miles_core.algo.advantages import group_advantages, wd1_weights
+from miles_core.algo.estimators import get_estimator
 from miles_core.algo.rows import MaskedCopy, row_inputs
-from miles_core.algo.update import adpo_update, estimator_rows, policy_update
+from miles_core.algo.update import adpo_update, as_draws, policy_update
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import add_lora
 from miles_core.samplers.step import denoise_step, left_pad
@@ -26,6 +27,11 @@ def lora_model(seed: int = 1):
             if "lora_B" in n:
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(seed))
     return model
+
+
+def estimator_rows(batch, cfg: ADPOConfig, tok, temperature: float, gen: torch.Generator):
+    """The rows ``cfg.estimator`` builds for ``batch`` and their scorer, draws keyed by position."""
+    return get_estimator(cfg.estimator).rows(batch, cfg, tok, temperature, as_draws(gen, len(batch)), None)
 
 
 def test_coupled_rows_score_every_completion_token_exactly_once_per_pair():

@@ -33,7 +33,7 @@ from miles_core.types import RenoiseBatch, TrajectoryBatch
 from miles_core.models.window import capabilities, inner
 
 __all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "adpo_update", "deterministic_forward",
-           "estimator_rows", "minibatch_step", "policy_update", "proximal_logprobs"]
+           "minibatch_step", "policy_update", "proximal_logprobs"]
 
 
 class ChunkPlan:
@@ -254,15 +254,6 @@ def deterministic_forward(model: Any) -> bool:
                                              for k, v in vars(conf).items()):
             return False
     return True
-
-
-def estimator_rows(sub: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
-                   draws: Draws | torch.Generator, model: Any = None) -> tuple[Rows, RowScorer]:
-    """The rows ``cfg.estimator`` builds for the kept trajectories (by the batch's ``kind``), and the
-    scorer that scores them, every draw from each trajectory's own generator (``draws``; a
-    generator: keyed by position, as :func:`adpo_update` keys it). ``model``: what a renoising
-    chain's rows rebuild its self-conditioning with."""
-    return get_estimator(cfg.estimator).rows(sub, cfg, tok, temperature, as_draws(draws, len(sub)), model)
 
 
 def as_draws(draws: Draws | torch.Generator, n: int) -> Draws:

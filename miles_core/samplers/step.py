@@ -33,11 +33,6 @@ def tempered_logits(logits: Tensor, temperature: float, forbidden: list[int]) ->
     return z.clone() if z is logits else z
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, temperature: float, forbidden: list[int]) -> Tensor:
-    """[..., V] logits, [...] tokens -> [...] log pi_T(tokens)."""
-    return step_from_logits(logits, temperature=temperature, forbidden=forbidden, tokens=tokens, entropy=False).logp
-
-
 def denoise_step(model, x: Tensor, attn: Tensor, prompt_width: int, *, temperature: float,
                  forbidden: list[int], generator: torch.Generator | None = None,
                  tokens: Tensor | None = None) -> StepOut:

@@ -22,7 +22,6 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timezone
 from typing import Any
 
@@ -228,46 +227,3 @@ class TrajectoryStore:
         """Folder names under ``quarantine/`` (batch ids, with a suffix if quarantined twice)."""
         return U.list_names(self.fs, U.join(self.root, "quarantine"))
 
-    def delete_batch(self, batch_id: str) -> None:
-        """Uncommit (marker first) and delete a batch. Raises :class:`BatchNotFoundError` if absent."""
-        self._check_id(batch_id)
-        marker = self.marker_path(batch_id)
-        has_marker = U.object_exists(self.fs, marker)
-        found = False
-        for path in ([marker] if has_marker else []) + self._committed_and_leftover_files(batch_id, has_marker):
-            self.fs.rm_file(path)
-            found = True
-        U.refresh(self.fs, self.root)
-        if not found:
-            raise BatchNotFoundError(f"no trajectory batch {batch_id!r} under {self.root_uri}")
-
-    def iter_new(
-        self,
-        consumed: Iterable[str],
-        on_corrupt: Callable[[CorruptBatchError], None] | None = None,
-        quarantine_corrupt: bool = True,
-    ) -> Iterator[tuple[str, TrajectoryBatch]]:
-        """Yield ``(id, batch)`` for committed batches not in ``consumed``, oldest first.
-
-        Corrupt batches are quarantined (by default) and reported via ``on_corrupt`` and a log
-        warning instead of stopping the stream: one bad file must not stall the learner.
-        """
-        seen = set(consumed)
-        for bid in self.list_batches():
-            if bid in seen:
-                continue
-            try:
-                batch = self.read_batch(bid)
-            except BatchNotFoundError:  # deleted or quarantined meanwhile
-                continue
-            except CorruptBatchError as e:
-                log.warning("%s", e)
-                if quarantine_corrupt:
-                    try:
-                        self.quarantine(bid, str(e))
-                    except BatchNotFoundError:
-                        pass
-                if on_corrupt is not None:
-                    on_corrupt(e)
-                continue
-            yield bid, batch
