@@ -38,8 +38,8 @@ from miles_core.algo.rl import batch_id, rollout_stats, sample_batch
 from miles_core.allocator import apply_heap_setting
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
-from miles_core.models.base import load_base, resolve_device
-from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from, native_adapter_state
+from miles_core.learner.policy import build_policy
+from miles_core.models.lora import ADAPTER_WEIGHTS, native_adapter_state
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.storage import BatchExistsError
 from miles_core.storage import uri as U
@@ -138,13 +138,8 @@ class SamplerWorker:
         self.cache = Path(cache_dir or tempfile.mkdtemp(prefix=f"miles-sampler-{worker}-"))
         self.owns_cache = cache_dir is None  # a temp folder of its own: removed when the run ends
         base_dir = self.run_store.fetch_base(self.cache)
-        base, self.tok = load_base(self.cfg, base_dir)  # once; only LoRA tensors change later
-        for p in base.parameters():
-            p.requires_grad_(False)
-        base.to(resolve_device(self.cfg.model.device))  # adapter hot-swaps copy the host tensors in place
-        torch.manual_seed(0)
-        self.model = add_lora_from(base, self.cfg.lora, dropout=0.0)
-        self.base_ptr = next(iter(base.parameters())).data_ptr()
+        self.model, self.tok = build_policy(self.cfg, base_dir, trainable=False)  # once; only LoRA tensors change later
+        self.base_ptr = next(iter(self.model.get_base_model().parameters())).data_ptr()
         self.data = build_task(self.cfg)
         self.reward_fn = reward_for_recipe(self.cfg)
         self.version: int | None = None

@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from miles_core.algo.guard import CollapseGuard, batch_health
 from miles_core.algo.rl import sample_batch
@@ -20,13 +21,32 @@ from miles_core.algo.draws import Draws
 from miles_core.algo.update import adpo_update
 from miles_core.config import RecipeConfig
 from miles_core.data.registry import TaskData
-from miles_core.models.base import base_identity, load_base, resolve_device
+from miles_core.models.base import AnyTokenizer, base_identity, load_base, resolve_device
 from miles_core.models.activations import checkpoint_layers
 from miles_core.models.lora import adapter_tensors, add_lora_from, load_adapter, save_adapter
 from miles_core.models.window import WindowDenoiser, inner
 from miles_core.parallel import World, full_tensors, shard_like, shard_model
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.types import Batch
+
+
+def build_policy(cfg: RecipeConfig, base_dir: str | Path, adapter_dir: str | Path | None = None,
+                 trainable: bool = True) -> tuple[nn.Module, AnyTokenizer]:
+    """The policy every role runs, built one way: the recipe's base (frozen) on ``model.device``
+    with LoRA on it, either ``adapter_dir``'s or the recipe's ``lora`` section initialised from
+    ``train.seed``. ``trainable``: the learner's; a sampler's (False) has no LoRA dropout, since it
+    only samples and its adapter's tensors are replaced in place at every version."""
+    base, tok = load_base(cfg, base_dir)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    device = resolve_device(cfg.model.device)
+    base.to(device)  # before LoRA: a sampler's adapter swaps copy into tensors already there
+    if adapter_dir is not None:
+        model = load_adapter(base, adapter_dir, trainable=trainable)
+    else:
+        torch.manual_seed(cfg.train.seed)
+        model = add_lora_from(base, cfg.lora, dropout=None if trainable else 0.0)
+    return model.to(device), tok
 
 
 class Learner:
@@ -40,15 +60,7 @@ class Learner:
                  total_updates: int | None = None, world: World | None = None):
         seed = cfg.train.seed
         self.cfg, self.base_dir, self._base_identity = cfg, base_dir, None
-        base, self.tok = load_base(cfg, base_dir)
-        for p in base.parameters():
-            p.requires_grad_(False)
-        if adapter_dir is not None:
-            self.model = load_adapter(base, adapter_dir, trainable=True)
-        else:
-            torch.manual_seed(seed)
-            self.model = add_lora_from(base, cfg.lora)
-        self.model.to(resolve_device(cfg.model.device))  # before the optimizer, which keeps its state beside the params
+        self.model, self.tok = build_policy(cfg, base_dir, adapter_dir)  # on its device before the optimizer
         a = cfg.adpo
         if a.grad_checkpointing:  # memory for compute: each layer's activations recomputed in backward
             checkpoint_layers(self.model)
