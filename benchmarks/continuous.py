@@ -28,7 +28,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
     from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, DenoiserConfig, encode_prompts
     from miles_core.continuous.sde import NoiseSchedule
     from miles_core.continuous.task import LATENT_DIM, ConstraintTask
-    from miles_core.continuous.train import adpo_update, evaluate, rollout, train_denoiser
+    from miles_core.continuous.train import update_policy, evaluate, rollout, train_denoiser
     from miles_core.models.lora import add_lora, trainable_parameters
     from miles_core.tokenizer import CharTokenizer
 
@@ -68,7 +68,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
         prompts = rng.sample(train_prompts, args.prompts_per_iter)
         batch = rollout(policy, task, prompts, encode_prompts(tok, prompts, args.prompt_len), args.group_size,
                         args.sde_steps, 1.0, g, policy_version=it, schedule=sched)
-        stats = adpo_update(policy, opt, batch, cfg, g, sched, max_timestep=args.max_train_timestep)
+        stats = update_policy(policy, opt, batch, cfg, g, sched, max_timestep=args.max_train_timestep)
         point = {"iteration": it + 1, "reward": float(batch.reward.mean()),
                  "success": float(task.success(batch.prompts, batch.samples).float().mean()),
                  "clip_frac": stats.get("clip_frac", 0.0), "approx_kl": stats.get("approx_kl", 0.0),
@@ -104,7 +104,7 @@ def main() -> None:
     ap.add_argument("--minibatches", type=int, default=2)
     ap.add_argument("--step-fraction", type=float, default=1.0)
     ap.add_argument("--max-train-timestep", type=int, default=200,
-                    help="train only steps starting at t <= this (low-noise end; see adpo_update)")
+                    help="train only steps starting at t <= this (low-noise end; see update_policy)")
     ap.add_argument("--row-chunk", type=int, default=4096)
     ap.add_argument("--sde-steps", type=int, default=100)
     ap.add_argument("--ode-steps", type=int, default=25)

@@ -137,7 +137,7 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
     import torch
 
     from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning
-    from miles_core.algo.update import adpo_update
+    from miles_core.algo.update import update_policy
     from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
     from miles_core.data.registry import build_task
     from miles_core.models import diffusion_gemma as dg
@@ -181,7 +181,7 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
             batch = rl_batch(policy, tok, data, train_cfg, reward, rng, rl_gen, a, it)
             ids, seeds = batch.prompt_ids, batch.seed
             mu_batch = batch if mu_batch is None else mu_batch   # sampled by the SFT policy (LoRA B = 0)
-            st = adpo_update(policy, opt, batch, acfg, tok, 1.0, rl_gen)
+            st = update_policy(policy, opt, batch, acfg, tok, 1.0, rl_gen)
             steps_mean.append(float(batch.num_steps.float().mean()))
             if it % 10 == 0:
                 print(f"[seed {seed}] {name} it {it} reward {float(batch.reward.nan_to_num(0).mean()):.3f} "

@@ -133,7 +133,7 @@ def updates(model, tok, device, batch: int, completion: int) -> tuple[dict, dict
 def one_update(policy, params, opt, tok, device, trajs, completion: int) -> dict:
     """One ADPO update of ``policy`` on ``trajs`` (memory budget 32768 positions per chunk), every
     recorded step a row (step fraction 1: the largest update; the recipes' default scores half as many)."""
-    from miles_core.algo.update import adpo_update
+    from miles_core.algo.update import update_policy
 
     batch = len(trajs)
     cfg = ADPOConfig(estimator="adpo", step_fraction=1.0, chunk_tokens=32768, num_minibatches=1, epochs=1,
@@ -143,7 +143,7 @@ def one_update(policy, params, opt, tok, device, trajs, completion: int) -> dict
         base_mem = torch.cuda.memory_allocated()
     sync(device)
     t0 = time.perf_counter()
-    stats = adpo_update(policy, opt, trajs, cfg, tok, 1.0, torch.Generator().manual_seed(0))
+    stats = update_policy(policy, opt, trajs, cfg, tok, 1.0, torch.Generator().manual_seed(0))
     sync(device)
     sec = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if device.type == "cuda" else float("nan")
@@ -161,7 +161,7 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
 
     from transformers import DiffusionGemmaForBlockDiffusion
 
-    from miles_core.algo.update import adpo_update
+    from miles_core.algo.update import update_policy
     from miles_core.config import RenoiseConfig
     from miles_core.models.diffusion_gemma import text_only_config
     from miles_core.models.lora import add_lora
@@ -199,7 +199,7 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
         base_mem = torch.cuda.memory_allocated()
     sync(device)
     t0 = time.perf_counter()
-    stats = adpo_update(policy, torch.optim.AdamW(params, lr=1e-5), trajs, acfg, CharTokenizer(), 1.0,
+    stats = update_policy(policy, torch.optim.AdamW(params, lr=1e-5), trajs, acfg, CharTokenizer(), 1.0,
                         torch.Generator().manual_seed(0))
     sync(device)
     sec = time.perf_counter() - t0

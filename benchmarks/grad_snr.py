@@ -2,7 +2,7 @@
 
 At the SFT policy, each model's RL gradient is taken on ``--batches`` independent batches (16 prompts
 x 8 samples, the same ADPO settings, one minibatch, no clipping of the gradient norm, no step
-taken), through the engine users run (``adpo_update``; the masked model's batches from
+taken), through the engine users run (``update_policy``; the masked model's batches from
 ``Learner.sample``, DiffusionGemma's from ``benchmarks.diffusion_gemma.rl_batch``). From the
 per-batch LoRA gradients g_1..g_M:
   * mean pairwise cosine E[cos(g_i, g_j)]: near 0 when one batch's update is mostly noise;
@@ -115,7 +115,7 @@ def along(params: list, direction, reward_at) -> list[dict]:
 
 
 def masked(seed: int, folder: str, batches: int, eval_batches: int) -> dict:
-    from miles_core.algo.update import adpo_update
+    from miles_core.algo.update import update_policy
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.learner.policy import Learner
@@ -127,7 +127,7 @@ def masked(seed: int, folder: str, batches: int, eval_batches: int) -> dict:
     learner = Learner(cfg, ckpt)
     tap, data = _tap(learner.params), build_task(cfg)
     for it in range(batches):
-        adpo_update(learner.model, tap, learner.sample(data, it), cfg.adpo, learner.tok, cfg.sampler.temperature,
+        update_policy(learner.model, tap, learner.sample(data, it), cfg.adpo, learner.tok, cfg.sampler.temperature,
                     learner.gen)
     mean = sum(tap.grads) / len(tap.grads)
     reward = lambda: sum(float(learner.sample(data, 10_000 + j).reward.nan_to_num(0).mean())  # noqa: E731
@@ -186,7 +186,7 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     import torch
 
     from benchmarks.diffusion_gemma import RENOISE, rl_batch
-    from miles_core.algo.update import adpo_update
+    from miles_core.algo.update import update_policy
     from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
     from miles_core.data.registry import build_task
     from miles_core.models import diffusion_gemma as dg
@@ -216,7 +216,7 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
         if chain:
             chain_gradient(policy, tap, batch, rcfg, tok, last=every_path)
         else:
-            adpo_update(policy, tap, batch, acfg, tok, 1.0, gen)
+            update_policy(policy, tap, batch, acfg, tok, 1.0, gen)
 
     def mean_reward(chain: RenoiseConfig) -> float:   # the same prompts and chain seeds at every step length
         r, g = random.Random(10_000 + seed), torch.Generator().manual_seed(10_000 + seed)

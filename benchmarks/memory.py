@@ -32,7 +32,7 @@ def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int
     from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, DenoiserConfig, encode_prompts
     from miles_core.continuous.sde import DEFAULT_SCHEDULE, ddim_step
     from miles_core.continuous.task import ConstraintTask
-    from miles_core.continuous.train import adpo_update, rollout
+    from miles_core.continuous.train import update_policy, rollout
     from miles_core.models.lora import add_lora, trainable_parameters
     from miles_core.tokenizer import CharTokenizer
 
@@ -48,7 +48,7 @@ def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int
         batch = rollout(model, task, prompts, ids, 8, k, 1.0, g, schedule=DEFAULT_SCHEDULE)
         opt = torch.optim.SGD(params, lr=0.0)
         cfg = ADPOConfig(row_chunk=row_chunk, step_fraction=1.0, num_minibatches=1, epochs=1, skip_zero_variance=False)
-        out["adpo"][k] = SavedTensorMeter(params).measure(lambda: adpo_update(model, opt, batch, cfg, g))
+        out["adpo"][k] = SavedTensorMeter(params).measure(lambda: update_policy(model, opt, batch, cfg, g))
 
         def chain() -> None:  # the same K sampler steps (ddim_step) with grad, log-probs summed, one backward
             x = torch.randn(len(batch), 4, generator=g)
@@ -66,7 +66,7 @@ def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int
 
 def discrete_peaks(ks: tuple[int, ...], n_seq: int, row_chunk: int, seed: int) -> dict[str, dict[int, int]]:
     from miles_core.config import ADPOConfig, SamplerConfig
-    from miles_core.algo.update import adpo_update
+    from miles_core.algo.update import update_policy
     from miles_core.models.lora import add_lora, trainable_parameters
     from miles_core.models.tiny import TinyConfig, TinyDenoiser
     from miles_core.samplers.sampler import sample, static_counts, topk_commit
@@ -89,7 +89,7 @@ def discrete_peaks(ks: tuple[int, ...], n_seq: int, row_chunk: int, seed: int) -
         opt = torch.optim.SGD(params, lr=0.0)
         cfg = ADPOConfig(row_chunk=row_chunk, step_fraction=1.0, num_minibatches=1, epochs=1, skip_zero_variance=False)
         out["adpo"][k] = SavedTensorMeter(params).measure(
-            lambda: adpo_update(model, opt, batch, cfg, tok, temperature=1.0, generator=g))
+            lambda: update_policy(model, opt, batch, cfg, tok, temperature=1.0, generator=g))
 
         def chain() -> None:  # the same K sampler steps (denoise_step), with grad, summed log-probs
             prompt, real = left_pad(prompt_ids, tok.pad_id)

@@ -42,7 +42,7 @@ def run_one(job: tuple) -> dict:
     folder, arm, k, s, args = job
     torch.set_num_threads(args["threads"])
     from miles_core.memory import SavedTensorMeter
-    from miles_core.algo.update import adpo_update
+    from miles_core.algo.update import update_policy
     from miles_core.config import ADPOConfig
     from miles_core.models.activations import checkpoint_layers
     from miles_core.models.base import load_checkpoint
@@ -63,12 +63,12 @@ def run_one(job: tuple) -> dict:
                      epochs=1, skip_zero_variance=False)
     warm = synthetic_batch(tok, 1, args["prompt_len"], args["completion"], 2, seed=99)
     warm.advantage = torch.ones(1)
-    adpo_update(model, opt, warm, cfg, tok, 1.0, torch.Generator().manual_seed(0))   # allocator and kernels warm
+    update_policy(model, opt, warm, cfg, tok, 1.0, torch.Generator().manual_seed(0))   # allocator and kernels warm
     meter = SavedTensorMeter(list(model.parameters()))
     out: dict = {}
     before = reset_peak_rss()
     t0 = time.perf_counter()
-    saved = meter.measure(lambda: out.update(adpo_update(model, opt, batch, cfg, tok, 1.0,
+    saved = meter.measure(lambda: out.update(update_policy(model, opt, batch, cfg, tok, 1.0,
                                                          torch.Generator().manual_seed(0))))
     sec = time.perf_counter() - t0
     peak = status_kb("VmHWM")

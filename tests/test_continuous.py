@@ -17,7 +17,7 @@ from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, Denoi
 from miles_core.continuous.sde import NoiseSchedule, ddim_step, gaussian_log_prob, sample_ode, sample_sde
 from miles_core.continuous.storage import ContinuousSchemaError, continuous_store, from_table, to_table
 from miles_core.continuous.task import ConstraintTask, is_test_prompt
-from miles_core.continuous.train import adpo_update, build_step_rows, rollout, score_steps
+from miles_core.continuous.train import update_policy, build_step_rows, rollout, score_steps
 from miles_core.models.lora import add_lora, trainable_parameters
 from miles_core.storage import BatchExistsError, BatchNotFoundError, CorruptBatchError
 from miles_core.tokenizer import CharTokenizer
@@ -136,7 +136,7 @@ def test_eta_zero_cannot_score_and_steps_must_decrease() -> None:
     assert grid[0] == SCHED.num_timesteps - 1 and grid[-1] == 0 and bool((grid[:-1] > grid[1:]).all())
 
 
-def test_adpo_update_changes_only_lora_and_follows_the_advantage() -> None:
+def test_update_policy_changes_only_lora_and_follows_the_advantage() -> None:
     base = tiny_policy()
     model = add_lora(base, r=4, alpha=8, targets=LORA_TARGETS)
     frozen = {k: v.clone() for k, v in model.state_dict().items() if "lora_" not in k}
@@ -148,7 +148,7 @@ def test_adpo_update_changes_only_lora_and_follows_the_advantage() -> None:
         before = score_steps(model, batch, traj, step, SCHED)
     opt = torch.optim.Adam(trainable_parameters(model), lr=3e-3)
     cfg = ADPOConfig(clip_eps=0.2, step_fraction=0.5, num_minibatches=2, row_chunk=16, std_normalize=True)
-    stats = adpo_update(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
+    stats = update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
     assert stats["rows"] == len(batch) * math.ceil(0.5 * k) and stats["iw_max"] == pytest.approx(1.0)
     after = model.state_dict()
     assert all(torch.equal(v, after[n]) for n, v in frozen.items()), "a base weight changed"
@@ -166,10 +166,10 @@ def test_stale_behaviour_log_probs_are_importance_weighted_and_capped() -> None:
     batch.logp = batch.logp - 0.3  # behaviour policy mu gave these steps less mass than pi_prox
     opt = torch.optim.SGD(trainable_parameters(model), lr=0.0)
     cfg = ADPOConfig(is_cap=2.0, row_chunk=7)
-    st = adpo_update(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
+    st = update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
     assert st["iw_mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
     batch.logp = batch.logp - 5.0  # far off-policy: the weight is truncated at C
-    st = adpo_update(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
+    st = update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
     assert st["iw_mean"] == pytest.approx(2.0, rel=1e-5) and st["iw_max"] > 100
 
 
@@ -274,7 +274,7 @@ def test_adpo_peak_memory_does_not_grow_with_steps_but_the_chain_does() -> None:
     for k in (4, 12):
         _, batch = recorded(model, n_prompts=2, group=2, steps=k)
         g = torch.Generator().manual_seed(0)
-        adpo[k] = SavedTensorMeter(params).measure(lambda: adpo_update(model, opt, batch, cfg, g, SCHED))
+        adpo[k] = SavedTensorMeter(params).measure(lambda: update_policy(model, opt, batch, cfg, g, SCHED))
 
         def whole_chain() -> None:
             x, total = batch.latents[:, 0], torch.zeros(len(batch))

@@ -10,7 +10,7 @@ import torch
 from miles_core.algo.update import as_draws
 
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
-from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.loss import TokenRatioLoss
 from miles_core.algo.schedule import lr_factor
 from miles_core.algo.rows import build_rows, score_rows
 from miles_core.config import ADPOConfig, SamplerConfig
@@ -119,7 +119,7 @@ def test_clipped_surrogate_and_truncated_weight_worked_example():
     logp = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).requires_grad_(True)
     prox = torch.log(torch.tensor([[0.4, 0.3, 0.25]]))
     behav = torch.log(torch.tensor([[0.1, 0.3, 0.5]]))
-    loss_fn = ADPOLoss(clip_eps=0.2, is_cap=2.0)
+    loss_fn = TokenRatioLoss(clip_eps=0.2, is_cap=2.0)
     out = loss_fn(logp, prox, behav, torch.tensor([1.0]), torch.ones(1, 3, dtype=torch.bool), torch.tensor([1.0]), 3.0)
     # r = [1.25, 1.0, 0.8]; clip -> [1.2, 1.0, 0.8]; min(rA, clip(r)A) = [1.2, 1.0, 0.8]
     # w = min(prox/behav, 2) = [min(4, 2), 1, 0.5] = [2, 1, 0.5]
@@ -137,7 +137,7 @@ def test_clipped_surrogate_and_truncated_weight_worked_example():
 def test_negative_advantage_clipping_and_kl_k3():
     logp = torch.log(torch.tensor([[0.2]]))
     prox = torch.log(torch.tensor([[0.4]]))
-    out = ADPOLoss(0.2, 2.0, kl_coef=0.5)(logp, prox, prox, torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool),
+    out = TokenRatioLoss(0.2, 2.0, kl_coef=0.5)(logp, prox, prox, torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool),
                                           torch.tensor([2.0]), 1.0, ref_logp=torch.log(torch.tensor([[0.1]])))
     # r = 0.5, A = -1: min(-0.5, -0.8) = -0.8 -> l = 0.8 ; k3 = e^{d} - d - 1 with d = log(0.1/0.2)
     d = math.log(0.5)

@@ -7,7 +7,7 @@ import torch
 
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.sft import make_batch, sft_loss, train_sft
-from miles_core.algo.update import adpo_update
+from miles_core.algo.update import update_policy
 from miles_core.config import ADPOConfig, ConfigError, SamplerConfig, load_recipe
 from miles_core.models.lora import add_lora, add_lora_from, load_adapter, reference_policy, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
@@ -96,7 +96,7 @@ def test_update_changes_only_lora_parameters(estimator):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = scored_batch(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    stats = adpo_update(model, opt, batch, ADPOConfig(estimator=estimator, row_chunk=5), TOK, 1.0,
+    stats = update_policy(model, opt, batch, ADPOConfig(estimator=estimator, row_chunk=5), TOK, 1.0,
                         torch.Generator().manual_seed(0))
     after = model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -122,7 +122,7 @@ def test_batch_loss_norm_scales_the_gradient_by_the_informative_share():
         params = [p for p in model.parameters() if p.requires_grad]
         before = [p.detach().clone() for p in params]
         cfg = ADPOConfig(loss_norm=norm, max_grad_norm=1e9, row_chunk=5)
-        stats = adpo_update(model, torch.optim.SGD(params, lr=1.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
+        stats = update_policy(model, torch.optim.SGD(params, lr=1.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
         assert stats["skipped_trajectories"] == 4
         deltas[norm] = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)])
     assert deltas["informative"].abs().sum() > 0
@@ -145,7 +145,7 @@ def test_update_graph_covers_one_step_per_row():
         h1 = head.register_forward_hook(lambda m, i, o: forwards.append(i[0].shape[0]))
         h2 = head.register_full_backward_hook(lambda m, gi, go: backwards.append(len(forwards)))
         opt = torch.optim.SGD(params, lr=0.0)  # lr 0: keep weights, read accumulated grads
-        adpo_update(model, opt, batch, ADPOConfig(row_chunk=chunk, max_grad_norm=1e9), TOK, 1.0,
+        update_policy(model, opt, batch, ADPOConfig(row_chunk=chunk, max_grad_norm=1e9), TOK, 1.0,
                     torch.Generator().manual_seed(0))
         h1.remove(), h2.remove()
         grads[chunk] = torch.cat([p.grad.flatten() for p in params]).clone()

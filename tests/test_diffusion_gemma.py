@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows
-from miles_core.algo.update import adpo_update
+from miles_core.algo.update import update_policy
 from miles_core.config import ADPOConfig, RenoiseConfig
 from miles_core.models import canvas
 from miles_core.models import diffusion_gemma as dg
@@ -134,7 +134,7 @@ def test_update_trains_decoder_lora_only_and_the_ratio_is_the_chain_ratio(model)
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     before = {n: p.detach().clone() for n, p in pm.named_parameters()}
     opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
-    stats = adpo_update(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1), TOK, 1.0,
+    stats = update_policy(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1), TOK, 1.0,
                         torch.Generator().manual_seed(0))   # the one entry: it sends a renoising batch on
     assert stats["rows"] == float(action_rows(batch).traj.numel()) and math.isfinite(stats["loss"])
     changed = {n for n, p in pm.named_parameters() if not torch.equal(p, before[n])}
@@ -190,7 +190,7 @@ def test_the_output_row_scores_the_output_at_the_last_temperature(model, output)
     batch = rn.sample(pm, TOK, _ids(PROMPTS), cfg, torch.tensor([7, 8, 9, 10]))
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
-    stats = adpo_update(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1, renoise_output=True), TOK, 1.0,
+    stats = update_policy(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1, renoise_output=True), TOK, 1.0,
                         torch.Generator().manual_seed(0))
     assert stats["rows"] == float(batch.num_steps.sum()) and math.isfinite(stats["loss"])
 
@@ -333,7 +333,7 @@ def test_grad_snr_chain_gradient_detached_is_adpos_on_policy_gradient(model):
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.8, -0.3, -0.7, 0.2])
     params = [p for p in pm.parameters() if p.requires_grad]
     ref, det, full = _tap(params), _tap(params), _tap(params)
-    adpo_update(pm, ref, batch, ADPOConfig(num_minibatches=1, epochs=1, max_grad_norm=1e9), TOK, 1.0,
+    update_policy(pm, ref, batch, ADPOConfig(num_minibatches=1, epochs=1, max_grad_norm=1e9), TOK, 1.0,
                 torch.Generator().manual_seed(0))
     chain_gradient(pm, det, batch, EARLY, TOK, through_soft=False)
     chain_gradient(pm, full, batch, EARLY, TOK)

@@ -15,14 +15,15 @@ import math
 
 import pytest
 import torch
+from test_estimators import estimator_rows
 from torch import nn
 
 from miles_core.algo.advantages import group_advantages, wd1_weights
 from miles_core.algo.estimators.ebpo import BlockELBORows, block_noise
 from miles_core.algo.estimators.espo import SequenceELBORows, stratified_masks
 from miles_core.algo.estimators.spg import SandwichRows, block_masks
-from miles_core.algo.loss import ADPOLoss, SequenceRatioLoss
-from miles_core.algo.update import adpo_update, estimator_rows
+from miles_core.algo.loss import SequenceRatioLoss, TokenRatioLoss, WeightedLikelihoodLoss
+from miles_core.algo.update import update_policy
 from miles_core.config import ADPOConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -87,7 +88,7 @@ def test_adpo_scores_each_recorded_step_at_its_state() -> None:
     hand = -(0.5 * (iw(log_p(A, 1, 2), -0.5) + iw(log_p(B, 2, 1), -0.7))
              - 0.5 * (iw(log_p(B, 1, 1), -0.6) + iw(log_p(B, 2, 2), -0.8))) / 4
     behav = scorer.behaviour(rows.traj, rows.step)
-    out = ADPOLoss()(logp, logp.detach(), behav, tb.advantage[rows.traj].double(), commit, rows.weight.double(), 4.0)
+    out = TokenRatioLoss()(logp, logp.detach(), behav, tb.advantage[rows.traj].double(), commit, rows.weight.double(), 4.0)
     assert float(out.loss) == pytest.approx(hand, rel=1e-6)
 
 
@@ -209,7 +210,7 @@ def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: 
     cfg = ADPOConfig(estimator=estimator, mask_samples=2, max_grad_norm=1e9, prompt_mask_prob=0.5)
     tb = batch()
     model = TwoToken()
-    adpo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0, torch.Generator().manual_seed(7))
+    update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0, torch.Generator().manual_seed(7))
     engine = torch.cat([model.theta.grad, model.phi.grad[None]])
 
     rows, scorer = estimator_rows(tb, cfg, TOK, 1.0, torch.Generator().manual_seed(7))  # the same draws
@@ -217,7 +218,7 @@ def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: 
     if estimator == "wd1":
         adv = wd1_weights(adv, tb.group_id)
     loss_fn = SequenceRatioLoss(cfg.clip_eps, per_token=estimator == "espo") if estimator in ("espo", "ebpo") else \
-        ADPOLoss(cfg.clip_eps, cfg.is_cap, ratio_free=estimator in ("wd1", "spg"))
+        (WeightedLikelihoodLoss if estimator in ("wd1", "spg") else TokenRatioLoss)(cfg.clip_eps, cfg.is_cap)
     with torch.no_grad():
         prox = scorer.score(model, rows.traj, rows.step)[0]
 
@@ -251,7 +252,7 @@ def test_memory_budget_chunks_do_not_change_the_gradient(estimator: str) -> None
     for budget in (0, 1):
         model = TwoToken()
         cfg = ADPOConfig(estimator=estimator, mask_samples=2, max_grad_norm=1e9, chunk_tokens=budget)
-        adpo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch(), cfg, TOK, 1.0,
+        update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch(), cfg, TOK, 1.0,
                     torch.Generator().manual_seed(3))
         grads.append(torch.cat([model.theta.grad, model.phi.grad[None]]))
     torch.testing.assert_close(grads[0], grads[1])

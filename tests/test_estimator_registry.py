@@ -12,7 +12,7 @@ from test_estimator_math import TOK, TwoToken, batch
 from miles_core.algo.estimators import (Estimator, estimator_names, get_estimator, register_estimator,
                                         unregister_estimator)
 from miles_core.algo.rows import FullyMasked, MaskedStepRows, Rows
-from miles_core.algo.update import adpo_update
+from miles_core.algo.update import update_policy
 from miles_core.config import ADPOConfig, ConfigError, load_recipe
 
 
@@ -42,17 +42,17 @@ def toy() -> Any:
     unregister_estimator("toy")
 
 
-def test_a_registered_toy_estimator_runs_through_adpo_update(toy: Any) -> None:
+def test_a_registered_toy_estimator_runs_through_update_policy(toy: Any) -> None:
     assert "toy" in estimator_names()
     model = TwoToken()
     cfg = ADPOConfig(estimator="toy", max_grad_norm=1e9)
-    stats = adpo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), batch(), cfg, TOK, 1.0,
+    stats = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch(), cfg, TOK, 1.0,
                         torch.Generator().manual_seed(0))
     assert stats["rows"] == 2.0 and toy.calls == ["advantages"]
     assert model.theta.grad.abs().sum() > 0
     # the same rows through meanfield (one draw, prompt never masked) and A doubled: twice the gradient
     ref = TwoToken()
-    adpo_update(ref, torch.optim.SGD(ref.parameters(), lr=0.0), batch(),
+    update_policy(ref, torch.optim.SGD(ref.parameters(), lr=0.0), batch(),
                 ADPOConfig(estimator="meanfield", prompt_mask_prob=0.0, max_grad_norm=1e9), TOK, 1.0,
                 torch.Generator().manual_seed(0))
     torch.testing.assert_close(model.theta.grad, 2 * ref.theta.grad)

@@ -14,7 +14,7 @@ from test_core_train import TOK, base_model, scored_batch
 from miles_core.algo.advantages import group_advantages, wd1_weights
 from miles_core.algo.estimators import get_estimator
 from miles_core.algo.rows import MaskedCopy, row_inputs
-from miles_core.algo.update import adpo_update, as_draws, policy_update
+from miles_core.algo.update import update_policy, as_draws, update_on_rows
 from miles_core.config import ADPOConfig
 from miles_core.models.lora import add_lora
 from miles_core.samplers.step import denoise_step, left_pad
@@ -64,7 +64,7 @@ def test_coupled_gradient_matches_a_brute_force_objective():
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(3)
     rows, scorer = estimator_rows(batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3))
-    adpo_update(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, gen)
+    update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, gen)
     engine = [p.grad.detach().clone() for p in params]
 
     model.zero_grad(set_to_none=True)
@@ -99,7 +99,7 @@ def test_masks_are_redrawn_every_epoch_and_the_proximal_policy_follows(estimator
     masks = scorer.prompt_masks if estimator == "meanfield" else scorer.comp_masks
     assert masks is not None and masks.shape[0] == 3 and not torch.equal(masks[0], masks[2])
     params = [p for p in model.parameters() if p.requires_grad]
-    stats = adpo_update(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
+    stats = update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
     assert stats["approx_kl"] < 1e-9 and stats["clip_frac"] == 0.0
 
     class StaleProx:  # the proximal pass under epoch 0's mask, every update pass under epoch 2's
@@ -114,7 +114,7 @@ def test_masks_are_redrawn_every_epoch_and_the_proximal_policy_follows(estimator
 
     adv = torch.nan_to_num(batch.advantage, nan=0.0)
     # two minibatches: the first takes pi_prox from its own forward, the second from the stale pass
-    bad = policy_update(model, torch.optim.SGD(params, lr=0.0), StaleProx(), rows, adv,
+    bad = update_on_rows(model, torch.optim.SGD(params, lr=0.0), StaleProx(), rows, adv,
                         float(len(batch) * batch.completion_len), replace(cfg, num_minibatches=2),
                         torch.Generator().manual_seed(0))
     assert bad["approx_kl"] > 1e-6  # the check above can fail
@@ -139,7 +139,7 @@ def test_wd1_gradient_is_the_weighted_likelihood_and_has_no_ratio():
     cfg = ADPOConfig(estimator="wd1", max_grad_norm=1e9, row_chunk=5, prompt_mask_prob=0.3)
     params = [p for p in model.parameters() if p.requires_grad]
     _, scorer = estimator_rows(batch, cfg, TOK, 1.0, torch.Generator().manual_seed(5))
-    adpo_update(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(5))
+    update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(5))
     engine = [p.grad.detach().clone() for p in params]
 
     model.zero_grad(set_to_none=True)
@@ -152,7 +152,7 @@ def test_wd1_gradient_is_the_weighted_likelihood_and_has_no_ratio():
     (-(out.logp.sum(1) * w).sum() / (len(batch) * batch.completion_len)).backward()
     for a, b in zip(engine, [p.grad.detach().clone() for p in params]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
-    stats = adpo_update(model, torch.optim.AdamW(params, lr=0.05), batch,
+    stats = update_policy(model, torch.optim.AdamW(params, lr=0.05), batch,
                         ADPOConfig(estimator="wd1", epochs=3, num_minibatches=2, row_chunk=5), TOK, 1.0,
                         torch.Generator().manual_seed(0))
     assert stats["approx_kl"] > 0 and stats["clip_frac"] == 0.0  # the policy moved; wd1 has no ratio to clip
@@ -257,7 +257,7 @@ def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_pa
 
 def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,
                     version: int | None = None) -> tuple[list[torch.Tensor], int, int]:
-    """One AdamW update through ``adpo_update``: the trained parameters, the rows scored without
+    """One AdamW update through ``update_policy``: the trained parameters, the rows scored without
     grad (proximal passes; cfg has no KL, so no reference passes) and the rows built."""
     import miles_core.algo.update as U
 
@@ -281,7 +281,7 @@ def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,
     monkeypatch.setattr(U.get_estimator(estimator), "rows", counting_rows)
     monkeypatch.setattr(U, "deterministic_forward", lambda m: reuse)
     params = [p for p in model.parameters() if p.requires_grad]
-    U.adpo_update(model, torch.optim.AdamW(params, lr=0.05), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3),
+    U.update_policy(model, torch.optim.AdamW(params, lr=0.05), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3),
                   version=version)
     monkeypatch.undo()
     start = [p.detach() for p in lora_model().parameters() if p.requires_grad]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.loss import TokenRatioLoss
 from miles_core.config import SamplerConfig
 from miles_core.flops import FlopMeter, tiny_forward_flops
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
@@ -55,9 +55,9 @@ def test_entropy_floor_penalty_only_below_floor():
     args = (logp, logp.detach(), logp.detach(), torch.tensor([0.0]), torch.ones(1, 2, dtype=torch.bool),
             torch.tensor([1.0]), 2.0)
     ent = torch.tensor([[0.2, 0.4]])  # mean 0.3
-    below = ADPOLoss(entropy_floor=0.5, entropy_coef=2.0)(*args, entropy=ent)
+    below = TokenRatioLoss(entropy_floor=0.5, entropy_coef=2.0)(*args, entropy=ent)
     assert below.loss.item() == pytest.approx(2.0 * (0.5 - 0.3) * (2 / 2.0))
-    above = ADPOLoss(entropy_floor=0.1, entropy_coef=2.0)(*args, entropy=ent)
+    above = TokenRatioLoss(entropy_floor=0.1, entropy_coef=2.0)(*args, entropy=ent)
     assert above.loss.item() == pytest.approx(0.0) and above.stats["entropy"] == pytest.approx(0.3)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from miles_core.algo.advantages import group_advantages
-from miles_core.algo.update import adpo_update
+from miles_core.algo.update import update_policy
 from miles_core.config import ADPOConfig, SamplerConfig
 from miles_core.algo.draws import Draws, minibatches, trajectory_keys
 from miles_core.algo.rows import build_rows
@@ -43,7 +43,7 @@ def _batch(model: torch.nn.Module) -> TrajectoryBatch:
 def _update(batch: TrajectoryBatch, world: World | None = None, cfg: ADPOConfig = CFG):
     model = _model()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    stats = adpo_update(model, opt, batch, cfg, TOK, 1.0, torch.Generator().manual_seed(1), world=world)
+    stats = update_policy(model, opt, batch, cfg, TOK, 1.0, torch.Generator().manual_seed(1), world=world)
     return stats, {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 

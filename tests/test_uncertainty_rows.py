@@ -18,7 +18,7 @@ from torch import nn
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.rows import (MaskedStepRows, RecordedStep, Rows, inclusion_probs, step_uncertainty,
                                   uncertainty_rows)
-from miles_core.algo.update import adpo_update, as_draws, policy_update
+from miles_core.algo.update import update_policy, as_draws, update_on_rows
 from miles_core.config import ADPOConfig, ConfigError, load_recipe
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -60,7 +60,7 @@ def grad_of(rows: Rows, tb: TrajectoryBatch, cfg: ADPOConfig, seed: int) -> torc
     """The engine's gradient (SGD at lr 0, so nothing moves) of the ADPO loss over ``rows``."""
     model = TwoToken(seed)
     scorer = MaskedStepRows(tb, TOK, 1.0, RecordedStep(None))
-    policy_update(model, torch.optim.SGD(model.parameters(), lr=0.0), scorer, rows, tb.advantage.double(), 6.0, cfg,
+    update_on_rows(model, torch.optim.SGD(model.parameters(), lr=0.0), scorer, rows, tb.advantage.double(), 6.0, cfg,
                   torch.Generator().manual_seed(0))
     return torch.cat([model.theta.grad, model.phi.grad[None]])
 
@@ -128,7 +128,7 @@ def test_the_estimator_builds_these_rows_and_the_engine_runs_them() -> None:
     tb = batch()
     cfg = ADPOConfig(step_cover=False, step_sampling="uncertainty", step_fraction=0.5, max_grad_norm=1e9)
     model = TwoToken(0)
-    stats = adpo_update(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0,
+    stats = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0,
                         torch.Generator().manual_seed(5))
     want = uncertainty_rows(tb, 0.5, cfg.step_floor, as_draws(torch.Generator().manual_seed(5), len(tb)))
     assert stats["rows"] == want.traj.numel()

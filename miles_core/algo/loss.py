@@ -1,8 +1,9 @@
-"""The ADPO token-level objective: clipped ratio against the proximal policy, truncated
-importance weight against the behaviour policy (decoupled PPO, as in AReaL), optional KL to the
-reference, optional entropy floor. Returns the loss and its stats (torchtune style), kept as
-tensors: the update engine adds them up on the device and reads them back once per update, not
-seven host syncs per chunk."""
+"""The objectives the estimators use, named by their form: a clipped token-ratio loss against the
+proximal policy with a truncated importance weight against the behaviour policy (decoupled PPO,
+as in AReaL: ADPO, d1's mean-field, coupled-GRPO), a ratio-free weighted likelihood (wd1, SPG),
+and a sequence-ratio loss (ESPO, EBPO); each with an optional KL to the reference. Each returns
+the loss and its stats (torchtune style), kept as tensors: the update engine adds them up on the
+device and reads them back once per update, not seven host syncs per chunk."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class LossOut:
                 "tokens": float(self.sums["tokens"])}
 
 
-class ADPOLoss(nn.Module):
+class TokenRatioLoss(nn.Module):
     """Per committed token i of row (trajectory b, step k):
 
         r_i = pi_theta / pi_prox,  w_i = min(pi_prox / mu, C)  (no gradient)
@@ -39,11 +40,12 @@ class ADPOLoss(nn.Module):
     up to exactly the full-batch gradient.
     """
 
+    ratio_free = False  # WeightedLikelihoodLoss: the same loss with -A_b log pi_theta as its per-token term
+
     def __init__(self, clip_eps: float = 0.2, is_cap: float = 2.0, kl_coef: float = 0.0,
-                 entropy_floor: float = 0.0, entropy_coef: float = 0.0, ratio_free: bool = False) -> None:
+                 entropy_floor: float = 0.0, entropy_coef: float = 0.0) -> None:
         super().__init__()
         self.clip_eps, self.is_cap, self.kl_coef = clip_eps, is_cap, kl_coef
-        self.ratio_free = ratio_free  # wd1: l_i = -A_b * log pi_theta (a weighted likelihood, no ratio, no clip)
         self.entropy_floor, self.entropy_coef = entropy_floor, entropy_coef
 
     def forward(self, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantage: Tensor, commit: Tensor,
@@ -87,6 +89,15 @@ class ADPOLoss(nn.Module):
         return LossOut(loss=loss, sums=sums)
 
 
+class WeightedLikelihoodLoss(TokenRatioLoss):
+    """wd1's and SPG's form (arXiv:2507.08838; arXiv:2510.09541): l_i = -A_b log pi_theta + beta
+    KL_k3, a likelihood weighted by the (transformed) advantage, with no ratio, no clip and no
+    importance weight; the KL, entropy floor, normaliser and stats are :class:`TokenRatioLoss`'s
+    (``clip_frac`` is 0, ``is_cap`` only enters the reported ``iw_mean``)."""
+
+    ratio_free = True
+
+
 class SequenceRatioLoss(nn.Module):
     """ESPO's sequence-level objective (arXiv:2512.03759, ML-GSAI/ESPO ``compute_loss``), and EBPO's
     with ``per_token=False`` (the exponent not divided by L; LLaDA2.1 Eq. 4-5): per row b,
@@ -107,7 +118,7 @@ class SequenceRatioLoss(nn.Module):
     def forward(self, logp: Tensor, prox_logp: Tensor, behav_logp: Tensor, advantage: Tensor, commit: Tensor,
                 row_weight: Tensor, normaliser: float, ref_logp: Tensor | None = None,
                 entropy: Tensor | None = None) -> LossOut:
-        """Same arguments as :class:`ADPOLoss` (``behav_logp`` and ``entropy`` unused: no recorded state)."""
+        """Same arguments as :class:`TokenRatioLoss` (``behav_logp`` and ``entropy`` unused: no recorded state)."""
         m = commit.float()
         length = m.shape[1]
         log_r = ((logp - prox_logp.detach()) * m).sum(1) / (length if self.per_token else 1)   # [R]

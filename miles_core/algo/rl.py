@@ -1,5 +1,5 @@
 """The pieces of one RL iteration, shared by the synchronous flow, async workers and benchmarks:
-rollout (G samples per prompt, recorded) -> reward -> group advantages -> ``adpo_update``, and
+rollout (G samples per prompt, recorded) -> reward -> group advantages -> ``update_policy``, and
 the seeded batch every learner and sampler commits (:func:`sample_batch`)."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One ADPO policy update over a batch of recorded trajectories: the one update engine.
 
-:func:`policy_update` is the loop every path runs (synchronous and asynchronous learners, the
+:func:`update_on_rows` is the loop every path runs (synchronous and asynchronous learners, the
 torchrun learner with a ``World``, the continuous trainer): proximal log-probs, epochs x
 minibatches x row chunks, the ADPO loss, gradient sync, clipping, the optimizer and LR steps, and
 the stats. What differs between kinds of trajectory is only how a row is scored, behind a
@@ -32,8 +32,8 @@ from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
 from miles_core.models.window import capabilities, inner
 
-__all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "adpo_update", "deterministic_forward",
-           "minibatch_step", "policy_update", "proximal_logprobs"]
+__all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "update_policy", "deterministic_forward",
+           "minibatch_step", "update_on_rows", "proximal_logprobs"]
 
 
 class ChunkPlan:
@@ -53,7 +53,7 @@ class ChunkPlan:
         self.sharded = world is not None and world.sharded
         self.pad = pad or (scorer, rows)
         if self.sharded and self.pad[1].traj.numel() == 0:
-            raise ValueError("a sharded update needs a row to pad with on every rank (adpo_update passes one)")
+            raise ValueError("a sharded update needs a row to pad with on every rank (update_policy passes one)")
         self.cost = scorer.row_cost(rows.traj, rows.step, capabilities(model).head_weight) if cfg.chunk_tokens > 0 else None
 
     def chunks(self, idx: Tensor) -> Iterator[Tensor]:
@@ -198,7 +198,7 @@ def minibatch_step(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScor
         scheduler.step()
 
 
-def policy_update(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
+def update_on_rows(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
                   normaliser: float, cfg: ADPOConfig, draws: Draws | torch.Generator, scheduler: Any = None,
                   world: World | None = None, fresh: Tensor | None = None,
                   pad: tuple[RowScorer, Rows] | None = None) -> dict[str, float]:
@@ -269,7 +269,7 @@ def global_counts(world: World | None, *counts: float) -> list[float]:
     return t.tolist()
 
 
-def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
+def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
                 tok: CharTokenizer, temperature: float, draws: Draws | torch.Generator,
                 scheduler: Any = None, world: World | None = None, version: int | None = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch``: rows of the trajectories with a non-zero
@@ -286,7 +286,7 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     assert batch.advantage is not None
     draws = as_draws(draws, len(batch)).with_groups(batch.group_id)
     if len(draws) != len(batch):
-        raise ValueError(f"adpo_update: {len(draws)} trajectory keys for a batch of {len(batch)}")
+        raise ValueError(f"update_policy: {len(draws)} trajectory keys for a batch of {len(batch)}")
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
     estimator = get_estimator(cfg.estimator)
@@ -311,6 +311,6 @@ def adpo_update(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryB
     normaliser = float((kept if cfg.loss_norm == "informative" else total) * batch.completion_len)
     adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub) if keep.numel() else torch.zeros(0)
     fresh = None if version is None else sub.policy_version == version
-    stats.update(policy_update(model, optimizer, scorer, rows, adv, normaliser, cfg, draws.select(keep), scheduler,
+    stats.update(update_on_rows(model, optimizer, scorer, rows, adv, normaliser, cfg, draws.select(keep), scheduler,
                                world, fresh, pad))
     return stats

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.rows import FixedRows, Rows
-from miles_core.algo.update import policy_update
+from miles_core.algo.update import update_on_rows
 from miles_core.config import ADPOConfig
 from miles_core.continuous.sde import DEFAULT_SCHEDULE, ContinuousBatch, NoiseSchedule, ddim_step, sample_ode, sample_sde
 from miles_core.continuous.task import ConstraintTask
@@ -75,7 +75,7 @@ def build_step_rows(n_traj: int, steps: int, fraction: float, generator: torch.G
     by n/m so the subsampled objective stays unbiased for the sum over eligible steps.
 
     ``eligible`` [K] bool (default: all) restricts training to some steps, e.g. the low-noise end
-    of the chain where the injected noise still reaches the output (see ``adpo_update``).
+    of the chain where the injected noise still reaches the output (see ``update_policy``).
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"step fraction must be in (0, 1], got {fraction}")
@@ -116,11 +116,11 @@ class GaussianStepRows(FixedRows):
         return self.batch.logp[traj, step][:, None]
 
 
-def adpo_update(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatch, cfg: ADPOConfig,
+def update_policy(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatch, cfg: ADPOConfig,
                 generator: torch.Generator, schedule: NoiseSchedule = DEFAULT_SCHEDULE,
                 max_timestep: int | None = None, scheduler=None, world: World | None = None) -> dict[str, float]:
     """One policy update (``num_minibatches`` x ``epochs`` optimizer steps) on recorded trajectories,
-    through the same engine as the discrete learner (:func:`~miles_core.algo.update.policy_update`).
+    through the same engine as the discrete learner (:func:`~miles_core.algo.update.update_on_rows`).
 
     The loss is normalised per (trajectory, step), so chunking only changes peak memory, never the
     gradient; ``adpo.loss_norm`` picks the trajectories counted (with A != 0, or the whole batch).
@@ -139,7 +139,7 @@ def adpo_update(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatch,
     rows.traj = keep[rows.traj]
     per_traj = float(rows.weight.sum()) / keep.numel()  # eligible steps per trajectory, whatever the subsampling
     normaliser = per_traj * (keep.numel() if cfg.loss_norm == "informative" else len(batch))
-    stats.update(policy_update(model, optimizer, GaussianStepRows(batch, schedule), rows, adv_all, normaliser, cfg,
+    stats.update(update_on_rows(model, optimizer, GaussianStepRows(batch, schedule), rows, adv_all, normaliser, cfg,
                                generator, scheduler, world))
     return stats
 

@@ -18,7 +18,7 @@ from miles_core.algo.guard import CollapseGuard, batch_health
 from miles_core.algo.rl import sample_batch
 from miles_core.algo.schedule import lr_factor
 from miles_core.algo.draws import Draws
-from miles_core.algo.update import adpo_update
+from miles_core.algo.update import update_policy
 from miles_core.config import RecipeConfig
 from miles_core.data.registry import TaskData
 from miles_core.models.base import AnyTokenizer, base_identity, load_base, resolve_device
@@ -125,7 +125,7 @@ class Learner:
             self.guard.accept(h)
         t = self.cfg.sampler.temperature if temperature is None else temperature
         draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys)
-        stats = adpo_update(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, draws, self.sched, world,
+        stats = update_policy(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, draws, self.sched, world,
                             self.version)
         self.version += 1
         if self.guard is not None:

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from test_parallel import TOK, _batch, _model  # noqa: E402
 
 from miles_core.algo.draws import Draws  # noqa: E402
-from miles_core.algo.update import adpo_update  # noqa: E402
+from miles_core.algo.update import update_policy  # noqa: E402
 from miles_core.config import ADPOConfig  # noqa: E402
 from miles_core.models.lora import adapter_tensors  # noqa: E402
 from miles_core.models.window import inner  # noqa: E402
@@ -32,10 +32,10 @@ def update(sharded: bool) -> tuple[dict, dict]:
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     if sharded:  # this rank's share only, its trajectories keyed as in the whole batch
         idx = mine.nonzero().squeeze(1)
-        stats = adpo_update(model, opt, batch.select(idx), cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))[idx]),
+        stats = update_policy(model, opt, batch.select(idx), cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))[idx]),
                             world=world)
     else:
-        stats = adpo_update(model, opt, batch, cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))))
+        stats = update_policy(model, opt, batch, cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))))
     return stats, {k: v.detach().clone() for k, v in full_tensors(adapter_tensors(model)).items()}
 
 

@@ -16,7 +16,7 @@ from test_parallel import TOK, _model  # noqa: E402
 import miles_core.algo.estimators.adpo as adpo_module  # noqa: E402
 from miles_core.algo.advantages import group_advantages  # noqa: E402
 from miles_core.algo.draws import Draws, trajectory_keys  # noqa: E402
-from miles_core.algo.update import adpo_update  # noqa: E402
+from miles_core.algo.update import update_policy  # noqa: E402
 from miles_core.config import ADPOConfig, SamplerConfig  # noqa: E402
 from miles_core.learner.shares import owned_rows  # noqa: E402
 from miles_core.parallel import init_world  # noqa: E402
@@ -60,7 +60,7 @@ for estimator in ("adpo", "espo", "wd1"):
             held = [b.select(i) for b, i in zip(batches, idx) if i.numel()]
             local = TrajectoryBatch.concat(held) if held else TrajectoryBatch.empty(batches[0].completion_len)
             k = torch.cat([kk[i] for kk, i in zip(keys, idx)])
-        adpo_update(model, opt, local, cfg, TOK, 1.0, Draws(2026, k.long()), world=world if mine is not None else None)
+        update_policy(model, opt, local, cfg, TOK, 1.0, Draws(2026, k.long()), world=world if mine is not None else None)
         return {name: v.detach().clone() for name, v in model.state_dict().items() if "lora_" in name}
 
     built.clear()

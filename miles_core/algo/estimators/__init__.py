@@ -20,7 +20,7 @@ from typing import Any, Callable, ClassVar, TypeVar
 from torch import Tensor
 
 from miles_core.algo.draws import Draws
-from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.loss import TokenRatioLoss
 from miles_core.algo.rows import Rows, RowScorer
 from miles_core.config import BUILTIN_ESTIMATORS, ESTIMATORS, ADPOConfig, ConfigError
 from miles_core.tokenizer import CharTokenizer
@@ -47,7 +47,7 @@ class Estimator:
     def loss(self, cfg: ADPOConfig) -> Any:
         """The loss module the engine calls on every chunk (algo/loss.py): ADPO's clipped ratio,
         its importance weight capped at ``adpo.is_cap``, by default."""
-        return ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
+        return TokenRatioLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
 
     def advantages(self, adv: Tensor, batch: Any) -> Tensor:
         """[B] what the loss weights each kept trajectory by, from its advantage [B]: itself by default."""

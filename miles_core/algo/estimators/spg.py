@@ -14,7 +14,7 @@ block is masked whole, earlier blocks stay clean. The prompt is masked with
 ``adpo.prompt_mask_prob`` as in d1; unlike SPG's code, that mask never reaches the completion.
 
 Reads ``adpo.mask_samples`` (J), ``adpo.mask_block``, ``adpo.prompt_mask_prob``, ``adpo.eubo_beta``
-and ``adpo.spg_mix``; its loss is ADPO's with no ratio (``ratio_free``).
+and ``adpo.spg_mix``; its loss is the ratio-free weighted likelihood (``loss.WeightedLikelihoodLoss``).
 
 Within an update, the policy, the proximal policy and the reference see the same masks (common
 random numbers: VRPO's "antithetic" sampling, LLaDA 1.5, arXiv:2505.19223); they are redrawn at
@@ -31,7 +31,7 @@ from torch import Tensor
 
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.elbo import CopyScorer, effective_block, one_row_each, uniform_subset
-from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.loss import TokenRatioLoss, WeightedLikelihoodLoss
 from miles_core.algo.draws import Draws
 from miles_core.algo.rows import Rows, prompt_masks
 from miles_core.config import ADPOConfig
@@ -92,6 +92,6 @@ class SPG(Estimator):
 
     builders = {"masked": spg_rows}  # batch kind -> its rows
 
-    def loss(self, cfg: ADPOConfig) -> ADPOLoss:
+    def loss(self, cfg: ADPOConfig) -> TokenRatioLoss:
         """REINFORCE on the bounds: no ratio, no clip, no importance weight."""
-        return ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef, ratio_free=True)
+        return WeightedLikelihoodLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)

@@ -14,7 +14,7 @@ from torch import Tensor
 from miles_core.algo.advantages import wd1_weights
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.estimators.meanfield import meanfield_rows
-from miles_core.algo.loss import ADPOLoss
+from miles_core.algo.loss import TokenRatioLoss, WeightedLikelihoodLoss
 from miles_core.config import ADPOConfig
 
 
@@ -24,8 +24,8 @@ class WD1(Estimator):
 
     builders = {"masked": meanfield_rows}  # batch kind -> its rows
 
-    def loss(self, cfg: ADPOConfig) -> ADPOLoss:
-        return ADPOLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef, ratio_free=True)
+    def loss(self, cfg: ADPOConfig) -> TokenRatioLoss:
+        return WeightedLikelihoodLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
 
     def advantages(self, adv: Tensor, batch: Any) -> Tensor:
         """[B] softmax(A) - softmax(-A) over each group (``batch.group_id``)."""
