@@ -1,7 +1,7 @@
 """Prefect tasks of the synchronous training loop: a sampler and a learner in one process, thin
 wrappers over the learner runtime (miles_core/learner/runtime.py), the object the asynchronous
-learner also runs. Arguments and results are paths, URIs and small dicts, never tensors (see
-ARCHITECTURE.md). Per iteration: ``collect`` (sample, score, commit to ``trajectories/``) and
+learner also runs. Arguments and results are paths, URIs, small dicts and the learner's handle
+(which pickles as its path), never tensors (see ARCHITECTURE.md). Per iteration: ``collect`` (sample, score, commit to ``trajectories/``) and
 ``update`` (consume it: update, checkpoint, publish).
 
 The learner a flow trains is an explicit handle: ``with learner(run_dir) as lr:`` opens a
