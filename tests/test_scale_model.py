@@ -177,7 +177,8 @@ def test_steady_rate_does_not_move_with_where_the_horizon_ends_in_the_update_cyc
     the cycle's, whichever fraction of a cycle the window ends on (counting the updates inside the
     window would move by one update in ten here)."""
     p = Params(samplers=4, learner_ranks=1, batches=10**6, rollout_s=0.2, rollout_cv=0.0, update_s=0.5,
-               completions_per_batch=8, learner_samples=False, shared_budget=False, **FAST_STORE)
+               completions_per_batch=8, learner_samples=False, shared_budget=False,
+               **{**FAST_STORE, "poll_s": 0.01})  # batches always wait for the learner: polls never delay it
     rates = [simulate(p, horizon_s=7.0 + frac * 0.5, warmup_s=2.0)["steady_completions_per_s"]
              for frac in (0.0, 0.3, 0.6, 0.9)]
     cycle = 8 / rates[0]
