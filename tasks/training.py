@@ -1,8 +1,9 @@
 """Prefect tasks of the synchronous training loop: a sampler and a learner in one process, thin
 wrappers over the learner runtime (miles_core/learner/runtime.py), the object the asynchronous
 learner also runs. Arguments and results are paths, URIs, small dicts and the learner's handle
-(which pickles as its path), never tensors (see ARCHITECTURE.md). Per iteration: ``collect`` (sample, score, commit to ``trajectories/``) and
-``update`` (consume it: update, checkpoint, publish).
+(which pickles as its path), never tensors (see ARCHITECTURE.md). Per iteration: ``collect``
+(sample, score, commit to ``trajectories/``) and ``update`` (consume it: update, checkpoint,
+publish).
 
 The learner a flow trains is an explicit handle: ``with learner(run_dir) as lr:`` opens a
 :class:`LearnerSession`, ``init_learner(lr, ...)`` starts or resumes the run in it, and every task
