@@ -227,7 +227,7 @@ def _wait(env: simpy.Environment, p: Params, cond, poll, cap: float = 0.0) -> Ge
 
 
 def admits(slot: int, version: int, p: Params) -> bool:
-    """asyncrl/sampler.py::admits: slot < (S + v + 1) B."""
+    """learner/channels.py::admits: slot < (S + v + 1) B."""
     return slot < (p.max_staleness + version + 1) * p.batches_per_update
 
 

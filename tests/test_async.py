@@ -22,7 +22,8 @@ from miles_core.algo.rl import assign_advantages
 from miles_core.asyncrl.launch import command, local_env, prepare_run
 from miles_core.storage.run import RunSpecMismatch, RunStore
 from miles_core.asyncrl.learner import AsyncLearner
-from miles_core.asyncrl.sampler import admits, SamplerWorker, batch_id
+from miles_core.asyncrl.sampler import SamplerWorker, batch_id
+from miles_core.learner.channels import admits
 from miles_core.config import ConfigError, load_recipe
 from miles_core.models.base import load_checkpoint
 from miles_core.models.lora import load_adapter

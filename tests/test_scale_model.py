@@ -104,7 +104,7 @@ def test_poll_back_off_in_the_async_workers() -> None:
     1.0 keeps a fixed interval."""
     import itertools
 
-    from miles_core.asyncrl.sampler import poll_intervals
+    from miles_core.learner.channels import poll_intervals
     from miles_core.config import ConfigError, load_recipe
 
     assert list(itertools.islice(poll_intervals(0.05, 2.0, 0.3), 5)) == [0.05, 0.1, 0.2, 0.3, 0.3]

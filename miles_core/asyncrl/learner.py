@@ -4,7 +4,7 @@ Per pass: list the committed batches not in the ledger; once B of them wait (B s
 make one global batch, ``async_rl.global_batch``), ``consume`` the oldest B in one update (read,
 staleness check, update, checkpoint, publish: learner/runtime.py, the same code the synchronous
 flow runs) and write status.json for operators. Publishing moves ``adapters/LATEST``, which is
-all the samplers read: a new version admits the next B slots (sampler.py::admits). While fewer
+all the samplers read: a new version admits the next B slots (learner/channels.py::admits). While fewer
 than B wait: with ``async_rl.learner_samples`` it claims a slot of the shared sample budget and
 samples that batch itself with the current policy (committed like any sampler's, so the ledger
 and restarts treat it the same), else it sleeps with back-off and the wait counts as idle. See
@@ -24,7 +24,7 @@ import torch
 from miles_core.algo.rl import batch_id, batch_seq
 from miles_core.allocator import apply_heap_setting
 from miles_core.asyncrl.sampler import SELF_WORKER as SELF  # the worker name of batches the learner samples itself
-from miles_core.asyncrl.sampler import SlotClaims, admits, poll_intervals
+from miles_core.learner.channels import poll_intervals
 from miles_core.config import load_recipe
 from miles_core.learner.runtime import LearnerRun
 from miles_core.parallel import World
@@ -54,7 +54,7 @@ class AsyncLearner(LearnerRun):
     # ------------------------------------------------------------------ sampling instead of waiting
     def _init_self_sampling(self) -> None:
         a = self.cfg.async_rl
-        self.claims = SlotClaims(self.rs, self.expected) if a.learner_samples and self.world.is_main else None
+        self.claims = self.batches.claims if a.learner_samples and self.world.is_main else None
         self._redo: list[tuple[str, int]] = []  # (batch id, slot) claimed before a restart, not committed
         self._next_seq = 0
         if self.claims is None:
@@ -71,13 +71,13 @@ class AsyncLearner(LearnerRun):
         lets its slot start now; False when it does not, or once the budget is claimed."""
         if self.claims is None:
             return False
-        a, per = self.cfg.async_rl, self.cfg.batches_per_update()
+        a = self.cfg.async_rl
         if self._redo:
             bid, slot = self._redo[0]
         else:
             stripe = a.num_samplers + 1
             prefer = a.num_samplers + stripe * self._next_seq  # its own stripe: worker index num_samplers
-            if not admits(prefer, self.learner.version, per, self.cfg.adpo.max_staleness):
+            if not self.batches.admits(prefer, self.learner.version):
                 return False
             bid = batch_id(self._next_seq, SELF)
             got = self.claims.claim(bid, prefer=prefer)
@@ -87,7 +87,7 @@ class AsyncLearner(LearnerRun):
             self._next_seq += 1
             self._redo.append((bid, got))
             slot = got
-        if not admits(slot, self.learner.version, per, self.cfg.adpo.max_staleness):
+        if not self.batches.admits(slot, self.learner.version):
             return False  # claimed, sampled once the version admits it
         self._redo.pop(0)
         t0 = time.perf_counter()

@@ -3,7 +3,7 @@
 The loop, per batch:
 
     take the batch's slot k of the run's sample budget (its own stripe, or a claimed slot)
-    wait until the learner's version v admits it: k < (S + v + 1) x B (:func:`admits`), reading
+    wait until the learner's version v admits it: k < (S + v + 1) x B (learner/channels.py), reading
         only ``adapters/LATEST`` (and ``control/STOP``) per poll, with back-off
     load the newest published adapter if it changed (LoRA tensors only: the base stays put)
     sample prompts_per_iter prompts x G completions, score rewards, group advantages
@@ -28,90 +28,21 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
-from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
 
 from miles_core.algo.rl import batch_id, rollout_stats, sample_batch
 from miles_core.allocator import apply_heap_setting
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
+from miles_core.learner.channels import BatchChannel, PolicyChannel, poll_intervals
 from miles_core.learner.policy import build_policy
-from miles_core.models.lora import ADAPTER_WEIGHTS, native_adapter_state
 from miles_core.rewards.registry import reward_for_recipe
-from miles_core.storage import BatchExistsError
-from miles_core.storage import uri as U
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
 SELF_WORKER = "learner"  # the worker name of the batches the learner samples itself
-
-
-def admits(slot: int, version: int, per_update: int, staleness: int) -> bool:
-    """Whether batch slot ``slot`` may start while the learner is at ``version``: AReaL's capacity
-    rule (areal/infra/staleness_manager.py: capacity = (S + v + 1) B - (accepted + running)), with
-    slots numbered in the order they are taken. Update u consumes slots [uB, (u+1)B), so a slot
-    admitted at version v >= slot // B - S is at most S versions stale when it is used (unless
-    it is much slower than the batches around it; the learner's drop check stays as the guard)."""
-    return slot < (staleness + version + 1) * per_update
-
-
-def poll_intervals(first: float, backoff: float, cap: float) -> Iterator[float]:
-    """Waits between polls: ``first``, then times ``backoff`` each, never above ``max(cap, first)``."""
-    interval = first
-    while True:
-        yield interval
-        interval = min(interval * backoff, max(cap, first))
-
-
-class SlotClaims:
-    """The run's shared sample budget: ``total`` slots, each taken by one exclusive create of
-    ``samplers/claims/slot-NNNNNN`` naming the batch id it is for.
-
-    Two workers never take the same slot, so the run's total stays exactly the budget the learner
-    expects however the work splits between them (a fast sampler takes a slow one's share).
-    """
-
-    def __init__(self, rs: RunStore, total: int) -> None:
-        self.rs, self.total = rs, total
-        self.folder = rs.path("samplers", "claims")
-
-    def own(self, worker: str) -> dict[str, int]:
-        """Batch id -> slot of what ``worker`` claimed before a restart (a claim without a commit
-        is redone first)."""
-        rs, out = self.rs, {}
-        for name in rs.retry(lambda: U.list_names(rs.fs, self.folder), "listing claims"):
-            if name.startswith("slot-"):
-                bid = rs.retry(lambda: U.read_json(rs.fs, U.join(self.folder, name)), f"reading claim {name}")["batch"]
-                if bid.endswith(f"-{worker}"):
-                    out[bid] = int(name[len("slot-"):])
-        return out
-
-    def _try(self, k: int, bid: str) -> bool:
-        rs, name = self.rs, f"slot-{k:06d}"
-        try:
-            rs.retry(lambda: U.create_exclusive(rs.fs, U.join(self.folder, name), U.dumps({"batch": bid})),
-                     f"claiming {name}")
-            return True
-        except U.AlreadyExistsError:  # another worker won it, or our own write whose reply was lost
-            got = rs.retry(lambda: U.read_json(rs.fs, U.join(self.folder, name)), f"reading claim {name}")
-            return got.get("batch") == bid
-
-    def claim(self, bid: str, prefer: int | None = None) -> int | None:
-        """Take a slot for ``bid`` -> its number, or None when every slot is taken. ``prefer``:
-        the worker's next slot in its own stripe, tried first with one exclusive create, so a claim
-        costs one request however many workers there are; only when another worker took it (a
-        fast one taking a slow one's share) are the claims listed for the lowest free slot."""
-        if prefer is not None and prefer < self.total and self._try(prefer, bid):
-            return prefer
-        rs = self.rs
-        taken = set(rs.retry(lambda: U.list_names(rs.fs, self.folder), "listing claims"))
-        for k in range(self.total):
-            if f"slot-{k:06d}" not in taken and self._try(k, bid):
-                return k
-        return None
 
 
 class SamplerWorker:
@@ -125,6 +56,7 @@ class SamplerWorker:
         spec = self.run_store.read_spec()
         self.cfg = load_recipe(spec["cfg"])
         self.run_store.retry_budget_s = self.cfg.async_rl.retry_budget_s
+        self.batches, self.policy = BatchChannel(self.run_store, self.cfg), PolicyChannel(self.run_store)
         torch.set_num_threads(self.cfg.async_rl.sampler_threads)
         apply_heap_setting(self.cfg.async_rl.retain_heap_mb)  # a sampler only samples: else every step faults in fresh pages
         if self.cfg.async_rl.sampler_nice > 0:  # samplers and learner share cores: let the learner go first
@@ -156,20 +88,14 @@ class SamplerWorker:
     def sync_adapter(self, latest: int | None = None) -> bool:
         """Load adapter ``latest`` (default: the newest published) into the resident model if it
         is not the one loaded; True if swapped."""
-        rs = self.run_store
         if latest is None:
-            latest = rs.retry(rs.adapters.latest_version, "polling adapters/LATEST")
+            latest = self.policy.latest()
         if latest is None or latest == self.version:
             return False
         t0 = time.perf_counter()
         dest = self.cache / f"adapter-v{latest:06d}"
-        with rs.requests.phase("sync"):
-            manifest = rs.retry(lambda: rs.adapters.manifest(latest), f"reading adapter v{latest} manifest")
-            rs.retry(lambda: rs.adapters.fetch(latest, dest, manifest), f"fetching adapter v{latest}")
-        state = load_file(str(dest / ADAPTER_WEIGHTS))
-        result = set_peft_model_state_dict(self.model, native_adapter_state(self.model.get_base_model(), state))
-        if getattr(result, "unexpected_keys", None):
-            raise ValueError(f"adapter v{latest} does not fit this model: unexpected keys {result.unexpected_keys[:3]}")
+        with self.run_store.requests.phase("sync"):
+            manifest = self.policy.load_into(self.model, latest, dest)
         assert next(iter(self.model.get_base_model().parameters())).data_ptr() == self.base_ptr
         nbytes = sum(int(f["bytes"]) for f in manifest["files"].values())
         published = manifest.get("metadata", {}).get("published_unix")
@@ -187,15 +113,14 @@ class SamplerWorker:
     # ------------------------------------------------------------------ admission
     def learner_version(self) -> int | None:
         """The newest published adapter version (``adapters/LATEST``: one small read)."""
-        rs = self.run_store
         self.stats["polls"] = self.stats.get("polls", 0) + 1
-        self._latest = rs.retry(rs.adapters.pointer, "polling adapters/LATEST")
+        self._latest = self.policy.latest()
         return self._latest
 
     def admitted(self, slot: int) -> bool:
-        """Whether the learner's version now admits batch slot ``slot`` (:func:`admits`)."""
+        """Whether the learner's version now admits batch slot ``slot`` (``BatchChannel.admits``)."""
         v = self.learner_version()
-        return v is not None and admits(slot, v, self.cfg.batches_per_update(), self.cfg.adpo.max_staleness)
+        return v is not None and self.batches.admits(slot, v)
 
     def _wait(self, cond, poll: float, key: str = "wait_s") -> bool:
         """Sleep until ``cond()``, each empty poll waiting ``async_rl.poll_backoff`` times longer (up
@@ -231,7 +156,7 @@ class SamplerWorker:
         self.stats["requests_at_start"] = req.total()  # the spec, the base, the wait for version 0
         seq = int(self.stats["next_seq"])
         stripe = a.num_samplers + int(a.learner_samples)  # the learner samples as worker num_samplers
-        claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
+        claims = self.batches.claims
         mine = claims.own(self.worker) if a.shared_budget else {}
         while a.shared_budget or seq < a.batches_per_sampler:
             bid = batch_id(seq, self.worker)
@@ -259,11 +184,11 @@ class SamplerWorker:
             t1 = time.perf_counter()
             batch = self.make_batch(seq)
             t2 = time.perf_counter()
-            try:  # a commit that landed before a restart (stats not yet written) is not made twice
-                with req.phase("commit"):
-                    rs.retry(lambda: rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
+            with req.phase("commit"):  # a commit that landed before a restart (stats not yet written) counts
+                committed = self.batches.commit(batch, bid)
+            if committed:
                 self.stats["committed"] += 1
-            except BatchExistsError:
+            else:
                 log.info("batch %s was already committed; skipping", bid)
             seq += 1
             t3 = time.perf_counter()

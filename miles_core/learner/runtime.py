@@ -40,10 +40,11 @@ from miles_core.algo.rl import batch_id
 from miles_core.algo.update import global_counts
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.data.registry import TaskData, build_task
+from miles_core.learner.channels import BatchChannel, PolicyChannel
 from miles_core.learner.policy import Learner
 from miles_core.learner.shares import Verdict, agree, first_reader, held_rows, my_share
 from miles_core.parallel import World
-from miles_core.storage import AdapterExistsError, BatchExistsError, CorruptBatchError
+from miles_core.storage import CorruptBatchError
 from miles_core.types import Batch, TrajectoryBatch
 from miles_core.storage import uri as U
 from miles_core.storage.run import RunStore, changed_settings, prepare_run
@@ -82,6 +83,7 @@ class LearnerRun:
         self.checkpoint_every = checkpoint_every or self.cfg.async_rl.checkpoint_every
         self.learner = Learner(self.cfg, self.rs.fetch_base(self.cache),
                                total_updates=total_updates, world=self.world)
+        self.batches, self.policy = BatchChannel(self.rs, self.cfg), PolicyChannel(self.rs)  # learner/channels.py
         self.ledger: dict[str, list[dict[str, Any]]] = {"consumed": [], "dropped": [], "quarantined": []}
         self.history: list[dict[str, Any]] = []
         self.totals: dict[str, Any] = {"idle_s": 0.0, "wall_s": 0.0, "fill_s": 0.0, "resumes": 0, "version_skips": 0}
@@ -131,11 +133,7 @@ class LearnerRun:
             return
         with tempfile.TemporaryDirectory(dir=self.cache) as tmp, self.rs.requests.phase("publish"):
             self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype), tensors)
-            try:  # committed already: an attempt that failed after its commit marker, or a resumed run
-                self.rs.retry(lambda: self.rs.adapters.publish(tmp, version=v, metadata={"published_unix": time.time()}),
-                              f"publishing adapter v{v}")
-            except AdapterExistsError:
-                pass
+            self.policy.publish(tmp, v)
 
     def adapter_uri(self, version: int | None = None) -> str:
         return f"{self.rs.uri}/adapters/v{self.learner.version if version is None else version:06d}"
@@ -159,9 +157,7 @@ class LearnerRun:
             self._collected = (bid, batch)
             return bid, batch, True
         batch, reused = self.learner.sample(self.data, seq, worker, index), False
-        try:
-            self.rs.retry(lambda: self.rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
-        except BatchExistsError:
+        if not self.batches.commit(batch, bid):
             batch = self.rs.retry(lambda: self.rs.trajectories.read_batch(bid), f"reading batch {bid}")
             reused = True
         self._collected = (bid, batch)
@@ -183,11 +179,8 @@ class LearnerRun:
                 if quarantine:
                     rs.retry(lambda: rs.trajectories.quarantine(bid, reason), f"quarantining {bid}")
                 return ("quarantined", reason), None
-        behaviour_version = int(batch.policy_version.min())
-        staleness = self.learner.version - behaviour_version
-        if staleness > self.cfg.adpo.max_staleness:
-            return ("dropped", staleness), None
-        return ("fresh", behaviour_version), batch
+        verdict = self.batches.verdict(batch, self.learner.version)
+        return verdict, batch if verdict[0] == "fresh" else None
 
     def consume(self, bids: str | list[str]) -> tuple[str, dict[str, float]]:
         """One update on the committed batches ``bids`` (one global batch: ``async_rl.global_batch``

@@ -1,0 +1,59 @@
+"""The asynchronous protocol's two channels on a local run store: admission at its boundary, the
+staleness verdict at its bound, a commit made twice, a published version loaded into a model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_storage import make_batch
+
+from miles_core.config import load_recipe
+from miles_core.learner.channels import BatchChannel, PolicyChannel, admits
+from miles_core.models.lora import add_lora, adapter_tensors, save_adapter
+from miles_core.models.tiny import TinyConfig, TinyDenoiser
+from miles_core.storage.run import RunStore
+
+
+def test_the_batch_channel_admits_judges_and_commits_once(tmp_path: Path) -> None:
+    cfg = load_recipe("tiny", ["adpo.max_staleness=2"])
+    ch = BatchChannel(RunStore(str(tmp_path / "run")), cfg)
+    b = cfg.batches_per_update()
+    for v in (0, 3):  # slot k starts only while k < (S + v + 1) B
+        assert ch.admits((2 + v + 1) * b - 1, v) and not ch.admits((2 + v + 1) * b, v)
+    assert admits(9, 1, 3, 2) and not admits(12, 1, 3, 2)
+    batch = make_batch(version=3)  # rows sampled by versions 3 and 2: its oldest counts
+    assert ch.verdict(batch, 4) == ("fresh", 2) and ch.verdict(batch, 5) == ("dropped", 3)
+    assert ch.commit(batch, "000000-w0") and not ch.commit(make_batch(seed=1), "000000-w0")
+    assert ch.rs.trajectories.list_batches() == ["000000-w0"]
+    stored = ch.rs.trajectories.read_batch("000000-w0")
+    assert torch.equal(stored.completion_ids, batch.completion_ids)  # the first commit counts
+
+
+def _lora(seed: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = add_lora(TinyDenoiser(TinyConfig(40, 16, 1, 2, 32, 32)), 4, 8, 0.0)
+    with torch.no_grad():
+        for p in adapter_tensors(model).values():
+            p.normal_(0, 1, generator=torch.Generator().manual_seed(seed))
+    return model
+
+
+def test_the_policy_channel_publishes_and_loads_a_version_in_place(tmp_path: Path) -> None:
+    ch = PolicyChannel(RunStore(str(tmp_path / "run")))
+    assert ch.latest() is None
+    learner, sampler = _lora(1), _lora(2)
+    save_adapter(learner, tmp_path / "v1")
+    ch.publish(tmp_path / "v1", 1)
+    ch.publish(tmp_path / "v1", 1)  # a retried publish of a committed version changes nothing
+    assert ch.latest() == 1
+    before = {k: v.data_ptr() for k, v in adapter_tensors(sampler).items()}
+    ch.load_into(sampler, 1, tmp_path / "fetched")
+    got, want = adapter_tensors(sampler), adapter_tensors(learner)
+    assert all(torch.equal(got[k], want[k]) for k in want) and {k: v.data_ptr() for k, v in got.items()} == before
+    deeper = add_lora(TinyDenoiser(TinyConfig(40, 16, 2, 2, 32, 32)), 4, 8, 0.0)  # a layer the sampler lacks
+    save_adapter(deeper, tmp_path / "v2")
+    ch.publish(tmp_path / "v2", 2)
+    with pytest.raises(ValueError, match="adapter v2 does not fit this model: unexpected keys"):
+        ch.load_into(sampler, 2, tmp_path / "v2-fetched")
