@@ -36,8 +36,8 @@ from prefect import task
 from miles_core.algo.rl import rollout_stats
 from miles_core.config import load_recipe
 from miles_core.eval.evaluate import run_eval
-from miles_core.learner.runtime import (LearnerRun, existing_run, open_step_run, read_pointer, save_local_adapter,
-                                       start_step_run, write_pointer)
+from miles_core.learner.runtime import existing_run  # noqa: F401  (the flow's check before it trains an SFT base)
+from miles_core.learner.runtime import LearnerRun, open_step_run, read_pointer, save_local_adapter, start_step_run, write_pointer
 from tasks.common import LIGHT, SAMPLE_ROWS, STORAGE, eval_summary
 
 checkpoint_meta = read_pointer  # run_dir/learner.json: which store and base the folder trains

@@ -132,7 +132,7 @@ class AsyncLearner(LearnerRun):
     def _decide(self, waits: Any) -> tuple[str, Any]:
         """Rank 0's next step: ("stop" | "done", None), ("update", batch ids), ("sampled", None)
         after sampling a batch itself, or ("waited", seconds) after one back-off sleep."""
-        a, rs = self.cfg.async_rl, self.rs
+        rs = self.rs
         handled = self.handled()
         if len(handled) >= self.expected:
             return "done", None
