@@ -15,11 +15,14 @@ Writes benchmarks/results/async_vs_sync.json. Run: python -m benchmarks.async_vs
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
 
 from benchmarks.harness import ASYNC_OVERRIDES, bench_args, evaluate_adapter, sft_checkpoint, table, usable_cpus, workdir, write_result
 
@@ -104,20 +107,15 @@ def replay_share(cfg_json: str, base: str, run_uri: str, bids: list[str], start_
     from miles_core.allocator import apply_heap_setting
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
-    from miles_core.learner.policy import Learner
-    from miles_core.models.base import load_base
-    from miles_core.models.lora import ADAPTER_WEIGHTS, add_lora_from
+    from miles_core.learner.policy import Learner, build_policy
+    from miles_core.models.lora import ADAPTER_WEIGHTS
     from miles_core.rewards.registry import reward_for_recipe
     from miles_core.storage.run import RunStore
 
     cfg = load_recipe(json.loads(cfg_json))
     apply_heap_setting(cfg.async_rl.retain_heap_mb)  # as the run's workers do (miles_core/allocator.py)
     rs = RunStore(run_uri)
-    model, tok = load_base(cfg, base)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    torch.manual_seed(0)
-    model = add_lora_from(model, cfg.lora, dropout=0.0)  # as a sampler builds it
+    model, tok = build_policy(cfg, base, trainable=False)  # as a sampler builds it
     learner = Learner(cfg, base, total_updates=len(bids))
     data, reward_fn = build_task(cfg), reward_for_recipe(cfg)
     stored = {bid: rs.trajectories.read_batch(bid) for bid in bids}
