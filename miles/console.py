@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 # Prefect 3 reads its settings once, when it is imported; the embedded server's default start-up
-# limit (20 s) is what a busy two-core machine misses (issue 52: `make demo` failed at 21 s).
+# limit (20 s) is what a busy two-core machine misses: `make demo` with both cores loaded took 21 s to start it.
 STARTUP_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 STARTUP_BASE_S = 120
 STARTUP_MAX_S = 600
