@@ -101,7 +101,8 @@ class AsyncLearner(LearnerRun):
     # ------------------------------------------------------------------ bookkeeping
     @property
     def expected(self) -> int:
-        return self.cfg.async_rl.num_samplers * self.cfg.async_rl.batches_per_sampler
+        """The run's sample budget: the slots of its batch channel."""
+        return self.batches.claims.total
 
     def status(self, done: bool = False) -> dict[str, Any]:
         """Progress for operators and benchmarks (samplers read only ``adapters/LATEST``)."""
