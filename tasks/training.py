@@ -58,9 +58,7 @@ class LearnerSession:
         return _arrived, (self.run_dir, self._started and not self._closed)
 
     def start(self, run: LearnerRun) -> LearnerRun:
-        """Hold ``run`` (init_learner's started or resumed runtime)."""
-        if run.cfg.torch_threads > 0:
-            torch.set_num_threads(run.cfg.torch_threads)
+        """Hold ``run`` (init_learner's started or resumed runtime, built with the recipe's threads)."""
         with self._lock:
             self._run, self._started = run, True
         return run
