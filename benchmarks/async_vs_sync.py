@@ -5,7 +5,7 @@ prompts_per_iter x G completions.
   sync:  one process, torch threads = all cores: rollout -> reward -> update, in turn;
   async: the learner and num_samplers samplers as separate processes, one torch thread each,
          talking only through the run's store (local folder by default, --s3 for the loopback
-         S3 endpoint), bounded staleness S = adpo.max_staleness, admission k < (S + v + 1) B;
+         S3 endpoint), bounded staleness S = async_rl.max_staleness, admission k < (S + v + 1) B;
          whenever no batch waits, the learner samples one of the budget itself (learner_samples).
 Each arm's seconds are end to end, process start-up included. Both final adapters are evaluated
 on the same held-out problems with the recipe's pinned eval config.

@@ -23,7 +23,7 @@ from benchmarks.harness import bench_args, sft_checkpoint, table, usable_cpus, w
 from benchmarks.loopback_s3 import start_loopback_s3
 
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=15",
-                     "async_rl.checkpoint_every=2", "adpo.max_staleness=3", "sft.steps=300",
+                     "async_rl.checkpoint_every=2", "async_rl.max_staleness=3", "sft.steps=300",
                      "async_rl.retry_budget_s=120", "async_rl.poll_interval=0.05"]
 
 
@@ -110,20 +110,20 @@ def main() -> None:
             run.close()  # the killed workers' download caches
         server.stop()
     seconds = time.perf_counter() - t0
-    payload = {"kills": len(kills), "kill_log": kills, **result, "staleness_bound": cfg.adpo.max_staleness,
+    payload = {"kills": len(kills), "kill_log": kills, **result, "staleness_bound": cfg.async_rl.max_staleness,
                "seconds": seconds, "restarts": {n: c - 1 for n, c in run.starts.items()},
                "processes": ["learner"] + worker_names(cfg.async_rl.num_samplers), "store": "s3 (loopback moto)",
                "overrides": DEFAULT_OVERRIDES + args.set}
     payload["learner_restarts"] = run.starts["learner"] - 1
     payload["sampler_restarts"] = sum(c - 1 for n, c in run.starts.items() if n != "learner")
     ok = (result["batches_lost"] == 0 and result["batches_duplicated"] == 0
-          and result["max_staleness_seen"] <= cfg.adpo.max_staleness and result["batches_committed"] == expected)
+          and result["max_staleness_seen"] <= cfg.async_rl.max_staleness and result["batches_committed"] == expected)
     payload["target_met"] = ok
     keys = ["kills", "batches_committed", "batches_consumed", "batches_dropped", "batches_lost", "batches_duplicated",
             "max_staleness_seen", "staleness_bound", "learner_restarts", "sampler_restarts", "version_skips"]
     print(table([[payload[k] for k in keys]], keys))
     print(f"{'OK' if ok else 'FAILED'}: lost={result['batches_lost']} duplicated={result['batches_duplicated']} "
-          f"staleness {result['max_staleness_seen']} <= {cfg.adpo.max_staleness}; {seconds:.0f}s")
+          f"staleness {result['max_staleness_seen']} <= {cfg.async_rl.max_staleness}; {seconds:.0f}s")
     print(f"wrote {write_result('chaos', payload, args.out)}")
 
 

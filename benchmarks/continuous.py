@@ -24,7 +24,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    from miles_core.config import ADPOConfig
+    from miles_core.config import AdpoSettings, UpdateConfig
     from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, DenoiserConfig, encode_prompts
     from miles_core.continuous.sde import NoiseSchedule
     from miles_core.continuous.task import LATENT_DIM, ConstraintTask
@@ -58,8 +58,9 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
 
     policy = add_lora(model, r=args.lora_r, alpha=2 * args.lora_r, targets=LORA_TARGETS)
     opt = torch.optim.Adam(trainable_parameters(policy), lr=args.lr)
-    cfg = ADPOConfig(lr=args.lr, clip_eps=args.clip_eps, is_cap=2.0, step_fraction=args.step_fraction,
-                     num_minibatches=args.minibatches, row_chunk=args.row_chunk, std_normalize=True)
+    cfg = UpdateConfig(clip_eps=args.clip_eps, is_cap=2.0, num_minibatches=args.minibatches, row_chunk=args.row_chunk,
+                       std_normalize=True)
+    own = AdpoSettings(step_fraction=args.step_fraction)
     g = torch.Generator().manual_seed(seed + 1)
     rng = random.Random(seed)
     curve = []
@@ -68,7 +69,7 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
         prompts = rng.sample(train_prompts, args.prompts_per_iter)
         batch = rollout(policy, task, prompts, encode_prompts(tok, prompts, args.prompt_len), args.group_size,
                         args.sde_steps, 1.0, g, policy_version=it, schedule=sched)
-        stats = update_policy(policy, opt, batch, cfg, g, sched, max_timestep=args.max_train_timestep)
+        stats = update_policy(policy, opt, batch, cfg, g, sched, max_timestep=args.max_train_timestep, own=own)
         point = {"iteration": it + 1, "reward": float(batch.reward.mean()),
                  "success": float(task.success(batch.prompts, batch.samples).float().mean()),
                  "clip_frac": stats.get("clip_frac", 0.0), "approx_kl": stats.get("approx_kl", 0.0),

@@ -138,7 +138,7 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
 
     from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows, chain_conditioning
     from miles_core.algo.update import update_policy
-    from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
+    from miles_core.config import AdpoSettings, RenoiseConfig, UpdateConfig, load_recipe
     from miles_core.data.registry import build_task
     from miles_core.models import diffusion_gemma as dg
     from miles_core.models.lora import add_lora, reference_policy
@@ -170,9 +170,9 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
         a = argparse.Namespace(**{**vars(args), **ARMS[name]})
         sft_model, _ = dg.load_diffusion_gemma(work / "sft")
         policy = add_lora(sft_model, r=16, alpha=32)
-        acfg = ADPOConfig(lr=a.rl_lr, num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0,
-                          renoise_output=a.renoise_output)
-        opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=acfg.lr)
+        acfg = UpdateConfig(num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0)
+        own = AdpoSettings(renoise_output=a.renoise_output)
+        opt = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=a.rl_lr)
         rng, rl_gen, rl_curve = random.Random(seed), torch.Generator().manual_seed(seed), []
         t1, eval_s, steps_mean = time.perf_counter(), 0.0, []
         mu_batch = None
@@ -181,7 +181,7 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
             batch = rl_batch(policy, tok, data, train_cfg, reward, rng, rl_gen, a, it)
             ids, seeds = batch.prompt_ids, batch.seed
             mu_batch = batch if mu_batch is None else mu_batch   # sampled by the SFT policy (LoRA B = 0)
-            st = update_policy(policy, opt, batch, acfg, tok, 1.0, rl_gen)
+            st = update_policy(policy, opt, batch, acfg, tok, 1.0, rl_gen, own=own)
             steps_mean.append(float(batch.num_steps.float().mean()))
             if it % 10 == 0:
                 print(f"[seed {seed}] {name} it {it} reward {float(batch.reward.nan_to_num(0).mean()):.3f} "

@@ -41,11 +41,11 @@ from miles_core.config import load_recipe
 REPO = Path(__file__).resolve().parents[1]
 STALENESS = 6
 OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=4", "train.group_size=2", "sampler.steps=4",
-             "adpo.step_fraction=0.5", "adpo.num_minibatches=4", "adpo.kl_coef=0.0", f"adpo.max_staleness={STALENESS}",
+             "estimators.adpo.step_fraction=0.5", "update.num_minibatches=4", "update.kl_coef=0.0", f"async_rl.max_staleness={STALENESS}",
              "lora.r=4", "lora.targets=q_proj,v_proj,ballast", "async_rl.sync_dtype=bfloat16",
              "async_rl.checkpoint_every=10", "async_rl.poll_interval=0.05", "async_rl.poll_backoff=2.0",
              "async_rl.poll_max_interval=1.0", "async_rl.retain_heap_mb=0", "guard.enabled=false",
-             "adpo.skip_zero_variance=false"]  # every trajectory is learned on, as at scale (an untrained model scores 0)
+             "update.skip_zero_variance=false"]  # every trajectory is learned on, as at scale (an untrained model scores 0)
 
 
 def _seaweed() -> Any:
@@ -66,7 +66,7 @@ def _children(pid: int) -> list[int]:
 def stand_in(cfg: Any, scale: float = SCALE, bytes_scale: float | None = None) -> dict[str, Any]:
     """The stand-in's settings for the emulation recipe's batches (benchmarks/standin.py)."""
     c = cfg.train.prompts_per_iter * cfg.train.group_size
-    return {**settings(c, cfg.sampler.steps, cfg.adpo.step_fraction, scale, cfg.adpo.num_minibatches, bytes_scale),
+    return {**settings(c, cfg.sampler.steps, cfg.estimators.adpo.step_fraction, scale, cfg.update.num_minibatches, bytes_scale),
             "lora_r": cfg.lora.r}
 
 
@@ -219,7 +219,7 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
     exactly_once = len(ids) == len(set(ids)) == committed - len(ledger["dropped"]) - len(ledger["quarantined"])
     return {"processes": procs, "samplers": pl.samplers, "learner_ranks": pl.learner_ranks,
             "batches_per_update": pl.batches_per_update, "batches": committed, "completions_per_batch": c,
-            "group_size": cfg.train.group_size, "minibatches": cfg.adpo.num_minibatches,
+            "group_size": cfg.train.group_size, "minibatches": cfg.update.num_minibatches,
             "efficiency": done / span / ideal if span > 0 else float("nan"),
             "whole_run_efficiency": sum(h["batches"] for h in history) * c / (history[-1]["at"] - started) / ideal,
             "completions_per_s": done / span if span > 0 else float("nan"), "ideal_completions_per_s": ideal,
@@ -238,7 +238,7 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
             "adapter_bytes": st["adapter_bytes"],
             "allreduce_bytes": st["allreduce_bytes"], "link_bytes_s": 1e9,
             "poll_s": cfg.async_rl.poll_interval, "poll_backoff": cfg.async_rl.poll_backoff,
-            "poll_max_s": cfg.async_rl.poll_max_interval, "max_staleness": cfg.adpo.max_staleness}
+            "poll_max_s": cfg.async_rl.poll_max_interval, "max_staleness": cfg.async_rl.max_staleness}
 
 
 def main() -> None:

@@ -3,12 +3,13 @@
 Per seed (each (seed, arm) run in its own process, one torch thread, so two runs use the two cores):
   1. one SFT checkpoint: ``--checkpoint DIR``'s ``seed{N}/sft`` (e.g. the work folder
      ``benchmarks.learning`` used, same settings), trained there to its validation plateau when absent;
-  2. from it, one arm per ``adpo.estimator``, each sampling the same number of completions
+  2. from it, one arm per ``update.estimator``, each sampling the same number of completions
      (``train.iterations`` x prompts x group, same seed);
   3. update compute made about equal by Monte-Carlo mask samples: ADPO scores ``step_fraction`` x
      ``sampler.steps`` rows per trajectory; mean-field, wd1 and SPG run one forward per mask draw,
      coupled and ESPO two (a mask and its complement), EBPO one per block (two 8-token blocks), and
-     each draws as many masks per trajectory (``adpo.mask_samples``) as cost ADPO's update FLOPs,
+     each draws as many masks per trajectory (its own count: d1's and wd1's ``mask_draws``, SPG's
+     ``copies``, ESPO's ``pairs``, EBPO's ``timesteps``) as cost ADPO's update FLOPs,
      measured on one batch of the first seed's SFT policy (:func:`table_draws`; which rows need a
      proximal pass is the engine's business, so the match is measured, not modelled), with the same
      optimizer steps per batch as ADPO; TraceRL (ADPO with s = 2 steps per row) scores as many
@@ -28,6 +29,7 @@ Run: python -m benchmarks.estimators [--checkpoint DIR] [--seeds 0 1 2 3] [--rec
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -43,13 +45,16 @@ DIAGNOSTIC = ("adpo_full", "adpo_cover50")
 # ADPO's other row designs: adpo_sampled, exact steps only (3/4 of them: about the default's update
 # FLOPs, an exact row of a fresh batch needing no proximal pass); adpo_cover50, the previous default
 # (covering rows at rho 0.5, fewer FLOPs now); adpo_full, every recorded step exactly (rho 1)
-ADPO_DESIGNS = {"adpo_sampled": ["adpo.step_fraction=0.75", "adpo.step_cover=false"],
-                "adpo_cover50": ["adpo.step_fraction=0.5", "adpo.step_cover=true"],
-                "adpo_full": ["adpo.step_fraction=1.0"]}
+ADPO_DESIGNS = {"adpo_sampled": ["estimators.adpo.step_fraction=0.75", "estimators.adpo.step_cover=false"],
+                "adpo_cover50": ["estimators.adpo.step_fraction=0.5", "estimators.adpo.step_cover=true"],
+                "adpo_full": ["estimators.adpo.step_fraction=1.0"]}
 # EBPO's blocks (LLaDA2.1 gives no size for RL): 8 tokens, two blocks of the arith recipe's 16-token completion
 EBPO_BLOCK = 8
-ARM_SETTINGS = {"ebpo": [f"adpo.mask_block={EBPO_BLOCK}"]}
+ARM_SETTINGS = {"ebpo": [f"estimators.ebpo.mask_block={EBPO_BLOCK}"]}
 ONE_PASS = ("meanfield", "wd1", "coupled", "spg", "espo", "ebpo")  # the arms whose mask draws are matched
+# each one-pass estimator's count of masks per trajectory, in its own settings (config/estimators.py)
+DRAWS_FIELD = {"meanfield": "mask_draws", "wd1": "mask_draws", "coupled": "mask_draws", "spg": "copies",
+               "espo": "pairs", "ebpo": "timesteps"}
 # 1700 held-out problems (the test bucket holds 1742 distinct ones; the first 500 are the recipe's own):
 # with 4 seeds, enough for the paired sign test to see 1.5 points (see ``power`` in the output)
 DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300", "task.num_test=1700",
@@ -59,20 +64,20 @@ FLOP_EVERY = 10
 
 
 def arm_overrides(cfg, estimator: str, draws: dict[str, float] | None = None) -> list[str]:
-    """``adpo.estimator`` and what makes the arm cost ADPO's update FLOPs (:func:`matched_draws`):
+    """``update.estimator`` and what makes the arm cost ADPO's update FLOPs (:func:`matched_draws`):
     for the one-pass estimators, ``draws[estimator]`` mask draws per trajectory; for ``tracerl``
-    (ADPO with ``adpo.step_merge``, TraceRL, arXiv:2509.06949), ``draws["tracerl"]``, the fraction of
+    (ADPO with ``estimators.adpo.step_merge``, TraceRL, arXiv:2509.06949), ``draws["tracerl"]``, the fraction of
     its merged runs it scores. The ``ADPO_DESIGNS`` are ADPO's other row designs, not matched."""
     if estimator in ADPO_DESIGNS:
-        return ["adpo.estimator=adpo", *ADPO_DESIGNS[estimator]]
-    out = [f"adpo.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
+        return ["update.estimator=adpo", *ADPO_DESIGNS[estimator]]
+    out = [f"update.estimator={estimator}", *ARM_SETTINGS.get(estimator, [])]
     if estimator == "adpo":
         return out
     if draws is None or estimator not in draws:
         raise ValueError(f"arm_overrides: no matched mask draws for {estimator!r} (benchmarks.estimators.matched_draws)")
     if estimator == "tracerl":  # ADPO's rows merged s steps at a time (none exact)
-        return ["adpo.estimator=adpo", f"adpo.step_merge={TRACERL_MERGE}", f"adpo.step_fraction={draws['tracerl']}"]
-    return out + [f"adpo.mask_samples={int(draws[estimator])}"]
+        return ["update.estimator=adpo", f"estimators.adpo.step_merge={TRACERL_MERGE}", f"estimators.adpo.step_fraction={draws['tracerl']}"]
+    return out + [f"estimators.{estimator}.{DRAWS_FIELD[estimator]}={int(draws[estimator])}"]
 
 
 def matched_draws(seed: int, overrides: list[str], out: str, sft_dir: str | None, recipe: str = "arith") -> dict:
@@ -144,13 +149,11 @@ def prepare_seed(seed: int, overrides: list[str], out: str, sft_dir: str | None,
 
 def _arm_key(arm: str, arm_cfg, ckpt: Path) -> dict:
     """What an arm's training depends on: its resolved config but the evaluation's and the other
-    estimators' own ADPO fields (which it never reads), and the SFT weights."""
-    from miles_core.algo.estimators import ESTIMATORS as READS
-
+    estimators' settings (which it never reads), and the SFT weights."""
     weights = hashlib.sha256((ckpt / "model.safetensors").read_bytes()).hexdigest()
     config = {k: v for k, v in arm_cfg.to_dict().items() if k != "eval"}
-    unread = {f for fields in READS.values() for f in fields} - set(READS[arm_cfg.adpo.estimator])
-    config["adpo"] = {k: v for k, v in config["adpo"].items() if k not in unread}
+    own = arm_cfg.update.estimator
+    config["estimators"] = {own: config["estimators"][own]}
     return json.loads(json.dumps({"arm": arm, "config": config, "sft_sha256": weights}))
 
 
@@ -228,8 +231,8 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
                   # per trajectory an update kept (A != 0): the estimator's own cost, apart from how
                   # many groups its policy leaves with a reward spread
                   "flops_per_trajectory": meter.totals.get("update", 0) / max(kept, 1.0),
-                  "peak_mem_bytes": peak, "update_seconds": update_s, "mask_samples": arm_cfg.adpo.mask_samples,
-                  "estimator": arm_cfg.adpo.estimator,
+                  "peak_mem_bytes": peak, "update_seconds": update_s, "settings": dataclasses.asdict(arm_cfg.own()),
+                  "estimator": arm_cfg.update.estimator,
                   "eval_config": r.config.to_dict()}
         print(f"[seed {seed}] {arm} pass@1 {result['pass1']:.3f} ({update_s:.0f}s of updates)", flush=True)
     cache.parent.mkdir(parents=True, exist_ok=True)
@@ -266,13 +269,14 @@ def main() -> None:
                  "p_vs_adpo": None if arm == "adpo" else st["p"],
                  "wins_vs_adpo": st["wins"], "losses_vs_adpo": st["losses"]}
         if arm != "sft":
-            for key in ("update_flops", "flops_per_trajectory", "peak_mem_bytes", "update_seconds", "samples",
-                        "mask_samples"):
+            for key in ("update_flops", "flops_per_trajectory", "peak_mem_bytes", "update_seconds", "samples"):
                 entry[key] = sum(r[key] for r in res) / len(res)
-        out.append(entry)
         trained = arm != "sft"
-        draws = trained and res[0]["estimator"] != "adpo"  # the ADPO arms (tracerl, adpo_full) draw no masks
-        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_samples"]) if draws else "-",
+        draws = trained and res[0]["estimator"] in DRAWS_FIELD  # the ADPO arms (tracerl, adpo_full) draw no masks
+        if draws:
+            entry["mask_draws"] = res[0]["settings"][DRAWS_FIELD[res[0]["estimator"]]]
+        out.append(entry)
+        rows.append([arm, f"{entry['pass1']:.3f}", int(entry["mask_draws"]) if draws else "-",
                      f"{entry['update_flops']:.3g}" if trained else "-",
                      f"{entry['flops_per_trajectory']:.3g}" if trained else "-",
                      f"{entry['peak_mem_bytes'] / 2**20:.1f}" if trained else "-",

@@ -14,15 +14,15 @@ Random weights are never confident, so NSD commits one token per step here: the 
 engine's, at the reference's number of steps. Host reads in Miles' rollout are counted on the
 device (HostReads sees the real device-to-host copies there).
 One ADPO update on the LLaDA shape: ``--batch`` completions of 256 tokens over 16 steps, LoRA
-r=64 (fp32 adapters on the bf16 base), ``adpo.chunk_tokens`` 32768: seconds and peak memory; then
-the same update with ``adpo.grad_checkpointing`` (every layer recomputed in backward).
+r=64 (fp32 adapters on the bf16 base), ``update.chunk_tokens`` 32768: seconds and peak memory; then
+the same update with ``update.grad_checkpointing`` (every layer recomputed in backward).
 One ADPO update on a random-init DiffusionGemma at the published text sizes (``dgemma_update``).
 ``--async-8b``, a second command (each stays under the device tool's 10 minutes): asynchronous
 against synchronous ADPO at the LLaDA-8B shape on the one GPU. A random-init checkpoint in LLaDA's
 published layout (bf16) is written once, then ``benchmarks.async_vs_sync`` runs on it: the arith
 recipe's prompts through the family's tokenizer, a sampler and the learner as separate processes
 sharing the GPU, against one process doing rollout -> update in turn. Random weights earn no reward,
-so ``adpo.skip_zero_variance=false`` makes every batch cost a full update and the collapse guard
+so ``update.skip_zero_variance=false`` makes every batch cost a full update and the collapse guard
 is off (the throughput is real; the pass@1 is not a result).
 
 ``--cpu`` runs the same code at toy sizes (a test does, so the script cannot rot unseen).
@@ -40,7 +40,7 @@ import torch
 
 from benchmarks.harness import synthetic_batch
 from benchmarks.llada_reference import reference_generate
-from miles_core.config import ADPOConfig, SamplerConfig
+from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.models.families import SPECS
 from miles_core.models.hf import HFDiffusion, native_classes, tiny_tokenizer
 from miles_core.models.hf_tokenizer import HFTokenizer
@@ -114,7 +114,7 @@ def rollouts(model, tok, device, batch: int, completion: int, block: int, cache:
 
 def updates(model, tok, device, batch: int, completion: int) -> tuple[dict, dict]:
     """One ADPO update (LoRA r=64) on synthetic trajectories of 16 steps, then the same update with
-    every layer recomputed in backward (``adpo.grad_checkpointing``): seconds and peak memory of each."""
+    every layer recomputed in backward (``update.grad_checkpointing``): seconds and peak memory of each."""
     from miles_core.models.activations import checkpoint_layers
     from miles_core.models.lora import add_lora
 
@@ -136,14 +136,14 @@ def one_update(policy, params, opt, tok, device, trajs, completion: int) -> dict
     from miles_core.algo.update import update_policy
 
     batch = len(trajs)
-    cfg = ADPOConfig(estimator="adpo", step_fraction=1.0, chunk_tokens=32768, num_minibatches=1, epochs=1,
-                     skip_zero_variance=False)
+    cfg = UpdateConfig(estimator="adpo", chunk_tokens=32768, num_minibatches=1, epochs=1, skip_zero_variance=False)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
     sync(device)
     t0 = time.perf_counter()
-    stats = update_policy(policy, opt, trajs, cfg, tok, 1.0, torch.Generator().manual_seed(0))
+    stats = update_policy(policy, opt, trajs, cfg, tok, 1.0, torch.Generator().manual_seed(0),
+                          own=AdpoSettings(step_fraction=1.0))
     sync(device)
     sec = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**30 if device.type == "cuda" else float("nan")
@@ -193,7 +193,7 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
         num_steps=torch.full((batch,), k), seed=torch.arange(batch), group_id=torch.arange(batch) // 8,
         policy_version=torch.zeros(batch, dtype=torch.long), advantage=torch.randn(batch, generator=g),
         sampler=dataclasses.asdict(RenoiseConfig(max_steps=k)))
-    acfg = ADPOConfig(row_chunk=8, num_minibatches=1, epochs=1, skip_zero_variance=False)
+    acfg = UpdateConfig(row_chunk=8, num_minibatches=1, epochs=1, skip_zero_variance=False)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base_mem = torch.cuda.memory_allocated()
@@ -211,7 +211,7 @@ def dgemma_update(device: torch.device, dtype: torch.dtype, toy: bool, batch: in
 
 # async_vs_sync at 8B: 12 batches of 8 prompts x 8 completions (64 per batch, as the update above)
 ASYNC_SETTINGS = ["async_rl.batches_per_sampler=12", "train.prompts_per_iter=8", "train.group_size=8",
-                  "adpo.skip_zero_variance=false", "guard.enabled=false", "eval.num_problems=64", "model.backend=hf"]
+                  "update.skip_zero_variance=false", "guard.enabled=false", "eval.num_problems=64", "model.backend=hf"]
 
 
 def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) -> dict:

@@ -59,7 +59,7 @@ DGEMMA_ARMS = {"DiffusionGemma ADPO": {},
                "DiffusionGemma REINFORCE through the self-conditioning": {"chain": True},
                "DiffusionGemma REINFORCE, every path sampled": {"chain": True, "every_path": True}}
 ARMS = ("masked ADPO", *DGEMMA_ARMS)
-MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "adpo.num_minibatches=1", "adpo.max_grad_norm=1e9"]
+MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "update.num_minibatches=1", "update.max_grad_norm=1e9"]
 
 
 def _tap(params: list):
@@ -127,8 +127,8 @@ def masked(seed: int, folder: str, batches: int, eval_batches: int) -> dict:
     learner = Learner(cfg, ckpt)
     tap, data = _tap(learner.params), build_task(cfg)
     for it in range(batches):
-        update_policy(learner.model, tap, learner.sample(data, it), cfg.adpo, learner.tok, cfg.sampler.temperature,
-                    learner.gen)
+        update_policy(learner.model, tap, learner.sample(data, it), cfg.update, learner.tok, cfg.sampler.temperature,
+                      learner.gen, own=cfg.own())
     mean = sum(tap.grads) / len(tap.grads)
     reward = lambda: sum(float(learner.sample(data, 10_000 + j).reward.nan_to_num(0).mean())  # noqa: E731
                          for j in range(eval_batches)) / eval_batches
@@ -187,7 +187,7 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
 
     from benchmarks.diffusion_gemma import RENOISE, rl_batch
     from miles_core.algo.update import update_policy
-    from miles_core.config import ADPOConfig, RenoiseConfig, load_recipe
+    from miles_core.config import AdpoSettings, RenoiseConfig, UpdateConfig, load_recipe
     from miles_core.data.registry import build_task
     from miles_core.models import diffusion_gemma as dg
     from miles_core.models.lora import add_lora
@@ -205,8 +205,8 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
     model, _ = dg.load_diffusion_gemma(ckpt)
     torch.manual_seed(seed)                                         # LoRA's A: the same in whichever worker
     policy = add_lora(model, r=16, alpha=32)                        # the diffusion_gemma benchmark's RL settings
-    acfg = ADPOConfig(lr=1e-3, num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0, max_grad_norm=1e9,
-                      renoise_output=output)
+    acfg = UpdateConfig(num_minibatches=1, epochs=1, clip_eps=0.2, is_cap=2.0, max_grad_norm=1e9)
+    own = AdpoSettings(renoise_output=output)
     params = [p for p in policy.parameters() if p.requires_grad]
     tap = _tap(params)
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
@@ -216,7 +216,7 @@ def dgemma(seed: int, folder: str, batches: int, eval_batches: int, output: bool
         if chain:
             chain_gradient(policy, tap, batch, rcfg, tok, last=every_path)
         else:
-            update_policy(policy, tap, batch, acfg, tok, 1.0, gen)
+            update_policy(policy, tap, batch, acfg, tok, 1.0, gen, own=own)
 
     def mean_reward(chain: RenoiseConfig) -> float:   # the same prompts and chain seeds at every step length
         r, g = random.Random(10_000 + seed), torch.Generator().manual_seed(10_000 + seed)

@@ -29,7 +29,7 @@ RESULTS = Path(__file__).parent / "results"
 ASYNC_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150",
                    "async_rl.shared_budget=true", "async_rl.learner_samples=true", "async_rl.sync_dtype=bfloat16",
                    "lora.r=4", "lora.targets=q_proj,v_proj", "async_rl.checkpoint_every=10",
-                   "adpo.max_staleness=5", "sft.steps=2500"]
+                   "async_rl.max_staleness=5", "sft.steps=2500"]
 
 # A bidirectional Qwen3 of ~41M parameters with the real 151,936-row vocabulary: the size rollout.py
 # and update.py time the engine at (the logits cost is real).

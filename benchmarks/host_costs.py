@@ -72,7 +72,7 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
     from miles_core.algo.draws import Draws, minibatches, trajectory_keys
     from miles_core.algo.estimators import get_estimator
     from miles_core.algo.guard import batch_health
-    from miles_core.config import ADPOConfig
+    from miles_core.config import AdpoSettings, UpdateConfig
     from miles_core.learner.shares import held_rows, my_share
     from miles_core.parallel import World
     from miles_core.storage import TrajectoryStore
@@ -123,10 +123,11 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     batch_health(local)
     t["health"] = time.perf_counter() - t0
-    cfg = ADPOConfig(step_fraction=0.25, num_minibatches=4, chunk_tokens=8192)
+    cfg = UpdateConfig(num_minibatches=4, chunk_tokens=8192)
     t0 = time.perf_counter()
     draws = Draws(1, keys, local.group_id)
-    rows, scorer = get_estimator("adpo").rows(local, cfg, CharTokenizer(), 1.0, draws)
+    rows, scorer = get_estimator("adpo").rows(local, AdpoSettings(step_fraction=0.25), cfg.epochs, CharTokenizer(), 1.0,
+                                               draws)
     t["rows"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     minibatches(rows.traj, draws, cfg.num_minibatches, 0)

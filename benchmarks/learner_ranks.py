@@ -2,7 +2,7 @@
 2 samplers and a learner of 1 process, then of 2 gloo ranks under torchrun, from one SFT
 checkpoint with one budget of completions; pass@1 of both on the same held-out problems.
 
-With ``adpo.max_staleness=0`` (``--staleness``, default 0) and a global batch of both samplers'
+With ``async_rl.max_staleness=0`` (``--staleness``, default 0) and a global batch of both samplers'
 batches, admission (slot < (S + v + 1) B) lets a sampler start its batch u only at version u and
 update u consumes exactly the two batches u: every batch is sampled with the same policy version
 in both arms, whatever the timing. Each arm therefore sees the same completions as long as the two
@@ -32,7 +32,7 @@ RANKS = (1, 2)
 def overrides(seed: int, ranks: int, staleness: int, per: int, extra: list[str]) -> list[str]:
     return ["async_rl.num_samplers=2", f"async_rl.batches_per_sampler={BATCHES_PER_SAMPLER}",
             "async_rl.shared_budget=false", "async_rl.learner_samples=false", f"async_rl.global_batch={2 * per}",
-            "async_rl.checkpoint_every=10", f"async_rl.learner_ranks={ranks}", f"adpo.max_staleness={staleness}",
+            "async_rl.checkpoint_every=10", f"async_rl.learner_ranks={ranks}", f"async_rl.max_staleness={staleness}",
             f"train.seed={seed}", *extra]
 
 
@@ -74,7 +74,7 @@ def identical_batches(run_a: str, run_b: str) -> tuple[int, int]:
 
 def main() -> None:
     ap = bench_args(__doc__, seeds=[0, 1], checkpoint=True, workdir=True)
-    ap.add_argument("--staleness", type=int, default=0, help="adpo.max_staleness of both arms (0: same completions)")
+    ap.add_argument("--staleness", type=int, default=0, help="async_rl.max_staleness of both arms (0: same completions)")
     args = ap.parse_args()
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task

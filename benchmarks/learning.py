@@ -50,7 +50,7 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int, c
     samples: dict[str, int] = {}
     rl_curves: dict[str, list[dict]] = {}
     for arm in ("adpo", "meanfield"):
-        arm_cfg = load_recipe("arith", overrides + [f"adpo.estimator={arm}", f"train.seed={seed}"])
+        arm_cfg = load_recipe("arith", overrides + [f"update.estimator={arm}", f"train.seed={seed}"])
         learner = Learner(arm_cfg, ckpt)
         t1 = time.perf_counter()
         n, eval_s, curve_rl = 0, 0.0, []

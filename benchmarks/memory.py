@@ -28,7 +28,7 @@ KS = (8, 16, 32, 64)
 
 
 def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int) -> dict[str, dict[int, int]]:
-    from miles_core.config import ADPOConfig
+    from miles_core.config import AdpoSettings, UpdateConfig
     from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, DenoiserConfig, encode_prompts
     from miles_core.continuous.sde import DEFAULT_SCHEDULE, ddim_step
     from miles_core.continuous.task import ConstraintTask
@@ -47,8 +47,9 @@ def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int
         g = torch.Generator().manual_seed(seed + k)
         batch = rollout(model, task, prompts, ids, 8, k, 1.0, g, schedule=DEFAULT_SCHEDULE)
         opt = torch.optim.SGD(params, lr=0.0)
-        cfg = ADPOConfig(row_chunk=row_chunk, step_fraction=1.0, num_minibatches=1, epochs=1, skip_zero_variance=False)
-        out["adpo"][k] = SavedTensorMeter(params).measure(lambda: update_policy(model, opt, batch, cfg, g))
+        cfg = UpdateConfig(row_chunk=row_chunk, num_minibatches=1, epochs=1, skip_zero_variance=False)
+        out["adpo"][k] = SavedTensorMeter(params).measure(
+            lambda: update_policy(model, opt, batch, cfg, g, own=AdpoSettings(step_fraction=1.0)))
 
         def chain() -> None:  # the same K sampler steps (ddim_step) with grad, log-probs summed, one backward
             x = torch.randn(len(batch), 4, generator=g)
@@ -65,7 +66,7 @@ def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int
 
 
 def discrete_peaks(ks: tuple[int, ...], n_seq: int, row_chunk: int, seed: int) -> dict[str, dict[int, int]]:
-    from miles_core.config import ADPOConfig, SamplerConfig
+    from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
     from miles_core.algo.update import update_policy
     from miles_core.models.lora import add_lora, trainable_parameters
     from miles_core.models.tiny import TinyConfig, TinyDenoiser
@@ -87,9 +88,9 @@ def discrete_peaks(ks: tuple[int, ...], n_seq: int, row_chunk: int, seed: int) -
         batch = sample(model, tok, prompt_ids, scfg, length, g)
         batch.advantage = torch.linspace(-1, 1, n_seq)
         opt = torch.optim.SGD(params, lr=0.0)
-        cfg = ADPOConfig(row_chunk=row_chunk, step_fraction=1.0, num_minibatches=1, epochs=1, skip_zero_variance=False)
+        cfg = UpdateConfig(row_chunk=row_chunk, num_minibatches=1, epochs=1, skip_zero_variance=False)
         out["adpo"][k] = SavedTensorMeter(params).measure(
-            lambda: update_policy(model, opt, batch, cfg, tok, temperature=1.0, generator=g))
+            lambda: update_policy(model, opt, batch, cfg, tok, 1.0, g, own=AdpoSettings(step_fraction=1.0)))
 
         def chain() -> None:  # the same K sampler steps (denoise_step), with grad, summed log-probs
             prompt, real = left_pad(prompt_ids, tok.pad_id)

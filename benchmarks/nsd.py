@@ -5,9 +5,9 @@ step and the LLaDA-style fixed K, against NSD at several confidence thresholds; 
 (per NFE: one sequence through the denoiser for one step) per mode, so a schedule that spent
 forwards on finished rows would show it.
 Part 2, training: ADPO from the same SFT checkpoint, for the same number of sampled completions:
-static rollouts with the recipe's update (covering rows, rho = adpo.step_fraction) against NSD's
+static rollouts with the recipe's update (covering rows, rho = estimators.adpo.step_fraction) against NSD's
 both halves: NSD rollouts, and an update whose rows are drawn where the behaviour policy had a
-choice (``adpo.step_sampling=uncertainty`` at rho = ``--train-step-fraction``, reweighted so the
+choice (``estimators.adpo.step_sampling=uncertainty`` at rho = ``--train-step-fraction``, reweighted so the
 objective is unchanged). Total denoiser FLOPs (sampling + update) and final pass@1 under one pinned
 eval config, over ``--seeds`` (one run is within its own noise of 2 points: a binomial SE of 2.1
 points on 500 problems alone), with the paired sign test over every (seed, problem) pair. FLOPs are
@@ -75,7 +75,7 @@ def _train_job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> 
 
 def nsd_update(step_fraction: float) -> list[str]:
     """NSD's update: rows where the behaviour policy had a choice, rho K_b of them expected."""
-    return ["adpo.step_cover=false", "adpo.step_sampling=uncertainty", f"adpo.step_fraction={step_fraction}"]
+    return ["estimators.adpo.step_cover=false", "estimators.adpo.step_sampling=uncertainty", f"estimators.adpo.step_fraction={step_fraction}"]
 
 
 def main() -> None:
@@ -109,7 +109,7 @@ def main() -> None:
     thr0 = min(0.99, args.train_threshold + 0.05)
     nsd_arm = nsd_update(args.train_step_fraction)
     # the control: NSD rollouts and the same expected rows, drawn uniformly (what the allocation adds)
-    uniform_arm = ["adpo.step_cover=false", f"adpo.step_fraction={args.train_step_fraction}"]
+    uniform_arm = ["estimators.adpo.step_cover=false", f"estimators.adpo.step_fraction={args.train_step_fraction}"]
     arms = ((static_s, None, []), (nsd_s, thr0, nsd_arm), (nsd_s, thr0, uniform_arm))
     jobs = [(sm, ts, arm, sd) for sm, ts, arm in arms for sd in args.seeds]
     runs = over_seeds(_train_job, jobs, args.set, str(ckpt), iters)

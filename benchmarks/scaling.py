@@ -51,8 +51,8 @@ RECIPE = "llama_tiny"
 
 def _overrides(a: argparse.Namespace) -> list[str]:
     return [f"train.prompts_per_iter={a.prompts}", f"train.group_size={a.group}", f"sampler.steps={a.steps}",
-            f"lora.r={a.lora_r}", f"lora.alpha={2 * a.lora_r}", "adpo.step_fraction=1.0", "adpo.num_minibatches=1",
-            f"adpo.row_chunk={a.row_chunk}"]
+            f"lora.r={a.lora_r}", f"lora.alpha={2 * a.lora_r}", "estimators.adpo.step_fraction=1.0", "update.num_minibatches=1",
+            f"update.row_chunk={a.row_chunk}"]
 
 
 def sampler_worker(index: int, base: str, store_uri: str, overrides: list[str], rollouts: int, rounds: int,

@@ -1,4 +1,4 @@
-"""What step merging costs in learning: ADPO with ``adpo.step_merge`` = s for several s, side by
+"""What step merging costs in learning: ADPO with ``estimators.adpo.step_merge`` = s for several s, side by
 side from one SFT checkpoint (the arith recipe: static rollouts of K = 8 steps).
 
 s = 1 is exact ADPO. s > 1 is TraceRL's shrinkage (arXiv:2509.06949): s consecutive steps are
@@ -23,7 +23,7 @@ from miles_core.data.registry import build_task
 def _job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
     """One (s, seed) training run (``over_seeds`` runs them two at a time, one torch thread each)."""
     s, seed = job
-    cfg = load_recipe("arith", [*overrides, f"adpo.step_merge={s}", f"train.seed={seed}"])  # the seed: LoRA init, prompts, noise
+    cfg = load_recipe("arith", [*overrides, f"estimators.adpo.step_merge={s}", f"train.seed={seed}"])  # the seed: LoRA init, prompts, noise
     return {"s": s, "seed": seed, **train_arm(cfg, build_task(cfg), Path(ckpt), cfg.sampler, iterations)}
 
 

@@ -8,11 +8,11 @@ synthetic because an update's cost depends only on their shapes: step_map, behav
 advantages are drawn, then one update runs through the production engine (algo/update.py).
 
 * ``adpo`` (Miles): every (trajectory, step) row scored and backpropagated in chunks of
-  ``--chunk-tokens`` positions (``adpo.chunk_tokens``), logits at committed positions only;
-  ``s`` > 1 scores s consecutive steps as one state (``adpo.step_merge``, TraceRL).
+  ``--chunk-tokens`` positions (``update.chunk_tokens``), logits at committed positions only;
+  ``s`` > 1 scores s consecutive steps as one state (``estimators.adpo.step_merge``, TraceRL).
 * ``chain``: the same rows in one chunk, so every step's graph is alive at the one backward, the
   memory profile of backpropagating through the denoising chain.
-* ``adpo+ckpt``: ``adpo`` with ``adpo.grad_checkpointing`` (models/activations.py): each layer is
+* ``adpo+ckpt``: ``adpo`` with ``update.grad_checkpointing`` (models/activations.py): each layer is
   recomputed in backward, so a chunk keeps only the layers' inputs; memory for compute.
 
 Each configuration runs in a fresh process. Peak memory is measured twice: the peak bytes autograd
@@ -43,7 +43,7 @@ def run_one(job: tuple) -> dict:
     torch.set_num_threads(args["threads"])
     from miles_core.memory import SavedTensorMeter
     from miles_core.algo.update import update_policy
-    from miles_core.config import ADPOConfig
+    from miles_core.config import AdpoSettings, UpdateConfig
     from miles_core.models.activations import checkpoint_layers
     from miles_core.models.base import load_checkpoint
     from miles_core.models.lora import add_lora
@@ -59,17 +59,17 @@ def run_one(job: tuple) -> dict:
     batch = synthetic_batch(tok, args["batch"], args["prompt_len"], args["completion"], k, seed=k)
     rows = args["batch"] * -(-k // s)
     chunk = 10**12 if arm == "chain" else args["chunk_tokens"]       # chain: every row in one backward
-    cfg = ADPOConfig(estimator="adpo", step_fraction=1.0, step_merge=s, chunk_tokens=chunk, num_minibatches=1,
-                     epochs=1, skip_zero_variance=False)
+    cfg = UpdateConfig(estimator="adpo", chunk_tokens=chunk, num_minibatches=1, epochs=1, skip_zero_variance=False)
+    own = AdpoSettings(step_fraction=1.0, step_merge=s)
     warm = synthetic_batch(tok, 1, args["prompt_len"], args["completion"], 2, seed=99)
     warm.advantage = torch.ones(1)
-    update_policy(model, opt, warm, cfg, tok, 1.0, torch.Generator().manual_seed(0))   # allocator and kernels warm
+    update_policy(model, opt, warm, cfg, tok, 1.0, torch.Generator().manual_seed(0), own=own)   # allocator and kernels warm
     meter = SavedTensorMeter(list(model.parameters()))
     out: dict = {}
     before = reset_peak_rss()
     t0 = time.perf_counter()
     saved = meter.measure(lambda: out.update(update_policy(model, opt, batch, cfg, tok, 1.0,
-                                                         torch.Generator().manual_seed(0))))
+                                                           torch.Generator().manual_seed(0), own=own)))
     sec = time.perf_counter() - t0
     peak = status_kb("VmHWM")
     tokens = args["batch"] * args["completion"]
@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--completion", type=int, default=256)
-    ap.add_argument("--chunk-tokens", type=int, default=4096, help="adpo.chunk_tokens of the Miles arm")
+    ap.add_argument("--chunk-tokens", type=int, default=4096, help="update.chunk_tokens of the Miles arm")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     from miles_core.models.hf import init_tiny

@@ -2,7 +2,7 @@
 
 * ``reference/cli.md``: ``miles --help`` and every command's ``--help``, from the parser itself;
 * ``reference/recipe.md``: every recipe field, its type, default and bounds, from the dataclasses
-  (``miles_core.config``: bounds are declared beside each field with ``bounded``), with the
+  (``miles_core/config/``: bounds are declared beside each field with ``bounded``), with the
   comment written beside it in the source;
 * ``concepts/store.md``, ``concepts/sandbox-invariants.md``, ``reference/architecture.md``: the
   repository's own pages (storage/SCHEMA.md, infra/sandbox.md, ARCHITECTURE.md), so one text
@@ -75,29 +75,43 @@ def _type(t: Any) -> str:
     return f"`{getattr(t, '__name__', str(t))}`"
 
 
+def _section(title: str, cls: type) -> list[str]:
+    """One section's table: each field, its type, default, bounds and the comment beside it."""
+    out = [f"## {title}", ""]
+    if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "("):
+        out += [" ".join(cls.__doc__.split()), ""]
+    out += ["| field | type | default | bounds | what |", "| --- | --- | --- | --- | --- |"]
+    notes, sub = _comments(cls), typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
+        lo, hi = f.metadata.get("bounds", (None, None))
+        bounds = "" if lo is None and hi is None else f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
+        what = notes.get(f.name, "").replace("|", "\\|")
+        out.append(f"| `{f.name}` | {_type(sub[f.name])} | `{default!r}` | {bounds} | {what} |")
+    return out + [""]
+
+
 def recipe_page() -> str:
-    from miles_core.config import RecipeConfig
+    from miles_core.config import BUILTIN_ESTIMATORS, SETTINGS, EstimatorSections, RecipeConfig
 
     out = ["# Recipe fields", "",
-           "Generated from `miles_core/config.py` at build time. Set any field in a recipe YAML or on the "
-           "command line as `section.field=value` (e.g. `adpo.lr=5e-4`); a value out of its bounds or not "
-           "among its choices is refused before any work, naming the field.", ""]
+           "Generated from `miles_core/config/` at build time. Set any field in a recipe YAML or on the "
+           "command line as `section.field=value` (e.g. `optim.lr=5e-4`, `estimators.spg.copies=4`); a value "
+           "out of its bounds or not among its choices is refused before any work, naming the field. Keys of "
+           "the old single `adpo` section still load, each with a warning naming where it now lives "
+           "(`miles_core/config/legacy.py`).", ""]
     hints = typing.get_type_hints(RecipeConfig)
     for top in dataclasses.fields(RecipeConfig):
         cls = hints[top.name]
-        if not dataclasses.is_dataclass(cls):
+        if cls is EstimatorSections:
+            out += ["## estimators", "", "Each estimator's own settings, `estimators.NAME.FIELD`; the engine "
+                    "reads those of `update.estimator`.", ""]
+            out += [line for name in BUILTIN_ESTIMATORS for line in _section(f"estimators.{name}", SETTINGS[name])]
+        elif dataclasses.is_dataclass(cls):
+            out += _section(top.name, cls)
+        else:
             out += [f"- `{top.name}` ({_type(cls)}, default `{top.default!r}`)", ""]
-            continue
-        out += [f"## {top.name}", "", "| field | type | default | bounds | what |", "| --- | --- | --- | --- | --- |"]
-        notes, sub = _comments(cls), typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else (
-                f.default_factory() if f.default_factory is not dataclasses.MISSING else "")
-            lo, hi = f.metadata.get("bounds", (None, None))
-            bounds = "" if lo is None and hi is None else f"[{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]"
-            what = notes.get(f.name, "").replace("|", "\\|")
-            out.append(f"| `{f.name}` | {_type(sub[f.name])} | `{default!r}` | {bounds} | {what} |")
-        out.append("")
     return "\n".join(out)
 
 

@@ -130,7 +130,7 @@ def async_train_flow(recipe: str = "arith", overrides: list[str] | None = None, 
         asyncrun.prepare(store, cfg.to_dict(), str(base))
         a = cfg.async_rl
         log.info("async run %s: %d samplers x %d batches, %d learner rank(s), S=%d, via %s", store, a.num_samplers,
-                 a.batches_per_sampler, a.learner_ranks, cfg.adpo.max_staleness, p.launcher)
+                 a.batches_per_sampler, a.learner_ranks, cfg.async_rl.max_staleness, p.launcher)
         t0 = time.perf_counter()
         if p.launcher == "deployments":
             _run_deployments(store, a.num_samplers, p.timeout_s)

@@ -54,7 +54,7 @@ FLOW_COMMANDS = {
     "async-train": FlowCommand("async_train", "async_train_flow", P.AsyncTrainParams, ("recipe", "overrides"),
                                "asynchronous ADPO: sampler workers + learner through the store",
                                "Decoupled samplers and one learner that share only the store URI; a sampler starts a batch "
-                               "only while it will be at most adpo.max_staleness versions stale; one update per "
+                               "only while it will be at most async_rl.max_staleness versions stale; one update per "
                                "async_rl.global_batch completions. Workers that crash are "
                                "restarted and resume; see docs/getting-started/async.md.", "async"),
     "sft": FlowCommand("sft", "sft_flow", P.SFTParams, ("recipe", "overrides"),
@@ -106,7 +106,7 @@ def _tracking(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="miles", description="Reinforcement-learning post-training (ADPO) for diffusion language models.",
-        epilog="Overrides are key.sub=value pairs, e.g. adpo.lr=5e-4 train.iterations=20. "
+        epilog="Overrides are key.sub=value pairs, e.g. optim.lr=5e-4 train.iterations=20. "
                "Run 'miles recipes' for the built-in recipes.")
     parser.add_argument("--version", action="version", version=f"miles {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)

@@ -44,9 +44,9 @@ class UsageError(Exception):
 
 
 def _recipes_dir() -> Path:
-    import miles_core.config as config
+    from miles_core.config.recipe import RECIPES
 
-    return Path(config.__file__).parent / "recipes"
+    return RECIPES
 
 
 def validate_recipe(recipe: str | None, overrides: Sequence[str]) -> Any:
@@ -77,7 +77,7 @@ def validate_recipe(recipe: str | None, overrides: Sequence[str]) -> Any:
 
 
 def bare_word_error(word: str) -> str:
-    """Why ``word`` is not an override, with the field it most likely meant (``lr`` -> ``adpo.lr=...``)."""
+    """Why ``word`` is not an override, with the field it most likely meant (``lr`` -> ``optim.lr=...``)."""
     from miles_core.config import load_recipe
 
     keys = load_recipe(None).flat()

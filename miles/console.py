@@ -54,7 +54,7 @@ def startup_advice(err: BaseException) -> str | None:
 
 def merge_overrides(args: argparse.Namespace, extra: Sequence[str]) -> list[str]:
     """Words argparse left over because they came after an option (``miles train tiny --iterations 3
-    adpo.lr=1e-3``): ``key=value`` words join the overrides, a first bare word is the recipe when none
+    optim.lr=1e-3``): ``key=value`` words join the overrides, a first bare word is the recipe when none
     was given. Returns the words that are neither (unknown options, stray words)."""
     rest: list[str] = []
     for word in extra:

@@ -39,10 +39,10 @@ def plan(run_uri: str, cfg: dict[str, Any], base_checkpoint: str, devices: int |
     a = recipe.async_rl
     b = recipe.batches_per_update()
     if devices:
-        pl = place(devices, costs.rollout_s, costs.update_s, recipe.adpo.max_staleness, b, recipe.train.prompts_per_iter)
+        pl = place(devices, costs.rollout_s, costs.update_s, recipe.async_rl.max_staleness, b, recipe.train.prompts_per_iter)
         overrides = [f"async_rl.num_samplers={pl.samplers}", f"async_rl.learner_ranks={pl.learner_ranks}"]
     else:
-        pl = predict(a.num_samplers, a.learner_ranks, costs.rollout_s, costs.update_s, recipe.adpo.max_staleness, b,
+        pl = predict(a.num_samplers, a.learner_ranks, costs.rollout_s, costs.update_s, recipe.async_rl.max_staleness, b,
                      b * recipe.train.prompts_per_iter)
         overrides = []
     return {**asdict(pl), "rollout_s_per_completion": costs.rollout_s, "update_s_per_completion": costs.update_s,

@@ -77,7 +77,7 @@ def test_a_learner_with_grad_checkpointing_makes_the_same_update(tmp_path: Path)
     base = init("tiny", str(tmp_path / "base"), seed=5)
     out = {}
     for on in (False, True):
-        cfg = load_recipe("tiny", ["train.prompts_per_iter=4", "train.group_size=4", f"adpo.grad_checkpointing={str(on).lower()}"])
+        cfg = load_recipe("tiny", ["train.prompts_per_iter=4", "train.group_size=4", f"update.grad_checkpointing={str(on).lower()}"])
         learner = Learner(cfg, base)
         with torch.no_grad():
             for n, p in learner.model.named_parameters():

@@ -60,7 +60,7 @@ def lora_state(model) -> dict[str, torch.Tensor]:
 def test_the_learner_still_drops_what_admission_let_go_stale(tmp_path: Path, base_dir: Path) -> None:
     # batches admission would never let start (5 sampled from v0 with S=1) committed by hand: the
     # learner must use the first S+1 (staleness 0..S) and drop the rest, counting them
-    run, _ = make_run(tmp_path, base_dir, "adpo.max_staleness=1", "async_rl.batches_per_sampler=5")
+    run, _ = make_run(tmp_path, base_dir, "async_rl.max_staleness=1", "async_rl.batches_per_sampler=5")
     learner = AsyncLearner(run, str(tmp_path / "lc"))  # publishes v0
     sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
     sampler.sync_adapter()
@@ -75,7 +75,7 @@ def test_the_learner_still_drops_what_admission_let_go_stale(tmp_path: Path, bas
 
 
 def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path: Path, base_dir: Path) -> None:
-    run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2", "adpo.max_staleness=8")
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2", "async_rl.max_staleness=8")
     learner = AsyncLearner(run, str(tmp_path / "lc"))
     samplers = [SamplerWorker(run, f"w{i}", i, str(tmp_path / f"sc{i}")) for i in range(2)]
     base_ptrs = [s.base_ptr for s in samplers]
@@ -105,7 +105,7 @@ def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path:
 
 
 def test_importance_weights_are_one_on_policy(tmp_path: Path, base_dir: Path) -> None:
-    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=1", "adpo.num_minibatches=2",
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=1", "update.num_minibatches=2",
                       "sampler.temperature=1.0")
     learner = AsyncLearner(run, str(tmp_path / "lc"))
     sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
@@ -144,10 +144,10 @@ def test_run_spec_and_async_config_errors_name_the_field(tmp_path: Path, base_di
         load_recipe("tiny", ["async_rl.samplers=2"])
     run, _ = make_run(tmp_path, base_dir)
     with pytest.raises(RunSpecMismatch, match="different recipe"):
-        prepare_run(run, load_recipe("tiny", BASE + ["adpo.lr=0.5"]), base_dir)
+        prepare_run(run, load_recipe("tiny", BASE + ["optim.lr=0.5"]), base_dir)
     with pytest.raises(FileNotFoundError, match="run.json does not exist"):
         RunStore(str(tmp_path / "nowhere")).read_spec()
-    with pytest.raises(ConfigError, match="renoise.output: 'sample' needs adpo.renoise_output=true"):
+    with pytest.raises(ConfigError, match="renoise.output: 'sample' needs estimators.adpo.renoise_output=true"):
         load_recipe("tiny", ["renoise.output=sample"])
 
 
@@ -159,8 +159,8 @@ def test_a_run_recorded_before_a_field_existed_resumes_with_its_default(tmp_path
     cfg = load_recipe("tiny", []).to_dict()
     old = {**cfg, "renoise": {k: v for k, v in cfg["renoise"].items() if k != "output"}}
     assert changed_settings(old, cfg) == []
-    other = load_recipe("tiny", ["renoise.output=sample", "adpo.renoise_output=true"]).to_dict()
-    assert changed_settings(old, other) == ["adpo.renoise_output", "renoise.output"]
+    other = load_recipe("tiny", ["renoise.output=sample", "estimators.adpo.renoise_output=true"]).to_dict()
+    assert changed_settings(old, other) == ["estimators.adpo.renoise_output", "renoise.output"]
     store = RunStore(str(tmp_path / "run"))
     store.write_spec({"cfg": old})
     assert store.write_spec({"cfg": cfg}) == {"cfg": old}
@@ -174,7 +174,7 @@ def test_async_learner_resume_is_bit_identical(tmp_path: Path, signal_base: Path
     adapters = []
     for name, stops in (("straight", [None]), ("resumed", [2, None])):
         run, _ = make_run(tmp_path / name, signal_base, "async_rl.batches_per_sampler=4",
-                          "adpo.max_staleness=10", "async_rl.checkpoint_every=3")
+                          "async_rl.max_staleness=10", "async_rl.checkpoint_every=3")
         AsyncLearner(run, str(tmp_path / name / "lc0"))  # v0
         SamplerWorker(run, "w0", 0, str(tmp_path / name / "sc")).run()
         for i, stop in enumerate(stops):
@@ -233,7 +233,7 @@ def run_until_paused(cmd: list[str], tmp: Path, point: str) -> None:
 
 def test_sigkill_during_batch_write_and_mid_update_loses_and_duplicates_nothing(tmp_path: Path, base_dir: Path) -> None:
     run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=4",
-                      "adpo.max_staleness=10")
+                      "async_rl.max_staleness=10")
     rs = RunStore(run)
     AsyncLearner(run, str(tmp_path / "lc0"))  # v0, so the sampler can start
     # (caches under tmp_path: a SIGKILLed worker cannot remove a temp cache of its own)
@@ -267,7 +267,7 @@ def test_warm_local_run_forks_preloaded_workers_that_finish_and_restart_after_si
     # staleness bound 1: admission holds w0's third batch until the learner's first update, so w0
     # is still running when it is killed (with a loose bound it could finish all three first)
     run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3",
-                        "adpo.max_staleness=1", "async_rl.sampler_nice=5", "async_rl.pin_samplers=true")
+                        "async_rl.max_staleness=1", "async_rl.sampler_nice=5", "async_rl.pin_samplers=true")
     lr = LocalRun(run, 1, local_env(), tmp_path / "logs", warm=True)
     lr.start_all()
     try:
@@ -298,7 +298,7 @@ def test_shared_budget_lets_a_fast_sampler_take_a_slow_ones_share_exactly_once(t
     # committing; w0 then runs alone and takes every free slot (3); w1 restarts, redoes its claimed
     # batch and finds no slot left. The learner gets exactly the 4 batches it expects.
     run, cfg = make_run(tmp_path, base_dir, "async_rl.num_samplers=2", "async_rl.batches_per_sampler=2",
-                        "async_rl.shared_budget=true", "adpo.max_staleness=8")
+                        "async_rl.shared_budget=true", "async_rl.max_staleness=8")
     learner = AsyncLearner(run, str(tmp_path / "lc"))
     rs = RunStore(run)
     from miles_core.storage import uri as U
@@ -319,7 +319,7 @@ def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: P
     # and never committed it; the sampler then took the 2 free slots. The restarted learner redoes its
     # claimed batch with the current policy, consumes all 3 exactly once and never sleeps.
     run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=3", "async_rl.shared_budget=true",
-                      "async_rl.learner_samples=true", "adpo.max_staleness=8")
+                      "async_rl.learner_samples=true", "async_rl.max_staleness=8")
     rs = RunStore(run)
     from miles_core.storage import uri as U
 
@@ -338,7 +338,7 @@ def test_a_sampler_starts_only_the_slots_the_learners_version_admits(tmp_path: P
     none is dropped. The learner updates once per two batches (global batch), the ledger says which."""
     assert [k for k in range(8) if admits(k, 0, 2, 1)] == [0, 1, 2, 3]
     assert [k for k in range(8) if admits(k, 1, 1, 0)] == [0, 1]
-    run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=6", "adpo.max_staleness=0",
+    run, cfg = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=6", "async_rl.max_staleness=0",
                         "async_rl.global_batch=32", "train.prompts_per_iter=4", "train.group_size=4")
     assert cfg.batches_per_update() == 2
     rs = RunStore(run)

@@ -17,7 +17,7 @@ from miles_core.storage.run import RunStore
 
 
 def test_the_batch_channel_admits_judges_and_commits_once(tmp_path: Path) -> None:
-    cfg = load_recipe("tiny", ["adpo.max_staleness=2"])
+    cfg = load_recipe("tiny", ["async_rl.max_staleness=2"])
     ch = BatchChannel(RunStore(str(tmp_path / "run")), cfg)
     b = cfg.batches_per_update()
     for v in (0, 3):  # slot k starts only while k < (S + v + 1) B

@@ -66,7 +66,7 @@ def test_help_and_validation_do_not_import_heavy_libraries() -> None:
     the flows only their parameter models (flows/params.py, pydantic), which the subcommands are
     generated from."""
     code = ("import sys\nfrom miles import cli\np = cli.build_parser()\np.format_help()\n"
-            "cli.validate_recipe('arith', ['adpo.lr=0.01'])\n"
+            "cli.validate_recipe('arith', ['optim.lr=0.01'])\n"
             "mods = [m for m in ('torch', 'prefect', 'mlflow', 'tasks', 'tracking') if m in sys.modules]\n"
             "print(sorted(mods + [m for m in sys.modules if m.startswith('flows.') and m != 'flows.params']))")
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(), capture_output=True, text=True,
@@ -84,7 +84,7 @@ def test_unknown_command_is_a_usage_error() -> None:
 # ----------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize(("args", "names"), [
-    (["train", "arith", "adpo.lr=abc"], ["adpo.lr", "abc"]),
+    (["train", "arith", "optim.lr=abc"], ["optim.lr", "abc"]),
     (["train", "arith", "adpo.nope=1"], ["adpo.nope"]),
     (["sft", "tiny", "sft.steps=many"], ["sft.steps"]),
     (["train", "tiny", "sampler.kind=fast"], ["sampler.kind", "static", "nsd"]),
@@ -95,12 +95,14 @@ def test_unknown_command_is_a_usage_error() -> None:
     (["sft", "tiny", "sft.steps=-1"], ["sft.steps", "-1", "[1, inf]"]),
     (["train", "tiny", "train.iterations=0"], ["train.iterations", "0", "[1, inf]"]),
     (["train", "tiny", "--iterations", "0"], ["--iterations", "1"]),
-    (["train", "tiny", "adpo.lrr=1"], ["adpo.lrr", "did you mean 'adpo.lr'"]),
-    (["train", "tiny", "adpo.estimator=adpoo"], ["adpo.estimator", "adpoo", "did you mean 'adpo'"]),
+    (["train", "tiny", "adpo.lrr=1"], ["adpo.lrr", "did you mean 'optim.lr'"]),  # an old key: where it lives now
+    (["train", "tiny", "optim.lrr=1"], ["optim.lrr", "did you mean 'optim.lr'"]),
+    (["train", "tiny", "estimators.spg.copys=2"], ["estimators.spg.copys", "did you mean 'estimators.spg.copies'"]),
+    (["train", "tiny", "update.estimator=adpoo"], ["update.estimator", "adpoo", "did you mean 'adpo'"]),
     (["train", "tiny", "train.reward=arith_stepz"], ["train.reward", "arith_stepz", "did you mean 'arith_steps'"]),
     (["train", "tiny", "task.name=arithmatic"], ["task.name", "arithmatic"]),
     (["train", "tiny", "iterations"], ["iterations", "did you mean train.iterations=VALUE"]),
-    (["train", "tiny", "--iterations", "2", "adpo.lr=abc"], ["adpo.lr", "abc"]),  # an override after a flag
+    (["train", "tiny", "--iterations", "2", "optim.lr=abc"], ["optim.lr", "abc"]),  # an override after a flag
     (["train", "--iterations", "2", "tiny", "adpo.nope=1"], ["adpo.nope"]),  # the recipe after a flag
     (["train", "tiny", "--iterations", "2", "--bogus"], ["--bogus"]),
     (["models", "check", "/no/such/folder"], ["/no/such/folder", "no such folder"]),
@@ -118,12 +120,12 @@ def test_bad_recipe_or_override_fails_fast_naming_the_field(args: list[str], nam
 
 
 def test_print_config_is_the_resolved_recipe_and_runs_as_a_file(tmp_path: Path) -> None:
-    r = miles("train", "tiny", "--iterations", "3", "adpo.lr=0.002", "--print-config", timeout=60)
+    r = miles("train", "tiny", "--iterations", "3", "optim.lr=0.002", "--print-config", timeout=60)
     assert r.returncode == 0, r.stderr
     import yaml
 
     cfg = yaml.safe_load(r.stdout)
-    assert cfg["name"] == "tiny" and cfg["adpo"]["lr"] == 0.002 and cfg["train"]["iterations"] == 3
+    assert cfg["name"] == "tiny" and cfg["optim"]["lr"] == 0.002 and cfg["train"]["iterations"] == 3
     (tmp_path / "r.yaml").write_text(r.stdout)
     again = miles("train", str(tmp_path / "r.yaml"), "--print-config", timeout=60)
     assert again.returncode == 0 and again.stdout == r.stdout, again.stderr

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from miles_core.config import ADPOConfig
+from miles_core.config import AdpoSettings, UpdateConfig
 from miles_core.continuous.policy import LORA_TARGETS, ContinuousDenoiser, DenoiserConfig, encode_prompts
 from miles_core.continuous.sde import NoiseSchedule, ddim_step, gaussian_log_prob, sample_ode, sample_sde
 from miles_core.continuous.storage import ContinuousSchemaError, continuous_store, from_table, to_table
@@ -147,8 +147,8 @@ def test_update_policy_changes_only_lora_and_follows_the_advantage() -> None:
     with torch.no_grad():
         before = score_steps(model, batch, traj, step, SCHED)
     opt = torch.optim.Adam(trainable_parameters(model), lr=3e-3)
-    cfg = ADPOConfig(clip_eps=0.2, step_fraction=0.5, num_minibatches=2, row_chunk=16, std_normalize=True)
-    stats = update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
+    cfg = UpdateConfig(clip_eps=0.2, num_minibatches=2, row_chunk=16, std_normalize=True)
+    stats = update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED, own=AdpoSettings(step_fraction=0.5))
     assert stats["rows"] == len(batch) * math.ceil(0.5 * k) and stats["iw_max"] == pytest.approx(1.0)
     after = model.state_dict()
     assert all(torch.equal(v, after[n]) for n, v in frozen.items()), "a base weight changed"
@@ -165,7 +165,7 @@ def test_stale_behaviour_log_probs_are_importance_weighted_and_capped() -> None:
     _, batch = recorded(model, n_prompts=3, group=4, steps=4)
     batch.logp = batch.logp - 0.3  # behaviour policy mu gave these steps less mass than pi_prox
     opt = torch.optim.SGD(trainable_parameters(model), lr=0.0)
-    cfg = ADPOConfig(is_cap=2.0, row_chunk=7)
+    cfg = UpdateConfig(is_cap=2.0, row_chunk=7)
     st = update_policy(model, opt, batch, cfg, torch.Generator().manual_seed(0), SCHED)
     assert st["iw_mean"] == pytest.approx(math.exp(0.3), rel=1e-4)
     batch.logp = batch.logp - 5.0  # far off-policy: the weight is truncated at C
@@ -269,7 +269,7 @@ def test_adpo_peak_memory_does_not_grow_with_steps_but_the_chain_does() -> None:
     model = add_lora(tiny_policy(), r=4, alpha=8, targets=LORA_TARGETS)
     params = trainable_parameters(model)
     opt = torch.optim.SGD(params, lr=0.0)
-    cfg = ADPOConfig(row_chunk=8, skip_zero_variance=False)
+    cfg = UpdateConfig(row_chunk=8, skip_zero_variance=False)
     adpo, chain = {}, {}
     for k in (4, 12):
         _, batch = recorded(model, n_prompts=2, group=2, steps=k)

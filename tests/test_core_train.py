@@ -8,7 +8,7 @@ import torch
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.sft import make_batch, sft_loss, train_sft
 from miles_core.algo.update import update_policy
-from miles_core.config import ADPOConfig, ConfigError, SamplerConfig, load_recipe
+from miles_core.config import ConfigError, SamplerConfig, UpdateConfig, load_recipe
 from miles_core.models.lora import add_lora, add_lora_from, load_adapter, reference_policy, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.samplers.sampler import sample
@@ -96,7 +96,7 @@ def test_update_changes_only_lora_parameters(estimator):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = scored_batch(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    stats = update_policy(model, opt, batch, ADPOConfig(estimator=estimator, row_chunk=5), TOK, 1.0,
+    stats = update_policy(model, opt, batch, UpdateConfig(estimator=estimator, row_chunk=5), TOK, 1.0,
                         torch.Generator().manual_seed(0))
     after = model.state_dict()
     changed = {k for k in before if not torch.equal(before[k], after[k])}
@@ -121,7 +121,7 @@ def test_batch_loss_norm_scales_the_gradient_by_the_informative_share():
         batch.advantage = group_advantages(batch.reward, batch.group_id)
         params = [p for p in model.parameters() if p.requires_grad]
         before = [p.detach().clone() for p in params]
-        cfg = ADPOConfig(loss_norm=norm, max_grad_norm=1e9, row_chunk=5)
+        cfg = UpdateConfig(loss_norm=norm, max_grad_norm=1e9, row_chunk=5)
         stats = update_policy(model, torch.optim.SGD(params, lr=1.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
         assert stats["skipped_trajectories"] == 4
         deltas[norm] = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before)])
@@ -145,7 +145,7 @@ def test_update_graph_covers_one_step_per_row():
         h1 = head.register_forward_hook(lambda m, i, o: forwards.append(i[0].shape[0]))
         h2 = head.register_full_backward_hook(lambda m, gi, go: backwards.append(len(forwards)))
         opt = torch.optim.SGD(params, lr=0.0)  # lr 0: keep weights, read accumulated grads
-        update_policy(model, opt, batch, ADPOConfig(row_chunk=chunk, max_grad_norm=1e9), TOK, 1.0,
+        update_policy(model, opt, batch, UpdateConfig(row_chunk=chunk, max_grad_norm=1e9), TOK, 1.0,
                     torch.Generator().manual_seed(0))
         h1.remove(), h2.remove()
         grads[chunk] = torch.cat([p.grad.flatten() for p in params]).clone()
@@ -237,16 +237,16 @@ def test_lora_targets_from_the_recipe_adapt_only_those_modules():
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="adpo.nope"):
         load_recipe("tiny", ["adpo.nope=1"])
-    with pytest.raises(ConfigError, match=r"adpo.lr: expected a number"):
-        load_recipe("tiny", ["adpo.lr=abc"])
+    with pytest.raises(ConfigError, match=r"optim.lr: expected a number"):
+        load_recipe("tiny", ["optim.lr=abc"])
     with pytest.raises(ConfigError, match=r"sampler.remasking.*allowed values: 'low_confidence', 'random'"):
         load_recipe("tiny", ["sampler.remasking=best"])
-    with pytest.raises(ConfigError, match=r"adpo.step_fraction: 0.0 is out of bounds \[1e-09, 1.0\]"):
-        load_recipe("tiny", ["adpo.step_fraction=0"])
+    with pytest.raises(ConfigError, match=r"estimators.adpo.step_fraction: 0.0 is out of bounds \[1e-09, 1.0\]"):
+        load_recipe("tiny", ["estimators.adpo.step_fraction=0"])
     with pytest.raises(ConfigError, match="built-ins"):
         load_recipe("no-such-recipe")
-    cfg = load_recipe("tiny", ["adpo.lr=0.5", "sampler.kind=nsd"])
-    assert cfg.adpo.lr == 0.5 and cfg.sampler.kind == "nsd"
+    cfg = load_recipe("tiny", ["optim.lr=0.5", "sampler.kind=nsd"])
+    assert cfg.optim.lr == 0.5 and cfg.sampler.kind == "nsd"
 
 
 def test_a_rows_logits_and_greedy_completion_do_not_depend_on_its_batch():

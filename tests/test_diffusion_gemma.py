@@ -14,7 +14,7 @@ import torch
 
 from miles_core.algo.renoise_rows import RenoiseStepRows, action_rows
 from miles_core.algo.update import update_policy
-from miles_core.config import ADPOConfig, RenoiseConfig
+from miles_core.config import AdpoSettings, RenoiseConfig, UpdateConfig
 from miles_core.models import canvas
 from miles_core.models import diffusion_gemma as dg
 from miles_core.models.lora import add_lora
@@ -134,7 +134,7 @@ def test_update_trains_decoder_lora_only_and_the_ratio_is_the_chain_ratio(model)
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     before = {n: p.detach().clone() for n, p in pm.named_parameters()}
     opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
-    stats = update_policy(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1), TOK, 1.0,
+    stats = update_policy(pm, opt, batch, UpdateConfig(num_minibatches=1, epochs=1), TOK, 1.0,
                         torch.Generator().manual_seed(0))   # the one entry: it sends a renoising batch on
     assert stats["rows"] == float(action_rows(batch).traj.numel()) and math.isfinite(stats["loss"])
     changed = {n for n, p in pm.named_parameters() if not torch.equal(p, before[n])}
@@ -151,7 +151,7 @@ def test_update_trains_decoder_lora_only_and_the_ratio_is_the_chain_ratio(model)
 
 @pytest.mark.parametrize("output", ["argmax", "sample"])
 def test_the_output_row_scores_the_output_at_the_last_temperature(model, output):
-    """``adpo.renoise_output``: one more row per trajectory, (b, K_b - 1), whose action is the output
+    """``estimators.adpo.renoise_output``: one more row per trajectory, (b, K_b - 1), whose action is the output
     (generate's argmax, or with ``renoise.output="sample"`` the last step's sample) up to its first
     EOS, scored by brute force as log softmax(z_{K-1} / T_{K-1}) at the output tokens; it has no
     recorded behaviour (NaN); an update with it trains and counts its rows."""
@@ -190,8 +190,8 @@ def test_the_output_row_scores_the_output_at_the_last_temperature(model, output)
     batch = rn.sample(pm, TOK, _ids(PROMPTS), cfg, torch.tensor([7, 8, 9, 10]))
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     opt = torch.optim.Adam([p for p in pm.parameters() if p.requires_grad], lr=3e-2)
-    stats = update_policy(pm, opt, batch, ADPOConfig(num_minibatches=1, epochs=1, renoise_output=True), TOK, 1.0,
-                        torch.Generator().manual_seed(0))
+    stats = update_policy(pm, opt, batch, UpdateConfig(num_minibatches=1, epochs=1), TOK, 1.0,
+                          torch.Generator().manual_seed(0), own=AdpoSettings(renoise_output=True))
     assert stats["rows"] == float(batch.num_steps.sum()) and math.isfinite(stats["loss"])
 
 
@@ -311,7 +311,7 @@ def test_evaluation_decodes_with_the_argmax_whatever_the_rl_chains_output(monkey
 
     seen = []
     monkeypatch.setattr(E, "evaluate", lambda *a, **k: seen.append(k["renoise"]))
-    cfg = load_recipe("tiny", ["renoise.output=sample", "adpo.renoise_output=true", "renoise.max_steps=7"])
+    cfg = load_recipe("tiny", ["renoise.output=sample", "estimators.adpo.renoise_output=true", "renoise.max_steps=7"])
     E.run_eval(None, TOK, cfg, build_task(cfg))
     assert seen == [dataclasses.replace(cfg.renoise, output="argmax")] and seen[0].max_steps == 7
 
@@ -333,7 +333,7 @@ def test_grad_snr_chain_gradient_detached_is_adpos_on_policy_gradient(model):
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.8, -0.3, -0.7, 0.2])
     params = [p for p in pm.parameters() if p.requires_grad]
     ref, det, full = _tap(params), _tap(params), _tap(params)
-    update_policy(pm, ref, batch, ADPOConfig(num_minibatches=1, epochs=1, max_grad_norm=1e9), TOK, 1.0,
+    update_policy(pm, ref, batch, UpdateConfig(num_minibatches=1, epochs=1, max_grad_norm=1e9), TOK, 1.0,
                 torch.Generator().manual_seed(0))
     chain_gradient(pm, det, batch, EARLY, TOK, through_soft=False)
     chain_gradient(pm, full, batch, EARLY, TOK)

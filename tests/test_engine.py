@@ -333,7 +333,7 @@ def test_covering_update_at_half_the_steps_is_tracerl_merging_by_two_when_k_is_e
     """K = 4 for every trajectory: rho = 0.5 covering rows are runs of 2, TraceRL's s = 2 at rho = 1;
     the two configurations take the same gradient, and it differs from scoring half the steps exactly."""
     from miles_core.algo.update import update_policy
-    from miles_core.config import ADPOConfig
+    from miles_core.config import AdpoSettings, UpdateConfig
 
     base, tok = models["tiny"]
     batch = sample(base, tok, prompts_for(tok, 4, 9, lo=4, hi=7), SamplerConfig(steps=4), 16,
@@ -341,12 +341,12 @@ def test_covering_update_at_half_the_steps_is_tracerl_merging_by_two_when_k_is_e
     assert batch.num_steps.tolist() == [4, 4, 4, 4]
     batch.advantage = torch.tensor([1.0, -1.0, 0.5, -0.5])
     grads = {}
-    for name, cfg in {"cover": ADPOConfig(step_fraction=0.5), "merge2": ADPOConfig(step_fraction=1.0, step_merge=2),
-                      "sampled": ADPOConfig(step_fraction=0.5, step_cover=False)}.items():
+    for name, own in {"cover": AdpoSettings(step_fraction=0.5), "merge2": AdpoSettings(step_fraction=1.0, step_merge=2),
+                      "sampled": AdpoSettings(step_fraction=0.5, step_cover=False)}.items():
         model = lora_with_random_b(base)
         params = [p for p in model.parameters() if p.requires_grad]
-        stats = update_policy(model, torch.optim.SGD(params, lr=0.0), batch, replace(cfg, max_grad_norm=1e9), tok, 1.0,
-                            torch.Generator().manual_seed(0))
+        stats = update_policy(model, torch.optim.SGD(params, lr=0.0), batch, UpdateConfig(max_grad_norm=1e9), tok, 1.0,
+                              torch.Generator().manual_seed(0), own=own)
         assert stats["rows"] == 8.0
         grads[name] = torch.cat([p.grad.flatten() for p in params])
         model.unload()
@@ -357,7 +357,7 @@ def test_covering_update_at_half_the_steps_is_tracerl_merging_by_two_when_k_is_e
 
 def test_chunk_tokens_bounds_each_chunk_and_leaves_the_gradient_unchanged(models: dict) -> None:
     from miles_core.algo.update import update_policy
-    from miles_core.config import ADPOConfig
+    from miles_core.config import UpdateConfig
 
     base, tok = models["tiny"]
     batch = sample(base, tok, prompts_for(tok, 4, 7, lo=5, hi=6), NSD, 16, torch.Generator().manual_seed(0))
@@ -368,7 +368,7 @@ def test_chunk_tokens_bounds_each_chunk_and_leaves_the_gradient_unchanged(models
         seen = []
         h = model.base_model.model.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0].shape[0]))
         params = [p for p in model.parameters() if p.requires_grad]
-        update_policy(model, torch.optim.SGD(params, lr=0.0), batch, ADPOConfig(chunk_tokens=budget, max_grad_norm=1e9),
+        update_policy(model, torch.optim.SGD(params, lr=0.0), batch, UpdateConfig(chunk_tokens=budget, max_grad_norm=1e9),
                     tok, 1.0, torch.Generator().manual_seed(0))
         h.remove()
         grads[budget] = torch.cat([p.grad.flatten() for p in params])
@@ -415,7 +415,7 @@ def test_the_gpu_check_runs_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
 
 def test_a_bf16_base_samples_and_trains_with_fp32_adapters(tmp_path: Path) -> None:
     from miles_core.algo.update import update_policy
-    from miles_core.config import ADPOConfig
+    from miles_core.config import UpdateConfig
     from miles_core.models.lora import add_lora
 
     base, tok = load_checkpoint(init_tiny("bidir_qwen3", tmp_path / "m", seed=0), dtype="bfloat16")
@@ -428,6 +428,6 @@ def test_a_bf16_base_samples_and_trains_with_fp32_adapters(tmp_path: Path) -> No
     batch = sample(model, tok, prompts_for(tok, 2, 9), NSD, 16, torch.Generator().manual_seed(0))
     assert batch.logp.dtype == torch.float32 and torch.isfinite(batch.logp).all()
     batch.advantage = torch.tensor([1.0, -1.0])
-    stats = update_policy(model, torch.optim.AdamW(params, lr=1e-3), batch, ADPOConfig(), tok, 1.0,
+    stats = update_policy(model, torch.optim.AdamW(params, lr=1e-3), batch, UpdateConfig(), tok, 1.0,
                         torch.Generator().manual_seed(0))
     assert stats["rows"] > 0 and all(torch.isfinite(p.grad).all() for p in params if p.grad is not None)

@@ -24,7 +24,7 @@ from miles_core.algo.estimators.espo import SequenceELBORows, stratified_masks
 from miles_core.algo.estimators.spg import SandwichRows, block_masks
 from miles_core.algo.loss import SequenceRatioLoss, TokenRatioLoss, WeightedLikelihoodLoss
 from miles_core.algo.update import update_policy
-from miles_core.config import ADPOConfig
+from tests.helpers.update_cfg import update_and_own
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -76,8 +76,8 @@ def test_the_model_is_the_hand_formula() -> None:
 
 def test_adpo_scores_each_recorded_step_at_its_state() -> None:
     """Row (b, k) sees the state before step k: trajectory 0 step 0 sees [a, M, M], step 1 [a, a, M]."""
-    tb, cfg = batch(), ADPOConfig(estimator="adpo", step_fraction=1.0)  # every step, each exact
-    rows, scorer = estimator_rows(tb, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
+    tb, (cfg, own) = batch(), update_and_own("adpo", step_fraction=1.0)  # every step, each exact
+    rows, scorer = estimator_rows(tb, cfg, own, TOK, 1.0, torch.Generator().manual_seed(0))
     logp, _, commit = scorer.score(TwoToken(), rows.traj, rows.step)
     logp = logp.detach()
     got = {(int(b), int(k)): float(logp[r][commit[r]].sum()) for r, (b, k) in enumerate(zip(rows.traj, rows.step))}
@@ -207,13 +207,14 @@ ESTIMATORS = ["adpo", "meanfield", "coupled", "wd1", "spg", "espo", "ebpo"]
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: str) -> None:
-    cfg = ADPOConfig(estimator=estimator, mask_samples=2, max_grad_norm=1e9, prompt_mask_prob=0.5)
+    cfg, own = update_and_own(estimator, draws=2, max_grad_norm=1e9, where_declared={"prompt_mask_prob": 0.5})
     tb = batch()
     model = TwoToken()
-    update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0, torch.Generator().manual_seed(7))
+    update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0, torch.Generator().manual_seed(7),
+                  own=own)
     engine = torch.cat([model.theta.grad, model.phi.grad[None]])
 
-    rows, scorer = estimator_rows(tb, cfg, TOK, 1.0, torch.Generator().manual_seed(7))  # the same draws
+    rows, scorer = estimator_rows(tb, cfg, own, TOK, 1.0, torch.Generator().manual_seed(7))  # the same draws
     adv = tb.advantage.double()
     if estimator == "wd1":
         adv = wd1_weights(adv, tb.group_id)
@@ -246,17 +247,17 @@ def test_engine_gradient_matches_finite_differences_of_the_objective(estimator: 
 
 @pytest.mark.parametrize("estimator", ["spg", "espo", "ebpo"])
 def test_memory_budget_chunks_do_not_change_the_gradient(estimator: str) -> None:
-    """``adpo.chunk_tokens``: a row's cost counts all its copies' forwards (ESPO's pairs twice); a
+    """``update.chunk_tokens``: a row's cost counts all its copies' forwards (ESPO's pairs twice); a
     budget of one position puts every row in its own chunk, and the gradient adds up the same."""
     grads = []
     for budget in (0, 1):
         model = TwoToken()
-        cfg = ADPOConfig(estimator=estimator, mask_samples=2, max_grad_norm=1e9, chunk_tokens=budget)
+        cfg, own = update_and_own(estimator, draws=2, max_grad_norm=1e9, chunk_tokens=budget)
         update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), batch(), cfg, TOK, 1.0,
-                    torch.Generator().manual_seed(3))
+                      torch.Generator().manual_seed(3), own=own)
         grads.append(torch.cat([model.theta.grad, model.phi.grad[None]]))
     torch.testing.assert_close(grads[0], grads[1])
-    rows, scorer = estimator_rows(batch(), ADPOConfig(estimator=estimator, mask_samples=2), TOK, 1.0,
+    rows, scorer = estimator_rows(batch(), *update_and_own(estimator, draws=2), TOK, 1.0,
                                   torch.Generator().manual_seed(3))
     per_forward = 3 + 1.0 * 2 / 2  # prompt 1 + completion 2 positions, half the completion's logits
     assert scorer.row_cost(rows.traj, rows.step, 1.0).tolist() == [per_forward * (4 if estimator == "espo" else 2)] * 2

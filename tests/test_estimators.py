@@ -15,7 +15,8 @@ from miles_core.algo.advantages import group_advantages, wd1_weights
 from miles_core.algo.estimators import get_estimator
 from miles_core.algo.rows import MaskedCopy, row_inputs
 from miles_core.algo.update import update_policy, as_draws, update_on_rows
-from miles_core.config import ADPOConfig
+from miles_core.config import UpdateConfig
+from tests.helpers.update_cfg import update_and_own
 from miles_core.models.lora import add_lora
 from miles_core.samplers.step import denoise_step, left_pad
 
@@ -29,15 +30,15 @@ def lora_model(seed: int = 1):
     return model
 
 
-def estimator_rows(batch, cfg: ADPOConfig, tok, temperature: float, gen: torch.Generator):
+def estimator_rows(batch, cfg: UpdateConfig, own, tok, temperature: float, gen: torch.Generator):
     """The rows ``cfg.estimator`` builds for ``batch`` and their scorer, draws keyed by position."""
-    return get_estimator(cfg.estimator).rows(batch, cfg, tok, temperature, as_draws(gen, len(batch)), None)
+    return get_estimator(cfg.estimator).rows(batch, own, cfg.epochs, tok, temperature, as_draws(gen, len(batch)), None)
 
 
 def test_coupled_rows_score_every_completion_token_exactly_once_per_pair():
     batch = scored_batch(lora_model())
-    cfg = ADPOConfig(estimator="coupled", epochs=2)
-    rows, scorer = estimator_rows(batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
+    cfg, own = update_and_own("coupled", epochs=2)
+    rows, scorer = estimator_rows(batch, cfg, own, TOK, 1.0, torch.Generator().manual_seed(0))
     assert rows.traj.tolist() == [b for b in range(len(batch)) for _ in range(2)]
     assert rows.step.tolist() == [0, 1] * len(batch) and torch.equal(rows.weight, torch.ones(2 * len(batch)))
     assert scorer.comp_masks is not None and not torch.equal(scorer.comp_masks[0], scorer.comp_masks[1])  # redrawn
@@ -60,11 +61,11 @@ def test_coupled_gradient_matches_a_brute_force_objective():
     batch = scored_batch(model)
     batch.reward = torch.arange(len(batch), dtype=torch.float32)  # no A = 0 row: every trajectory kept
     batch.advantage = group_advantages(batch.reward, batch.group_id)
-    cfg = ADPOConfig(estimator="coupled", max_grad_norm=1e9, row_chunk=5)
+    cfg, own = update_and_own("coupled", max_grad_norm=1e9, row_chunk=5)
     params = [p for p in model.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(3)
-    rows, scorer = estimator_rows(batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3))
-    update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, gen)
+    rows, scorer = estimator_rows(batch, cfg, own, TOK, 1.0, torch.Generator().manual_seed(3))
+    update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, gen, own=own)
     engine = [p.grad.detach().clone() for p in params]
 
     model.zero_grad(set_to_none=True)
@@ -94,12 +95,14 @@ def test_masks_are_redrawn_every_epoch_and_the_proximal_policy_follows(estimator
     scored under another epoch's mask would give a KL far from 0."""
     model = lora_model()
     batch = scored_batch(model)
-    cfg = ADPOConfig(estimator=estimator, epochs=3, prompt_mask_prob=0.5, row_chunk=5)
-    rows, scorer = estimator_rows(batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
+    cfg, own = update_and_own(estimator, epochs=3, row_chunk=5,
+                              **({"prompt_mask_prob": 0.5} if estimator in ("meanfield", "spg") else {}))
+    rows, scorer = estimator_rows(batch, cfg, own, TOK, 1.0, torch.Generator().manual_seed(0))
     masks = scorer.prompt_masks if estimator == "meanfield" else scorer.comp_masks
     assert masks is not None and masks.shape[0] == 3 and not torch.equal(masks[0], masks[2])
     params = [p for p in model.parameters() if p.requires_grad]
-    stats = update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0))
+    stats = update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(0),
+                          own=own)
     assert stats["approx_kl"] < 1e-9 and stats["clip_frac"] == 0.0
 
     class StaleProx:  # the proximal pass under epoch 0's mask, every update pass under epoch 2's
@@ -136,10 +139,10 @@ def test_wd1_gradient_is_the_weighted_likelihood_and_has_no_ratio():
     batch = scored_batch(model)
     batch.reward = torch.arange(len(batch), dtype=torch.float32)
     batch.advantage = group_advantages(batch.reward, batch.group_id)
-    cfg = ADPOConfig(estimator="wd1", max_grad_norm=1e9, row_chunk=5, prompt_mask_prob=0.3)
+    cfg, own = update_and_own("wd1", max_grad_norm=1e9, row_chunk=5, prompt_mask_prob=0.3)
     params = [p for p in model.parameters() if p.requires_grad]
-    _, scorer = estimator_rows(batch, cfg, TOK, 1.0, torch.Generator().manual_seed(5))
-    update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(5))
+    _, scorer = estimator_rows(batch, cfg, own, TOK, 1.0, torch.Generator().manual_seed(5))
+    update_policy(model, torch.optim.SGD(params, lr=0.0), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(5), own=own)
     engine = [p.grad.detach().clone() for p in params]
 
     model.zero_grad(set_to_none=True)
@@ -153,18 +156,18 @@ def test_wd1_gradient_is_the_weighted_likelihood_and_has_no_ratio():
     for a, b in zip(engine, [p.grad.detach().clone() for p in params]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
     stats = update_policy(model, torch.optim.AdamW(params, lr=0.05), batch,
-                        ADPOConfig(estimator="wd1", epochs=3, num_minibatches=2, row_chunk=5), TOK, 1.0,
+                          UpdateConfig(estimator="wd1", epochs=3, num_minibatches=2, row_chunk=5), TOK, 1.0,
                         torch.Generator().manual_seed(0))
     assert stats["approx_kl"] > 0 and stats["clip_frac"] == 0.0  # the policy moved; wd1 has no ratio to clip
 
 
 @pytest.mark.parametrize(("estimator", "per_sample"), [("meanfield", 1), ("wd1", 1), ("coupled", 2)])
-def test_mask_samples_are_rows_of_weight_one_over_n(estimator, per_sample):
-    """``adpo.mask_samples=n``: n Monte-Carlo mask draws per trajectory, each its own row(s) with
-    weight 1/n, so the objective is the average over draws."""
+def test_mask_draws_are_rows_of_weight_one_over_n(estimator, per_sample):
+    """``mask_draws=n`` (d1's, wd1's, coupled's): n Monte-Carlo mask draws per trajectory, each its
+    own row(s) with weight 1/n, so the objective is the average over draws."""
     batch = scored_batch(lora_model())
-    rows1, _ = estimator_rows(batch, ADPOConfig(estimator=estimator), TOK, 1.0, torch.Generator().manual_seed(0))
-    rows, many = estimator_rows(batch, ADPOConfig(estimator=estimator, mask_samples=3), TOK, 1.0,
+    rows1, _ = estimator_rows(batch, *update_and_own(estimator), TOK, 1.0, torch.Generator().manual_seed(0))
+    rows, many = estimator_rows(batch, *update_and_own(estimator, mask_draws=3), TOK, 1.0,
                                 torch.Generator().manual_seed(0))
     b = len(batch)
     assert rows.traj.numel() == 3 * per_sample * b and torch.allclose(rows.weight, torch.full_like(rows.weight, 1 / 3))
@@ -189,11 +192,13 @@ def test_the_estimators_benchmark_row_designs(recipe):
     want = {"adpo": math.ceil(0.625 * k), "adpo_sampled": math.ceil(0.75 * k), "adpo_cover50": math.ceil(0.5 * k),
             "adpo_full": k, "tracerl": math.ceil(0.5 * -(-k // 2))}
     for arm in ["adpo", "tracerl", *ADPO_DESIGNS]:
-        a = load_recipe(recipe, arm_overrides(cfg, arm, {"tracerl": 0.5})).adpo
-        assert a.estimator == "adpo"
+        arm_cfg = load_recipe(recipe, arm_overrides(cfg, arm, {"tracerl": 0.5}))
+        a = arm_cfg.estimators.adpo
+        assert arm_cfg.update.estimator == "adpo"
         assert math.ceil(a.step_fraction * -(-k // a.step_merge)) == want[arm], arm
         assert a.step_cover == (arm != "adpo_sampled")
-    assert load_recipe(recipe, arm_overrides(cfg, "ebpo", {"ebpo": 3})).adpo.mask_samples == 3
+    assert load_recipe(recipe, arm_overrides(cfg, "ebpo", {"ebpo": 3})).estimators.ebpo.timesteps == 3
+    assert load_recipe(recipe, arm_overrides(cfg, "spg", {"spg": 2})).estimators.spg.copies == 2
     for arm in ("wd1", "tracerl"):
         with pytest.raises(ValueError, match=f"matched mask draws for '{arm}'"):
             arm_overrides(cfg, arm, {"ebpo": 3})
@@ -251,11 +256,11 @@ def test_the_estimators_benchmark_matches_each_arms_update_flops_to_adpos(tmp_pa
     kept = json.loads((tmp_path / "matched_draws.json").read_text())
     (tmp_path / "matched_draws.json").write_text(json.dumps(kept | {"sft_sha256": "other weights", "draws": {}}))
     assert table_draws([0], small, str(tmp_path), None)["draws"] == draws      # from seed 0's own kept result
-    matched_draws(0, small + ["adpo.lr=0.002"], str(tmp_path), None)
+    matched_draws(0, small + ["optim.lr=0.002"], str(tmp_path), None)
     assert len(calls) == len(ONE_PASS) + 2
 
 
-def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,
+def _counted_update(estimator: str, cfg: UpdateConfig, own, reuse: bool, monkeypatch,
                     version: int | None = None) -> tuple[list[torch.Tensor], int, int]:
     """One AdamW update through ``update_policy``: the trained parameters, the rows scored without
     grad (proximal passes; cfg has no KL, so no reference passes) and the rows built."""
@@ -282,7 +287,7 @@ def _counted_update(estimator: str, cfg: ADPOConfig, reuse: bool, monkeypatch,
     monkeypatch.setattr(U, "deterministic_forward", lambda m: reuse)
     params = [p for p in model.parameters() if p.requires_grad]
     U.update_policy(model, torch.optim.AdamW(params, lr=0.05), batch, cfg, TOK, 1.0, torch.Generator().manual_seed(3),
-                  version=version)
+                    version=version, own=own)
     monkeypatch.undo()
     start = [p.detach() for p in lora_model().parameters() if p.requires_grad]
     assert sum(float((a - b.detach()).abs().sum()) for a, b in zip(params, start)) > 0  # the steps moved the policy
@@ -294,9 +299,10 @@ def test_the_first_minibatch_takes_the_proximal_policy_from_its_own_forward(esti
     """pi_prox is the policy before the update, which is what the first minibatch's forward runs
     on: its rows skip the separate no-grad pass, and two epochs of AdamW steps land where scoring
     every row's pi_prox separately lands. With dropout active, every row gets its own pass."""
-    cfg = ADPOConfig(estimator=estimator, epochs=2, num_minibatches=2, row_chunk=3, mask_samples=2, mask_block=4)
-    reused, n_reused, n_rows = _counted_update(estimator, cfg, True, monkeypatch)
-    separate, n_separate, _ = _counted_update(estimator, cfg, False, monkeypatch)
+    cfg, own = update_and_own(estimator, epochs=2, num_minibatches=2, row_chunk=3,
+                              **({"timesteps": 2, "mask_block": 4} if estimator == "ebpo" else {}))
+    reused, n_reused, n_rows = _counted_update(estimator, cfg, own, True, monkeypatch)
+    separate, n_separate, _ = _counted_update(estimator, cfg, own, False, monkeypatch)
     per_epoch = estimator == "ebpo"  # fresh masks each epoch: pi_prox scored per epoch
     assert n_separate == n_rows * (2 if per_epoch else 1)
     assert n_reused == n_separate - -(-n_rows // 2)  # the first minibatch's rows: no separate pass
@@ -310,10 +316,10 @@ def test_trajectories_the_update_sampled_take_the_proximal_policy_from_their_rec
     version): pi_prox = mu, recorded at sampling, for every exact row, so no proximal pass runs for
     them; a covering run of two steps has no mu for its later tokens and keeps its pass. The
     update lands where scoring pi_prox lands; a stale batch (another version) gets every pass."""
-    cfg = ADPOConfig(epochs=2, num_minibatches=2, row_chunk=3, step_fraction=0.5, step_cover=cover)
-    by_mu, n_mu, n_rows = _counted_update("adpo", cfg, False, monkeypatch, version=0)
-    separate, n_separate, _ = _counted_update("adpo", cfg, False, monkeypatch, version=None)
-    _, n_stale, _ = _counted_update("adpo", cfg, False, monkeypatch, version=1)
+    cfg, own = update_and_own("adpo", epochs=2, num_minibatches=2, row_chunk=3, step_fraction=0.5, step_cover=cover)
+    by_mu, n_mu, n_rows = _counted_update("adpo", cfg, own, False, monkeypatch, version=0)
+    separate, n_separate, _ = _counted_update("adpo", cfg, own, False, monkeypatch, version=None)
+    _, n_stale, _ = _counted_update("adpo", cfg, own, False, monkeypatch, version=1)
     assert n_separate == n_stale == n_rows
     assert n_mu == (n_rows if cover else 0)  # at K = 4 and rho 0.5, covering rows are all runs of two
     for a, b in zip(by_mu, separate):

@@ -69,8 +69,8 @@ def test_parameter_models_reject_bad_input_by_name() -> None:
 
 
 def test_bad_recipe_fails_before_any_run(prefect_harness: None, tmp_project: Path) -> None:
-    with pytest.raises(ConfigError, match="adpo.lr"):
-        train_flow(recipe="tiny", overrides=["adpo.lr=-1"], run_dir=str(tmp_project / "bad"))
+    with pytest.raises(ConfigError, match="optim.lr"):
+        train_flow(recipe="tiny", overrides=["optim.lr=-1"], run_dir=str(tmp_project / "bad"))
     assert not (tmp_project / "bad").exists()
     assert not (tmp_project / "mlruns").exists()  # nothing was logged either
 
@@ -230,8 +230,8 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
     assert MlflowClient().get_run(sft_run).data.tags["miles.kind"] == "sft"
     with pytest.raises(FileExistsError, match="pass --resume"):
         train_flow(iterations=2, **common)
-    with pytest.raises(ConfigError, match="adpo.lr"):
-        train_flow(iterations=2, resume=True, **{**common, "overrides": [*overrides, "adpo.lr=0.1"]})
+    with pytest.raises(ConfigError, match="optim.lr"):
+        train_flow(iterations=2, resume=True, **{**common, "overrides": [*overrides, "optim.lr=0.1"]})
     second = train_flow(iterations=2, resume=True, **common)
     assert second["iterations"] == 1 and second["adapter_version"] == 2 and second["sft_pass1"] is None
     assert second["store_uri"] == first["store_uri"] and second["base_checkpoint"] == first["base_checkpoint"]
@@ -268,7 +268,7 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
 def test_only_transient_failures_are_retried(prefect_harness: None) -> None:
     assert common.is_transient(TimeoutError("slow S3"))
     assert not common.is_transient(FileExistsError("adapter version 3 belongs to another run"))
-    assert not common.is_transient(ConfigError("adpo.lr: must be > 0"))
+    assert not common.is_transient(ConfigError("optim.lr: must be > 0"))
     calls = {"io": 0, "bug": 0}
     policy = {**common.STORAGE, **common.LIGHT, "retry_delay_seconds": 0}
 
@@ -312,7 +312,7 @@ def test_async_train_flow_runs_workers_logs_and_registers(trained: TrainedProjec
                            base_checkpoint=trained.sft["base_checkpoint"], num_samplers=2, batches_per_sampler=2,
                            experiment=EXPERIMENT, register_as=trained.model_name + "-async", timeout_s=600)
     assert out["consumed_batches"] + out["dropped_batches"] == 4 and out["adapter_version"] == out["consumed_batches"]
-    assert out["max_staleness_seen"] <= load_recipe("tiny").adpo.max_staleness
+    assert out["max_staleness_seen"] <= load_recipe("tiny").async_rl.max_staleness
     committed = TrajectoryStore(f"{store}/trajectories").list_batches()
     assert len(committed) == 4 and AdapterRegistry(store).latest_version() == out["adapter_version"]
     client = MlflowClient()

@@ -14,8 +14,8 @@ from miles_core.learner.policy import Learner
 def test_sft_checkpoint_roundtrip_and_bit_exact_resume(tmp_path):
     torch.set_num_threads(1)
     # a decaying LR: resume must also restore where on its schedule the optimizer was
-    cfg_overrides = ["train.prompts_per_iter=3", "adpo.num_minibatches=2", "adpo.lr_schedule=linear",
-                     "adpo.warmup=2", "train.iterations=4"]
+    cfg_overrides = ["train.prompts_per_iter=3", "update.num_minibatches=2", "optim.lr_schedule=linear",
+                     "optim.warmup=2", "train.iterations=4"]
     cfg = load_recipe("tiny", cfg_overrides)
     data = build_task(cfg)
     model, tok = train_baseline(cfg, data, tmp_path / "sft")
@@ -49,7 +49,7 @@ def test_sft_checkpoint_roundtrip_and_bit_exact_resume(tmp_path):
     # the schedule spans train.iterations x num_minibatches = 8 optimizer steps: after 2 warm-up steps
     # the factor falls 1/7 per step (0 just after step 8), so after 3 updates (6 steps) the LR is 2/7
     for learner in (straight, resumed):
-        assert abs(learner.opt.param_groups[0]["lr"] - cfg.adpo.lr * 2 / 7) < 1e-12
+        assert abs(learner.opt.param_groups[0]["lr"] - cfg.optim.lr * 2 / 7) < 1e-12
     # the base never moved
     assert all(torch.equal(a[k], b[k]) for k in a)
 

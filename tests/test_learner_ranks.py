@@ -30,8 +30,8 @@ pytestmark = pytest.mark.e2e
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = ["sft.steps=30", "train.prompts_per_iter=2", "train.group_size=4", "sampler.steps=4", "task.completion_len=16",
-        "async_rl.poll_interval=0.01", "adpo.max_staleness=10", "adpo.num_minibatches=2", "adpo.row_chunk=5",
-        "adpo.step_fraction=0.5", "adpo.kl_coef=0.1"]
+        "async_rl.poll_interval=0.01", "async_rl.max_staleness=10", "update.num_minibatches=2", "update.row_chunk=5",
+        "estimators.adpo.step_fraction=0.5", "update.kl_coef=0.1"]
 
 # Pauses rank MILES_TEST_RANK inside its second update (after its first chunk's backward, before the
 # gradients' all-reduce), once: the flag file holds its pid, so the parent can SIGKILL it there.

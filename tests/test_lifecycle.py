@@ -80,12 +80,12 @@ def test_a_live_owner_refuses_a_second_start_and_a_reused_pid_is_not_the_owner(t
 
 
 def test_a_resumed_run_keeps_its_first_params_and_records_the_changed_ones(tmp_path: Path, store: str) -> None:
-    run_id = tracking.start_run("e", "r", {"train.iterations": 2, "adpo.lr": 0.01})
+    run_id = tracking.start_run("e", "r", {"train.iterations": 2, "optim.lr": 0.01})
     tracking.end_run(run_id, "KILLED")
-    with tracking.run("e", "r", {"train.iterations": 4, "adpo.lr": 0.01, "new": "x"}, resume_run_id=run_id):
+    with tracking.run("e", "r", {"train.iterations": 4, "optim.lr": 0.01, "new": "x"}, resume_run_id=run_id):
         pass
     run = MlflowClient().get_run(run_id)
-    assert run.data.params == {"train.iterations": "2", "adpo.lr": "0.01", "new": "x"}
+    assert run.data.params == {"train.iterations": "2", "optim.lr": "0.01", "new": "x"}
     assert json.loads(run.data.tags["miles.changed_params"]) == {"train.iterations": ["2", "4"]}
     assert run.info.status == "FINISHED"
 

@@ -121,7 +121,7 @@ def test_save_load_sample_update_changes_only_lora(base_dir, tmp_path):
     on attention and MLP projections alike."""
     model, tok = load_checkpoint(base_dir)
     save_checkpoint(model, tok, tmp_path / "saved")
-    cfg = load_recipe("llama_tiny", ["adpo.step_fraction=1.0", "adpo.row_chunk=8", "adpo.max_grad_norm=1e9",
+    cfg = load_recipe("llama_tiny", ["estimators.adpo.step_fraction=1.0", "update.row_chunk=8", "update.max_grad_norm=1e9",
                                      "train.prompts_per_iter=3"])
     learner = Learner(cfg, tmp_path / "saved")
     assert isinstance(learner.model.get_base_model(), LlamaDiffusion)

@@ -11,7 +11,7 @@ import torch
 
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.update import update_policy
-from miles_core.config import ADPOConfig, SamplerConfig
+from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.algo.draws import Draws, minibatches, trajectory_keys
 from miles_core.algo.rows import build_rows
 from miles_core.learner.shares import agree, first_reader, my_share, owned_rows
@@ -23,7 +23,8 @@ from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
 TOK = CharTokenizer()
-CFG = ADPOConfig(num_minibatches=2, row_chunk=3, step_fraction=0.5, kl_coef=0.1)
+CFG = UpdateConfig(num_minibatches=2, row_chunk=3, kl_coef=0.1)
+OWN = AdpoSettings(step_fraction=0.5)
 
 
 def _model() -> torch.nn.Module:
@@ -40,10 +41,10 @@ def _batch(model: torch.nn.Module) -> TrajectoryBatch:
     return batch
 
 
-def _update(batch: TrajectoryBatch, world: World | None = None, cfg: ADPOConfig = CFG):
+def _update(batch: TrajectoryBatch, world: World | None = None, cfg: UpdateConfig = CFG):
     model = _model()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    stats = update_policy(model, opt, batch, cfg, TOK, 1.0, torch.Generator().manual_seed(1), world=world)
+    stats = update_policy(model, opt, batch, cfg, TOK, 1.0, torch.Generator().manual_seed(1), world=world, own=OWN)
     return stats, {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
 
 

@@ -81,8 +81,8 @@ def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, bas
         training.init_learner.fn(training.LearnerSession(run_dir), cfg, str(base_dir), store)
     with pytest.raises(FileExistsError, match="another training run"):
         training.init_learner.fn(training.LearnerSession(tmp_path / "other"), cfg, str(base_dir), store)
-    changed = load_recipe("tiny", BASE + ["adpo.lr=0.1"]).to_dict()
-    with pytest.raises(ConfigError, match="adpo.lr"):
+    changed = load_recipe("tiny", BASE + ["optim.lr=0.1"]).to_dict()
+    with pytest.raises(ConfigError, match="optim.lr"):
         training.init_learner.fn(training.LearnerSession(run_dir), changed, str(base_dir), store, resume=True)
     longer = load_recipe("tiny", BASE + ["train.iterations=5"]).to_dict()  # a resumable setting
     with training.learner(run_dir) as lr:
@@ -148,14 +148,14 @@ def test_a_start_that_failed_before_its_first_update_can_be_started_again(tmp_pa
     from miles_core.storage.run import prepare_run
 
     run_dir = tmp_path / "r"
-    prepare_run(str(run_dir / "store"), load_recipe("tiny", [*BASE, "adpo.lr=0.5"]), base_dir)
+    prepare_run(str(run_dir / "store"), load_recipe("tiny", [*BASE, "optim.lr=0.5"]), base_dir)
     assert RunStore(str(run_dir / "store")).exists("run.json") and not (run_dir / "learner.json").exists()
     cfg = load_recipe("tiny", BASE).to_dict()
     with training.learner(run_dir) as lr:
         init = training.init_learner.fn(lr, cfg, str(base_dir), str(run_dir / "store"))
         assert init["iteration"] == 0 and not init["resumed"]
         iterate(lr, range(1))
-    assert RunStore(str(run_dir / "store")).read_spec()["cfg"]["adpo"]["lr"] == cfg["adpo"]["lr"]
+    assert RunStore(str(run_dir / "store")).read_spec()["cfg"]["optim"]["lr"] == cfg["optim"]["lr"]
     # a store outside the folder might be another run's: refused, naming it
     prepare_run(str(tmp_path / "shared"), load_recipe("tiny", BASE), base_dir)
     with pytest.raises(FileExistsError, match="another training run"):

@@ -1,4 +1,4 @@
-"""``adpo.step_sampling = uncertainty``: steps drawn by the behaviour policy's doubt, reweighted.
+"""``estimators.adpo.step_sampling = uncertainty``: steps drawn by the behaviour policy's doubt, reweighted.
 
 The claim is unbiasedness: over the draws, the engine's gradient has the expectation of the
 gradient with every recorded step scored at weight 1. Checked by brute force on a model small
@@ -19,7 +19,7 @@ from miles_core.algo.advantages import group_advantages
 from miles_core.algo.rows import (MaskedStepRows, RecordedStep, Rows, inclusion_probs, step_uncertainty,
                                   uncertainty_rows)
 from miles_core.algo.update import update_policy, as_draws, update_on_rows
-from miles_core.config import ADPOConfig, ConfigError, load_recipe
+from miles_core.config import AdpoSettings, ConfigError, UpdateConfig, load_recipe
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -56,7 +56,7 @@ def batch() -> TrajectoryBatch:
     return tb
 
 
-def grad_of(rows: Rows, tb: TrajectoryBatch, cfg: ADPOConfig, seed: int) -> torch.Tensor:
+def grad_of(rows: Rows, tb: TrajectoryBatch, cfg: UpdateConfig, seed: int) -> torch.Tensor:
     """The engine's gradient (SGD at lr 0, so nothing moves) of the ADPO loss over ``rows``."""
     model = TwoToken(seed)
     scorer = MaskedStepRows(tb, TOK, 1.0, RecordedStep(None))
@@ -102,12 +102,12 @@ def test_the_draw_includes_each_step_with_its_probability_and_weighs_it_back() -
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_the_reweighted_gradient_is_unbiased_for_the_full_one_by_enumeration(seed: int) -> None:
     tb = batch()
-    cfg = ADPOConfig(step_cover=False, step_sampling="uncertainty", step_fraction=0.4, max_grad_norm=1e9)
+    cfg, own = UpdateConfig(max_grad_norm=1e9), AdpoSettings(step_cover=False, step_sampling="uncertainty", step_fraction=0.4)
     steps = [(b, k) for b in range(2) for k in range(3)]
     full = grad_of(Rows(torch.tensor([b for b, _ in steps]), torch.tensor([k for _, k in steps]),
                         torch.ones(6)), tb, cfg, seed)
     pi = inclusion_probs(step_uncertainty(tb), torch.ones(2, 3, dtype=torch.bool),
-                         cfg.step_fraction * tb.num_steps.double(), cfg.step_floor)
+                         own.step_fraction * tb.num_steps.double(), own.step_floor)
     assert len(set(pi.flatten().tolist())) > 3          # unequal probabilities: a wrong weight would show
     expected, flat = torch.zeros_like(full), torch.zeros_like(full)
     for subset in itertools.product([False, True], repeat=6):
@@ -126,18 +126,18 @@ def test_the_reweighted_gradient_is_unbiased_for_the_full_one_by_enumeration(see
 
 def test_the_estimator_builds_these_rows_and_the_engine_runs_them() -> None:
     tb = batch()
-    cfg = ADPOConfig(step_cover=False, step_sampling="uncertainty", step_fraction=0.5, max_grad_norm=1e9)
+    cfg, own = UpdateConfig(max_grad_norm=1e9), AdpoSettings(step_cover=False, step_sampling="uncertainty", step_fraction=0.5)
     model = TwoToken(0)
     stats = update_policy(model, torch.optim.SGD(model.parameters(), lr=0.0), tb, cfg, TOK, 1.0,
-                        torch.Generator().manual_seed(5))
-    want = uncertainty_rows(tb, 0.5, cfg.step_floor, as_draws(torch.Generator().manual_seed(5), len(tb)))
+                          torch.Generator().manual_seed(5), own=own)
+    want = uncertainty_rows(tb, 0.5, own.step_floor, as_draws(torch.Generator().manual_seed(5), len(tb)))
     assert stats["rows"] == want.traj.numel()
 
 
 def test_uncertainty_sampling_is_refused_with_covering_or_merged_rows() -> None:
-    with pytest.raises(ConfigError, match="adpo.step_sampling"):
-        load_recipe("arith", ["adpo.step_sampling=uncertainty"])            # step_cover is true by default
-    with pytest.raises(ConfigError, match="adpo.step_sampling"):
-        load_recipe("arith", ["adpo.step_sampling=uncertainty", "adpo.step_cover=false", "adpo.step_merge=2"])
-    cfg = load_recipe("arith", ["adpo.step_sampling=uncertainty", "adpo.step_cover=false"])
-    assert cfg.adpo.step_sampling == "uncertainty"
+    with pytest.raises(ConfigError, match="estimators.adpo.step_sampling"):
+        load_recipe("arith", ["estimators.adpo.step_sampling=uncertainty"])            # step_cover is true by default
+    with pytest.raises(ConfigError, match="estimators.adpo.step_sampling"):
+        load_recipe("arith", ["estimators.adpo.step_sampling=uncertainty", "estimators.adpo.step_cover=false", "estimators.adpo.step_merge=2"])
+    cfg = load_recipe("arith", ["estimators.adpo.step_sampling=uncertainty", "estimators.adpo.step_cover=false"])
+    assert cfg.estimators.adpo.step_sampling == "uncertainty"

@@ -21,7 +21,7 @@ from miles_core.types import TrajectoryBatch
 
 
 def effective_block(length: int, block: int) -> int:
-    """``adpo.mask_block`` as the copies use it: 0 (or at least L) makes the completion one block."""
+    """A ``mask_block`` setting (SPG's, EBPO's) as the copies use it: 0 (or at least L) makes the completion one block."""
     return block if 0 < block < length else length
 
 

@@ -45,7 +45,7 @@ from miles_core.types import Batch
 
 
 class CollapseError(RuntimeError):
-    """The policy collapsed again after ``max_rollbacks`` rollbacks: lower ``adpo.lr`` or raise ``adpo.kl_coef``."""
+    """The policy collapsed again after ``max_rollbacks`` rollbacks: lower ``optim.lr`` or raise ``update.kl_coef``."""
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class CollapseGuard:
         self.rollbacks += 1
         if self.consecutive > self.cfg.max_rollbacks:
             raise CollapseError(f"policy collapsed {self.consecutive} times in a row ({reason}); last healthy "
-                                f"version {self.good[0]}. Lower adpo.lr or raise adpo.kl_coef")
+                                f"version {self.good[0]}. Lower optim.lr or raise update.kl_coef")
         self.last_rollback_version = new_version
         self.candidates = {}
         self.suspect = 0

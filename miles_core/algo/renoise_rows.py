@@ -9,7 +9,7 @@ policy's action at step k is the accepted tokens, with log-prob sum_{i in A_k} l
 The self-conditioning input s_k is the previous step's tempered logits, so pi(. | x_k, s_k) depends
 on the policy through s_k too.
 
-The output row (``adpo.renoise_output``). The reward reads only the output, the last step's argmax,
+The output row (``estimators.adpo.renoise_output``). The reward reads only the output, the last step's argmax,
 and a sampled token reaches it only as context for later steps, each of which re-predicts every
 position: the credit of the chain's K - 1 actions for the reward is diffuse. The output row scores
 the output tokens (up to the first EOS) under the last step's distribution at its temperature, as if

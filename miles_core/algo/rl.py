@@ -110,4 +110,4 @@ def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: Rewar
     if reward_fn is None:
         return batch
     score_rewards(batch, reward_fn)
-    return assign_advantages(batch, cfg.adpo.std_normalize)
+    return assign_advantages(batch, cfg.update.std_normalize)

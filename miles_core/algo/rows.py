@@ -175,7 +175,7 @@ class RowScorer(Protocol):
 
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor | None:
         """[R] memory of each row in positions (its forwards' plus ``head`` per scored position),
-        which ``adpo.chunk_tokens`` budgets; None: no memory model, chunks of ``adpo.row_chunk`` rows."""
+        which ``update.chunk_tokens`` budgets; None: no memory model, chunks of ``update.row_chunk`` rows."""
         ...
 
     def score(self, model: Any, traj: Tensor, step: Tensor) -> tuple[Tensor, Tensor | None, Tensor]:

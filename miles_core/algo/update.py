@@ -5,7 +5,7 @@ torchrun learner with a ``World``, the continuous trainer): proximal log-probs, 
 minibatches x row chunks, the ADPO loss, gradient sync, clipping, the optimizer and LR steps, and
 the stats. What differs between kinds of trajectory is only how a row is scored, behind a
 :class:`~miles_core.algo.rows.RowScorer`; what differs between estimators (what a row is, the
-loss, the advantage transform) is looked up by ``adpo.estimator`` in the registry,
+loss, the advantage transform) is looked up by ``update.estimator`` in the registry,
 :mod:`miles_core.algo.estimators`, so nothing here names one. See ARCHITECTURE.md.
 
 Every recorded step is an independent row (trajectory b, step k): its state is rebuilt from
@@ -25,11 +25,11 @@ from miles_core.algo.draws import Draws, minibatches
 from miles_core.algo.estimators import get_estimator
 from miles_core.algo.loss import SUM_KEYS
 from miles_core.algo.rows import NoRows, Rows, RowScorer, no_rows
-from miles_core.config import ADPOConfig
+from miles_core.config import UpdateConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
 from miles_core.parallel import World, full_tensors
 from miles_core.tokenizer import CharTokenizer
-from miles_core.types import RenoiseBatch, TrajectoryBatch
+from miles_core.types import Batch, TrajectoryBatch
 from miles_core.models.window import capabilities, inner
 
 __all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "update_policy", "deterministic_forward",
@@ -39,15 +39,15 @@ __all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "update_policy", "d
 class ChunkPlan:
     """Phase 1, the chunk plan: which of ``rows`` each forward/backward of this rank carries.
 
-    ``adpo.chunk_tokens`` > 0 is a memory budget in positions per forward/backward (a row costs its
+    ``update.chunk_tokens`` > 0 is a memory budget in positions per forward/backward (a row costs its
     sequence plus its scored positions weighted by what their logits hold, ``Capabilities.head_weight``,
     so a chunk's activations are the same size whatever K and the lengths); otherwise chunks of
-    ``adpo.row_chunk`` rows. ``rows`` are this rank's (data parallel: the rows of the trajectories
+    ``update.row_chunk`` rows. ``rows`` are this rank's (data parallel: the rows of the trajectories
     it holds, learner/shares.py). Sharded (FSDP2), every rank runs as many chunks as the busiest
     one, padded with None, since every forward and backward there is a collective (parallel.py);
     a padding chunk runs one row of ``pad`` (scorer and rows: default this rank's own)."""
 
-    def __init__(self, model: Any, scorer: RowScorer, rows: Rows, cfg: ADPOConfig, world: World | None,
+    def __init__(self, model: Any, scorer: RowScorer, rows: Rows, cfg: UpdateConfig, world: World | None,
                  pad: tuple[RowScorer, Rows] | None = None) -> None:
         self.rows, self.cfg, self.world = rows, cfg, world
         self.sharded = world is not None and world.sharded
@@ -199,7 +199,7 @@ def minibatch_step(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScor
 
 
 def update_on_rows(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
-                  normaliser: float, cfg: ADPOConfig, draws: Draws | torch.Generator, scheduler: Any = None,
+                  normaliser: float, cfg: UpdateConfig, draws: Draws | torch.Generator, scheduler: Any = None,
                   world: World | None = None, fresh: Tensor | None = None,
                   pad: tuple[RowScorer, Rows] | None = None) -> dict[str, float]:
     """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``, in four
@@ -269,16 +269,18 @@ def global_counts(world: World | None, *counts: float) -> list[float]:
     return t.tolist()
 
 
-def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: TrajectoryBatch | RenoiseBatch, cfg: ADPOConfig,
-                tok: CharTokenizer, temperature: float, draws: Draws | torch.Generator,
-                scheduler: Any = None, world: World | None = None, version: int | None = None) -> dict[str, float]:
+def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, cfg: UpdateConfig,
+                  tok: CharTokenizer, temperature: float, draws: Draws | torch.Generator,
+                  scheduler: Any = None, world: World | None = None, version: int | None = None,
+                  own: Any = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch``: rows of the trajectories with a non-zero
     advantage, their loss normaliser, then the engine. A renoising batch (DiffusionGemma) has its
     own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`, built by the estimators that
     declare its kind; its temperature schedule travels with the batch, so ``temperature`` is not
     read for it). ``draws``: the trajectories' keyed draws (a generator: keyed by position, for a
     caller holding one whole batch). ``version``: the policy version the model holds; the
-    trajectories it sampled (``batch.policy_version``) have pi_prox = their recorded mu.
+    trajectories it sampled (``batch.policy_version``) have pi_prox = their recorded mu. ``own``:
+    the estimator's settings (the recipe's ``estimators[cfg.estimator]``; None: its defaults).
 
     ``world`` (data parallel): ``batch`` is this rank's share (whole groups, learner/shares.py);
     what the update needs of the whole global batch is two counts (kept trajectories, all
@@ -290,9 +292,10 @@ def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Trajector
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
     keep = (adv_all != 0).nonzero().squeeze(1) if cfg.skip_zero_variance else torch.arange(len(batch))
     estimator = get_estimator(cfg.estimator)
+    own = estimator.settings() if own is None else own
     sub = batch.select(keep)
     if keep.numel():
-        rows, scorer = estimator.rows(sub, cfg, tok, temperature, draws.select(keep), model)
+        rows, scorer = estimator.rows(sub, own, cfg.epochs, tok, temperature, draws.select(keep), model)
     else:  # no kept trajectory here (maybe on other ranks): this rank joins the collectives with no rows
         rows, scorer = no_rows(), NoRows(batch.completion_len)
     kept, total, n_rows = global_counts(world, keep.numel(), len(batch), rows.traj.numel())
@@ -303,7 +306,7 @@ def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Trajector
     if world is not None and world.sharded and rows.traj.numel() == 0:  # FSDP: pad with a row of our own
         one = torch.arange(1)
         source = batch.select(one) if len(batch) else TrajectoryBatch.empty(batch.completion_len, 1, tok.pad_id)
-        pad_rows, pad_scorer = estimator.rows(source, cfg, tok, temperature, Draws(draws.seed, one), model)
+        pad_rows, pad_scorer = estimator.rows(source, own, cfg.epochs, tok, temperature, Draws(draws.seed, one), model)
         pad = (pad_scorer, pad_rows)
     # "informative": / tokens of the rows that carry signal, so a batch where one group of sixteen
     # had a reward spread still takes a full-size step on its 8 samples; "batch": / tokens of the

@@ -115,7 +115,7 @@ class AsyncLearner(LearnerRun):
                 "self_consumed": sum(e["id"].endswith(f"-{SELF}") for e in self.ledger["consumed"]),
                 "quarantined": len(self.ledger["quarantined"]), "expected": self.expected, "done": done,
                 "staleness_hist": {str(k): v for k, v in sorted(Counter(st).items())},
-                "max_staleness_seen": max(st, default=0), "staleness_bound": self.cfg.adpo.max_staleness,
+                "max_staleness_seen": max(st, default=0), "staleness_bound": self.cfg.async_rl.max_staleness,
                 "idle_s": self.totals["idle_s"], "wall_s": self.totals["wall_s"],
                 "idle_fraction": self.totals["idle_s"] / wall, "resumes": self.totals["resumes"],
                 # idle after the first batch arrived: the pipeline-fill wait at start-up excluded

@@ -11,7 +11,7 @@ an unbalanced split silently.
 The global batch is the user's (``async_rl.global_batch``, B sampler batches per update): it is
 the optimiser's batch, so placement never changes it. It bounds how many samplers can be kept
 busy: a sampler may start slot k only while k < (S_max + v + 1) B (learner/channels.py::admits, S_max =
-``adpo.max_staleness``); the window holds the B batches the learner assembles, the B it updates
+``async_rl.max_staleness``); the window holds the B batches the learner assembles, the B it updates
 on and those in flight, and a rollout must land within S_max versions of its start, with
 :data:`SLACK_VERSIONS` versions kept for rollout-time variance. So about (S_max - 1 - slack) B
 samplers sample at once (:func:`admitted_samplers`); more wait in admission, which is the honest
@@ -54,7 +54,7 @@ class Placement:
                "batches per update")
         if self.samplers > self.admitted:
             out += (f"; the global batch admits {self.admitted} samplers at a time (the rest wait in admission: "
-                    "raise async_rl.global_batch or adpo.max_staleness to use them)")
+                    "raise async_rl.global_batch or async_rl.max_staleness to use them)")
         return out
 
 

@@ -21,7 +21,7 @@ from torch import Tensor
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.rows import FixedRows, Rows
 from miles_core.algo.update import update_on_rows
-from miles_core.config import ADPOConfig
+from miles_core.config import AdpoSettings, UpdateConfig
 from miles_core.continuous.sde import DEFAULT_SCHEDULE, ContinuousBatch, NoiseSchedule, ddim_step, sample_ode, sample_sde
 from miles_core.continuous.task import ConstraintTask
 from miles_core.models.lora import trainable_parameters
@@ -116,17 +116,19 @@ class GaussianStepRows(FixedRows):
         return self.batch.logp[traj, step][:, None]
 
 
-def update_policy(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatch, cfg: ADPOConfig,
-                generator: torch.Generator, schedule: NoiseSchedule = DEFAULT_SCHEDULE,
-                max_timestep: int | None = None, scheduler=None, world: World | None = None) -> dict[str, float]:
+def update_policy(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatch, cfg: UpdateConfig,
+                  generator: torch.Generator, schedule: NoiseSchedule = DEFAULT_SCHEDULE,
+                  max_timestep: int | None = None, scheduler=None, world: World | None = None,
+                  own: AdpoSettings | None = None) -> dict[str, float]:
     """One policy update (``num_minibatches`` x ``epochs`` optimizer steps) on recorded trajectories,
     through the same engine as the discrete learner (:func:`~miles_core.algo.update.update_on_rows`).
 
     The loss is normalised per (trajectory, step), so chunking only changes peak memory, never the
-    gradient; ``adpo.loss_norm`` picks the trajectories counted (with A != 0, or the whole batch).
+    gradient; ``update.loss_norm`` picks the trajectories counted (with A != 0, or the whole batch).
     ``max_timestep`` trains only steps that start at t <= it: noise injected at high-noise steps
     is washed out by the later ones, so their policy-gradient rows are almost pure noise and,
-    under Adam, make the adapter drift without improving reward.
+    under Adam, make the adapter drift without improving reward. Its rows are ADPO's recorded
+    steps, a ``own.step_fraction`` of them (``own``: ADPO's settings; None: their defaults).
     """
     assert batch.advantage is not None
     adv_all = torch.nan_to_num(batch.advantage, nan=0.0)
@@ -135,7 +137,7 @@ def update_policy(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatc
     if keep.numel() == 0:
         return stats
     eligible = None if max_timestep is None else batch.timesteps[:-1] <= max_timestep
-    rows = build_step_rows(keep.numel(), batch.num_steps, cfg.step_fraction, generator, eligible)
+    rows = build_step_rows(keep.numel(), batch.num_steps, (own or AdpoSettings()).step_fraction, generator, eligible)
     rows.traj = keep[rows.traj]
     per_traj = float(rows.weight.sum()) / keep.numel()  # eligible steps per trajectory, whatever the subsampling
     normaliser = per_traj * (keep.numel() if cfg.loss_norm == "informative" else len(batch))

@@ -4,7 +4,7 @@
 * :class:`BatchChannel`, trajectories from samplers to the learner: a slot of the run's sample
   budget (one exclusive create, :class:`SlotClaims`), admission (a slot starts only while the
   learner's version admits it, :func:`admits`), the commit (data, then the marker), and the
-  learner's verdict on a committed batch (fresh, or staler than ``adpo.max_staleness``).
+  learner's verdict on a committed batch (fresh, or staler than ``async_rl.max_staleness``).
 * :class:`PolicyChannel`, adapters from the learner to the samplers: publish a version (files,
   then ``adapters/LATEST``), read which version is the latest, load one into a resident peft
   model (LoRA tensors only: the base stays where it is).
@@ -101,11 +101,11 @@ class SlotClaims:
 class BatchChannel:
     """Trajectories from the samplers to the learner (module docstring), for the run in ``rs``
     with the recipe ``cfg``: B sampler batches per update (``async_rl.global_batch``), the
-    staleness bound S (``adpo.max_staleness``), a budget of ``num_samplers x batches_per_sampler``."""
+    staleness bound S (``async_rl.max_staleness``), a budget of ``num_samplers x batches_per_sampler``."""
 
     def __init__(self, rs: RunStore, cfg: RecipeConfig) -> None:
         a = cfg.async_rl
-        self.rs, self.per_update, self.bound = rs, cfg.batches_per_update(), cfg.adpo.max_staleness
+        self.rs, self.per_update, self.bound = rs, cfg.batches_per_update(), cfg.async_rl.max_staleness
         self.claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
 
     def admits(self, slot: int, version: int) -> bool:

@@ -61,20 +61,20 @@ class Learner:
         seed = cfg.train.seed
         self.cfg, self.base_dir, self._base_identity = cfg, base_dir, None
         self.model, self.tok = build_policy(cfg, base_dir, adapter_dir)  # on its device before the optimizer
-        a = cfg.adpo
-        if a.grad_checkpointing:  # memory for compute: each layer's activations recomputed in backward
+        o, u = cfg.optim, cfg.update
+        if u.grad_checkpointing:  # memory for compute: each layer's activations recomputed in backward
             checkpoint_layers(self.model)
         self.sharded = world is not None and world.size > 1 and cfg.async_rl.fsdp
         if self.sharded:  # FSDP2: each rank holds 1/D of base and adapter (parallel.py)
             root = inner(self.model)
             shard_model(root, world, ("window",) if isinstance(root, WindowDenoiser) else ())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(self.params, lr=a.lr, weight_decay=0.0)
-        # adpo.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
+        self.opt = torch.optim.AdamW(self.params, lr=o.lr, weight_decay=0.0)
+        # optim.lr_schedule decays over the run: total_updates (default train.iterations) policy updates,
         # each num_minibatches * epochs optimizer steps
         updates = cfg.train.iterations if total_updates is None else total_updates
-        steps = updates * a.num_minibatches * a.epochs
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(a.warmup, a.lr_schedule, steps))
+        steps = updates * u.num_minibatches * u.epochs
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_factor(o.warmup, o.lr_schedule, steps))
         self.gen = torch.Generator().manual_seed(seed)  # the update's row draws (sampling is seeded per batch)
         self.version = 0
         self.reward_fn = reward_for_recipe(cfg)
@@ -125,8 +125,8 @@ class Learner:
             self.guard.accept(h)
         t = self.cfg.sampler.temperature if temperature is None else temperature
         draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys)
-        stats = update_policy(self.model, self.opt, batch, self.cfg.adpo, self.tok, t, draws, self.sched, world,
-                            self.version)
+        stats = update_policy(self.model, self.opt, batch, self.cfg.update, self.tok, t, draws, self.sched, world,
+                              self.version, self.cfg.own())
         self.version += 1
         if self.guard is not None:
             self.guard.offer(self.version, self._policy_state)

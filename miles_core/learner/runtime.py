@@ -166,7 +166,7 @@ class LearnerRun:
     def _judge(self, bid: str, quarantine: bool = True) -> tuple[Verdict, Batch | None]:
         """Read batch ``bid`` (the one :meth:`collect` holds, else from the store) and judge it:
         corrupt (quarantined in the store here when ``quarantine``: one rank moves it),
-        staler than ``adpo.max_staleness``, or fresh."""
+        staler than ``async_rl.max_staleness``, or fresh."""
         if self._collected is not None and self._collected[0] == bid:
             batch, self._collected = self._collected[1], None  # committed by this process: no read back
         else:
@@ -185,7 +185,7 @@ class LearnerRun:
     def consume(self, bids: str | list[str]) -> tuple[str, dict[str, float]]:
         """One update on the committed batches ``bids`` (one global batch: ``async_rl.global_batch``
         completions) -> ('consumed' | 'dropped' | 'quarantined', update stats). Each batch is
-        judged on its own: a corrupt one is quarantined, one staler than ``adpo.max_staleness``
+        judged on its own: a corrupt one is quarantined, one staler than ``async_rl.max_staleness``
         dropped, both recorded; the rest are updated on together, and the ledger lists each with
         the update that consumed it. With D ranks each reads only its share (learner/shares.py)."""
         bids = [bids] if isinstance(bids, str) else list(bids)

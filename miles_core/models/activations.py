@@ -3,7 +3,7 @@ keeping its activations (Chen et al. 2016, "Training Deep Nets with Sublinear Me
 
 An ADPO update holds one chunk of rows through forward and backward. Without checkpointing its
 memory is every layer's activations for the chunk; with it, only each layer's input, at the price
-of a second forward per layer. That lets ``adpo.chunk_tokens`` be larger at real-model sizes.
+of a second forward per layer. That lets ``update.chunk_tokens`` be larger at real-model sizes.
 
 The families keep their layers in different places (``blocks`` in the tiny model, ``layers`` in
 the Llama / Qwen3 wrappers and the transformers classes, encoder and decoder stacks in

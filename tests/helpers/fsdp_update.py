@@ -13,14 +13,14 @@ from test_parallel import TOK, _batch, _model  # noqa: E402
 
 from miles_core.algo.draws import Draws  # noqa: E402
 from miles_core.algo.update import update_policy  # noqa: E402
-from miles_core.config import ADPOConfig  # noqa: E402
+from miles_core.config import AdpoSettings, UpdateConfig  # noqa: E402
 from miles_core.models.lora import adapter_tensors  # noqa: E402
 from miles_core.models.window import inner  # noqa: E402
 from miles_core.parallel import full_tensors, init_world, shard_model  # noqa: E402
 
 world = init_world("gloo")
-cfg = ADPOConfig(num_minibatches=int(sys.argv[1]), row_chunk=3, step_fraction=0.5, kl_coef=float(sys.argv[2]),
-                 max_grad_norm=1e9)
+cfg = UpdateConfig(num_minibatches=int(sys.argv[1]), row_chunk=3, kl_coef=float(sys.argv[2]), max_grad_norm=1e9)
+own = AdpoSettings(step_fraction=0.5)
 batch = _batch(_model())
 mine = (torch.arange(len(batch)) < 8) == (world.rank == 0)  # whole groups of 4, as learner/shares.py splits
 
@@ -33,9 +33,9 @@ def update(sharded: bool) -> tuple[dict, dict]:
     if sharded:  # this rank's share only, its trajectories keyed as in the whole batch
         idx = mine.nonzero().squeeze(1)
         stats = update_policy(model, opt, batch.select(idx), cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))[idx]),
-                            world=world)
+                              world=world, own=own)
     else:
-        stats = update_policy(model, opt, batch, cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))))
+        stats = update_policy(model, opt, batch, cfg, TOK, 1.0, Draws(7, torch.arange(len(batch))), own=own)
     return stats, {k: v.detach().clone() for k, v in full_tensors(adapter_tensors(model)).items()}
 
 

@@ -17,7 +17,8 @@ import miles_core.algo.estimators.adpo as adpo_module  # noqa: E402
 from miles_core.algo.advantages import group_advantages  # noqa: E402
 from miles_core.algo.draws import Draws, trajectory_keys  # noqa: E402
 from miles_core.algo.update import update_policy  # noqa: E402
-from miles_core.config import ADPOConfig, SamplerConfig  # noqa: E402
+from miles_core.config import SamplerConfig  # noqa: E402
+from tests.helpers.update_cfg import update_and_own  # noqa: E402
 from miles_core.learner.shares import owned_rows  # noqa: E402
 from miles_core.parallel import init_world  # noqa: E402
 from miles_core.samplers.sampler import sample  # noqa: E402
@@ -47,8 +48,8 @@ real_build = adpo_module.build_rows
 adpo_module.build_rows = lambda batch, *a, **k: built.append(len(batch)) or real_build(batch, *a, **k)
 
 for estimator in ("adpo", "espo", "wd1"):
-    cfg = ADPOConfig(estimator=estimator, num_minibatches=2, epochs=2, row_chunk=3, step_fraction=0.5, kl_coef=0.1,
-                     mask_samples=2, max_grad_norm=1e9)
+    cfg, own = update_and_own(estimator, draws=2, num_minibatches=2, epochs=2, row_chunk=3, kl_coef=0.1,
+                              max_grad_norm=1e9, where_declared={"step_fraction": 0.5})
 
     def update(mine: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
         model = _model()
@@ -60,7 +61,8 @@ for estimator in ("adpo", "espo", "wd1"):
             held = [b.select(i) for b, i in zip(batches, idx) if i.numel()]
             local = TrajectoryBatch.concat(held) if held else TrajectoryBatch.empty(batches[0].completion_len)
             k = torch.cat([kk[i] for kk, i in zip(keys, idx)])
-        update_policy(model, opt, local, cfg, TOK, 1.0, Draws(2026, k.long()), world=world if mine is not None else None)
+        update_policy(model, opt, local, cfg, TOK, 1.0, Draws(2026, k.long()), world=world if mine is not None else None,
+                      own=own)
         return {name: v.detach().clone() for name, v in model.state_dict().items() if "lora_" in name}
 
     built.clear()

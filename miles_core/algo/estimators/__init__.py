@@ -1,4 +1,4 @@
-"""Every estimator by name: what ``adpo.estimator`` names, and what the update engine looks up.
+"""Every estimator by name: what ``update.estimator`` names, and what the update engine looks up.
 
 Why a registry: an estimator is what a row is, its loss and its advantage transform; the engine
 (algo/update.py) only runs rows, so it holds no estimator's name. One module per estimator here
@@ -6,11 +6,9 @@ declares all three and registers itself by name with :func:`register_estimator` 
 ``core_algos`` registers its policy losses); :func:`get_estimator` finds it. Adding an estimator
 is one module, named in ``config.BUILTIN_ESTIMATORS`` (docs/concepts/estimators.md shows one).
 
-Each estimator also says which ``ADPOConfig`` fields are its own (``reads``): the recipe schema
-sits below the algorithms, so it states the built-in names (``config.BUILTIN_ESTIMATORS``, the
-modules loaded here, each registering under its module's name) and is told the fields
-(``config.ESTIMATORS``); it rejects an unknown ``adpo.estimator`` at load, without torch. A field an estimator never reads is not rejected: the shipped recipes set ADPO's
-``step_fraction`` and are run with every estimator (benchmarks/estimators.py).
+Each estimator's knobs are its settings class (``settings``, the recipe's ``estimators.NAME``
+section, config/estimators.py); the row builders receive that estimator's settings and nothing of
+another's, plus the engine's epoch count (masks are drawn per epoch).
 """
 
 from __future__ import annotations
@@ -22,38 +20,38 @@ from torch import Tensor
 from miles_core.algo.draws import Draws
 from miles_core.algo.loss import TokenRatioLoss
 from miles_core.algo.rows import Rows, RowScorer
-from miles_core.config import BUILTIN_ESTIMATORS, ESTIMATORS, ADPOConfig, ConfigError
+from miles_core.config import BUILTIN_ESTIMATORS, ConfigError, UpdateConfig, register_settings, unregister_settings
 from miles_core.tokenizer import CharTokenizer
 
-# (batch, cfg, tok, temperature, draws, model) -> the rows of the batch and their scorer; every
-# random draw comes from ``draws``' per-trajectory generators (algo/draws.py), so a rank holding
-# a share of the batch builds exactly its trajectories' rows of the whole batch
-RowBuilder = Callable[[Any, ADPOConfig, CharTokenizer, float, Draws, Any], tuple[Rows, RowScorer]]
+# (batch, its estimator's settings, epochs, tok, temperature, draws, model) -> the rows of the batch
+# and their scorer; every random draw comes from ``draws``' per-trajectory generators
+# (algo/draws.py), so a rank holding a share of the batch builds exactly its trajectories' rows
+RowBuilder = Callable[[Any, Any, int, CharTokenizer, float, Draws, Any], tuple[Rows, RowScorer]]
 
 
 class Estimator:
     """One estimator: the rows it builds for each kind of batch it supports, its loss and its
-    advantage transform. Subclass, set ``name``, ``reads`` and ``row_builders``, and decorate with
+    advantage transform. Subclass, set ``settings`` and ``builders``, and decorate with
     :func:`register_estimator`."""
 
     name: ClassVar[str] = ""
-    reads: ClassVar[tuple[str, ...]] = ()   # the ADPOConfig fields of its own (engine-wide ones aside)
+    settings: ClassVar[type]                # its own knobs: a config.Section dataclass (``estimators.NAME``)
     builders: ClassVar[dict[str, RowBuilder]] = {}  # batch kind (TrajectoryBatch.kind ...) -> its rows
 
     def row_builders(self) -> dict[str, RowBuilder]:
         """Batch kind (``TrajectoryBatch.kind``, ``RenoiseBatch.kind``) -> the rows built for it."""
         return dict(self.builders)
 
-    def loss(self, cfg: ADPOConfig) -> Any:
+    def loss(self, cfg: UpdateConfig) -> Any:
         """The loss module the engine calls on every chunk (algo/loss.py): ADPO's clipped ratio,
-        its importance weight capped at ``adpo.is_cap``, by default."""
+        its importance weight capped at ``update.is_cap``, by default."""
         return TokenRatioLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
 
     def advantages(self, adv: Tensor, batch: Any) -> Tensor:
         """[B] what the loss weights each kept trajectory by, from its advantage [B]: itself by default."""
         return adv
 
-    def rows(self, batch: Any, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+    def rows(self, batch: Any, own: Any, epochs: int, tok: CharTokenizer, temperature: float,
              draws: Draws, model: Any = None) -> tuple[Rows, RowScorer]:
         """The rows of ``batch`` and their scorer, by the batch's kind; a kind this estimator has no
         rows for fails naming both (a renoising chain has no masked states to score an ELBO on)."""
@@ -61,9 +59,11 @@ class Estimator:
         build = builders.get(batch.kind)
         if build is None:
             can = [e.name for e in _REGISTRY.values() if batch.kind in e.row_builders()]
-            raise ValueError(f"adpo.estimator={self.name!r} builds no rows for a {batch.kind!r} batch ("
+            raise ValueError(f"update.estimator={self.name!r} builds no rows for a {batch.kind!r} batch ("
                              f"{type(batch).__name__}); estimators that do: {', '.join(map(repr, can))}")
-        return build(batch, cfg, tok, temperature, draws, model)
+        if not isinstance(own, self.settings):
+            raise TypeError(f"estimator {self.name!r} reads {self.settings.__name__}, got {type(own).__name__}")
+        return build(batch, own, epochs, tok, temperature, draws, model)
 
 
 _REGISTRY: dict[str, Estimator] = {}
@@ -71,14 +71,18 @@ E = TypeVar("E", bound=type[Estimator])
 
 
 def register_estimator(name: str) -> Callable[[E], E]:
-    """Class decorator: register an :class:`Estimator` subclass under ``name`` (``adpo.estimator``),
-    and tell the recipe schema its name and the fields it reads."""
+    """Class decorator: register an :class:`Estimator` subclass under ``name`` (``update.estimator``),
+    and its settings class with the recipe schema (a built-in name must bring the class the schema
+    states for it)."""
     def deco(cls: E) -> E:
         if name in _REGISTRY:
             raise ValueError(f"estimator {name!r} is already registered ({type(_REGISTRY[name]).__name__})")
+        try:
+            register_settings(name, cls.settings)
+        except AttributeError:
+            raise TypeError(f"estimator {name!r} ({cls.__name__}) declares no settings class") from None
         cls.name = name
         _REGISTRY[name] = cls()
-        ESTIMATORS[name] = tuple(cls.reads)
         return cls
     return deco
 
@@ -86,15 +90,15 @@ def register_estimator(name: str) -> Callable[[E], E]:
 def unregister_estimator(name: str) -> None:
     """Remove ``name`` from the registry (tests registering a toy estimator clean up with this)."""
     _REGISTRY.pop(name, None)
-    ESTIMATORS.pop(name, None)
+    unregister_settings(name)
 
 
 def get_estimator(name: str) -> Estimator:
-    """The estimator registered under ``name``, or a ConfigError naming ``adpo.estimator`` and the
+    """The estimator registered under ``name``, or a ConfigError naming ``update.estimator`` and the
     registered names."""
     est = _REGISTRY.get(name)
     if est is None:
-        raise ConfigError(f"adpo.estimator: {name!r} is not a registered estimator; registered: "
+        raise ConfigError(f"update.estimator: {name!r} is not a registered estimator; registered: "
                           f"{', '.join(map(repr, sorted(_REGISTRY)))}")
     return est
 

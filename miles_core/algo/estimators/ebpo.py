@@ -5,16 +5,16 @@ PPO-clipped ratio per sequence, its log a sum of block-conditional ELBO differen
 
     log rho_b = sum_n w_n sum_k sum_{l in block k} m_nkl (log p_theta - log p_prox)(y_l | z_nk) / p_nk
 
-N = ``adpo.mask_samples`` timesteps, w_n = 1/N; blocks of ``adpo.mask_block`` tokens (0: one
+N = ``timesteps`` timesteps, w_n = 1/N; blocks of ``mask_block`` tokens (0: one
 block). Timestep n gives block k its own noise level t_nk = (u_n + k/K) mod 1 (stratified over
 the K blocks from one uniform offset), masking floor(t L_k) + 1 of its L_k tokens, p_nk that
 count / L_k. z_nk conditions block k on the clean blocks before it: LLaDA2.1 builds all K in one
 block-causal pass over [noisy, clean]; on a full-attention model the blocks after k are masked
 instead, one forward per (n, k). No per-token normalisation of the log-ratio (unlike ESPO); KL
-(``adpo.kl_coef``) is k2 on the summed ELBO difference, as for ESPO.
+(``update.kl_coef``) is k2 on the summed ELBO difference, as for ESPO.
 
-Reads ``adpo.mask_samples`` (timesteps N) and ``adpo.mask_block``; its loss is
-:class:`~miles_core.algo.loss.SequenceRatioLoss` with the log-ratio not divided by L.
+Its settings are ``estimators.ebpo`` (config/estimators.py): ``timesteps`` (N) and ``mask_block``;
+its loss is :class:`~miles_core.algo.loss.SequenceRatioLoss` with the log-ratio not divided by L.
 
 Within an update, the policy, the proximal policy and the reference see the same masks (common
 random numbers: VRPO's "antithetic" sampling, LLaDA 1.5, arXiv:2505.19223); they are redrawn at
@@ -34,7 +34,7 @@ from miles_core.algo.elbo import MASKED_COPY, CopyScorer, effective_block, one_r
 from miles_core.algo.loss import SequenceRatioLoss
 from miles_core.algo.draws import Draws
 from miles_core.algo.rows import Rows, score_rows, seq_len
-from miles_core.config import ADPOConfig
+from miles_core.config import EbpoSettings, UpdateConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -81,24 +81,24 @@ class BlockELBORows(CopyScorer):
         return torch.full((traj.numel(),), float(n_t * n_blocks * per))
 
 
-def ebpo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+def ebpo_rows(sub: TrajectoryBatch, own: EbpoSettings, epochs: int, tok: CharTokenizer, temperature: float,
               draws: Draws, model: Any = None) -> tuple[Rows, BlockELBORows]:
     """One row per kept trajectory; its N timesteps' noised blocks drawn now, each trajectory's
     from its own generator."""
-    b, n, length = len(sub), cfg.mask_samples, sub.completion_len
+    b, n, length = len(sub), own.timesteps, sub.completion_len
     rows = one_row_each(b)
-    each = [block_noise(draws.gen(i), (cfg.epochs, n, 1), length, cfg.mask_block) for i in range(b)]
+    each = [block_noise(draws.gen(i), (epochs, n, 1), length, own.mask_block) for i in range(b)]
     comp, frac = torch.cat([c for c, _ in each], 2), torch.cat([f for _, f in each], 2)
-    block = effective_block(length, cfg.mask_block)
+    block = effective_block(length, own.mask_block)
     return rows, BlockELBORows(sub, tok, temperature, comp, frac=frac, block=block)
 
 
 @register_estimator("ebpo")
 class EBPO(Estimator):
-    reads = ("mask_samples", "mask_block")
+    settings = EbpoSettings
 
     builders = {"masked": ebpo_rows}  # batch kind -> its rows
 
-    def loss(self, cfg: ADPOConfig) -> SequenceRatioLoss:
+    def loss(self, cfg: UpdateConfig) -> SequenceRatioLoss:
         """One clipped ratio per sequence, its exponent the summed block ELBO difference."""
         return SequenceRatioLoss(cfg.clip_eps, cfg.kl_coef, per_token=False)

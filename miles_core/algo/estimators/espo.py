@@ -1,12 +1,12 @@
 """``espo``: ESPO (Ou et al., 2025, arXiv:2512.03759; code ML-GSAI/ESPO ``espo/espo_trainer.py``):
 one PPO-clipped ratio per sequence, rho_b = exp((ELBO_theta - ELBO_prox) / L), the ELBO from
-``adpo.mask_samples`` coupled pairs: a copy masking exactly x tokens (x stratified over the
+``pairs`` coupled pairs: a copy masking exactly x tokens (x stratified over the
 batch's trajectories in 0..L, t = x / (L + 1), weight 1/t) and its complement (weight 1/(1 - t)),
-averaged, so every token is scored once per pair. KL (``adpo.kl_coef``) is ESPO's k2 on the
+averaged, so every token is scored once per pair. KL (``update.kl_coef``) is ESPO's k2 on the
 sequence ELBO difference to the reference.
 
-Reads ``adpo.mask_samples`` (coupled pairs); its loss is :class:`~miles_core.algo.loss.SequenceRatioLoss`
-with the log-ratio divided by L (``per_token``).
+Its settings are ``estimators.espo`` (config/estimators.py): ``pairs`` (coupled pairs); its loss
+is :class:`~miles_core.algo.loss.SequenceRatioLoss` with the log-ratio divided by L (``per_token``).
 
 Within an update, the policy, the proximal policy and the reference see the same masks (common
 random numbers: VRPO's "antithetic" sampling, LLaDA 1.5, arXiv:2505.19223); they are redrawn at
@@ -26,7 +26,7 @@ from miles_core.algo.elbo import CopyScorer, one_row_each, uniform_subset
 from miles_core.algo.loss import SequenceRatioLoss
 from miles_core.algo.draws import STREAM_GROUP, Draws
 from miles_core.algo.rows import Rows
-from miles_core.config import ADPOConfig
+from miles_core.config import EspoSettings, UpdateConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -59,28 +59,28 @@ class SequenceELBORows(CopyScorer):
         return s, None, torch.ones_like(s, dtype=torch.bool)
 
 
-def espo_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+def espo_rows(sub: TrajectoryBatch, own: EspoSettings, epochs: int, tok: CharTokenizer, temperature: float,
               draws: Draws, model: Any = None) -> tuple[Rows, SequenceELBORows]:
     """One row per kept trajectory; its stratified copies (each pair's first half) drawn now. The
     counts are stratified over each group's kept members (a group is never split between learner
     ranks, learner/shares.py), from an offset its first member draws: the same in any batch."""
-    b, n, length = len(sub), cfg.mask_samples, sub.completion_len
+    b, n, length = len(sub), own.pairs, sub.completion_len
     rows = one_row_each(b)
-    comp = torch.empty(cfg.epochs, n, b, length, dtype=torch.bool)
-    t = torch.empty(cfg.epochs, n, b)
+    comp = torch.empty(epochs, n, b, length, dtype=torch.bool)
+    t = torch.empty(epochs, n, b)
     for g in sub.group_id.unique().tolist():
         idx = (sub.group_id == g).nonzero().squeeze(1)
-        comp[:, :, idx], t[:, :, idx] = stratified_masks(draws.gen(int(idx[0]), STREAM_GROUP), cfg.epochs, n,
+        comp[:, :, idx], t[:, :, idx] = stratified_masks(draws.gen(int(idx[0]), STREAM_GROUP), epochs, n,
                                                          idx.numel(), length)
     return rows, SequenceELBORows(sub, tok, temperature, comp, t=t)
 
 
 @register_estimator("espo")
 class ESPO(Estimator):
-    reads = ("mask_samples",)
+    settings = EspoSettings
 
     builders = {"masked": espo_rows}  # batch kind -> its rows
 
-    def loss(self, cfg: ADPOConfig) -> SequenceRatioLoss:
+    def loss(self, cfg: UpdateConfig) -> SequenceRatioLoss:
         """One clipped ratio per sequence, its exponent per token (divided by L)."""
         return SequenceRatioLoss(cfg.clip_eps, cfg.kl_coef, per_token=True)

@@ -1,20 +1,20 @@
 """``spg``: SPG, Sandwiched Policy Gradient (Wang et al., 2025, arXiv:2510.09541; code
 facebookresearch/SPG ``spg/spg_trainer.py``). REINFORCE with no ratio: a trajectory with A > 0
 raises a lower bound of log pi (the ELBO), one with A <= 0 lowers an upper bound (the EUBO), or
-``adpo.spg_mix`` = w of it mixed with the ELBO. With J = ``adpo.mask_samples`` masked copies,
+``mix`` = w of it mixed with the ELBO. With J = ``copies`` masked copies,
 m_jk = 1 where copy j masks token k and t_j = sum_k m_jk / L:
 
     ELBO  = (1/L) (1/J) sum_j sum_k m_jk log p_jk / t_j
     EUBO  = (1/(beta |K|)) sum_{k in K} log[(1/J) sum_j m_jk p_jk^beta / t_j]      K: tokens some copy masks
     loss  = -sum_b A_b L S_b / (B L),   S_b = ELBO if A_b > 0 else w EUBO + (1 - w) ELBO
 
-Copies are block-wise (SPG's ``block_random``): a random block of ``adpo.mask_block`` tokens
+Copies are block-wise (SPG's ``block_random``): a random block of ``mask_block`` tokens
 (0: the completion is one block) has a uniform number 1..m of its tokens masked, every later
 block is masked whole, earlier blocks stay clean. The prompt is masked with
-``adpo.prompt_mask_prob`` as in d1; unlike SPG's code, that mask never reaches the completion.
+``prompt_mask_prob`` as in d1; unlike SPG's code, that mask never reaches the completion.
 
-Reads ``adpo.mask_samples`` (J), ``adpo.mask_block``, ``adpo.prompt_mask_prob``, ``adpo.eubo_beta``
-and ``adpo.spg_mix``; its loss is the ratio-free weighted likelihood (``loss.WeightedLikelihoodLoss``).
+Its settings are ``estimators.spg`` (config/estimators.py): ``copies`` (J), ``mask_block``,
+``prompt_mask_prob``, ``eubo_beta`` and ``mix``; its loss is the ratio-free weighted likelihood (``loss.WeightedLikelihoodLoss``).
 
 Within an update, the policy, the proximal policy and the reference see the same masks (common
 random numbers: VRPO's "antithetic" sampling, LLaDA 1.5, arXiv:2505.19223); they are redrawn at
@@ -34,7 +34,7 @@ from miles_core.algo.elbo import CopyScorer, effective_block, one_row_each, unif
 from miles_core.algo.loss import TokenRatioLoss, WeightedLikelihoodLoss
 from miles_core.algo.draws import Draws
 from miles_core.algo.rows import Rows, prompt_masks
-from miles_core.config import ADPOConfig
+from miles_core.config import SpgSettings, UpdateConfig
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
 
@@ -75,23 +75,23 @@ class SandwichRows(CopyScorer):
         return torch.where(neg, self.mix * eubo + (1 - self.mix) * elbo, elbo), None, scored
 
 
-def spg_rows(sub: TrajectoryBatch, cfg: ADPOConfig, tok: CharTokenizer, temperature: float,
+def spg_rows(sub: TrajectoryBatch, own: SpgSettings, epochs: int, tok: CharTokenizer, temperature: float,
              draws: Draws, model: Any = None) -> tuple[Rows, SandwichRows]:
     """One row per kept trajectory; its J block-wise copies and their prompt masks, drawn now."""
-    b, n, length = len(sub), cfg.mask_samples, sub.completion_len
+    b, n, length = len(sub), own.copies, sub.completion_len
     rows = one_row_each(b)
-    comp = draws.cat(lambda _, g: block_masks(g, (cfg.epochs, n, 1), length, cfg.mask_block), dim=2)
-    prompt = prompt_masks(sub, draws, cfg.epochs, n, cfg.prompt_mask_prob)
-    return rows, SandwichRows(sub, tok, temperature, comp, prompt, beta=cfg.eubo_beta, mix=cfg.spg_mix,
+    comp = draws.cat(lambda _, g: block_masks(g, (epochs, n, 1), length, own.mask_block), dim=2)
+    prompt = prompt_masks(sub, draws, epochs, n, own.prompt_mask_prob)
+    return rows, SandwichRows(sub, tok, temperature, comp, prompt, beta=own.eubo_beta, mix=own.mix,
                               advantage=torch.nan_to_num(sub.advantage, nan=0.0))
 
 
 @register_estimator("spg")
 class SPG(Estimator):
-    reads = ("mask_samples", "mask_block", "prompt_mask_prob", "eubo_beta", "spg_mix")
+    settings = SpgSettings
 
     builders = {"masked": spg_rows}  # batch kind -> its rows
 
-    def loss(self, cfg: ADPOConfig) -> TokenRatioLoss:
+    def loss(self, cfg: UpdateConfig) -> TokenRatioLoss:
         """REINFORCE on the bounds: no ratio, no clip, no importance weight."""
         return WeightedLikelihoodLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)

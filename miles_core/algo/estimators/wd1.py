@@ -2,7 +2,7 @@
 each trajectory weighted by w = softmax(A) - softmax(-A) within its group, with a ratio-free loss
 -w log p: a weighted likelihood, no clip and no importance weight.
 
-Reads ``adpo.mask_samples`` and ``adpo.prompt_mask_prob`` (through d1's rows).
+Its settings are ``estimators.wd1`` (config/estimators.py): ``mask_draws`` and ``prompt_mask_prob`` (through d1's rows).
 """
 
 from __future__ import annotations
@@ -15,16 +15,16 @@ from miles_core.algo.advantages import wd1_weights
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.estimators.meanfield import meanfield_rows
 from miles_core.algo.loss import TokenRatioLoss, WeightedLikelihoodLoss
-from miles_core.config import ADPOConfig
+from miles_core.config import UpdateConfig, Wd1Settings
 
 
 @register_estimator("wd1")
 class WD1(Estimator):
-    reads = ("mask_samples", "prompt_mask_prob")
+    settings = Wd1Settings
 
     builders = {"masked": meanfield_rows}  # batch kind -> its rows
 
-    def loss(self, cfg: ADPOConfig) -> TokenRatioLoss:
+    def loss(self, cfg: UpdateConfig) -> TokenRatioLoss:
         return WeightedLikelihoodLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
 
     def advantages(self, adv: Tensor, batch: Any) -> Tensor:

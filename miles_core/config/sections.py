@@ -1,60 +1,23 @@
-"""Typed, frozen recipe configuration, loaded from YAML with ``key.sub=value`` overrides.
-
-Every field is checked at load: an unknown key or a bad value fails before any work, with a
-message naming the field and the allowed values (see tests/test_config.py).
+"""The recipe's sections: model, task, SFT, samplers, LoRA, optimiser, update engine, training
+loop, asynchronous runs, collapse guard, evaluation and sandbox. Each field's comment is what the
+generated reference page (docs/reference/recipe.md) shows; its bounds sit beside it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import hashlib
 import json
 import re
-import typing
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
-
-class ConfigError(ValueError):
-    """A recipe or override is invalid; the message names the field."""
-
-
-# The estimators Miles ships: miles_core/algo/estimators loads exactly these modules, each of which
-# registers under its own module name. Stated here, below the algorithms, so a recipe's
-# adpo.estimator is checked at load without importing torch or the estimator code.
-BUILTIN_ESTIMATORS: tuple[str, ...] = ("adpo", "coupled", "ebpo", "espo", "meanfield", "spg", "wd1")
-# Registered names -> the ADPOConfig fields each reads, filled as estimators register (built-in
-# ones and any a program registers itself before loading its recipe).
-ESTIMATORS: dict[str, tuple[str, ...]] = {}
-
-
-def did_you_mean(word: str, choices: typing.Iterable[str], prefix: str = "") -> str:
-    """`` (did you mean 'x'?)`` for the closest of ``choices`` to a mistyped ``word``, else ''."""
-    close = difflib.get_close_matches(str(word), sorted(set(choices)), n=1, cutoff=0.6)
-    return f" (did you mean {prefix + close[0]!r}?)" if close else ""
-
-
-def bounded(default: Any, lo: float | None = None, hi: float | None = None) -> Any:
-    """A numeric field with inclusive bounds, declared beside it; :func:`build` checks them by name."""
-    return field(default=default, metadata={"bounds": (lo, hi)})
-
-
-def check_bounds(obj: Any, path: str = "") -> None:
-    """Every bounded field of ``obj`` within its bounds, or a ConfigError naming field, value and bounds."""
-    for f in dataclasses.fields(obj):
-        lo, hi = f.metadata.get("bounds", (None, None))
-        v = getattr(obj, f.name)
-        if v is None or (lo is None and hi is None):
-            continue
-        if (lo is not None and v < lo) or (hi is not None and v > hi):
-            rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-            raise ConfigError(f"{path}{f.name}: {v!r} is out of bounds {rng}")
+from miles_core.config.estimators import SETTINGS
+from miles_core.config.schema import Need, Section, bounded, did_you_mean
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(Section):
     # tiny | llama: a random-init model of the sizes below; hf: a local checkpoint (model.path) of
     # model.family, in its published layout (models/families.py)
     backend: Literal["tiny", "llama", "hf"] = "tiny"
@@ -81,9 +44,19 @@ class ModelConfig:
     # LoRA adapters stay float32 (peft casts them up), and log-probs are computed in float32
     dtype: Literal["float32", "bfloat16"] = "float32"
 
+    def check(self, need: Need) -> None:
+        need(self.d_model % self.n_heads == 0, "d_model", "must be divisible by n_heads")
+        need(self.backend in ("llama", "hf") or not self.path, "path", "only the 'llama' and 'hf' backends load a checkpoint folder")
+        need(self.backend != "hf" or bool(self.path), "path", "backend 'hf' needs model.path (a local checkpoint folder)")
+        need(self.family == "remote_code" or not self.trust_remote_code, "trust_remote_code",
+             "only used with model.family=remote_code")
+        need(self.backend == "llama" or not self.mask_token, "mask_token", "only used by the 'llama' backend")
+        need(re.fullmatch(r"cpu|auto|cuda(:\d+)?", self.device) is not None, "device",
+             f"{self.device!r} is not one of cpu, cuda, cuda:N, auto")
+
 
 @dataclass(frozen=True)
-class TaskConfig:
+class TaskConfig(Section):
     # arith, countdown, code: procedural (countdown reads d1's files when test_path is set); the
     # field's benchmarks read files (data/filetask.py): path = train split, test_path = eval split.
     name: Literal["arith", "countdown", "code", "gsm8k", "math", "math500", "sudoku", "humaneval", "mbpp"] = "arith"
@@ -106,9 +79,14 @@ class TaskConfig:
     numbers: int = bounded(3, 2, 8)           # countdown: given numbers per problem
     max_value: int = bounded(12, 1, 1000000)        # countdown: numbers range over 1..max_value
 
+    def check(self, need: Need) -> None:
+        need(1 <= self.min_ops <= self.max_ops, "min_ops", "need 1 <= min_ops <= max_ops")
+        need(self.name != "code" or 3 <= self.num_examples <= 10, "num_examples", "need 3 <= num_examples <= 10")
+        need(self.name != "code" or 0 <= self.const_max <= 99, "const_max", "need 0 <= const_max <= 99")
+
 
 @dataclass(frozen=True)
-class SFTConfig:
+class SFTConfig(Section):
     steps: int = bounded(3000, 1)
     batch_size: int = bounded(64, 1)
     lr: float = bounded(1e-3, 1e-12, 10.0)
@@ -120,7 +98,7 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
-class SamplerConfig:
+class SamplerConfig(Section):
     kind: Literal["static", "nsd"] = "static"
     steps: int = bounded(16, 1)                     # static: total denoising steps for the completion
     block_size: int = bounded(0, 0)                 # 0: the whole completion is one block
@@ -132,13 +110,16 @@ class SamplerConfig:
     cache: Literal["none", "prefix", "dual"] = "none"  # KV cache (miles_core/models/window.py): prompt + finished blocks, + suffix
     eos_stop: bool = False              # a row whose finished blocks hold EOS skips its later blocks (all EOS)
 
+    def check(self, need: Need) -> None:
+        need(1 <= self.min_per_step <= self.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
+
     def hash(self, completion_len: int) -> str:
         blob = json.dumps({**dataclasses.asdict(self), "completion_len": completion_len}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
-class RenoiseConfig:
+class RenoiseConfig(Section):
     """The renoising sampler (samplers/renoise.py, DiffusionGemma): generate's own defaults
     (``DiffusionGemmaGenerationConfig._get_default_generation_params``, transformers 5.24)."""
 
@@ -149,9 +130,12 @@ class RenoiseConfig:
     stability_threshold: int = bounded(1, 0)          # stop: argmax unchanged for this many steps ...
     confidence_threshold: float = bounded(0.005, 1e-09)  # ... and mean entropy below this
     # the canvas RL chains return: generate's argmax of the last step, or that step's sample (not
-    # generate's: every output token is then a sampled action, which adpo.renoise_output's row scores);
+    # generate's: every output token is then a sampled action, which estimators.adpo.renoise_output's row scores);
     # evaluation always decodes with the argmax
     output: Literal["argmax", "sample"] = "argmax"
+
+    def check(self, need: Need) -> None:
+        need(self.t_min < self.t_max, "t_min", f"need t_min < t_max, got {self.t_min} and {self.t_max}")
 
     def generate_kwargs(self) -> dict[str, Any]:
         """The same settings as ``model.generate`` keyword arguments (generate returns the argmax)."""
@@ -170,7 +154,7 @@ class RenoiseConfig:
 
 
 @dataclass(frozen=True)
-class LoraSettings:
+class LoraSettings(Section):
     r: int = bounded(16, 1, 4096)
     alpha: int = bounded(32, 1)
     dropout: float = bounded(0.0, 0.0, 0.99)
@@ -178,21 +162,25 @@ class LoraSettings:
 
 
 @dataclass(frozen=True)
-class ADPOConfig:
-    # a name registered in miles_core/algo/estimators/ (adpo, meanfield, coupled, wd1, spg, espo, ebpo):
-    # its module says what a row is, its loss, and which of the fields below marked with it it reads
-    estimator: str = "adpo"
+class OptimConfig(Section):
+    """The learner's AdamW on the LoRA adapter: its learning rate and schedule."""
+
     lr: float = bounded(1e-3, 1e-12, 10.0)
     warmup: int = bounded(5, 0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"  # after warm-up: decay to 0 over the run's updates
+
+
+@dataclass(frozen=True)
+class UpdateConfig(Section):
+    """The update engine (algo/update.py) and the loss every estimator's rows feed: which estimator
+    builds the rows (its own settings are ``estimators.NAME``), how the loss is clipped, weighted,
+    regularised and normalised, and how the rows are split into minibatches, epochs and chunks."""
+
+    # a name registered in miles_core/algo/estimators/ (adpo, meanfield, coupled, wd1, spg, espo, ebpo):
+    # its module says what a row is, its loss and its advantage transform
+    estimator: str = "adpo"
     clip_eps: float = bounded(0.2, 1e-09, 10.0)
     is_cap: float = bounded(2.0, 1.0)                 # C in w = min(pi_prox / mu, C)
-    step_fraction: float = bounded(0.5, 1e-09, 1.0)          # rho: rows per trajectory = ceil(rho K), the update's forwards
-    step_cover: bool = True             # the rows partition all K steps (every token scored); False: a random rho of the steps
-    step_merge: int = bounded(1, 1)                   # s > 1: runs of s steps, a random rho of them (TraceRL shrinkage)
-    step_sampling: Literal["uniform", "uncertainty"] = "uniform"  # step_cover=false: which steps are drawn (uncertainty: by 1 - mu, reweighted)
-    step_floor: float = bounded(0.05, 1e-3, 1.0)      # uncertainty: the least probability any step is drawn with
-    renoise_output: bool = False        # renoising chains: also score the output (last argmax) at the last step's T
     kl_coef: float = bounded(0.0, 0.0)                # KL to the reference (adapter disabled)
     entropy_floor: float = bounded(0.0, 0.0)          # penalise mean entropy below this (NSD guard)
     entropy_coef: float = bounded(0.0, 0.0)
@@ -205,16 +193,16 @@ class ADPOConfig:
     chunk_tokens: int = bounded(0, 0)               # > 0: a chunk's memory budget in positions (algo/update.py), not row_chunk
     grad_checkpointing: bool = False    # recompute each layer in backward, keeping only its input (models/activations.py)
     max_grad_norm: float = bounded(1.0, 1e-09)
-    prompt_mask_prob: float = bounded(0.15, 0.0, 1.0)      # meanfield (d1): fraction of prompt tokens masked
-    mask_samples: int = bounded(1, 1, 64)  # meanfield / wd1 / coupled: Monte-Carlo mask draws per trajectory, each a row of weight 1/n; spg: copies J; espo: coupled pairs; ebpo: timesteps N
-    mask_block: int = bounded(0, 0)                 # spg, ebpo: block length of their block-wise masks (0: the completion is one block)
-    eubo_beta: float = bounded(1.5, 1.0, 10.0)      # spg: beta of the upper bound (EUBO)
-    spg_mix: float = bounded(0.5, 0.0, 1.0)         # spg: weight of the EUBO (vs the ELBO) for trajectories with A <= 0
-    max_staleness: int = bounded(4, 0)              # async: S
+
+    def check(self, need: Need) -> None:
+        known = set(SETTINGS)
+        need(self.estimator in known, "estimator",
+             f"{self.estimator!r} is not a registered estimator{did_you_mean(self.estimator, known)}; "
+             f"registered: {', '.join(map(repr, sorted(known)))}")
 
 
 @dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(Section):
     iterations: int = bounded(40, 1)                # RL updates (0 would train nothing: `miles eval` evaluates a checkpoint)
     prompts_per_iter: int = bounded(16, 1)
     group_size: int = bounded(8, 2)
@@ -225,12 +213,13 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
-class AsyncSettings:
-    """Decoupled samplers and learner (miles_core/asyncrl). Staleness S is ``adpo.max_staleness``:
+class AsyncSettings(Section):
+    """Decoupled samplers and learner (miles_core/asyncrl). Staleness S is ``max_staleness``:
     a sampler starts batch slot k only while k < (S + v + 1) x B, v the learner's version and B
     the sampler batches of one update (AReaL's admission rule), so what it samples is still fresh
     enough to use when the learner gets to it."""
 
+    max_staleness: int = bounded(4, 0)              # S: a batch older than S versions is dropped, never trained on
     num_samplers: int = bounded(1, 1, 4096)
     # data-parallel learner ranks a local run starts under torchrun (at scale: torchrun's --nproc-per-node x --nnodes)
     learner_ranks: int = bounded(1, 1, 4096)
@@ -256,9 +245,16 @@ class AsyncSettings:
     retain_heap_mb: int = bounded(1024, 0, 2047)
     retry_budget_s: float = bounded(60.0, 0.0)        # storage errors are retried with backoff for this long
 
+    def check(self, need: Need) -> None:
+        need(self.shared_budget or not self.learner_samples, "learner_samples",
+             "needs shared_budget=true (the learner claims slots of the shared sample budget)")
+        need(not (self.fsdp and self.learner_samples), "fsdp",
+             "cannot be combined with learner_samples=true (rank 0 alone would sample through a model "
+             "whose every forward is a collective of all ranks)")
+
 
 @dataclass(frozen=True)
-class GuardSettings:
+class GuardSettings(Section):
     """Collapse guard (miles_core/algo/guard.py): roll the policy back when a batch shows it collapsed."""
 
     enabled: bool = True
@@ -273,7 +269,7 @@ class GuardSettings:
 
 
 @dataclass(frozen=True)
-class EvalSettings:
+class EvalSettings(Section):
     # A named preset (eval/presets.py: d1_128, d1, d1_512, dare) replaces completion length, steps,
     # block size, temperature and remasking with the values the field's tables used, recorded.
     preset: Literal["", "d1_128", "d1", "d1_512", "dare"] = ""
@@ -291,7 +287,7 @@ class EvalSettings:
 
 
 @dataclass(frozen=True)
-class SandboxSettings:
+class SandboxSettings(Section):
     """How code completions are executed (miles_core/rewards/isolation.py says what each holds).
 
     bwrap: a new bubblewrap sandbox (own user/mount/PID/network namespaces, seccomp) per run;
@@ -301,190 +297,3 @@ class SandboxSettings:
     """
 
     isolation: Literal["bwrap", "bwrap_shared", "none"] = "bwrap"
-
-
-@dataclass(frozen=True)
-class RecipeConfig:
-    name: str = "arith"
-    model: ModelConfig = field(default_factory=ModelConfig)
-    task: TaskConfig = field(default_factory=TaskConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    sampler: SamplerConfig = field(default_factory=SamplerConfig)
-    renoise: RenoiseConfig = field(default_factory=RenoiseConfig)   # the sampler of renoising families
-    lora: LoraSettings = field(default_factory=LoraSettings)
-    adpo: ADPOConfig = field(default_factory=ADPOConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    async_rl: AsyncSettings = field(default_factory=AsyncSettings)
-    guard: GuardSettings = field(default_factory=GuardSettings)
-    eval: EvalSettings = field(default_factory=EvalSettings)
-    sandbox: SandboxSettings = field(default_factory=SandboxSettings)
-    torch_threads: int = bounded(0, 0, 1024)               # 0: leave torch's default
-
-    def batches_per_update(self) -> int:
-        """B: sampler batches one update consumes (``async_rl.global_batch`` in completions)."""
-        return max(1, self.async_rl.global_batch // (self.train.prompts_per_iter * self.train.group_size))
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    def flat(self) -> dict[str, Any]:
-        """Dotted key -> value, for MLflow params."""
-        out: dict[str, Any] = {}
-
-        def walk(prefix: str, d: dict) -> None:
-            for k, v in d.items():
-                if isinstance(v, dict):
-                    walk(f"{prefix}{k}.", v)
-                else:
-                    out[f"{prefix}{k}"] = v
-        walk("", self.to_dict())
-        return out
-
-
-def _coerce(path: str, tp: Any, value: Any) -> Any:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{path}: {value!r} is not allowed{did_you_mean(value, map(str, allowed))}; "
-                              f"allowed values: {', '.join(map(repr, allowed))}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, got {value!r}")
-        return build(tp, value, f"{path}.")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
-            return value.lower() in ("true", "1", "yes")
-        raise ConfigError(f"{path}: expected true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
-        try:
-            return int(value)
-        except ValueError:
-            raise ConfigError(f"{path}: expected an integer, got {value!r}") from None
-    if tp is float:
-        if isinstance(value, bool):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{path}: expected a number, got {value!r}") from None
-    if tp is str:
-        if not isinstance(value, (str, int, float)):
-            raise ConfigError(f"{path}: expected a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
-    """Construct dataclass ``cls`` from a mapping, rejecting unknown keys by name."""
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{path}{key}"
-        if key not in names:
-            raise ConfigError(f"unknown config key {full!r}{did_you_mean(key, names, path)}; "
-                              f"allowed keys here: {', '.join(sorted(names))}")
-        kwargs[key] = _coerce(full, hints[key], value)
-    obj = cls(**kwargs)
-    check_bounds(obj, path)
-    validate(obj, path)
-    return obj
-
-
-def validate(obj: Any, path: str = "") -> None:
-    """Checks across fields, and choices that depend on another field (single-field ranges are the
-    bounds declared beside each field, see :func:`bounded`)."""
-    def need(cond: bool, field_name: str, msg: str) -> None:
-        if not cond:
-            raise ConfigError(f"{path}{field_name}: {msg}")
-    if isinstance(obj, ADPOConfig):
-        known = {*BUILTIN_ESTIMATORS, *ESTIMATORS}
-        need(obj.estimator in known, "estimator",
-             f"{obj.estimator!r} is not a registered estimator{did_you_mean(obj.estimator, known)}; "
-             f"registered: {', '.join(map(repr, sorted(known)))}")
-    if isinstance(obj, ADPOConfig):
-        need(obj.step_sampling == "uniform" or (not obj.step_cover and obj.step_merge == 1), "step_sampling",
-             "'uncertainty' draws single steps: it needs adpo.step_cover=false and adpo.step_merge=1")
-    if isinstance(obj, SamplerConfig):
-        need(1 <= obj.min_per_step <= obj.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
-    if isinstance(obj, RenoiseConfig):
-        need(obj.t_min < obj.t_max, "t_min", f"need t_min < t_max, got {obj.t_min} and {obj.t_max}")
-    if isinstance(obj, AsyncSettings):
-        need(obj.shared_budget or not obj.learner_samples, "learner_samples",
-             "needs shared_budget=true (the learner claims slots of the shared sample budget)")
-        need(not (obj.fsdp and obj.learner_samples), "fsdp",
-             "cannot be combined with learner_samples=true (rank 0 alone would sample through a model "
-             "whose every forward is a collective of all ranks)")
-    if isinstance(obj, RecipeConfig):
-        need(obj.renoise.output == "argmax" or obj.adpo.renoise_output, "renoise.output",
-             "'sample' needs adpo.renoise_output=true: the output row is what scores the sampled output")
-        per = obj.train.prompts_per_iter * obj.train.group_size
-        a = obj.async_rl
-        need(a.global_batch % per == 0, "async_rl.global_batch",
-             f"{a.global_batch} is not a whole number of sampler batches of {per} completions "
-             "(train.prompts_per_iter x train.group_size)")
-    if isinstance(obj, TaskConfig):
-        need(1 <= obj.min_ops <= obj.max_ops, "min_ops", "need 1 <= min_ops <= max_ops")
-        need(obj.name != "code" or 3 <= obj.num_examples <= 10, "num_examples", "need 3 <= num_examples <= 10")
-        need(obj.name != "code" or 0 <= obj.const_max <= 99, "const_max", "need 0 <= const_max <= 99")
-    if isinstance(obj, ModelConfig):
-        need(obj.d_model % obj.n_heads == 0, "d_model", "must be divisible by n_heads")
-        need(obj.backend in ("llama", "hf") or not obj.path, "path", "only the 'llama' and 'hf' backends load a checkpoint folder")
-        need(obj.backend != "hf" or bool(obj.path), "path", "backend 'hf' needs model.path (a local checkpoint folder)")
-        need(obj.family == "remote_code" or not obj.trust_remote_code, "trust_remote_code",
-             "only used with model.family=remote_code")
-        need(obj.backend == "llama" or not obj.mask_token, "mask_token", "only used by the 'llama' backend")
-        need(re.fullmatch(r"cpu|auto|cuda(:\d+)?", obj.device) is not None, "device",
-             f"{obj.device!r} is not one of cpu, cuda, cuda:N, auto")
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    if "=" not in text:
-        raise ConfigError(f"override {text!r} must look like key.sub=value")
-    key, raw = text.split("=", 1)
-    import yaml
-
-    try:
-        value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
-        value = raw
-    return key.strip().split("."), value
-
-
-def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | None = None) -> RecipeConfig:
-    """Recipe from a YAML path, a built-in name (``recipes/NAME.yaml``), a dict or defaults."""
-    import yaml
-
-    data: dict[str, Any] = {}
-    if isinstance(source, dict):
-        data = json.loads(json.dumps(source))
-    elif source:
-        path = Path(source)
-        if not path.exists():
-            builtin = Path(__file__).parent / "recipes" / f"{source}.yaml"
-            if not builtin.exists():
-                names = sorted(p.stem for p in (Path(__file__).parent / "recipes").glob("*.yaml"))
-                raise ConfigError(f"recipe {str(source)!r} is neither a file nor a built-in recipe; built-ins: {', '.join(names)}")
-            path = builtin
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping")
-    for ov in overrides or []:
-        keys, value = parse_override(ov)
-        cur = data
-        for k in keys[:-1]:
-            nxt = cur.setdefault(k, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {ov!r}: {k!r} is not a section")
-            cur = nxt
-        cur[keys[-1]] = value
-    return build(RecipeConfig, data)
