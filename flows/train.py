@@ -115,7 +115,7 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
     reg: dict[str, Any] = {}
     name = session.run_name("train", cfg.name, out)
     with training.learner(out) as lr, session.tracked(owner, p.experiment, name, cfg.flat(), tags, p.resume) as run_id:
-        init = training.init_learner(lr, cfg.to_dict(), str(base), store, p.resume)
+        init = training.init_learner(lr, cfg, str(base), store, p.resume)
         tracking.set_tags(run_id, {"miles.run_key": init["run_key"], "miles.resumed_from": init["iteration"]})
         get_run_logger().info("train %s: iterations %d..%d, store %s, MLflow run %s", cfg.name,
                               init["iteration"], cfg.train.iterations, store, run_id)

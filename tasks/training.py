@@ -34,7 +34,7 @@ import torch
 from prefect import task
 
 from miles_core.algo.rl import rollout_stats
-from miles_core.config import load_recipe
+from miles_core.config import RecipeConfig
 from miles_core.eval.evaluate import run_eval
 from miles_core.learner.runtime import existing_run  # noqa: F401  (the flow's check before it trains an SFT base)
 from miles_core.learner.runtime import LearnerRun, open_step_run, read_pointer, save_local_adapter, start_step_run, write_pointer
@@ -114,16 +114,16 @@ def _guarded(session: LearnerSession, fn: Callable[[LearnerRun], Any]) -> Any:
 
 
 @task(name="init-learner", **STORAGE, **LIGHT)
-def init_learner(session: LearnerSession, cfg: dict[str, Any], base_checkpoint: str, store_uri: str,
+def init_learner(session: LearnerSession, cfg: RecipeConfig, base_checkpoint: str, store_uri: str,
                  resume: bool = False) -> dict[str, Any]:
     """Prepare the run in the store and create its learner (publishing adapter v0), or resume it;
-    ``session`` holds it for the tasks that follow."""
+    ``session`` holds it for the tasks that follow. ``cfg``: the recipe the flow loaded (a small
+    frozen value, so it is handed on, not parsed again)."""
     session.drop()
-    new_cfg = load_recipe(cfg)
-    if new_cfg.torch_threads > 0:
-        torch.set_num_threads(new_cfg.torch_threads)
+    if cfg.torch_threads > 0:
+        torch.set_num_threads(cfg.torch_threads)
     run_dir = session.run_dir
-    run, resumed = start_step_run(run_dir, new_cfg, base_checkpoint, store_uri, resume)
+    run, resumed = start_step_run(run_dir, cfg, base_checkpoint, store_uri, resume)
     session.start(run)
     meta = read_pointer(run_dir) or {}
     return {"iteration": meta["iteration"], "version": run.learner.version, "run_key": meta["run_key"],

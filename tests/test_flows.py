@@ -19,6 +19,7 @@ from flows.sft import sft_flow
 from flows import train as train_mod
 from flows.train import train_flow
 from miles_core.config import ConfigError, load_recipe
+from miles_core.learner.runtime import pointed_recipe
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage.run import RunStore
 import tracking
@@ -248,7 +249,7 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
     assert AdapterRegistry(store).versions() == [0, 1, 2]
     # a retried task finds its work done: the committed batch is reused, the update not applied twice
     with training.learner(run_dir) as lr:
-        training.init_learner.fn(lr, meta["cfg"], meta["base_checkpoint"], meta["store_uri"], resume=True)
+        training.init_learner.fn(lr, pointed_recipe(run_dir), meta["base_checkpoint"], meta["store_uri"], resume=True)
         again = training.collect.fn(lr, 1)
         assert again["reused"] and again["batch_id"] == meta["consumed"][1]
         update = training.update.fn(lr, meta["consumed"][1])
@@ -257,7 +258,7 @@ def test_resume_continues_the_checkpoint_and_tasks_are_idempotent(trained: Train
     # from the store (the consumed batch read back, the update's history row), same values
     hole = MlflowClient().create_run(run.info.experiment_id).info.run_id
     with training.learner(run_dir) as lr:
-        training.init_learner.fn(lr, meta["cfg"], meta["base_checkpoint"], meta["store_uri"], resume=True)
+        training.init_learner.fn(lr, pointed_recipe(run_dir), meta["base_checkpoint"], meta["store_uri"], resume=True)
         train_mod._backfill(lr, hole, 2)
     want = dict(tracking.metric_history(run.info.run_id, "reward/reward_mean"))
     assert dict(tracking.metric_history(hole, "reward/reward_mean")) == want

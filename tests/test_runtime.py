@@ -12,7 +12,7 @@ from conftest import train_tiny_base
 
 from miles_core.config import ConfigError, load_recipe
 from miles_core.data.registry import build_task
-from miles_core.learner.runtime import open_step_run, start_step_run
+from miles_core.learner.runtime import open_step_run, pointed_recipe, start_step_run
 from miles_core.storage.run import RunStore
 from tasks import training
 
@@ -38,7 +38,7 @@ def iterate(lr: training.LearnerSession, its: range) -> dict:
 def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Path, base_dir: Path) -> None:
     """Stopped after iteration 2 (runtime dropped, as in a new process) and resumed, the synchronous
     run reaches the same adapter bytes as an uninterrupted one; the ledger lists each batch once."""
-    cfg = load_recipe("tiny", BASE).to_dict()
+    cfg = load_recipe("tiny", BASE)
     finals = []
     for name, cuts in (("straight", [range(3)]), ("resumed", [range(2), range(2, 3)])):
         run_dir, store = tmp_path / name, str(tmp_path / name / "store")
@@ -58,7 +58,7 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
 
 
 def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, base_dir: Path) -> None:
-    cfg = load_recipe("tiny", BASE).to_dict()
+    cfg = load_recipe("tiny", BASE)
     run_dir, store = tmp_path / "r", str(tmp_path / "r" / "store")
     with training.learner(run_dir) as lr:
         training.init_learner.fn(lr, cfg, str(base_dir), store)
@@ -73,7 +73,7 @@ def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, bas
     again = training.collect.fn(moved, 0)
     assert again["reused"] and again["batch_id"] == "000000-learner"
     stored = RunStore(store).trajectories.read_batch("000000-learner")
-    fresh = open_step_run(run_dir).learner.sample(build_task(load_recipe(cfg)), 0)  # at version 1 now
+    fresh = open_step_run(run_dir).learner.sample(build_task(cfg), 0)  # at version 1 now
     assert fresh.prompts == stored.prompts and fresh.group_id.tolist() == stored.group_id.tolist()
     update = training.update.fn(moved, again["batch_id"])
     assert update["version"] == first["version"] == 1 and training.checkpoint_meta(run_dir)["iteration"] == 1
@@ -81,12 +81,17 @@ def test_sync_retry_reuses_the_batch_and_never_updates_twice(tmp_path: Path, bas
         training.init_learner.fn(training.LearnerSession(run_dir), cfg, str(base_dir), store)
     with pytest.raises(FileExistsError, match="another training run"):
         training.init_learner.fn(training.LearnerSession(tmp_path / "other"), cfg, str(base_dir), store)
-    changed = load_recipe("tiny", BASE + ["optim.lr=0.1"]).to_dict()
+    changed = load_recipe("tiny", BASE + ["optim.lr=0.1"])
     with pytest.raises(ConfigError, match="optim.lr"):
         training.init_learner.fn(training.LearnerSession(run_dir), changed, str(base_dir), store, resume=True)
-    longer = load_recipe("tiny", BASE + ["train.iterations=5"]).to_dict()  # a resumable setting
+    longer = load_recipe("tiny", BASE + ["train.iterations=5"])  # a resumable setting
     with training.learner(run_dir) as lr:
         assert training.init_learner.fn(lr, longer, str(base_dir), store, resume=True)["iteration"] == 1
+    # the recipe is stored once, in the store's run.json; the folder keeps only what its resume changed
+    meta = training.checkpoint_meta(run_dir)
+    assert "cfg" not in meta and meta["resumed_settings"] == {"train.iterations": 5}
+    assert RunStore(store).read_spec()["cfg"]["train"]["iterations"] == 3
+    assert pointed_recipe(run_dir) == longer and open_step_run(run_dir).cfg == longer
 
 
 def test_a_sync_iteration_writes_its_batch_once_and_never_reads_it_back(tmp_path: Path, base_dir: Path) -> None:
@@ -117,7 +122,7 @@ def test_a_copied_run_folder_resumes_into_its_own_store(tmp_path: Path, base_dir
     store and leaves the original's alone; a copy whose store is outside both folders is refused."""
     import shutil
 
-    cfg = load_recipe("tiny", BASE).to_dict()
+    cfg = load_recipe("tiny", BASE)
     orig = tmp_path / "orig"
     with training.learner(orig) as lr:
         training.init_learner.fn(lr, cfg, str(base_dir), str(orig / "store"))
@@ -150,12 +155,12 @@ def test_a_start_that_failed_before_its_first_update_can_be_started_again(tmp_pa
     run_dir = tmp_path / "r"
     prepare_run(str(run_dir / "store"), load_recipe("tiny", [*BASE, "optim.lr=0.5"]), base_dir)
     assert RunStore(str(run_dir / "store")).exists("run.json") and not (run_dir / "learner.json").exists()
-    cfg = load_recipe("tiny", BASE).to_dict()
+    cfg = load_recipe("tiny", BASE)
     with training.learner(run_dir) as lr:
         init = training.init_learner.fn(lr, cfg, str(base_dir), str(run_dir / "store"))
         assert init["iteration"] == 0 and not init["resumed"]
         iterate(lr, range(1))
-    assert RunStore(str(run_dir / "store")).read_spec()["cfg"]["optim"]["lr"] == cfg["optim"]["lr"]
+    assert RunStore(str(run_dir / "store")).read_spec()["cfg"]["optim"]["lr"] == cfg.optim.lr
     # a store outside the folder might be another run's: refused, naming it
     prepare_run(str(tmp_path / "shared"), load_recipe("tiny", BASE), base_dir)
     with pytest.raises(FileExistsError, match="another training run"):

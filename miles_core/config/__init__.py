@@ -11,7 +11,8 @@ from miles_core.config.estimators import (BUILTIN_ESTIMATORS, SETTINGS, AdpoSett
                                           SpgSettings, Wd1Settings, build_estimator_sections, register_settings,
                                           unregister_settings)
 from miles_core.config.recipe import RecipeConfig, load_recipe, parse_override
-from miles_core.config.schema import ConfigError, Section, bounded, build, check_bounds, did_you_mean
+from miles_core.config.legacy import migrate
+from miles_core.config.schema import ConfigError, Section, bounded, build, check_bounds, did_you_mean, set_dotted
 from miles_core.config.sections import (AsyncSettings, EvalSettings, GuardSettings, LoraSettings, ModelConfig,
                                         OptimConfig, RenoiseConfig, SamplerConfig, SandboxSettings, SFTConfig,
                                         TaskConfig, TrainConfig, UpdateConfig)
@@ -21,4 +22,4 @@ __all__ = ["BUILTIN_ESTIMATORS", "SETTINGS", "AdpoSettings", "AsyncSettings", "C
            "MeanFieldSettings", "ModelConfig", "OptimConfig", "RecipeConfig", "RenoiseConfig", "SamplerConfig",
            "SandboxSettings", "Section", "SFTConfig", "SpgSettings", "TaskConfig", "TrainConfig", "UpdateConfig",
            "Wd1Settings", "bounded", "build", "build_estimator_sections", "check_bounds", "did_you_mean",
-           "load_recipe", "parse_override", "register_settings", "unregister_settings"]
+           "load_recipe", "migrate", "parse_override", "register_settings", "set_dotted", "unregister_settings"]

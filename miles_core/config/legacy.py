@@ -12,7 +12,7 @@ import difflib
 import warnings
 from typing import Any
 
-from miles_core.config.schema import ConfigError
+from miles_core.config.schema import ConfigError, set_dotted
 
 _ENGINE = ("estimator", "clip_eps", "is_cap", "kl_coef", "entropy_floor", "entropy_coef", "std_normalize",
            "skip_zero_variance", "loss_norm", "num_minibatches", "epochs", "row_chunk", "chunk_tokens",
@@ -55,18 +55,6 @@ def warn(moves: dict[str, tuple[str, ...]], where: str) -> None:
                       f"estimators.NAME); rewrite {said}", FutureWarning, stacklevel=3)
 
 
-def put(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """``data[a][b]...[z] = value`` for ``dotted`` = ``a.b....z``, making the sections on the way."""
-    *path, last = dotted.split(".")
-    cur = data
-    for k in path:
-        nxt = cur.setdefault(k, {})
-        if not isinstance(nxt, dict):
-            raise ConfigError(f"{dotted}: {k!r} is not a section")
-        cur = nxt
-    cur[last] = value
-
-
 def migrate(data: dict[str, Any], where: str) -> dict[str, Any]:
     """``data`` with its ``adpo`` section's keys moved where they now live (each with a warning);
     a key set both ways is refused, since which one was meant cannot be told."""
@@ -85,7 +73,7 @@ def migrate(data: dict[str, Any], where: str) -> dict[str, Any]:
                 cur = cur.get(k) if isinstance(cur, dict) else None
             if cur is not None:
                 raise ConfigError(f"{where}: adpo.{key} and {dotted} are both set; keep {dotted}")
-            put(out, dotted, value)
+            set_dotted(out, dotted, value)
         moves[key] = new
     warn(moves, where)
     return out

@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_core.config.estimators import EstimatorSections, build_estimator_sections
-from miles_core.config.legacy import migrate, moved_key, put, warn
-from miles_core.config.schema import ConfigError, Need, Section, bounded, build
+from miles_core.config.legacy import migrate, moved_key, warn
+from miles_core.config.schema import ConfigError, Need, Section, bounded, build, set_dotted
 from miles_core.config.sections import (AsyncSettings, EvalSettings, GuardSettings, LoraSettings, ModelConfig,
                                         OptimConfig, RenoiseConfig, SamplerConfig, SandboxSettings, SFTConfig,
                                         TaskConfig, TrainConfig, UpdateConfig)
@@ -134,7 +134,7 @@ def load_recipe(source: str | Path | dict | None = None, overrides: list[str] | 
             new = (".".join(keys),)
         for dotted in new:
             try:
-                put(data, dotted, value)
+                set_dotted(data, dotted, value)
             except ConfigError as e:
                 raise ConfigError(f"override {ov!r}: {e}") from None
     return build(RecipeConfig, data)

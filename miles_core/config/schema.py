@@ -118,3 +118,15 @@ def build(cls: type, data: dict[str, Any], path: str = "") -> Any:
             raise ConfigError(f"{path}{field_name}: {msg}")
     obj.check(need)
     return obj
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """``data[a][b]...[z] = value`` for ``dotted`` = ``a.b....z``, making the sections on the way."""
+    *path, last = dotted.split(".")
+    cur = data
+    for k in path:
+        nxt = cur.setdefault(k, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"{dotted}: {k!r} is not a section")
+        cur = nxt
+    cur[last] = value

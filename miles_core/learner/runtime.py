@@ -38,7 +38,7 @@ from torch import Tensor
 
 from miles_core.algo.rl import batch_id
 from miles_core.algo.update import global_counts
-from miles_core.config import RecipeConfig, load_recipe
+from miles_core.config import RecipeConfig, load_recipe, migrate, set_dotted
 from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.channels import BatchChannel, PolicyChannel
 from miles_core.learner.policy import Learner
@@ -265,7 +265,7 @@ def _own_store(run_dir: Path, store_uri: str) -> str | None:
 
 
 def read_pointer(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """``run_dir``'s pointer (store, base, run key, cfg, iteration, version), or None if absent.
+    """``run_dir``'s pointer (store, base, run key, resumed settings, iteration, version), or None if absent.
 
     A store inside the folder is recorded relative to it, so a copied or moved folder trains its own
     copy of the store. A folder copied from another whose store is outside both is refused: resuming
@@ -289,8 +289,11 @@ def read_pointer(run_dir: str | os.PathLike[str]) -> dict[str, Any] | None:
 
 
 def write_pointer(run_dir: str | os.PathLike[str], run: LearnerRun, /, **extra: Any) -> dict[str, Any]:
-    """Record where ``run_dir``'s run lives and how far it got (atomic; the store stays the truth)."""
-    meta = {**(read_pointer(run_dir) or {}), **extra, "iteration": len(run.handled()),
+    """Record where ``run_dir``'s run lives and how far it got (atomic; the store stays the truth).
+    The recipe is not kept here: it is the store's ``run.json`` with ``resumed_settings``, the
+    resumable settings this folder's latest start changed (:func:`pointed_recipe`)."""
+    meta = {k: v for k, v in (read_pointer(run_dir) or {}).items() if k != "cfg"}
+    meta = {**meta, **{k: v for k, v in extra.items() if k != "cfg"}, "iteration": len(run.handled()),
             "version": run.learner.version, "consumed": [e["id"] for e in run.ledger["consumed"]]}
     stored = {**meta, "run_dir": str(Path(run_dir).resolve()),
               "store_uri": _own_store(Path(run_dir), str(meta["store_uri"])) or meta["store_uri"]}
@@ -306,12 +309,26 @@ def _step_run(run_dir: str | os.PathLike[str], store_uri: str, cfg: RecipeConfig
                       checkpoint_every=1)
 
 
+def pointed_recipe(run_dir: str | os.PathLike[str]) -> RecipeConfig:
+    """The recipe of the run ``run_dir`` points at: its store's ``run.json``, with the resumable
+    settings the folder's latest start changed (a pointer written before it recorded the whole recipe)."""
+    meta = read_pointer(run_dir)
+    if meta is None:
+        raise FileNotFoundError(f"no learner in {run_dir}; start the run first")
+    if "cfg" in meta:
+        return load_recipe(meta["cfg"])
+    data = migrate(RunStore(meta["store_uri"]).read_spec()["cfg"], f"{meta['store_uri']}/run.json")
+    for key, value in meta.get("resumed_settings", {}).items():
+        set_dotted(data, key, value)
+    return load_recipe(data)
+
+
 def open_step_run(run_dir: str | os.PathLike[str]) -> LearnerRun:
     """The run ``run_dir`` points at (see :func:`start_step_run`)."""
     meta = read_pointer(run_dir)
     if meta is None:
         raise FileNotFoundError(f"no learner in {run_dir}; start the run first")
-    return _step_run(run_dir, meta["store_uri"], load_recipe(meta["cfg"]))
+    return _step_run(run_dir, meta["store_uri"], pointed_recipe(run_dir))
 
 
 def existing_run(run_dir: str | os.PathLike[str], resume: bool) -> dict[str, Any] | None:
@@ -342,11 +359,13 @@ def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_
         _restart_or_refuse(Path(run_dir), store_uri)
     if not (Path(base_checkpoint) / "config.json").exists():
         raise FileNotFoundError(f"base_checkpoint {base_checkpoint} is not a Miles checkpoint folder (no config.json)")
-    prepare_run(store_uri, cfg, base_checkpoint, resumable=RESUMABLE)  # a changed setting fails, naming it
+    spec = prepare_run(store_uri, cfg, base_checkpoint, resumable=RESUMABLE)  # a changed setting fails, naming it
+    flat = cfg.flat()
+    resumed = {k: flat[k] for k in changed_settings(spec["cfg"], cfg.to_dict())}  # resumable ones only
     fresh = {"run_key": uuid.uuid4().hex[:12], "base_checkpoint": str(Path(base_checkpoint).resolve()),
              "store_uri": store_uri}
     run = _step_run(run_dir, store_uri, cfg)  # the pointer is written only once the run opened
-    write_pointer(run_dir, run, **{**fresh, **(meta or {}), "cfg": cfg.to_dict()})
+    write_pointer(run_dir, run, **{**fresh, **(meta or {}), "resumed_settings": resumed})
     return run, meta is not None
 
 

@@ -29,7 +29,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from miles_core.config import ConfigError, RecipeConfig
+from miles_core.config import ConfigError, RecipeConfig, migrate
 from miles_core.storage.requests import PROCESS
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage import uri as U
@@ -53,8 +53,9 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def changed_settings(old: dict[str, Any], new: dict[str, Any], resumable: tuple[str, ...] = ()) -> list[str]:
     """Recipe keys whose values differ between two nested cfg dicts, ignoring ``resumable`` prefixes.
     A key one side lacks counts as the field's default (a run recorded before the field existed ran
-    with what the default does)."""
-    a, b, default = _flat(old), _flat(new), _flat(RecipeConfig().to_dict())
+    with what the default does); keys of the old ``adpo`` section count where they now live."""
+    a, b = _flat(migrate(old, "run.json")), _flat(migrate(new, "recipe"))
+    default = _flat(RecipeConfig().to_dict())
     return sorted(k for k in set(a) | set(b)
                   if a.get(k, default.get(k)) != b.get(k, default.get(k)) and not k.startswith(resumable))
 
