@@ -35,7 +35,7 @@ import json
 import time
 from pathlib import Path
 
-from benchmarks.harness import (bench_args, checkpoint_path, finish, over_seeds, paired, problems_needed,
+from benchmarks.harness import (bench_args, checkpoint_path, finish, local_run, over_seeds, paired, problems_needed,
                                 sft_checkpoint, workdir)
 
 ESTIMATORS = ("adpo", "adpo_sampled", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
@@ -206,26 +206,28 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
         r = run_eval(model, tok, cfg, data)
         result = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "eval_config": r.config.to_dict()}
     else:
-        learner = Learner(arm_cfg, ckpt)
         meter, update_s, samples, peak, measured, kept = FlopMeter(), 0.0, 0, 0, 0, 0.0
-        for it in range(arm_cfg.train.iterations):
-            batch = learner.sample(data, it)
-            samples += len(batch)
-            t0 = time.perf_counter()
-            if it == 1:  # one update's peak autograd memory (iteration 0 may have no signal)
-                peak = SavedTensorMeter(learner.params).measure(lambda: learner.update(batch))
-            elif it % FLOP_EVERY == 0:
-                with meter.measure("update"):
-                    kept += learner.update(batch).get("trajectories", 0.0)  # groups with a reward spread
-                measured += 1
-            else:
-                learner.update(batch)
-            update_s += time.perf_counter() - t0
-            if (it + 1) % 50 == 0:
-                print(f"[seed {seed}] {arm} it {it + 1} reward {float(batch.reward.nan_to_num(0).mean()):.3f}", flush=True)
-        r = run_eval(learner.model, learner.tok, arm_cfg, data)
-        weights.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(learner.model.state_dict(), weights)
+        with local_run(arm_cfg, ckpt) as run:  # the run `miles train` trains: commits, checkpoints, publishes
+            learner = run.learner
+            for it in range(arm_cfg.train.iterations):
+                bid, batch, _ = run.collect(it)
+                samples += len(batch)
+                t0 = time.perf_counter()
+                if it == 1:  # one update's peak autograd memory (iteration 0 may have no signal)
+                    peak = SavedTensorMeter(learner.params).measure(lambda: run.consume(bid))
+                elif it % FLOP_EVERY == 0:
+                    with meter.measure("update"):
+                        kept += run.consume(bid)[1].get("trajectories", 0.0)  # groups with a reward spread
+                    measured += 1
+                else:
+                    run.consume(bid)
+                update_s += time.perf_counter() - t0
+                if (it + 1) % 50 == 0:
+                    print(f"[seed {seed}] {arm} it {it + 1} reward {float(batch.reward.nan_to_num(0).mean()):.3f}",
+                          flush=True)
+            r = run_eval(learner.model, learner.tok, arm_cfg, data)
+            weights.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(learner.model.state_dict(), weights)
         result = {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "samples": samples,
                   "update_flops": meter.totals.get("update", 0) / max(measured, 1) * arm_cfg.train.iterations,
                   # per trajectory an update kept (A != 0): the estimator's own cost, apart from how

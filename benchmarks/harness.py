@@ -5,12 +5,14 @@ reused by one rule (``sft_checkpoint``), arms run over seeds in a process pool w
 thread each (``over_seeds``), a paired comparison of two arms on the same problems (``paired``),
 and a printed table plus ``benchmarks/results/NAME.json`` (``finish``). Each benchmark keeps only
 its arms and its table. Also here: settings and pieces more than one benchmark measures with
-(``ASYNC_OVERRIDES``, ``SPEED_SIZE``, ``synthetic_batch``, ``train_arm``).
+(``ASYNC_OVERRIDES``, ``SPEED_SIZE``, ``synthetic_batch``, ``train_arm``), and the run every arm
+that trains goes through, the one a user's ``miles train`` runs (``local_run``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -20,7 +22,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -248,30 +250,45 @@ def finish(name: str, payload: dict[str, Any], rows: Sequence[Sequence[Any]] | N
 
 # ---- pieces several benchmarks measure with ------------------------------------------------------
 
-def train_arm(cfg, data, ckpt: Path, sampler, iterations: int, thr_start: float | None = None) -> dict:
-    """ADPO from ``ckpt`` for ``iterations`` with rollouts from ``sampler`` (NSD: with ``thr_start``,
-    a threshold schedule strict early, the target from halfway), FLOPs of sampling and of updates
-    counted, then pass@1 on the held-out problems."""
+@contextlib.contextmanager
+def local_run(cfg, ckpt: str | Path) -> Iterator[Any]:
+    """The synchronous run ``miles train`` trains, on a local store in a temporary folder: started
+    as the flow starts it (``learner/runtime.py::start_step_run``: ``run.json``, adapter v0), then
+    each ``collect`` commits its batch and each ``consume`` judges its staleness, updates,
+    checkpoints and publishes. An arm that trains through it pays what a user's run pays."""
+    from miles_core.learner.runtime import start_step_run
+
+    with tempfile.TemporaryDirectory(prefix="miles-arm-") as tmp:
+        run, _ = start_step_run(str(Path(tmp) / "run"), cfg, str(ckpt), str(Path(tmp) / "run" / "store"))
+        yield run
+
+
+def rl_iteration(run, it: int, meter=None) -> tuple[Any, dict[str, float]]:
+    """Iteration ``it`` of a :func:`local_run`: collect, then consume -> (batch, update stats);
+    with ``meter`` (a FlopMeter), the two phases counted as ``sample`` and ``update``."""
+    with meter.measure("sample") if meter else contextlib.nullcontext():
+        bid, batch, _ = run.collect(it)
+    with meter.measure("update") if meter else contextlib.nullcontext():
+        _, stats = run.consume(bid)
+    return batch, stats
+
+
+def train_arm(cfg, ckpt: Path) -> dict:
+    """ADPO from ``ckpt`` for ``train.iterations`` updates through :func:`local_run`, with the
+    recipe's rollouts (NSD's threshold schedule, ``sampler.threshold_start``, included), FLOPs of
+    sampling and of updates counted, then pass@1 on the held-out problems."""
     from miles_core.eval.evaluate import run_eval
     from miles_core.flops import FlopMeter
-    from miles_core.learner.policy import Learner
 
-    learner = Learner(cfg, ckpt)
     meter = FlopMeter()
     n = 0
     t0 = time.perf_counter()
-    for it in range(iterations):
-        s = sampler
-        if sampler.kind == "nsd" and thr_start is not None:
-            frac = it / max(iterations - 1, 1)
-            s = dataclasses.replace(s, threshold=thr_start + (sampler.threshold - thr_start) * min(1.0, 2 * frac))
-        with meter.measure("sample"):
-            batch = learner.sample(data, it, cfg=dataclasses.replace(cfg, sampler=s))
-        n += len(batch)
-        with meter.measure("update"):
-            learner.update(batch, temperature=sampler.temperature)
-    seconds = time.perf_counter() - t0
-    r = run_eval(learner.model, learner.tok, cfg, data)
+    with local_run(cfg, ckpt) as run:
+        for it in range(cfg.train.iterations):
+            batch, _ = rl_iteration(run, it, meter)
+            n += len(batch)
+        seconds = time.perf_counter() - t0
+        r = run_eval(run.learner.model, run.learner.tok, cfg, run.data)
     return {"pass1": r.pass_at["pass@1"], "flops": meter.total, "sample_flops": meter.totals.get("sample", 0),
             "update_flops": meter.totals.get("update", 0), "completions": n, "seconds": seconds,
             "correct": [c[0] for c in r.correct]}

@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from benchmarks.harness import bench_args, finish, over_seeds, paired, seed_mean, sft_checkpoint, workdir
+from benchmarks.harness import (bench_args, finish, local_run, over_seeds, paired, rl_iteration, seed_mean, sft_checkpoint,
+                                workdir)
 
 # SFT gets up to 6000 steps and stops earlier at its plateau (no validation gain for 3 evals); ADPO
 # runs 300 iterations. Sized so that two seeds (one per core) finish within 30 minutes on 2 cores.
@@ -29,7 +30,6 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int, c
     from miles_core.data.registry import build_task
     from miles_core.eval.evaluate import run_eval
     from miles_core.learner.baseline import continue_sft
-    from miles_core.learner.policy import Learner
 
     cfg = load_recipe("arith", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
@@ -51,26 +51,26 @@ def run_seed(seed: int, overrides: list[str], out: str, plateau_patience: int, c
     rl_curves: dict[str, list[dict]] = {}
     for arm in ("adpo", "meanfield"):
         arm_cfg = load_recipe("arith", overrides + [f"update.estimator={arm}", f"train.seed={seed}"])
-        learner = Learner(arm_cfg, ckpt)
         t1 = time.perf_counter()
         n, eval_s, curve_rl = 0, 0.0, []
-        for it in range(arm_cfg.train.iterations):
-            batch = learner.sample(data, it)
-            n += len(batch)
-            st = learner.update(batch)
-            if (it + 1) % 10 == 0:
-                r = float(batch.reward.nan_to_num(0).mean())
-                print(f"[seed {seed}] {arm} it {it + 1} reward {r:.3f} clip {st.get('clip_frac', 0):.3f} "
-                      f"ent {st.get('entropy', 0):.3f}", flush=True)
-            if (it + 1) % VAL_EVERY == 0:
-                te = time.perf_counter()
-                v = run_eval(learner.model, learner.tok, arm_cfg, data, num_problems=200, split="val").pass_at["pass@1"]
-                curve_rl.append({"iteration": it + 1, "val_pass1": v})
-                eval_s += time.perf_counter() - te
-        arms_time[arm] = time.perf_counter() - t1 - eval_s
-        rl_curves[arm] = curve_rl
-        samples[arm] = n
-        results[arm] = final_eval(learner.model, learner.tok)
+        with local_run(arm_cfg, ckpt) as run:  # the run `miles train` trains: commits, checkpoints, publishes
+            learner = run.learner
+            for it in range(arm_cfg.train.iterations):
+                batch, st = rl_iteration(run, it)
+                n += len(batch)
+                if (it + 1) % 10 == 0:
+                    r = float(batch.reward.nan_to_num(0).mean())
+                    print(f"[seed {seed}] {arm} it {it + 1} reward {r:.3f} clip {st.get('clip_frac', 0):.3f} "
+                          f"ent {st.get('entropy', 0):.3f}", flush=True)
+                if (it + 1) % VAL_EVERY == 0:
+                    te = time.perf_counter()
+                    v = run_eval(learner.model, learner.tok, arm_cfg, data, num_problems=200, split="val").pass_at["pass@1"]
+                    curve_rl.append({"iteration": it + 1, "val_pass1": v})
+                    eval_s += time.perf_counter() - te
+            arms_time[arm] = time.perf_counter() - t1 - eval_s
+            rl_curves[arm] = curve_rl
+            samples[arm] = n
+            results[arm] = final_eval(learner.model, learner.tok)
         print(f"[seed {seed}] {arm} pass@1 {results[arm]['pass1']:.3f} ({arms_time[arm]:.0f}s)", flush=True)
     # (c) SFT continued for the same wall-clock as ADPO, on the same labelled data, all weights
     t2 = time.perf_counter()

@@ -19,7 +19,6 @@ Run: python -m benchmarks.nsd [--checkpoint DIR] [--seeds 0 1 2 3] [--set key=va
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -66,11 +65,11 @@ def _mean_runs(runs: list[dict], seeds: list[int]) -> dict:
 
 
 def _train_job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
-    """One (rollout sampler, threshold start, the arm's own overrides, seed) training run
+    """One (rollout sampler's settings, the arm's own update settings, seed) training run
     (``over_seeds`` runs them in parallel)."""
-    sampler, thr_start, arm, seed = job
-    cfg = load_recipe("arith", [*overrides, *arm, f"train.seed={seed}"])
-    return train_arm(cfg, build_task(cfg), Path(ckpt), sampler, iterations, thr_start)
+    sampler, arm, seed = job
+    cfg = load_recipe("arith", [*overrides, *sampler, *arm, f"train.seed={seed}", f"train.iterations={iterations}"])
+    return train_arm(cfg, Path(ckpt))
 
 
 def nsd_update(step_fraction: float) -> list[str]:
@@ -104,14 +103,15 @@ def main() -> None:
                  for r in rows], ["sampler", "pass@1", "NFE", "GFLOP", "MFLOP per forward", "tokens/s"]))
     print("part 2: ADPO training with static vs NSD rollouts", flush=True)
     iters = args.iterations or cfg.train.iterations
-    static_s = replace(cfg.sampler, kind="static")
-    nsd_s = replace(cfg.sampler, kind="nsd", threshold=args.train_threshold)
-    thr0 = min(0.99, args.train_threshold + 0.05)
+    # NSD's rollouts start stricter (threshold + 0.05) and reach the threshold by half the run
+    static_s = ["sampler.kind=static"]
+    nsd_s = ["sampler.kind=nsd", f"sampler.threshold={args.train_threshold}",
+             f"sampler.threshold_start={min(0.99, args.train_threshold + 0.05)}"]
     nsd_arm = nsd_update(args.train_step_fraction)
     # the control: NSD rollouts and the same expected rows, drawn uniformly (what the allocation adds)
     uniform_arm = ["estimators.adpo.step_cover=false", f"estimators.adpo.step_fraction={args.train_step_fraction}"]
-    arms = ((static_s, None, []), (nsd_s, thr0, nsd_arm), (nsd_s, thr0, uniform_arm))
-    jobs = [(sm, ts, arm, sd) for sm, ts, arm in arms for sd in args.seeds]
+    arms = ((static_s, []), (nsd_s, nsd_arm), (nsd_s, uniform_arm))
+    jobs = [(sm, arm, sd) for sm, arm in arms for sd in args.seeds]
     runs = over_seeds(_train_job, jobs, args.set, str(ckpt), iters)
     k = len(args.seeds)
     by_arm = [runs[i * k:(i + 1) * k] for i in range(len(arms))]
@@ -131,7 +131,8 @@ def main() -> None:
         "train_static": tr_static, "train_nsd": tr_nsd, "train_nsd_overrides": nsd_arm,
         "train_nsd_uniform": {**tr_uniform, "overrides": uniform_arm, "paired_vs_static": test_uniform},
         "flops_per_forward": {r["name"]: r["flops_per_forward"] for r in rows},
-        "train_static_sampler": static_s.__dict__, "train_nsd_sampler": nsd_s.__dict__, "sampling_rows": rows,
+        "train_static_sampler": load_recipe("arith", [*args.set, *static_s]).sampler.__dict__,
+        "train_nsd_sampler": load_recipe("arith", [*args.set, *nsd_s]).sampler.__dict__, "sampling_rows": rows,
         "problems": args.problems, "overrides": args.set, "threads": args.threads, "seconds": time.perf_counter() - t_all,
         "eval_config": eval_config(cfg).to_dict(), "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"},
     }

@@ -188,9 +188,9 @@ def make_learner_store(base: str, work: Path, a: argparse.Namespace) -> str:
     from miles_core.storage import TrajectoryStore
 
     cfg = load_recipe(RECIPE, _overrides(a))
-    sampler = Learner(cfg, base)
-    big = sampler.sample(build_task(cfg), 0, cfg=dataclasses.replace(
-        cfg, train=dataclasses.replace(cfg.train, prompts_per_iter=2 * a.prompts, seed=123)))
+    sampler = Learner(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, prompts_per_iter=2 * a.prompts,
+                                                                          seed=123)), base)
+    big = sampler.sample(build_task(cfg), 0)
     big.reward = (torch.arange(len(big)) % a.group == 0).float()  # one winner per group: no zero advantage
     big.advantage = group_advantages(big.reward, big.group_id)
     store = TrajectoryStore(work / "learner")

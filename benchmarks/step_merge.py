@@ -17,14 +17,14 @@ from pathlib import Path
 
 from benchmarks.harness import bench_args, finish, over_seeds, sft_checkpoint, train_arm, workdir
 from miles_core.config import load_recipe
-from miles_core.data.registry import build_task
 
 
 def _job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
     """One (s, seed) training run (``over_seeds`` runs them two at a time, one torch thread each)."""
     s, seed = job
-    cfg = load_recipe("arith", [*overrides, f"estimators.adpo.step_merge={s}", f"train.seed={seed}"])  # the seed: LoRA init, prompts, noise
-    return {"s": s, "seed": seed, **train_arm(cfg, build_task(cfg), Path(ckpt), cfg.sampler, iterations)}
+    cfg = load_recipe("arith", [*overrides, f"estimators.adpo.step_merge={s}", f"train.seed={seed}",  # the seed: LoRA init, prompts, noise
+                                f"train.iterations={iterations}"])
+    return {"s": s, "seed": seed, **train_arm(cfg, Path(ckpt))}
 
 
 def main() -> None:

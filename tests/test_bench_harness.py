@@ -137,3 +137,31 @@ def _state(pid: int) -> bytes:
         return Path(f"/proc/{pid}/stat").read_bytes().split(b")")[-1].split()[0]
     except FileNotFoundError:
         return b"Z"
+
+
+def test_an_arm_trains_through_the_run_a_user_trains(tmp_path: Path, monkeypatch) -> None:
+    """``train_arm`` runs LearnerRun's collect and consume on a local store: every batch is
+    committed and consumed once, each update checkpointed and published, as in ``miles train``;
+    NSD's threshold schedule is the recipe's own (``sampler.threshold_start``)."""
+    from benchmarks import harness
+    from miles_core.learner.runtime import LearnerRun
+
+    over = [*SMALL, "train.iterations=5", "train.prompts_per_iter=2", "train.group_size=4", "sampler.kind=nsd",
+            "sampler.threshold=0.5", "sampler.threshold_start=0.9", "eval.num_problems=4"]
+    cfg = load_recipe("arith", over)
+    ckpt = Path(sft_checkpoint(cfg, 0, tmp_path, data=build_task(cfg), validate=False)["path"])
+    seen: dict[str, list] = {"collect": [], "consume": [], "publish": []}
+    for name in seen:
+        real = getattr(LearnerRun, name)
+        monkeypatch.setattr(LearnerRun, name, lambda self, *a, _r=real, _n=name: seen[_n].append(a) or _r(self, *a))
+    from miles_core.samplers import sampler as sampler_module
+    thresholds = []
+    real_sample = sampler_module.sample
+    monkeypatch.setattr(sampler_module, "sample", lambda *a, **k: thresholds.append(a[-1]) or real_sample(*a, **k))
+    out = harness.train_arm(cfg, ckpt)
+    assert [a[0] for a in seen["collect"]] == [0, 1, 2, 3, 4]
+    assert [a[0] for a in seen["consume"]] == [f"{i:06d}-learner" for i in range(5)]
+    assert len(seen["publish"]) == 6  # adapter v0 at the start, then one per update
+    # from 0.9 to the threshold 0.5 by half the run's 5 updates, then 0.5 (evaluation samples after)
+    assert thresholds[:5] == pytest.approx([0.9, 0.7, 0.5, 0.5, 0.5])
+    assert out["completions"] == 5 * 8 and 0.0 <= out["pass1"] <= 1.0

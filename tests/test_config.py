@@ -92,3 +92,14 @@ def test_every_estimator_setting_is_checked_without_importing_torch() -> None:
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines() == ["estimators.spg.copies: 0 is out of bounds [1, 64]", "False"]
+
+
+def test_nsd_threshold_schedule_by_hand_and_an_unscheduled_hash_is_unchanged() -> None:
+    """``sampler.threshold_start``: linear from it to ``threshold`` by half the run's updates."""
+    from miles_core.config import SamplerConfig
+
+    s = SamplerConfig(kind="nsd", threshold=0.8, threshold_start=0.96)
+    assert [s.threshold_at(v, 9) for v in (0, 1, 2, 4, 8)] == pytest.approx([0.96, 0.92, 0.88, 0.8, 0.8])
+    assert SamplerConfig(kind="nsd").threshold_at(3, 9) is None and SamplerConfig(threshold_start=0.9).threshold_at(0, 9) is None
+    # the hash recorded with every batch stays what it was for a sampler without a schedule
+    assert SamplerConfig().hash(16) == "12cb671825d3bbd2" and s.hash(16) != SamplerConfig(kind="nsd", threshold=0.8).hash(16)

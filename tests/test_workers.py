@@ -54,8 +54,16 @@ ROLLOUT_FAULTS = """
 def test_a_sampler_with_a_retained_heap_stops_faulting_in_fresh_pages_every_step() -> None:
     # a process that only samples frees each denoising step's activations; glibc hands the top of
     # the heap back and the next step faults it in again, page by page (35k faults per batch)
-    default, retained = map(int, run_python(ROLLOUT_FAULTS).split())
-    assert retained * 10 < default, (retained, default)  # measured here: 46,870 and 7
+    # glibc's own thresholds adapt to what a process freed before (a freed mmapped chunk raises them),
+    # so in one process in a few the default keeps its heap too and there is nothing to compare: up
+    # to three fresh processes, and the retained heap must fault 10x less in one of them
+    seen = []
+    for _ in range(3):
+        default, retained = map(int, run_python(ROLLOUT_FAULTS).split())
+        seen.append((default, retained))
+        if retained * 10 < default:  # measured here: 3,701 to 69,572 against 0 to 181
+            break
+    assert retained * 10 < default, seen
 
 
 def test_allocator_settings_are_checked() -> None:

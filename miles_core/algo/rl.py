@@ -96,7 +96,8 @@ def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: Rewar
     restarted sampler redoes the batch it lost with the same prompts and noise (with the adapter
     version it holds then). Used by samplers and by a learner that samples while it would
     otherwise wait (``async_rl.learner_samples``), and by the synchronous flow (worker "learner",
-    ``reward_fn`` None: the raw batch, scored by its own task)."""
+    ``reward_fn`` None: the raw batch, scored by its own task). NSD's threshold follows the
+    recipe's schedule by the policy ``version`` sampling (``sampler.threshold_start``)."""
     rng = random.Random(_seed(cfg.train.seed, worker, seq, "prompts"))
     gen = torch.Generator().manual_seed(_seed(cfg.train.seed, worker, seq, "noise"))
     problems = data.draw_rl(rng, cfg.train.prompts_per_iter)
@@ -106,7 +107,7 @@ def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: Rewar
     offset = (seq * stride + index) * cfg.train.prompts_per_iter
     batch = rollout(model, tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
                     cfg.task.completion_len, cfg.train.group_size, gen, version, group_offset=offset,
-                    renoise=cfg.renoise)
+                    threshold=cfg.sampler.threshold_at(version, cfg.train.iterations), renoise=cfg.renoise)
     if reward_fn is None:
         return batch
     score_rewards(batch, reward_fn)

@@ -105,6 +105,9 @@ class SamplerConfig(Section):
     temperature: float = bounded(1.0, 0.0, 100.0)
     remasking: Literal["low_confidence", "random"] = "low_confidence"
     threshold: float = bounded(0.9, 1e-09, 1.0)              # nsd: commit every position with confidence >= threshold
+    # nsd: > 0, the threshold the run's first policy samples with, moving linearly to threshold by half
+    # the run's updates (train.iterations): strict while the policy is unsure; 0: threshold throughout
+    threshold_start: float = bounded(0.0, 0.0, 1.0)
     max_per_step: int = bounded(8, 1)               # nsd: cap on positions committed in one step
     min_per_step: int = bounded(1, 1)               # nsd: always commit at least this many
     cache: Literal["none", "prefix", "dual"] = "none"  # KV cache (miles_core/models/window.py): prompt + finished blocks, + suffix
@@ -113,8 +116,19 @@ class SamplerConfig(Section):
     def check(self, need: Need) -> None:
         need(1 <= self.min_per_step <= self.max_per_step, "min_per_step", "need 1 <= min_per_step <= max_per_step")
 
+    def threshold_at(self, version: int, updates: int) -> float | None:
+        """NSD's threshold for policy version ``version`` of a run of ``updates`` updates (the
+        ``threshold_start`` schedule); None: ``threshold`` throughout."""
+        if self.kind != "nsd" or self.threshold_start <= 0:
+            return None
+        frac = min(1.0, 2 * version / max(updates - 1, 1))
+        return self.threshold_start + (self.threshold - self.threshold_start) * frac
+
     def hash(self, completion_len: int) -> str:
-        blob = json.dumps({**dataclasses.asdict(self), "completion_len": completion_len}, sort_keys=True)
+        fields = dataclasses.asdict(self)
+        if not self.threshold_start:  # unscheduled: the hash it had before the schedule existed
+            del fields["threshold_start"]
+        blob = json.dumps({**fields, "completion_len": completion_len}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

@@ -87,17 +87,13 @@ class Learner:
         return {"adapter": {k: v.detach().clone() for k, v in self.model.state_dict().items() if "lora_" in k},
                 "opt": copy.deepcopy(self.opt.state_dict()), "sched": self.sched.state_dict()}
 
-    def sample(self, data: TaskData, seq: int, worker: str = "learner", index: int = 0,
-               cfg: RecipeConfig | None = None) -> Batch:
+    def sample(self, data: TaskData, seq: int, worker: str = "learner", index: int = 0) -> Batch:
         """Batch ``seq`` of ``worker`` sampled with the current policy, scored, with advantages:
         :func:`~miles_core.algo.rl.sample_batch`, the one batch producer (seeded by the run seed,
-        the worker and ``seq``, never by state the learner carries). ``cfg``: another sampler
-        setting of the same run (a benchmark's arm); default the learner's recipe."""
-        return sample_batch(cfg or self.cfg, self.model, self.tok, data, self.reward_fn, worker, index, seq,
-                            self.version)
+        the worker and ``seq``, never by state the learner carries)."""
+        return sample_batch(self.cfg, self.model, self.tok, data, self.reward_fn, worker, index, seq, self.version)
 
-    def update(self, batch: Batch, temperature: float | None = None,
-               world: World | None = None, keys: torch.Tensor | None = None) -> dict[str, float]:
+    def update(self, batch: Batch, world: World | None = None, keys: torch.Tensor | None = None) -> dict[str, float]:
         """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
         then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th
         unhealthy batch in a row) the last healthy policy is restored and published as a new
@@ -123,10 +119,9 @@ class Learner:
                 return {"rows": 0.0, "rolled_back": 1.0, "policy_version": float(self.version),
                         "guard_rollbacks": float(self.guard.rollbacks)}
             self.guard.accept(h)
-        t = self.cfg.sampler.temperature if temperature is None else temperature
         draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys)
-        stats = update_policy(self.model, self.opt, batch, self.cfg.update, self.tok, t, draws, self.sched, world,
-                              self.version, self.cfg.own())
+        stats = update_policy(self.model, self.opt, batch, self.cfg.update, self.tok, self.cfg.sampler.temperature,
+                              draws, self.sched, world, self.version, self.cfg.own())
         self.version += 1
         if self.guard is not None:
             self.guard.offer(self.version, self._policy_state)
