@@ -24,7 +24,8 @@ from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
 
-from benchmarks.harness import ASYNC_OVERRIDES, bench_args, evaluate_adapter, sft_checkpoint, table, usable_cpus, workdir, write_result
+from benchmarks.harness import (ASYNC_OVERRIDES, bench_args, evaluate_adapter, local_run, sft_checkpoint, table, usable_cpus,
+                                workdir, write_result)
 
 # 150 batches (the arith recipe's train.iterations) of 16 x 8 completions. Measured on the quiet
 # 2-core machine (single thread: a rollout 0.49 s, an update 0.16 s; sync with 2 threads: 0.31 s
@@ -41,28 +42,26 @@ DEFAULT_OVERRIDES = ASYNC_OVERRIDES  # benchmarks/harness.py: components.py meas
 
 
 def timed_loop(cfg_json: str, base: str, threads: int, batches: int):
-    """rollout -> reward -> update ``batches`` times with ``threads`` torch threads ->
+    """rollout -> reward -> update ``batches`` times with ``threads`` torch threads, through the
+    synchronous run (collect commits each batch; consume updates, checkpoints and publishes) ->
     (learner, rollout seconds, update seconds, rows the updates scored)."""
     import torch
 
     torch.set_num_threads(threads)
     from miles_core.allocator import apply_heap_setting
     from miles_core.config import load_recipe
-    from miles_core.data.registry import build_task
-    from miles_core.learner.policy import Learner
 
     cfg = load_recipe(json.loads(cfg_json))
     apply_heap_setting(cfg.async_rl.retain_heap_mb)  # the async workers' allocator setting, so both arms run alike
-    data = build_task(cfg)
-    learner = Learner(cfg, base)
     roll = upd = rows = 0.0
-    for seq in range(batches):
-        t0 = time.perf_counter()
-        batch = learner.sample(data, seq)
-        t1 = time.perf_counter()
-        rows += learner.update(batch).get("rows", 0.0)
-        roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1
-    return learner, roll, upd, rows
+    with local_run(cfg, base) as run:  # the synchronous run `miles train` trains: it commits, checkpoints, publishes
+        for seq in range(batches):
+            t0 = time.perf_counter()
+            bid, _, _ = run.collect(seq)
+            t1 = time.perf_counter()
+            rows += run.consume(bid)[1].get("rows", 0.0)
+            roll, upd = roll + t1 - t0, upd + time.perf_counter() - t1
+    return run.learner, roll, upd, rows
 
 
 def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:

@@ -3,9 +3,10 @@
 Per seed (each seed in its own process, one torch thread, so two seeds use the two cores):
   1. SFT on the scarce labelled demonstrations of the ``code`` recipe (learner/baseline.py's train_baseline),
      all ``sft.steps``, keeping the weights of the best validation pass@1;
-  2. ADPO from that checkpoint (learner/policy.py's Learner) on fresh generator prompts, rewarded by
-     the recipe's ``train.reward`` (``code_pass``: 1 when the completion, executed in the sandbox,
-     passes every hidden test; ``code_tests``: the fraction it passes);
+  2. ADPO from that checkpoint (the run ``miles train`` trains, benchmarks/harness.py::local_run) on
+     fresh generator prompts, rewarded by the recipe's ``train.reward`` (``code_pass``: 1 when the
+     completion, executed in the sandbox, passes every hidden test; ``code_tests``: the fraction it
+     passes);
   3. both evaluated on the same held-out functions (>= 200, disjoint from training) with one
      pinned greedy eval config; pass@1 = the completion passes every test in the sandbox. Beside it,
      per arm and seed, the fraction passing every visible example (the outputs the prompt shows)
@@ -28,7 +29,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from benchmarks.harness import bench_args, finish, over_seeds, paired, seed_mean, sft_checkpoint, table, workdir
+from benchmarks.harness import (bench_args, finish, local_run, over_seeds, paired, rl_iteration, seed_mean,
+                                sft_checkpoint, table, workdir)
 
 DEFAULT_OVERRIDES: list[str] = []
 # SFT runs all sft.steps and keeps its best-validation weights. No plateau stop: on 200 validation
@@ -108,7 +110,6 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
     from miles_core.rewards.pool import shared_pool
     from miles_core.data.registry import build_task
     from miles_core.learner.baseline import continue_sft
-    from miles_core.learner.policy import Learner
 
     cfg = load_recipe("code", overrides + [f"sft.seed={seed}", f"train.seed={seed}"])
     data = build_task(cfg)
@@ -120,38 +121,38 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
                "sft_sampled": sampled_pass_at(base, tok, cfg, data), "sft_val": {"pass1": val_pass1(base, tok, cfg, data)}}
     print(f"[seed {seed}] SFT pass@1 {results['sft']['pass1']:.3f} ({sft_seconds:.0f}s)", flush=True)
 
-    learner = Learner(cfg, ckpt)
-    reward_seconds, statuses, curve = [0.0], Counter(), []
+    with local_run(cfg, ckpt) as run:  # the run `miles train` trains, on a local store
+        learner = run.learner
+        reward_seconds, statuses, curve = [0.0], Counter(), []
 
-    recipe_reward = learner.reward_fn  # train.reward (code_tests or code_pass: both run code_tests)
+        recipe_reward = learner.reward_fn  # train.reward (code_tests or code_pass: both run code_tests)
 
-    def timed_reward(prompts, completions, **meta):  # the Learner's own reward, timed and its reasons kept
-        t = time.perf_counter()
-        out = recipe_reward(prompts, completions, **meta)
-        reward_seconds[0] += time.perf_counter() - t
-        statuses.update(code_tests_reward.last_stats["status_counts"])
-        return out
-    learner.reward_fn = timed_reward
-    t1, n = time.perf_counter(), 0
-    for it in range(cfg.train.iterations):
-        batch = learner.sample(data, it)
-        n += len(batch)
-        st = learner.update(batch)
-        if learner.guard_event:  # the collapse guard skipped this batch (and maybe rolled the policy back)
-            print(f"[seed {seed}] adpo it {it + 1} collapse guard: {learner.guard_event}", flush=True)
-        if (it + 1) % 10 == 0:
-            r = float(batch.reward.nan_to_num(0).mean())
-            full = float((batch.reward >= 1).float().mean())
-            curve.append({"iteration": it + 1, "reward": r, "solved": full})
-            print(f"[seed {seed}] adpo it {it + 1} reward {r:.3f} solved {full:.3f} clip {st.get('clip_frac', 0):.3f} "
-                  f"zero-reasons {code_tests_reward.last_stats['zero_reasons'][:2]}", flush=True)
-    adpo_seconds = time.perf_counter() - t1
-    results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
-    results["adpo_sequential"] = code_eval(learner.model, learner.tok, cfg, data, steps=seq)
-    results["adpo_sampled"] = sampled_pass_at(learner.model, learner.tok, cfg, data)
-    results["adpo_val"] = {"pass1": val_pass1(learner.model, learner.tok, cfg, data)}
-    print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
-          flush=True)
+        def timed_reward(prompts, completions, **meta):  # the Learner's own reward, timed and its reasons kept
+            t = time.perf_counter()
+            out = recipe_reward(prompts, completions, **meta)
+            reward_seconds[0] += time.perf_counter() - t
+            statuses.update(code_tests_reward.last_stats["status_counts"])
+            return out
+        learner.reward_fn = timed_reward
+        t1, n = time.perf_counter(), 0
+        for it in range(cfg.train.iterations):
+            batch, st = rl_iteration(run, it)  # LearnerRun.collect, then consume: the path `miles train` runs
+            n += len(batch)
+            if learner.guard_event:  # the collapse guard skipped this batch (and maybe rolled the policy back)
+                print(f"[seed {seed}] adpo it {it + 1} collapse guard: {learner.guard_event}", flush=True)
+            if (it + 1) % 10 == 0:
+                r = float(batch.reward.nan_to_num(0).mean())
+                full = float((batch.reward >= 1).float().mean())
+                curve.append({"iteration": it + 1, "reward": r, "solved": full})
+                print(f"[seed {seed}] adpo it {it + 1} reward {r:.3f} solved {full:.3f} clip {st.get('clip_frac', 0):.3f} "
+                      f"zero-reasons {code_tests_reward.last_stats['zero_reasons'][:2]}", flush=True)
+        adpo_seconds = time.perf_counter() - t1
+        results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
+        results["adpo_sequential"] = code_eval(learner.model, learner.tok, cfg, data, steps=seq)
+        results["adpo_sampled"] = sampled_pass_at(learner.model, learner.tok, cfg, data)
+        results["adpo_val"] = {"pass1": val_pass1(learner.model, learner.tok, cfg, data)}
+        print(f"[seed {seed}] ADPO pass@1 {results['adpo']['pass1']:.3f} ({adpo_seconds:.0f}s, reward {reward_seconds[0]:.0f}s)",
+              flush=True)
     if control:  # same labelled data, all weights, as long as ADPO ran
         model, tok = continue_sft(cfg, data, ckpt, adpo_seconds, seed)
         results["sft_continued"] = code_eval(model, tok, cfg, data)
