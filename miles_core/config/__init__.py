@@ -12,7 +12,8 @@ from miles_core.config.estimators import (BUILTIN_ESTIMATORS, SETTINGS, AdpoSett
                                           unregister_settings)
 from miles_core.config.recipe import RecipeConfig, load_recipe, parse_override
 from miles_core.config.legacy import migrate
-from miles_core.config.schema import ConfigError, Section, bounded, build, check_bounds, did_you_mean, set_dotted
+from miles_core.config.schema import (ConfigError, Section, bounded, build, check_bounds, did_you_mean, flatten,
+                                      set_dotted)
 from miles_core.config.sections import (AsyncSettings, EvalSettings, GuardSettings, LoraSettings, ModelConfig,
                                         OptimConfig, RenoiseConfig, SamplerConfig, SandboxSettings, SFTConfig,
                                         TaskConfig, TrainConfig, UpdateConfig)
@@ -21,5 +22,5 @@ __all__ = ["BUILTIN_ESTIMATORS", "SETTINGS", "AdpoSettings", "AsyncSettings", "C
            "EbpoSettings", "EspoSettings", "EstimatorSections", "EvalSettings", "GuardSettings", "LoraSettings",
            "MeanFieldSettings", "ModelConfig", "OptimConfig", "RecipeConfig", "RenoiseConfig", "SamplerConfig",
            "SandboxSettings", "Section", "SFTConfig", "SpgSettings", "TaskConfig", "TrainConfig", "UpdateConfig",
-           "Wd1Settings", "bounded", "build", "build_estimator_sections", "check_bounds", "did_you_mean",
+           "Wd1Settings", "bounded", "build", "build_estimator_sections", "check_bounds", "did_you_mean", "flatten",
            "load_recipe", "migrate", "parse_override", "register_settings", "set_dotted", "unregister_settings"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from miles_core.config.estimators import EstimatorSections, build_estimator_sections
 from miles_core.config.legacy import migrate, moved_key, warn
-from miles_core.config.schema import ConfigError, Need, Section, bounded, build, set_dotted
+from miles_core.config.schema import ConfigError, Need, Section, bounded, build, flatten, set_dotted
 from miles_core.config.sections import (AsyncSettings, EvalSettings, GuardSettings, LoraSettings, ModelConfig,
                                         OptimConfig, RenoiseConfig, SamplerConfig, SandboxSettings, SFTConfig,
                                         TaskConfig, TrainConfig, UpdateConfig)
@@ -70,16 +70,7 @@ class RecipeConfig(Section):
 
     def flat(self) -> dict[str, Any]:
         """Dotted key -> value, for MLflow params."""
-        out: dict[str, Any] = {}
-
-        def walk(prefix: str, d: dict) -> None:
-            for k, v in d.items():
-                if isinstance(v, dict):
-                    walk(f"{prefix}{k}.", v)
-                else:
-                    out[f"{prefix}{k}"] = v
-        walk("", self.to_dict())
-        return out
+        return flatten(self.to_dict())
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

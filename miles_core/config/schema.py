@@ -130,3 +130,11 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             raise ConfigError(f"{dotted}: {k!r} is not a section")
         cur = nxt
     cur[last] = value
+
+
+def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested sections -> ``{"a.b....z": value}``: the inverse of :func:`set_dotted`."""
+    out: dict[str, Any] = {}
+    for k, v in data.items():
+        out.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out

@@ -309,10 +309,11 @@ def _step_run(run_dir: str | os.PathLike[str], store_uri: str, cfg: RecipeConfig
                       checkpoint_every=1)
 
 
-def pointed_recipe(run_dir: str | os.PathLike[str]) -> RecipeConfig:
+def pointed_recipe(run_dir: str | os.PathLike[str], meta: dict[str, Any] | None = None) -> RecipeConfig:
     """The recipe of the run ``run_dir`` points at: its store's ``run.json``, with the resumable
-    settings the folder's latest start changed (a pointer written before it recorded the whole recipe)."""
-    meta = read_pointer(run_dir)
+    settings the folder's latest start changed (a pointer written before it recorded the whole recipe).
+    ``meta``: the pointer, when the caller read it already."""
+    meta = meta or read_pointer(run_dir)
     if meta is None:
         raise FileNotFoundError(f"no learner in {run_dir}; start the run first")
     if "cfg" in meta:
@@ -328,7 +329,7 @@ def open_step_run(run_dir: str | os.PathLike[str]) -> LearnerRun:
     meta = read_pointer(run_dir)
     if meta is None:
         raise FileNotFoundError(f"no learner in {run_dir}; start the run first")
-    return _step_run(run_dir, meta["store_uri"], pointed_recipe(run_dir))
+    return _step_run(run_dir, meta["store_uri"], pointed_recipe(run_dir, meta))
 
 
 def existing_run(run_dir: str | os.PathLike[str], resume: bool) -> dict[str, Any] | None:

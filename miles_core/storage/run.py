@@ -29,7 +29,7 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from miles_core.config import ConfigError, RecipeConfig, migrate
+from miles_core.config import ConfigError, RecipeConfig, flatten, migrate
 from miles_core.storage.requests import PROCESS
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage import uri as U
@@ -43,19 +43,12 @@ class RunSpecMismatch(ConfigError):
     """``run.json`` already exists with a different recipe: refusing to mix two experiments."""
 
 
-def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out
-
-
 def changed_settings(old: dict[str, Any], new: dict[str, Any], resumable: tuple[str, ...] = ()) -> list[str]:
     """Recipe keys whose values differ between two nested cfg dicts, ignoring ``resumable`` prefixes.
     A key one side lacks counts as the field's default (a run recorded before the field existed ran
     with what the default does); keys of the old ``adpo`` section count where they now live."""
-    a, b = _flat(migrate(old, "run.json")), _flat(migrate(new, "recipe"))
-    default = _flat(RecipeConfig().to_dict())
+    a, b = flatten(migrate(old, "run.json")), flatten(migrate(new, "recipe"))
+    default = flatten(RecipeConfig().to_dict())
     return sorted(k for k in set(a) | set(b)
                   if a.get(k, default.get(k)) != b.get(k, default.get(k)) and not k.startswith(resumable))
 
@@ -113,7 +106,7 @@ class RunStore:
             old = self.read_spec()
             changed = changed_settings(old.get("cfg") or {}, spec.get("cfg") or {}, resumable)
             if changed:
-                a, b = _flat(old.get("cfg") or {}), _flat(spec.get("cfg") or {})
+                a, b = flatten(old.get("cfg") or {}), flatten(spec.get("cfg") or {})
                 diff = ", ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in changed[:5])
                 raise RunSpecMismatch(f"{self.uri}/run.json describes a different recipe ({diff}); use a new run "
                                       "URI (or the same recipe to resume)") from None
