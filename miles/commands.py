@@ -185,6 +185,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from miles_core.models.__main__ import main as models_main
 
+    if args.action == "import":
+        if not args.out:
+            raise UsageError("miles models import SRC OUT: OUT, the new base folder, is missing")
+        return models_main(["import", args.dir, args.out, *([] if args.shift else ["--no-shift"])])
     folder = Path(args.dir)
     if not folder.exists():
         raise UsageError(f"{folder}: no such folder (miles models check takes a local checkpoint folder)")

@@ -18,6 +18,10 @@ SPECIALS = ("[PAD]", "[MASK]", "[EOS]", "[UNK]")
 # What a chat prompt of a task ends with after the generation prompt: d1 prefills "<reasoning>"
 # for its math evaluations (dllm-reasoning/d1 eval/eval.py, add_reasoning=True "for all models").
 PROMPT_PREFILL = {"gsm8k": "<reasoning>", "math": "<reasoning>", "math500": "<reasoning>"}
+# The user turn a chat prompt of a task asks ("{prompt}": the task's own prompt text). A bare
+# "6-1-3" sent to SmolLM2-135M-Instruct gets a refusal; asked as below, its greedy answer is right
+# 38% of the time on one-operation problems (benchmarks.real_model's ar_pass1 measures the rest).
+PROMPT_QUESTION = {"arith": "What is {prompt}? Answer with the number."}
 
 class CharTokenizer:
     """One id per character plus four specials.

