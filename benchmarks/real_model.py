@@ -209,8 +209,10 @@ def adpo_arm(seed: int, cfg_dict: dict, ckpt: str, adapter_out: str) -> dict:
             "completions": n, "flops": meter.total, "learner_peak_rss_mb": learner_rss}
 
 
-def continued_arm(seed: int, cfg_dict: dict, ckpt: str, seconds: float) -> dict:
-    """SFT resumed from the same checkpoint for ``seconds`` (ADPO's wall clock), then pass@1."""
+def continued_arm(item: tuple[int, float], cfg_dict: dict, ckpt: str) -> dict:
+    """SFT resumed from the same checkpoint for ``seconds`` (that seed's ADPO wall clock, one
+    thread as ADPO had), then pass@1; ``item`` is (seed, seconds)."""
+    seed, seconds = item
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.eval.evaluate import run_eval
@@ -392,8 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     sft = stage(work, "sft", sft_eval)
     adapter = str(work / "adpo-adapter-seed0")
     adpo = stage(work, "adpo", lambda: {"runs": over_seeds(adpo_arm, seeds, cfg.to_dict(), sft_ckpt, adapter)})["runs"]
-    cont = stage(work, "continued_sft", lambda: {"runs": [r for a in adpo for r in over_seeds(
-        continued_arm, [a["seed"]], cfg.to_dict(), sft_ckpt, a["seconds"])]})["runs"]
+    cont = stage(work, "continued_sft", lambda: {"runs": over_seeds(
+        continued_arm, [(a["seed"], a["seconds"]) for a in adpo], cfg.to_dict(), sft_ckpt)})["runs"]
     lat = stage(work, "latency", lambda: _in_child(latency_child, cfg.to_dict(), sft_ckpt, adapter, str(source),
                                                     size["latency_prompts"]))
     nsd = stage(work, "nsd", lambda: nsd_stage(cfg, sft_ckpt, adapter, data))
