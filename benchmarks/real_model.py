@@ -55,8 +55,13 @@ SMOKE = {"adapt_steps": 2, "adapt_batch": 2, "adapt_checks": 1, "val": 4, "test"
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's peak resident memory since it started (``VmHWM``, in MiB). Not getrusage's
+    ``ru_maxrss``: Linux carries that across fork and exec, so a spawned child would report its
+    parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # not Linux: the best there is
 
 
 def stage(work: Path, name: str, fn: Callable[[], dict]) -> dict:
