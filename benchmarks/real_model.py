@@ -88,11 +88,11 @@ def recipe(base: str | Path, size: dict, overrides: list[str]):
                                 f"train.group_size={size['group_size']}", *overrides])
 
 
-def eval_sampler(cfg, kind: str = "static", cache: str = "prefix"):
+def eval_sampler(cfg, kind: str = "static", cache: str = "prefix", steps: int | None = None):
     """The pinned evaluation decoder: greedy, the recipe's eval steps (static) or threshold (NSD)."""
     from miles_core.config import SamplerConfig
 
-    return SamplerConfig(kind=kind, steps=cfg.eval.steps, temperature=0.0, remasking=cfg.eval.remasking,
+    return SamplerConfig(kind=kind, steps=steps or cfg.eval.steps, temperature=0.0, remasking=cfg.eval.remasking,
                          threshold=cfg.sampler.threshold, max_per_step=cfg.sampler.max_per_step, cache=cache)
 
 
@@ -264,8 +264,8 @@ def latency_child(cfg_dict: dict, sft: str, adapter: str, source: str, n: int) -
         r = reward([p.prompt for p in probs], texts, answer=[p.answer for p in probs])
         return sum(x is not None and x >= 1 for x in r) / len(probs)
 
-    def miles(kind: str, cache: str) -> Callable[[list[list[int]]], tuple[list[str], int]]:
-        s = eval_sampler(cfg, kind, cache)
+    def miles(kind: str, cache: str, steps: int | None = None) -> Callable[[list[list[int]]], tuple[list[str], int]]:
+        s = eval_sampler(cfg, kind, cache, steps)
 
         def run(part: list[list[int]]) -> tuple[list[str], int]:
             with torch.no_grad():
@@ -277,6 +277,9 @@ def latency_child(cfg_dict: dict, sft: str, adapter: str, source: str, n: int) -
 
     modes: list[tuple[str, Callable]] = [("miles_static", miles("static", "none")),
                                          ("miles_static_prefix", miles("static", "prefix")),
+                                         # half the steps: the latency a fixed schedule buys, at its pass@1
+                                         (f"miles_static_k{cfg.eval.steps // 2}_prefix",
+                                          miles("static", "prefix", max(1, cfg.eval.steps // 2))),
                                          ("miles_nsd_prefix", miles("nsd", "prefix"))]
     rows: dict[str, dict] = {}
     sampler_rss = 0.0

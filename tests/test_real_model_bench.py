@@ -24,7 +24,7 @@ def test_every_stage_runs_and_reruns_from_cache(tmp_path, capsys) -> None:
     for key in ("ar_pass1", "sft_pass1", "adpo_pass1", "continued_sft_pass1", "seeds", "paired_p", "latency",
                 "nsd", "adaptation", "memory_mb"):
         assert key in r, key
-    for mode in ("ar_generate", "miles_static", "miles_static_prefix", "miles_nsd_prefix"):
+    for mode in ("ar_generate", "miles_static", "miles_static_prefix", "miles_static_k4_prefix", "miles_nsd_prefix"):
         row = r["latency"][mode]
         assert row["seconds_per_answer"] > 0 and row["tokens_per_s"] > 0 and 0 <= row["pass1"] <= 1
     assert set(r["adaptation"]) == {"shift", "noshift"} and r["adaptation_default"] in ("shift", "noshift")
