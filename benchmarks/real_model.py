@@ -45,8 +45,10 @@ from benchmarks.harness import bench_args, finish, local_run, over_seeds, paired
 
 RECIPE = "smollm2_arith"
 # Sizes of the two protocols: --quick runs every stage on fewer problems, steps and updates.
-FULL = {"adapt_steps": 300, "adapt_batch": 16, "adapt_checks": 3, "val": 64, "test": 500, "adpo_iters": 40,
-        "prompts_per_iter": 8, "group_size": 8, "latency_prompts": 32}
+# The full protocol fits 2 hours on 2 idle cores: 500 test problems, 2 seeds, 1,280 adaptation
+# sequences per arm, 12 ADPO updates of 4 prompts x 8 completions.
+FULL = {"adapt_steps": 80, "adapt_batch": 16, "adapt_checks": 4, "val": 64, "test": 500, "adpo_iters": 12,
+        "prompts_per_iter": 4, "group_size": 8, "latency_prompts": 32}
 QUICK = {"adapt_steps": 40, "adapt_batch": 8, "adapt_checks": 2, "val": 32, "test": 64, "adpo_iters": 6,
          "prompts_per_iter": 4, "group_size": 4, "latency_prompts": 8}
 # --smoke: seconds on a tiny GGUF (tests/test_real_model_bench.py), every stage on the same path.

@@ -103,3 +103,19 @@ def test_nsd_threshold_schedule_by_hand_and_an_unscheduled_hash_is_unchanged() -
     assert SamplerConfig(kind="nsd").threshold_at(3, 9) is None and SamplerConfig(threshold_start=0.9).threshold_at(0, 9) is None
     # the hash recorded with every batch stays what it was for a sampler without a schedule
     assert SamplerConfig().hash(16) == "12cb671825d3bbd2" and s.hash(16) != SamplerConfig(kind="nsd", threshold=0.8).hash(16)
+
+
+def test_champion_alpha_accepts_its_documented_bounds_and_nothing_the_registry_refuses() -> None:
+    """eval.champion_alpha's bounds are the levels promote_if_better takes: each bound loads and
+    is a valid level there; 0 and 1 (which the registry refuses after training) fail at load."""
+    import dataclasses
+
+    from miles_core.config import ConfigError, load_recipe
+    from miles_core.config.sections import EvalSettings
+
+    lo, hi = next(f for f in dataclasses.fields(EvalSettings) if f.name == "champion_alpha").metadata["bounds"]
+    for ok in (lo, hi):
+        assert 0.0 < load_recipe("arith", [f"eval.champion_alpha={ok}"]).eval.champion_alpha < 1.0
+    for bad in ("0", "1.0", "0.6"):
+        with pytest.raises(ConfigError, match="champion_alpha"):
+            load_recipe("arith", [f"eval.champion_alpha={bad}"])

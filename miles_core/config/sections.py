@@ -296,8 +296,9 @@ class EvalSettings(Section):
     seed: int = bounded(1234, 0)
     batch_size: int = bounded(250, 1)
     # `champion` moves to a new registered version only on a paired sign test won at p < this
-    # (same evaluation fingerprint and problems; tracking/registry.py).
-    champion_alpha: float = bounded(0.05, 0.0, 1.0)
+    # (same evaluation fingerprint and problems; tracking/registry.py). A level of 0 could never be
+    # won and one above 0.5 would promote on noise: the bounds are the levels the registry accepts.
+    champion_alpha: float = bounded(0.05, 1e-09, 0.5)
 
 
 @dataclass(frozen=True)
