@@ -17,9 +17,9 @@ with what masked diffusion adds:
 * **The logit shift** as a config field (``logit_shift``): on, the prediction for position i is
   read from the logits at i - 1, as the AR model was trained (Dream keeps it from Qwen2.5); off
   (the default), from position i itself (LLaDA, MDLM). ``benchmarks.real_model``'s adaptation
-  table measured both on SmolLM2 at equal compute: the shift is ahead up to 960 sequences, no
-  shift ahead at 1,280 (held-out ELBO per token 0.949 against 0.982), so the default follows the
-  larger budget.
+  table measured both on SmolLM2 at equal compute: the shift is ahead up to 640 sequences, no
+  shift from 960 on (held-out ELBO per token 0.949 against 0.982 at 1,280), so the default follows
+  the larger budgets.
 * **The chat template** the source carries, kept in ``tokenizer_config.json``.
 
 Import is lossless: :func:`import_causal_lm` runs the written folder causally and checks that its
