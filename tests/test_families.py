@@ -342,7 +342,9 @@ def test_chat_template_wraps_prompts_everywhere_and_is_recorded(ckpts: dict[str,
     cfg = load_recipe("tiny", ["model.backend=hf", f"model.path={ckpts['llada']}", "task.prompt_template=chat"])
     _, tok = load_base(cfg, ckpts["llada"])
     ids = tok.encode_prompt("1+2")
-    text = "<|startoftext|><|start_header_id|>user<|end_header_id|>\n\n1+2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    # arith's user turn asks the question (tokenizer.py::PROMPT_QUESTION): a bare "1+2" is not one
+    text = ("<|startoftext|><|start_header_id|>user<|end_header_id|>\n\nWhat is 1+2? Answer with the number."
+            "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
     assert ids == tok.hf.encode(text, add_special_tokens=False)
     assert ids[0] == 126080 and 126348 in ids                      # BOS and EoT at their published ids
     assert eval_config(cfg).to_dict()["prompt_template"] == "chat"  # recorded with every evaluation
