@@ -273,10 +273,12 @@ def rl_iteration(run, it: int, meter=None) -> tuple[Any, dict[str, float]]:
     return batch, stats
 
 
-def train_arm(cfg, ckpt: Path) -> dict:
+def train_arm(cfg, ckpt: Path, sampler=None, after: Callable[[Any], dict] | None = None) -> dict:
     """ADPO from ``ckpt`` for ``train.iterations`` updates through :func:`local_run`, with the
     recipe's rollouts (NSD's threshold schedule, ``sampler.threshold_start``, included), FLOPs of
-    sampling and of updates counted, then pass@1 on the held-out problems."""
+    sampling and of updates counted, then pass@1 on the held-out problems (decoded by ``sampler``
+    when given, else the recipe's eval settings). ``after(run)``, called between training and
+    evaluation, adds what it returns to the result (a peak memory, a saved adapter)."""
     from miles_core.eval.evaluate import run_eval
     from miles_core.flops import FlopMeter
 
@@ -288,10 +290,11 @@ def train_arm(cfg, ckpt: Path) -> dict:
             batch, _ = rl_iteration(run, it, meter)
             n += len(batch)
         seconds = time.perf_counter() - t0
-        r = run_eval(run.learner.model, run.learner.tok, cfg, run.data)
+        extra = after(run) if after is not None else {}
+        r = run_eval(run.learner.model, run.learner.tok, cfg, run.data, sampler=sampler)
     return {"pass1": r.pass_at["pass@1"], "flops": meter.total, "sample_flops": meter.totals.get("sample", 0),
             "update_flops": meter.totals.get("update", 0), "completions": n, "seconds": seconds,
-            "correct": [c[0] for c in r.correct]}
+            "correct": [c[0] for c in r.correct], **extra}
 
 
 def synthetic_batch(tok, batch: int, prompt_len: int, length: int, k: int, seed: int):

@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import torch
 
-from benchmarks.harness import bench_args, finish, local_run, over_seeds, paired, rl_iteration, usable_cpus
+from benchmarks.harness import bench_args, finish, over_seeds, paired, train_arm, usable_cpus
 from benchmarks.real_model_decode import ar_stage, eval_sampler, latency_child, nsd_stage, peak_rss_mb
 
 RECIPE = "smollm2_arith"
@@ -140,29 +140,20 @@ def adapt_arm(cfg, data, base: Path, out: Path, size: dict, lora: bool = False) 
 # ---- ADPO and its control -------------------------------------------------------------------------
 
 def adpo_arm(seed: int, cfg_dict: dict, ckpt: str, adapter_out: str) -> dict:
-    """ADPO from the SFT checkpoint through the user's run (one process, one thread), then pass@1."""
+    """ADPO from the SFT checkpoint through the user's run (harness.train_arm; one process, one
+    thread), then pass@1 with the pinned decoder; the learner's peak memory before evaluation, and
+    seed 0's adapter kept for the latency and NSD stages."""
     from miles_core.config import load_recipe
-    from miles_core.eval.evaluate import run_eval
-    from miles_core.flops import FlopMeter
+    from miles_core.models.lora import save_adapter
 
     cfg = load_recipe({**cfg_dict, "train": {**cfg_dict["train"], "seed": seed}})
-    meter, n, t0 = FlopMeter(), 0, time.perf_counter()
-    with local_run(cfg, ckpt) as run:
-        for it in range(cfg.train.iterations):
-            batch, stats = rl_iteration(run, it, meter)
-            n += len(batch)
-            print(f"  [seed {seed}] update {it + 1}/{cfg.train.iterations} reward "
-                  f"{float(batch.reward.mean()):.3f}", flush=True)
-        seconds = time.perf_counter() - t0
-        learner_rss = peak_rss_mb()
-        model = run.learner.model
-        if seed == 0:
-            from miles_core.models.lora import save_adapter
 
-            save_adapter(model, adapter_out)
-        r = run_eval(model, run.learner.tok, cfg, run.data, sampler=eval_sampler(cfg))
-    return {"seed": seed, "pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "seconds": seconds,
-            "completions": n, "flops": meter.total, "learner_peak_rss_mb": learner_rss}
+    def keep(run) -> dict:
+        rss = peak_rss_mb()
+        if seed == 0:
+            save_adapter(run.learner.model, adapter_out)
+        return {"learner_peak_rss_mb": rss}
+    return {"seed": seed, **train_arm(cfg, Path(ckpt), sampler=eval_sampler(cfg), after=keep)}
 
 
 def continued_arm(item: tuple[int, float], cfg_dict: dict, ckpt: str) -> dict:
@@ -193,7 +184,8 @@ def _in_child(fn: Callable, *args: Any) -> Any:
 
 def main(argv: list[str] | None = None) -> None:
     from miles_core.data.registry import build_task
-    from miles_core.models.base import load_base
+    from miles_core.models.base import load_base, set_prompt_format
+    from miles_core.models.hf_tokenizer import HFTokenizer
     from miles_core.models.importer import find_smollm2, import_causal_lm
 
     ap = bench_args(__doc__, seeds=[0, 1], workdir=True)
@@ -231,7 +223,8 @@ def main(argv: list[str] | None = None) -> None:
               else json.loads((out / "miles_import.json").read_text()))
     cfg = recipe(bases[True], size, args.set)
     data = build_task(cfg)
-    _, tok = load_base(cfg, bases[True])
+    tok = HFTokenizer.load(bases[True])  # the prompt ids the AR stage sends: no weights needed
+    set_prompt_format(tok, cfg, bases[True])
     ar = stage(work, "ar", lambda: ar_stage(cfg, source, data, tok))
 
     adapt = {}
