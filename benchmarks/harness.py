@@ -41,13 +41,21 @@ SPEED_SIZE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers":
 
 # ---- arguments --------------------------------------------------------------------------------
 
+def add_smoke(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--smoke``: seconds at tiny sizes through the same code path, writing ``NAME_smoke.json``
+    (tests/test_bench_smoke.py runs every benchmark this way in CI)."""
+    ap.add_argument("--smoke", action="store_true",
+                    help="seconds at tiny sizes on the same code path (CI); writes NAME_smoke.json")
+    return ap
+
+
 def bench_args(description: str, seeds: Sequence[int] | None = None, checkpoint: bool = False,
                workdir: bool = False, sets: bool = True, out: bool = True) -> argparse.ArgumentParser:
-    """A parser with the standard flags, one spelling each: ``--seeds`` (when ``seeds`` gives the
-    default), ``--set KEY=VALUE`` (recipe overrides), ``--checkpoint DIR`` (see ``sft_checkpoint``),
-    ``--workdir DIR`` (default: a fresh temporary folder) and ``--out FILE`` (the result JSON,
-    default ``benchmarks/results/NAME.json``). The benchmark adds its own flags after."""
-    ap = argparse.ArgumentParser(description=description.strip().splitlines()[0])
+    """A parser with the standard flags, one spelling each: ``--smoke`` (``add_smoke``), ``--seeds``
+    (when ``seeds`` gives the default), ``--set KEY=VALUE`` (recipe overrides), ``--checkpoint DIR``
+    (see ``sft_checkpoint``), ``--workdir DIR`` (default: a fresh temporary folder) and ``--out FILE``
+    (the result JSON, default ``benchmarks/results/NAME.json``). The benchmark adds its own flags after."""
+    ap = add_smoke(argparse.ArgumentParser(description=description.strip().splitlines()[0]))
     if seeds is not None:
         ap.add_argument("--seeds", type=int, nargs="+", default=list(seeds), help="seeds (one process each)")
     if sets:
@@ -220,9 +228,57 @@ def usable_cpus() -> int:
         return os.cpu_count() or 1
 
 
-def write_result(name: str, payload: dict[str, Any], path: str | Path | None = None) -> Path:
-    """``payload`` with run metadata, to ``benchmarks/results/NAME.json`` or ``path``."""
-    path = Path(path) if path is not None else RESULTS / f"{name}.json"
+class MeasuredNothing(AssertionError):
+    """A benchmark's result lacks what it exists to measure (a count of 0, a missing key, a ratio
+    that is not a finite positive number): the run fails instead of writing a figure."""
+
+
+def _at(payload: dict[str, Any], key: str) -> Any:
+    """``payload``'s value at a dotted path (``modes.static.denoiser_calls``); ``*`` matches every
+    key of a dict, giving a list."""
+    head, _, rest = key.partition(".")
+    if head == "*":
+        if not isinstance(payload, dict) or not payload:
+            raise KeyError(key)
+        return [_at(v, rest) if rest else v for v in payload.values()]
+    if not isinstance(payload, dict) or head not in payload:
+        raise KeyError(key)
+    return _at(payload[head], rest) if rest else payload[head]
+
+
+def check_measured(name: str, payload: dict[str, Any], positive: Sequence[str] = (),
+                   present: Sequence[str] = ()) -> None:
+    """Raise :class:`MeasuredNothing` unless every dotted path in ``present`` exists and every one in
+    ``positive`` is a finite number > 0 (or a non-empty list of them, for a ``*`` path). Every
+    benchmark states these at its one write, so a benchmark whose measurement stops happening
+    (a bypassed wrapper, an arm that never ran) fails instead of publishing."""
+    for key in (*present, *positive):
+        try:
+            value = _at(payload, key)
+        except KeyError:
+            raise MeasuredNothing(f"benchmarks.{name}: the result has no {key!r}") from None
+        if key not in positive:
+            continue
+        values = value if isinstance(value, list) else [value]
+        bad = [v for v in values if isinstance(v, bool) or not isinstance(v, (int, float))
+               or not math.isfinite(v) or v <= 0]
+        if bad or not values:
+            raise MeasuredNothing(f"benchmarks.{name}: {key} = {value!r}, expected a finite number > 0")
+
+
+def results_dir() -> Path:
+    """Where result files go: ``$MILES_BENCH_RESULTS`` (the smoke test's temporary folder) or
+    ``benchmarks/results``."""
+    return Path(os.environ.get("MILES_BENCH_RESULTS") or RESULTS)
+
+
+def write_result(name: str, payload: dict[str, Any], path: str | Path | None = None,
+                 positive: Sequence[str] = (), present: Sequence[str] = ()) -> Path:
+    """``payload`` with run metadata, to ``path`` or ``results_dir()/NAME.json`` (``NAME_smoke.json``
+    when ``payload["smoke"]``, so a smoke run never replaces a figure), after ``check_measured``."""
+    check_measured(name, payload, positive, present)
+    stem = f"{name}_smoke" if payload.get("smoke") else name
+    path = Path(path) if path is not None else results_dir() / f"{stem}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {**payload, "_meta": {"benchmark": name, "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                     "python": platform.python_version(), "machine": platform.machine()}}
@@ -239,11 +295,12 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str]) -> str:
 
 
 def finish(name: str, payload: dict[str, Any], rows: Sequence[Sequence[Any]] | None = None,
-           header: Sequence[str] | None = None, out: str | Path | None = None) -> Path:
-    """Print the table (when ``rows``), write the result file (``out`` or results/NAME.json), say where."""
+           header: Sequence[str] | None = None, out: str | Path | None = None,
+           positive: Sequence[str] = (), present: Sequence[str] = ()) -> Path:
+    """Print the table (when ``rows``), check and write the result file (``write_result``), say where."""
     if rows is not None:
         print(table(rows, header or []))
-    path = write_result(name, payload, out)
+    path = write_result(name, payload, out, positive, present)
     print(f"wrote {path}")
     return path
 

@@ -190,7 +190,6 @@ def main(argv: list[str] | None = None) -> None:
 
     ap = bench_args(__doc__, seeds=[0, 1], workdir=True)
     ap.add_argument("--quick", action="store_true", help="every stage on fewer problems, steps and updates")
-    ap.add_argument("--smoke", action="store_true", help="every stage at a tiny size (CI; pair with --source)")
     ap.add_argument("--size", action="append", default=[], metavar="KEY=N",
                     help=f"override one protocol size ({', '.join(FULL)}); the work folder's cached stages must "
                          "have been computed at the same sizes")
@@ -210,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"{work} holds stages computed at other sizes ({sizes_file}); use another --workdir")
     work.mkdir(parents=True, exist_ok=True)
     sizes_file.write_text(json.dumps(size))
-    name = {"smoke": "real_model_smoke", "quick": "real_model_quick", "full": "real_model"}[mode]
+    name = "real_model_quick" if mode == "quick" else "real_model"  # --smoke: real_model_smoke.json
     source = Path(args.source) if args.source else find_smollm2()
     seeds = list(args.seeds)
 
@@ -264,7 +263,7 @@ def main(argv: list[str] | None = None) -> None:
     mean = lambda rs: sum(r["pass1"] for r in rs) / len(rs)  # noqa: E731
     ar_lat = lat["rows"]["ar_generate"]["seconds_per_answer"]
     payload = {
-        "mode": mode, "sizes": size, "source": str(source), "seeds": seeds,
+        "mode": mode, "smoke": args.smoke, "sizes": size, "source": str(source), "seeds": seeds,
         "problems": len(sft["correct"]), "ar_pass1": ar["pass1"], "sft_pass1": sft["pass1"],
         "adpo_pass1": mean(adpo), "adpo_pass1_per_seed": [a["pass1"] for a in adpo],
         "continued_sft_pass1": mean(cont), "continued_sft_pass1_per_seed": [c["pass1"] for c in cont],
@@ -289,7 +288,11 @@ def main(argv: list[str] | None = None) -> None:
             ["ADPO (LoRA)", mean(adpo), test["gain"], test["p"]]]
     rows += [[f"latency {k}", v["pass1"], v["seconds_per_answer"], v["tokens_per_s"]] for k, v in lat["rows"].items()]
     rows += [[f"nsd {k}", nsd[k]["pass1"], nsd[k]["flops"] / 1e9, nsd[k]["nfe"]] for k in ("static", "nsd")]
-    finish(name, payload, rows, ["arm", "pass@1", "gain | s/answer | GFLOP", "p | tok/s | NFE"], args.out)
+    finish(name, payload, rows, ["arm", "pass@1", "gain | s/answer | GFLOP", "p | tok/s | NFE"], args.out,
+           positive=[f"latency.{k}.{m}" for k in lat["rows"] for m in ("seconds_per_answer", "tokens_per_s")]
+           + ["nsd.static_flops", "nsd.nsd_flops", "memory_mb.learner_peak_rss", "memory_mb.sampler_peak_rss",
+              "problems"],
+           present=["ar_pass1", "sft_pass1", "adpo_pass1", "continued_sft_pass1", "paired_p", "adaptation"])
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import SPEED_SIZE, table, write_result
+from benchmarks.harness import SPEED_SIZE, MeasuredNothing, add_smoke, table, write_result
 from miles_core.config import SamplerConfig, load_recipe
 from miles_core.data.registry import build_task
 from miles_core.eval.evaluate import eval_config, evaluate
@@ -41,24 +41,31 @@ from miles_core.models.hf import init_tiny
 from miles_core.rewards.registry import get_reward
 from miles_core.samplers.hostreads import HostReads
 from miles_core.samplers.sampler import sample
-from miles_core.models.window import attention_grid
+from miles_core.models.window import Capabilities, WindowDenoiser, attention_grid, capabilities
 from benchmarks.llada_reference import logp_gap, reference_generate
 
 class StopTiming(Exception):
     pass
 
 
-class FirstBlocks(torch.nn.Module):
-    """Wraps a denoiser and stops a rollout when it asks for block ``blocks`` (timing only)."""
+class FirstBlocks(WindowDenoiser):
+    """Wraps a denoiser, states its capabilities (so the sampler takes the same path, caches
+    included, as on the bare model) and stops a rollout when it asks for block ``blocks``
+    (timing only). Counts the window calls and those that read a cache: the benchmark fails when
+    a mode's calls did not go through the path it names."""
 
-    def __init__(self, model, width: int, block: int, blocks: int) -> None:
+    def __init__(self, model: WindowDenoiser, width: int, block: int, blocks: int) -> None:
         super().__init__()
-        self.model, self.stop_at, self.calls = model, width + block * blocks, 0
+        self.model, self.stop_at, self.calls, self.cache_calls = model, width + block * blocks, 0, 0
+
+    def capabilities(self) -> Capabilities:
+        return capabilities(self.model)
 
     def window(self, ids, mask, query, out, cache=None, keep=()):
         if out[0] >= self.stop_at:
             raise StopTiming
         self.calls += 1
+        self.cache_calls += cache is not None
         return self.model.window(ids, mask, query, out, cache, keep)
 
     def forward(self, ids, mask=None):
@@ -98,8 +105,13 @@ def speed_part(args, folder: Path) -> dict:
         calls = wrapped.calls
         tokens = args.batch * blk * args.timed_blocks
         modes[name] = {"tokens_per_s": tokens / sec, "seconds": sec, "denoiser_calls": calls,
+                       "cache_calls": wrapped.cache_calls, "cache": cfg.cache,
                        "host_reads": reads.count, "host_bytes_per_step": reads.bytes / max(calls, 1)}
-        print(f"  {name}: {tokens / sec:.2f} tokens/s ({calls} calls, {reads.count} host reads)", flush=True)
+        print(f"  {name}: {tokens / sec:.2f} tokens/s ({calls} calls, {wrapped.cache_calls} from a cache, "
+              f"{reads.count} host reads)", flush=True)
+        if calls == 0 or (wrapped.cache_calls > 0) != (cfg.cache != "none"):
+            raise MeasuredNothing(f"benchmarks.rollout: mode {name} (cache {cfg.cache}) made {wrapped.cache_calls} "
+                                  f"cached calls of {calls}: its calls did not take the path it names")
     check = greedy_check(model, tok, args)
     return {"reference_tokens_per_s": ref_tps, "reference_seconds": ref_s, "reference_steps": ran,
             "reference_host_reads_per_step": ref_reads.count / max(ran, 1),
@@ -122,7 +134,7 @@ def greedy_check(model, tok, args) -> bool:
 
 
 def accuracy_part(args) -> dict:
-    cfg = load_recipe("arith", [])
+    cfg = load_recipe("arith", SMOKE_SFT if args.smoke else [])
     data = build_task(cfg)
     ckpt = Path(args.checkpoint) if args.checkpoint else Path(tempfile.mkdtemp(prefix="miles-rollout-")) / "sft"
     if not (ckpt / "config.json").exists():
@@ -133,7 +145,7 @@ def accuracy_part(args) -> dict:
     L, blk = cfg.task.completion_len, 8
     probs = data.test[:args.problems]
     modes = speed_modes(blk, L)
-    rl_prompts = [tok.encode(p.prompt) for p in data.test[:64]]
+    rl_prompts = [tok.encode(p.prompt) for p in data.test[:min(64, args.problems)]]
     out = {}
     for name, s in modes.items():
         r = evaluate(model, tok, [p.prompt for p in probs], [p.answer for p in probs], eval_config(cfg, len(probs), s),
@@ -146,8 +158,15 @@ def accuracy_part(args) -> dict:
     return {"problems": len(probs), "completion_len": L, "block": blk, "modes": out}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+# --smoke: the same two parts at sizes that run in seconds (an SFT of a few steps, a 2-layer speed model).
+SMOKE = {"batch": 2, "completion": 16, "block": 8, "prompt_len": 8, "ref_steps": 2, "check_batch": 1,
+         "check_completion": 8, "problems": 4}
+SMOKE_SIZE = {**SPEED_SIZE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8}
+SMOKE_SFT = ["sft.steps=3"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)
@@ -159,11 +178,13 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=500)
     ap.add_argument("--checkpoint", default=None, help="arith SFT checkpoint (trained here when absent)")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="miles-rollout-") as d:
-        folder = init_tiny("bidir_qwen3", Path(d) / "speed", seed=0, size=SPEED_SIZE)
+        folder = init_tiny("bidir_qwen3", Path(d) / "speed", seed=0, size=SMOKE_SIZE if args.smoke else SPEED_SIZE)
         print(f"part 1: speed, batch {args.batch}, completion {args.completion}, block {args.block}", flush=True)
         speed = speed_part(args, folder)
     print("part 2: accuracy on the arith SFT model", flush=True)
@@ -184,8 +205,12 @@ def main() -> None:
     best = max(speed["modes"].values(), key=lambda m: m["speedup"])
     payload = {**speed, "accuracy": acc, "settings": vars(args), "best_speedup": best["speedup"],
                "host_bytes_per_step": {k: m["host_bytes_per_step"] for k, m in speed["modes"].items()},
-               "seconds": time.perf_counter() - t_all}
-    print(f"wrote {write_result('rollout', payload)} in {payload['seconds']:.0f}s")
+               "seconds": time.perf_counter() - t_all, "smoke": args.smoke}
+    path = write_result("rollout", payload, positive=["reference_tokens_per_s", "modes.*.denoiser_calls",
+                                                      "modes.*.tokens_per_s", "modes.nsd+prefix.cache_calls",
+                                                      "modes.nsd+dual.cache_calls", "accuracy.modes.*.nfe"],
+                        present=["greedy_matches_reference", "accuracy.modes.static.pass1"])
+    print(f"wrote {path} in {payload['seconds']:.0f}s")
 
 
 if __name__ == "__main__":

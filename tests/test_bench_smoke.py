@@ -1,0 +1,95 @@
+"""Every benchmark at its smoke size, as CI runs it: ``python -m benchmarks.NAME --smoke`` in a fresh
+process, which must exit 0 and write ``NAME_smoke.json`` holding ``"smoke": true`` (each benchmark
+checks its own invariants before writing: ``benchmarks/harness.py::check_measured``). A module under
+``benchmarks/`` that is neither a benchmark with a smoke mode nor a listed helper fails here, and a
+benchmark whose measurement is bypassed fails its own run (the rollout wrapper case below).
+
+The lane alone: ``pytest -m bench tests/test_bench_smoke.py``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks import HELPERS
+
+ROOT = Path(__file__).resolve().parents[1]
+MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+BENCHMARKS = [m for m in MODULES if m not in HELPERS]
+# What a benchmark's smoke run needs from the test beyond --smoke (a file the test writes).
+EXTRA = {"real_model": lambda tmp: ["--source", str(_tiny_gguf(tmp)), "--workdir", str(tmp / "work"), "--seeds", "0"]}
+TIMEOUT_S = 240
+
+
+def _tiny_gguf(tmp: Path) -> Path:
+    from tests.test_importer import write_tiny_gguf
+
+    path = tmp / "tiny.gguf"
+    write_tiny_gguf(path)
+    return path
+
+
+def test_every_module_is_a_benchmark_with_a_smoke_mode_or_a_helper() -> None:
+    assert set(HELPERS) <= set(MODULES), sorted(set(HELPERS) - set(MODULES))
+    for name in BENCHMARKS:
+        src = (ROOT / "benchmarks" / f"{name}.py").read_text()
+        assert 'if __name__ == "__main__"' in src, f"benchmarks/{name}.py runs as nothing: a benchmark or a HELPERS entry"
+        assert "add_smoke(" in src or "bench_args(" in src, f"benchmarks/{name}.py has no --smoke (harness.add_smoke)"
+
+
+@pytest.mark.e2e
+@pytest.mark.bench
+@pytest.mark.parametrize("name", BENCHMARKS)
+def test_smoke(name: str, tmp_path: Path) -> None:
+    env = {**os.environ, "MILES_BENCH_RESULTS": str(tmp_path / "results"), "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", f"benchmarks.{name}", "--smoke", *EXTRA.get(name, lambda _: [])(tmp_path)]
+    r = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert r.returncode == 0, f"{' '.join(cmd)} exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    written = sorted((tmp_path / "results").glob("*_smoke.json"))
+    assert written, f"benchmarks.{name} --smoke wrote no *_smoke.json:\n{r.stdout[-2000:]}"
+    for path in written:
+        assert json.loads(path.read_text()).get("smoke") is True, path
+
+
+class _PlainWrapper(torch.nn.Module):
+    """benchmarks/rollout.py's timing wrapper as it was when issue 73 found it: a plain module, so
+    the sampler saw the default capabilities and never called its window."""
+
+    def __init__(self, model, width: int, block: int, blocks: int) -> None:
+        super().__init__()
+        self.model, self.calls, self.cache_calls = model, 0, 0
+
+    def window(self, ids, mask, query, out, cache=None, keep=()):
+        self.calls += 1
+        return self.model.window(ids, mask, query, out, cache, keep)
+
+    def forward(self, ids, mask=None):
+        return self.model(ids, mask)
+
+
+@pytest.mark.e2e
+@pytest.mark.bench
+@pytest.mark.parametrize("bypass", ["plain_wrapper", "capabilities_lost"])
+def test_rollout_fails_when_its_wrapper_bypasses_the_engine(bypass: str, monkeypatch, tmp_path: Path) -> None:
+    """The failure issue 73 found: a timing wrapper the sampler does not see as the model must fail
+    the run, not publish a speedup. A plain module's window is never called (0 calls: measured
+    nothing); a wrapper without the model's capabilities is refused a cache by the sampler."""
+    import benchmarks.rollout as rollout
+    from benchmarks.harness import MeasuredNothing
+    from miles_core.config.schema import ConfigError
+    from miles_core.models.window import Capabilities
+
+    monkeypatch.setenv("MILES_BENCH_RESULTS", str(tmp_path))
+    if bypass == "plain_wrapper":
+        monkeypatch.setattr(rollout, "FirstBlocks", _PlainWrapper)
+    else:
+        monkeypatch.setattr(rollout.FirstBlocks, "capabilities", lambda self: Capabilities())
+    with pytest.raises(MeasuredNothing if bypass == "plain_wrapper" else ConfigError):
+        rollout.main(["--smoke"])
+    assert not list(tmp_path.glob("*.json"))
