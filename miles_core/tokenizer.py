@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 # Append-only: ids are positions in this string and saved checkpoints depend on them.
 # "%|&^~" were appended for Python code (the code task's ``x%3``).
@@ -18,10 +19,29 @@ SPECIALS = ("[PAD]", "[MASK]", "[EOS]", "[UNK]")
 # What a chat prompt of a task ends with after the generation prompt: d1 prefills "<reasoning>"
 # for its math evaluations (dllm-reasoning/d1 eval/eval.py, add_reasoning=True "for all models").
 PROMPT_PREFILL = {"gsm8k": "<reasoning>", "math": "<reasoning>", "math500": "<reasoning>"}
-# The user turn a chat prompt of a task asks ("{prompt}": the task's own prompt text). A bare
-# "6-1-3" sent to SmolLM2-135M-Instruct gets a refusal; asked as below, its greedy answer is right
-# 38% of the time on one-operation problems (benchmarks.real_model's ar_pass1 measures the rest).
-PROMPT_QUESTION = {"arith": "What is {prompt}? Answer with the number."}
+
+
+def _countdown_question(prompt: str) -> str:
+    from miles_core.data.countdown import parse_prompt  # imported on use: miles_core.data imports this module
+
+    nums, target = parse_prompt(prompt)
+    return f"Make {target} from the numbers {' and '.join(map(str, nums))}, using each once with +, - or *. " \
+           "Answer with the equation only."
+
+
+# The user turn a chat prompt of a task asks, from the task's own prompt text. A bare "6-1-3" sent
+# to SmolLM2-135M-Instruct gets a refusal; asked "What is 6-1-3? ..." its greedy answer is right 38%
+# of the time on one-operation problems. Countdown's "3,10:13" asked as below gets "3 + 10 = 13"
+# (two numbers; benchmarks.real_model's ar_countdown measures the rate).
+PROMPT_QUESTION: dict[str, Callable[[str], str]] = {
+    "arith": lambda prompt: f"What is {prompt}? Answer with the number.",
+    "countdown": _countdown_question,
+}
+
+
+def prompt_question(task: str) -> Callable[[str], str]:
+    """The user turn a chat prompt of ``task`` asks (the prompt as it is when the task has none)."""
+    return PROMPT_QUESTION.get(task, str)
 
 class CharTokenizer:
     """One id per character plus four specials.

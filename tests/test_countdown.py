@@ -26,6 +26,11 @@ from miles_core.data.registry import build_task, check_reward
     ("", False, "empty"),
     ("3*5=15;15+7=22 garbage", False, "is not 'a op b=c'"),
     ("7-5=2;3-2=1;1+21=22", False, "not available"),
+    ("3 * 5 = 15; 15 + 7 = 22", True, "ok"),        # an instruct model's spacing
+    ("3*5=15\n15+7=22\n", True, "ok"),              # one step per line
+    ("3 * 5 = 15;\n15 + 7 = 22", True, "ok"),
+    ("3 * 5 = 15\n15 + 7 = 22\nSo the answer is 22.", False, "is not 'a op b=c'"),  # prose is not a step
+    ("3 * 5 = 15\n3 * 5 = 15\n15+7=22", False, "not available"),  # a repeated line uses 3 and 5 twice
 ])
 def test_check_on_hand_checked_completions(completion: str, ok: bool, why: str) -> None:
     got, reason = check("3,5,7:22", completion)
@@ -72,3 +77,14 @@ def test_recipe_splits_disjoint_and_pass1_uses_the_verifier() -> None:
         build_task(load_recipe("countdown", ["task.completion_len=12"]))
     with pytest.raises(ConfigError, match="task: CountdownConfig: numbers"):
         build_task(load_recipe("countdown", ["task.numbers=7"]))
+
+
+def test_chat_question_names_the_numbers_and_target() -> None:
+    """The user turn a chat prompt asks (tokenizer.py::PROMPT_QUESTION): the numbers and the target
+    in words an instruct model answers with an equation, not the training notation "3,5,7:22"."""
+    from miles_core.tokenizer import prompt_question
+
+    q = prompt_question("countdown")("3,5,7:22")
+    assert "22" in q and "3 and 5 and 7" in q and "3,5,7:22" not in q
+    assert prompt_question("arith")("6-1-3") == "What is 6-1-3? Answer with the number."
+    assert prompt_question("gsm8k")("x") == "x"

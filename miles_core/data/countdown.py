@@ -79,12 +79,14 @@ def check(prompt: str, completion: str) -> tuple[bool, str]:
     result, so "each number used once" needs no bookkeeping of which 5 is which.
     """
     nums, target = parse_prompt(prompt)
-    text = str(completion).strip()
-    if not text:
+    # Steps end at ";" or a line break, and spaces inside a step are ignored: an instruct model
+    # writes "3 + 10 = 13" or one step per line, the same solution as "3+10=13".
+    steps = [re.sub(r"\s+", "", s) for s in re.split(r"[;\n]+", str(completion).strip())]
+    if not any(steps):
         return False, "empty"
     avail = Counter(nums)
-    for i, step in enumerate(text.split(";")):
-        m = _STEP_RE.match(step.strip())
+    for i, step in enumerate(steps):
+        m = _STEP_RE.match(step)
         if not m:
             return False, f"step {i + 1} {step!r} is not 'a op b=c'"
         a, op, b, c = int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4))

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from miles_core.config import ConfigError
 from miles_core.models.family import LoadOptions
 from miles_core.models.registry import family_for_checkpoint
-from miles_core.tokenizer import PROMPT_PREFILL, PROMPT_QUESTION, CharTokenizer
+from miles_core.tokenizer import PROMPT_PREFILL, CharTokenizer, prompt_question
 
 if TYPE_CHECKING:
     from miles_core.config import RecipeConfig
@@ -128,8 +128,7 @@ def set_prompt_format(tok: AnyTokenizer, cfg: "RecipeConfig", directory: str | P
     if hasattr(tok, "prompt_prefill"):
         tok.prompt_template = cfg.task.prompt_template
         tok.prompt_prefill = prompt_prefill(cfg.task.name) if cfg.task.prompt_template == "chat" else ""
-        tok.prompt_question = PROMPT_QUESTION.get(cfg.task.name, "{prompt}") if cfg.task.prompt_template == "chat" \
-            else "{prompt}"
+        tok.prompt_question = prompt_question(cfg.task.name) if cfg.task.prompt_template == "chat" else str
 
 
 def prompt_prefill(task: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from miles_core.config import ConfigError
 
@@ -59,7 +59,8 @@ class HFTokenizer:
         self.unk_id: int | None = int(tokenizer.unk_token_id) if tokenizer.unk_token_id is not None else None
         self.prompt_template = "plain"  # or "chat": set from task.prompt_template by models.base.load_base
         self.prompt_prefill = ""        # chat only: the start of the answer (d1 prefills "<reasoning>")
-        self.prompt_question = "{prompt}"  # chat only: the user turn around the task's prompt (PROMPT_QUESTION)
+        # chat only: the user turn asked from the task's prompt (tokenizer.py::PROMPT_QUESTION)
+        self.prompt_question: Callable[[str], str] = str
 
     @property
     def vocab_size(self) -> int:
@@ -94,11 +95,11 @@ class HFTokenizer:
 
     def encode_prompt(self, text: str) -> list[int]:
         """A task prompt's ids: as they are (``prompt_template`` plain), or as one user turn of the
-        tokenizer's chat template (``prompt_question`` around the text) with the generation prompt
+        tokenizer's chat template (``prompt_question`` of the text) with the generation prompt
         and ``prompt_prefill`` appended (chat; instruct models)."""
         if self.prompt_template == "plain":
             return self.encode(text)
-        content = self.prompt_question.replace("{prompt}", text)
+        content = self.prompt_question(text)
         out = self.hf.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
                                           tokenize=True)
         ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
