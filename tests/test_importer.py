@@ -162,6 +162,38 @@ def test_miles_loads_it_as_bidir_llama_with_the_shift(imported) -> None:
     torch.testing.assert_close(shifted[:, 0], plain[:, 0])
 
 
+def test_block_size_import_gives_block_causal_attention(tmp_path, imported) -> None:
+    """``--block-size 4``: config.json records it, the loader states it (the sampler's attention
+    grid), and attention is block-causal over real positions: a token changes the logits of its own
+    block and later ones, never an earlier block's, with left padding too. Block 0 is the control
+    that attention is not simply causal (a later token of the same block changes an earlier one)."""
+    from miles_core.models.importer import import_causal_lm
+    from miles_core.models.llama import load_llama
+    from miles_core.models.window import attention_grid
+
+    src, _, _ = imported
+    out = tmp_path / "block"
+    rep = import_causal_lm(src, out, block_size=4)
+    assert rep.block_size == 4 and json.loads((out / "config.json").read_text())["block_size"] == 4
+    model, tok = load_llama(out)
+    assert attention_grid(model) == 4
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tok.vocab_size - 1, (2, 12), generator=g)
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :3] = False                               # row 1: 3 pads, then 9 real tokens
+    with torch.no_grad():
+        base = model(ids, mask)
+        for row, pos in ((0, 5), (1, 3 + 5)):         # real position 5: block 1 (real positions 4..7)
+            edit = ids.clone()
+            edit[row, pos] = (edit[row, pos] + 1) % (tok.vocab_size - 1)
+            moved = (model(edit, mask)[row] - base[row]).abs().amax(-1)          # [T]
+            first = 0 if row == 0 else 3
+            assert moved[first:first + 4].max() == 0, "block 0 must not see block 1"
+            assert moved[first + 4:pos].max() > 0, "earlier positions of the same block see it"
+    with pytest.raises(Exception, match="block_size"):
+        import_causal_lm(src, tmp_path / "neg", block_size=-1)
+
+
 def test_refuses_what_it_cannot_import(tmp_path, imported) -> None:
     from miles_core.config import ConfigError
     from miles_core.models.importer import import_causal_lm

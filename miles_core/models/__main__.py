@@ -2,7 +2,7 @@
 
     python -m miles_core.models init --family llada OUT
     python -m miles_core.models check DIR [--family F]      (also: miles models check DIR)
-    python -m miles_core.models import SRC OUT [--shift]   (also: miles models import SRC OUT)
+    python -m miles_core.models import SRC OUT [--shift] [--block-size N]   (also: miles models import SRC OUT)
 """
 
 from __future__ import annotations
@@ -67,12 +67,14 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("out", help="the new base folder")
     m.add_argument("--shift", action=argparse.BooleanOptionalAction, default=False,
                    help="keep the AR logit shift (Dream style); default off (LLaDA/MDLM style)")
+    m.add_argument("--block-size", type=int, default=0, metavar="N",
+                   help="block-causal attention over blocks of N positions (SDAR/BD3LM style); default 0: full")
     a = p.parse_args(argv)
     if a.command == "import":
         from miles_core.models.importer import find_smollm2, import_causal_lm
 
         src = find_smollm2() if a.src == "smollm2" else Path(a.src)
-        rep = import_causal_lm(src, a.out, logit_shift=a.shift)
+        rep = import_causal_lm(src, a.out, logit_shift=a.shift, block_size=a.block_size)
         for k, v in asdict(rep).items():
             print(f"{k:<20}  {v}")
         return 0

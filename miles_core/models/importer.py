@@ -20,6 +20,10 @@ with what masked diffusion adds:
   table measured both on SmolLM2 at equal compute: the shift is ahead up to 640 sequences, no
   shift from 960 on (held-out ELBO per token 0.949 against 0.982 at 1,280), so the default follows
   the larger budgets.
+* **Attention** as a config field (``block_size``): 0 (the default) is full bidirectional attention
+  (LLaDA, MDLM); N > 0 is block-causal over blocks of N real positions (SDAR, BD3LM; the A2D
+  recipes of ZHZisZZ/dllm train both), which the sampler then decodes block by block and whose
+  prefix cache is exact. ``benchmarks.real_model`` measures a block arm beside the two shifts.
 * **The chat template** the source carries, kept in ``tokenizer_config.json``.
 
 Import is lossless: :func:`import_causal_lm` runs the written folder causally and checks that its
@@ -64,6 +68,7 @@ class ImportReport:
     mask_id: int
     mask_init: str
     logit_shift: bool
+    block_size: int             # attention grid (0: full, bidirectional)
     chat_template: bool
     max_abs_logit_diff: float   # causal run of the written folder vs the source, original rows
     seconds: float
@@ -144,12 +149,14 @@ def causal_logits(lm: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def import_causal_lm(src: str | Path, out: str | Path, logit_shift: bool = False,
-                     mask_token: str = MASK_TOKEN) -> ImportReport:
+                     mask_token: str = MASK_TOKEN, block_size: int = 0) -> ImportReport:
     """Write ``src`` (GGUF file or HF Llama folder) as a bidir_llama base in ``out`` (module docstring)."""
     from miles_core.models.llama import _grow_vocab
 
     t0 = time.perf_counter()
     src, dest = Path(src), Path(out)
+    if block_size < 0:
+        raise ConfigError(f"import: block_size={block_size} must be >= 0 (0: full attention)")
     if dest.exists() and any(dest.iterdir()):
         raise FileExistsError(f"{dest}: exists and is not empty; import writes a new folder")
     source_lm, tok = load_source(src)
@@ -160,6 +167,7 @@ def import_causal_lm(src: str | Path, out: str | Path, logit_shift: bool = False
     tok.add_special_tokens({"mask_token": mask_token})
     _grow_vocab(lm, len(tok))
     lm.config.logit_shift = bool(logit_shift)
+    lm.config.block_size = int(block_size)
     lm.config.mask_token_id = int(tok.mask_token_id)
     ids = torch.tensor([tok.encode(PROBE, add_special_tokens=False)])
     diff = float((causal_logits(lm, ids)[..., :v0] - causal_logits(source_lm, ids)).abs().max())
@@ -174,7 +182,7 @@ def import_causal_lm(src: str | Path, out: str | Path, logit_shift: bool = False
                        source_sha256=sha256_file(file) if file else "", out=str(dest.resolve()),
                        parameters=sum(p.numel() for p in lm.parameters()), vocab_original=v0, vocab=len(tok),
                        mask_id=int(tok.mask_token_id), mask_init="mean of the original embedding rows (tied head: same)",
-                       logit_shift=bool(logit_shift), chat_template=bool(getattr(tok, "chat_template", None)),
+                       logit_shift=bool(logit_shift), block_size=int(block_size), chat_template=bool(getattr(tok, "chat_template", None)),
                        max_abs_logit_diff=diff, seconds=time.perf_counter() - t0)
     (dest / "miles_import.json").write_text(json.dumps(asdict(rep), indent=2))
     return rep

@@ -63,10 +63,16 @@ class LlamaDiffusion(WindowDenoiser):
         # An AR model imported with its shift kept (models/importer.py; Dream's convention) reads
         # position i's prediction from the logits at i - 1; config.json's ``logit_shift`` says which.
         self.shift = bool(getattr(lm.config, "logit_shift", False))
+        # Block-causal attention (SDAR / BD3LM; an A2D import with ``--block-size``): bidirectional
+        # within blocks of ``block_size`` real positions, causal across them; 0 = full attention.
+        self.block_size = int(getattr(lm.config, "block_size", 0) or 0)
+        if self.block_size < 0:
+            raise ValueError(f"config.json block_size={self.block_size}: must be >= 0 (0: full attention)")
 
     def capabilities(self) -> Capabilities:
         c = self.config
         return Capabilities(kv_cache=True, native="llama", wraps_lm=True, logit_shift=self.shift,
+                            block_size=self.block_size,
                             head_weight=head_weight_of(c.vocab_size, c.hidden_size, c.num_hidden_layers,
                                                        c.intermediate_size))
 
@@ -77,8 +83,8 @@ class LlamaDiffusion(WindowDenoiser):
 
     def window(self, ids: Tensor, mask: Tensor, query: tuple[int, int], out: tuple[int, int],
                cache: KVCache | None = None, keep: tuple[tuple[int, int], ...] = ()) -> tuple[Tensor, KVCache | None]:
-        """miles_core/models/window.py: logits of ``out`` from a bidirectional pass over ``query``."""
-        return hf_window(self.lm, ids, mask, query, out, cache, keep, shift=self.shift)
+        """miles_core/models/window.py: logits of ``out`` from a bidirectional (or block-causal) pass over ``query``."""
+        return hf_window(self.lm, ids, mask, query, out, cache, keep, block_size=self.block_size, shift=self.shift)
 
     def save_pretrained(self, directory: str | Path) -> None:
         """A standard Hugging Face folder (config.json + model.safetensors), loadable by transformers."""
