@@ -7,11 +7,14 @@ run resumes at the stage it was in):
    logit shift (models/importer.py; lossless, checked against transformers' own GGUF load).
 2. ``ar``: the AR original through transformers' own ``generate`` (greedy, KV cache), on the test
    problems, prompted with exactly the ids the diffusion model gets (its chat template), scored by
-   the same answer check (``math_exact``): ``ar_pass1``.
+   the same answer check (``math_exact``): ``ar_pass1``. ``ar_countdown``: the same on the second
+   task (recipe ``smollm2_countdown``, the countdown verifier): ``second_task.ar_pass1``.
 3. ``adapt``: masked-diffusion SFT (algo/sft.py, all weights) of both imports at equal compute (same
    steps, batch, data order), with held-out masked-token accuracy and ELBO per answer token (the
    SFT loss on the validation split under fixed mask draws) after each budget. The lower final
-   ELBO is the default and the SFT checkpoint every later stage starts from.
+   ELBO is the default and the SFT checkpoint every later stage starts from. Beside it, at the
+   same budget from the chosen import: LoRA (r 32, merged), and block-causal attention (an
+   import with ``--block-size 8``, SDAR / BD3LM style).
 4. ``sft``: its pass@1 on the test problems.
 5. ``adpo``: ADPO with LoRA (the recipe's defaults) through the run ``miles train`` runs
    (harness.local_run), one process per seed with one thread, peak RSS of the learner measured.
@@ -48,12 +51,14 @@ RECIPE = "smollm2_arith"
 # The full protocol fits 2 hours on 2 idle cores: 500 test problems, 2 seeds, 1,280 adaptation
 # sequences per arm, 12 ADPO updates of 4 prompts x 8 completions.
 FULL = {"adapt_steps": 80, "adapt_batch": 16, "adapt_checks": 4, "val": 64, "test": 500, "adpo_iters": 12,
-        "prompts_per_iter": 4, "group_size": 8, "latency_prompts": 32}
+        "prompts_per_iter": 4, "group_size": 8, "latency_prompts": 32, "countdown_test": 250}
 QUICK = {"adapt_steps": 40, "adapt_batch": 8, "adapt_checks": 2, "val": 32, "test": 64, "adpo_iters": 6,
-         "prompts_per_iter": 4, "group_size": 4, "latency_prompts": 8}
+         "prompts_per_iter": 4, "group_size": 4, "latency_prompts": 8, "countdown_test": 48}
 # --smoke: seconds on a tiny GGUF (tests/test_real_model_bench.py), every stage on the same path.
 SMOKE = {"adapt_steps": 2, "adapt_batch": 2, "adapt_checks": 1, "val": 4, "test": 4, "adpo_iters": 1,
-         "prompts_per_iter": 2, "group_size": 2, "latency_prompts": 2}
+         "prompts_per_iter": 2, "group_size": 2, "latency_prompts": 2, "countdown_test": 4}
+# The block-causal adaptation arm's attention blocks (SDAR-style, models import --block-size).
+BLOCK = 8
 
 
 def stage(work: Path, name: str, fn: Callable[[], dict]) -> dict:
@@ -183,6 +188,7 @@ def _in_child(fn: Callable, *args: Any) -> Any:
 # ---- the protocol --------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> None:
+    from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.models.base import load_base, set_prompt_format
     from miles_core.models.hf_tokenizer import HFTokenizer
@@ -205,7 +211,8 @@ def main(argv: list[str] | None = None) -> None:
         size[key] = int(val)
     work = Path(args.workdir or f"runs/real_model_{mode}")
     sizes_file = work / "sizes.json"
-    if sizes_file.exists() and json.loads(sizes_file.read_text()) != size:
+    kept = json.loads(sizes_file.read_text()) if sizes_file.exists() else {}
+    if any(kept.get(k, v) != v for k, v in size.items()):  # a size added since is not a difference
         ap.error(f"{work} holds stages computed at other sizes ({sizes_file}); use another --workdir")
     work.mkdir(parents=True, exist_ok=True)
     sizes_file.write_text(json.dumps(size))
@@ -224,7 +231,13 @@ def main(argv: list[str] | None = None) -> None:
     data = build_task(cfg)
     tok = HFTokenizer.load(bases[True])  # the prompt ids the AR stage sends: no weights needed
     set_prompt_format(tok, cfg, bases[True])
-    ar = stage(work, "ar", lambda: ar_stage(cfg, source, data, tok))
+    ar = stage(work, "ar", lambda: ar_stage(cfg, source, data, tok, "math_exact"))
+    # the second task, through the same tokenizer and chat template: the AR original's pass@1
+    cd_cfg = load_recipe("smollm2_countdown", [f"model.path={bases[True]}", f"task.num_test={size['countdown_test']}",
+                                               f"eval.num_problems={size['countdown_test']}"])
+    cd_tok = HFTokenizer.load(bases[True])
+    set_prompt_format(cd_tok, cd_cfg, bases[True])
+    ar_cd = stage(work, "ar_countdown", lambda: ar_stage(cd_cfg, source, build_task(cd_cfg), cd_tok, "countdown"))
 
     adapt = {}
     for shift in (True, False):
@@ -237,6 +250,14 @@ def main(argv: list[str] | None = None) -> None:
     lora_cfg = recipe(bases[chosen == "shift"], size, args.set)
     adapt[f"{chosen}_lora"] = stage(work, f"adapt_{chosen}_lora", lambda: adapt_arm(
         lora_cfg, data, bases[chosen == "shift"], work / f"sft-{chosen}-lora", size, lora=True))
+    # block-causal attention at the same budget, from the chosen shift: reported beside the choice
+    block_base = work / f"base-{chosen}-block{BLOCK}"
+    stage(work, f"import_{chosen}_block{BLOCK}", lambda: asdict(import_causal_lm(
+        source, block_base, logit_shift=chosen == "shift", block_size=BLOCK)) if not (block_base / "miles_import.json").exists()
+        else json.loads((block_base / "miles_import.json").read_text()))
+    block_cfg = recipe(block_base, size, args.set)
+    adapt[f"{chosen}_block{BLOCK}"] = stage(work, f"adapt_{chosen}_block{BLOCK}", lambda: adapt_arm(
+        block_cfg, data, block_base, work / f"sft-{chosen}-block{BLOCK}", size))
     cfg = recipe(sft_ckpt, size, args.set)
 
     def sft_eval() -> dict:
@@ -265,11 +286,14 @@ def main(argv: list[str] | None = None) -> None:
     payload = {
         "mode": mode, "smoke": args.smoke, "sizes": size, "source": str(source), "seeds": seeds,
         "problems": len(sft["correct"]), "ar_pass1": ar["pass1"], "sft_pass1": sft["pass1"],
+        "second_task": {"task": "countdown", "recipe": "smollm2_countdown", "problems": len(ar_cd["correct"]),
+                        "ar_pass1": ar_cd["pass1"], "max_new_tokens": ar_cd["max_new_tokens"],
+                        "samples": ar_cd["samples"]},
         "adpo_pass1": mean(adpo), "adpo_pass1_per_seed": [a["pass1"] for a in adpo],
         "continued_sft_pass1": mean(cont), "continued_sft_pass1_per_seed": [c["pass1"] for c in cont],
         "paired_p": test["p"], "paired": {"adpo_vs_sft": test, "adpo_vs_ar": vs_ar, "adpo_vs_continued_sft": vs_cont},
         "adaptation": {k: {"curve": v["curve"], "seconds": v["seconds"]} for k, v in adapt.items()},
-        "adaptation_default": chosen, "adaptation_lora": LORA_ADAPT,
+        "adaptation_default": chosen, "adaptation_lora": LORA_ADAPT, "adaptation_block": BLOCK,
         "latency": {**lat["rows"], "prompts": lat["prompts"], "threads": lat["threads"],
                     "speedup_batch1_vs_ar": {k: ar_lat / v["seconds_per_answer"] for k, v in lat["rows"].items()}},
         "nsd": {"static_pass1": nsd["static"]["pass1"], "nsd_pass1": nsd["nsd"]["pass1"],
@@ -283,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
         "ar_samples": ar["samples"],
     }
     rows = [["AR original (generate, greedy)", ar["pass1"], "", ""],
+            ["AR original on countdown (2 numbers)", ar_cd["pass1"], "", ""],
             [f"SFT (adapted, {chosen})", sft["pass1"], "", ""],
             ["continued SFT (ADPO's seconds)", mean(cont), "", ""],
             ["ADPO (LoRA)", mean(adpo), test["gain"], test["p"]]]
@@ -292,7 +317,8 @@ def main(argv: list[str] | None = None) -> None:
            positive=[f"latency.{k}.{m}" for k in lat["rows"] for m in ("seconds_per_answer", "tokens_per_s")]
            + ["nsd.static_flops", "nsd.nsd_flops", "memory_mb.learner_peak_rss", "memory_mb.sampler_peak_rss",
               "problems"],
-           present=["ar_pass1", "sft_pass1", "adpo_pass1", "continued_sft_pass1", "paired_p", "adaptation"])
+           present=["ar_pass1", "sft_pass1", "adpo_pass1", "continued_sft_pass1", "paired_p", "adaptation",
+                    "second_task.ar_pass1"])
 
 
 if __name__ == "__main__":

@@ -56,15 +56,16 @@ def ar_generate(lm, tok, prompts: list[list[int]], max_new: int) -> tuple[list[s
     return texts, tokens
 
 
-def ar_stage(cfg, source: Path, data, miles_tok) -> dict:
-    """The AR original's pass@1 on the test problems, with the diffusion model's own prompt ids."""
+def ar_stage(cfg, source: Path, data, miles_tok, reward_name: str) -> dict:
+    """The AR original's pass@1 on the test problems, with the diffusion model's own prompt ids,
+    scored by the reward ``reward_name`` the diffusion model's evaluation uses."""
     from miles_core.models.importer import load_source
     from miles_core.rewards.registry import get_reward
 
     torch.set_num_threads(usable_cpus())
     lm, tok = load_source(source)
     probs = data.test[:cfg.eval.num_problems]
-    reward = get_reward("math_exact")
+    reward = get_reward(reward_name)
     correct, texts, t0 = [], [], time.perf_counter()
     for i in range(0, len(probs), 16):
         part = probs[i:i + 16]

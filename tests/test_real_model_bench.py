@@ -27,7 +27,9 @@ def test_every_stage_runs_and_reruns_from_cache(tmp_path, capsys) -> None:
     for mode in ("ar_generate", "miles_static", "miles_static_prefix", "miles_static_k4_prefix", "miles_nsd_prefix"):
         row = r["latency"][mode]
         assert row["seconds_per_answer"] > 0 and row["tokens_per_s"] > 0 and 0 <= row["pass1"] <= 1
-    assert set(r["adaptation"]) == {"shift", "noshift", f"{r['adaptation_default']}_lora"} and r["adaptation_default"] in ("shift", "noshift")
+    chosen = r["adaptation_default"]
+    assert set(r["adaptation"]) == {"shift", "noshift", f"{chosen}_lora", f"{chosen}_block8"} and chosen in ("shift", "noshift")
+    assert r["second_task"]["task"] == "countdown" and r["second_task"]["problems"] == 4 and 0 <= r["second_task"]["ar_pass1"] <= 1
     for arm in r["adaptation"].values():
         assert [c["step"] for c in arm["curve"]] == [0, 2]
         assert all(c["elbo_per_token"] > 0 and 0 <= c["masked_acc"] <= 1 for c in arm["curve"])
