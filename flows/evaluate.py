@@ -70,7 +70,7 @@ def evaluate_flow(recipe: str | None = None, overrides: list[str] | None = None,
                "eval_fingerprint": ev["fingerprint"], "mlflow_run_id": run_id, "model_uri": p.model_uri,
                "model_name": source["name"], "model_version": source["version"],
                "registered_pass1": source["registered_pass1"], "base_checkpoint": str(base),
-               "adapter_dir": adapter_dir, "run_dir": str(out)}
+               "adapter_dir": adapter_dir, "run_dir": str(out), "samples": ev["samples"]}
     log.info("eval done: pass@1 %.4f (%s)", ev["pass1"], described)
     return summary
 

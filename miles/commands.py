@@ -10,6 +10,7 @@ import inspect
 import json
 import os
 import re
+import shlex
 import sys
 import textwrap
 import time
@@ -251,8 +252,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
               else {"adapter": train["adapter_dir"], "base_checkpoint": train["base_checkpoint"]})
     ev = call_flow("evaluate", "evaluate_flow", {**common, "run_dir": str(run_dir / "eval"), **source})
     print(demo_report(train, demo_gain(train, ev), args.recipe))
-    _print_where_to_look(run_dir, train.get("model_uri"), args.tracking_uri)
+    _print_where_to_look(run_dir, train.get("model_uri"), args.tracking_uri, demo_tries(ev.get("samples", [])))
     return 0
+
+
+def demo_tries(samples: Sequence[dict[str, Any]], n: int = 2) -> list[dict[str, Any]]:
+    """The held-out problems the printed ``miles generate`` asks: the evaluation's first ``n`` it
+    answered correctly, then others, so the user's first look at the model is what was measured
+    (``generate`` decodes as the evaluation did: greedy, the same steps) and in the recipe's range."""
+    right = [s for s in samples if s.get("correct")]
+    return (right + [s for s in samples if not s.get("correct")])[:n]
 
 
 def demo_gain(train: dict[str, Any], ev: dict[str, Any]) -> dict[str, Any]:
@@ -321,7 +330,8 @@ def venv_command(name: str) -> str:
         return str(script)
 
 
-def _print_where_to_look(run_dir: Path, model_uri: str | None = None, store: str | None = None) -> None:
+def _print_where_to_look(run_dir: Path, model_uri: str | None = None, store: str | None = None,
+                         tries: Sequence[dict[str, Any]] = ()) -> None:
     uri = tracking_uri(store)
     miles, mlflow, prefect = venv_command("miles"), venv_command("mlflow"), venv_command("prefect")
     print("\nWhere to look:")
@@ -330,12 +340,19 @@ def _print_where_to_look(run_dir: Path, model_uri: str | None = None, store: str
         print(f"  MLflow UI  : {uri}")
     else:
         print(f"  MLflow UI  : {mlflow} ui --backend-store-uri {uri} --host 127.0.0.1 --port 5000")
-    print(f"  Prefect UI : {prefect} server start --host 127.0.0.1   (then http://127.0.0.1:4200: the demo's")
+    # analytics off: the UI's server would otherwise look up an outside telemetry endpoint
+    print(f"  Prefect UI : env PREFECT_SERVER_ANALYTICS_ENABLED=false {prefect} server start --host 127.0.0.1"
+          "   (then http://127.0.0.1:4200: the demo's")
     print("               flow runs are in the same PREFECT_HOME database the temporary server used)")
     if model_uri:
         name = model_uri.split("/")[1] if model_uri.startswith("models:/") else model_uri
         flag = f" --tracking-uri {uri}" if store else ""
-        print(f'  try it     : {miles} generate --model "models:/{name}@champion"{flag} "12+7*3" "45-6*7"')
+        if tries:
+            asked = " ".join(shlex.quote(t["prompt"]) for t in tries)
+            said = ", ".join(f"{t['prompt']} -> {t['completion']!r} ({'right' if t.get('correct') else 'wrong'})"
+                             for t in tries)
+            print(f'  try it     : {miles} generate --model "models:/{name}@champion"{flag} {asked}'
+                  f"   (held-out problems; the evaluation answered {said})")
         print(f'  serve it   : {miles} serve --model "models:/{name}@champion"{flag} --port 5001')
 
 

@@ -266,9 +266,21 @@ def test_demo_and_every_command_it_prints(tmp_path: Path) -> None:
     assert "prefect.task_runs" in next(tmp_path.glob("runs/demo-*/prefect.log")).read_text()
     shell = {**{k: v for k, v in env.items() if k not in ("MLFLOW_TRACKING_URI", "PYTHONPATH")}, "PATH": "/usr/bin:/bin"}
 
-    g = subprocess.run(_printed(out, "try it"), cwd=tmp_path, env=shell, capture_output=True, text=True,
+    tries = _printed(out, "try it")
+    g = subprocess.run(tries, cwd=tmp_path, env=shell, capture_output=True, text=True,
                        timeout=180, stdin=subprocess.DEVNULL)
     assert g.returncode == 0 and len(g.stdout.splitlines()) == 2, g.stderr[-3000:]
+    # the printed prompts are held-out problems of the recipe the demo trained (in its range), and
+    # generate answers them as the evaluation did, the answers the demo printed beside them
+    from miles.commands import demo_overrides
+    from miles_core.config import load_recipe
+    from miles_core.data.registry import build_task
+
+    held_out = {q.prompt for q in build_task(load_recipe("tiny", demo_overrides("tiny", ["eval.num_problems=8"]))).test}
+    line = next(x for x in out.splitlines() if x.strip().startswith("try it"))
+    said = re.findall(r"(\S+) -> '([^']*)' \((right|wrong)\)", line)
+    assert [p for p, _, _ in said] == tries[-2:] and set(tries[-2:]) <= held_out, line
+    assert g.stdout.splitlines() == [c for _, c, _ in said], (line, g.stdout)
     assert not (tmp_path / "mlflow.db").exists()  # the default store, not a stray one MLflow made up
     other = tmp_path / "elsewhere"  # from another folder, --tracking-uri names the store
     other.mkdir()
