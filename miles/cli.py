@@ -86,8 +86,13 @@ def cmd_flow(args: argparse.Namespace) -> int:
         return 0
     import tracking
 
+    from miles_core.storage.uri import check_writable_folder
+
     try:  # a store that cannot work fails now, not after Prefect's server started
         tracking.check_uri(parsed.tracking_uri)
+        for field, flag in (("store_uri", "--store"), ("run_dir", "--run-dir")):
+            if getattr(parsed, field, None):
+                check_writable_folder(getattr(parsed, field), flag)
     except ValueError as e:
         raise UsageError(str(e)) from None
     # The run folder is fixed here, not in the flow, so the log file is in it from the first line.

@@ -64,6 +64,34 @@ def resolve(uri: str | os.PathLike[str], storage_options: dict[str, Any] | None 
     return fs, path.rstrip("/")
 
 
+def check_writable_folder(uri: str | os.PathLike[str], what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` (a flag) when a local folder URI could not be created or
+    written: a file in its path, an unwritable parent, ``/proc``. Creates nothing, so a command can
+    call it before its services start. Object-store URIs (``s3://``) pass: the store checks them."""
+    text = os.fspath(uri)
+    if "://" in text and not text.startswith("file://"):
+        return
+    path = os.path.abspath(os.path.expanduser(text.removeprefix("file://")))
+    probe = path
+    while not os.path.lexists(probe):
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    if not os.path.isdir(probe):
+        raise ValueError(f"{what} {text}: {probe} is not a folder, so {path} cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{what} {text}: {probe} is not writable by this user")
+    if probe == path:
+        return
+    try:  # a writable mode on a filesystem that refuses new entries (/proc, /sys)
+        import tempfile
+
+        tempfile.TemporaryDirectory(dir=probe).cleanup()
+    except OSError as e:
+        raise ValueError(f"{what} {text}: cannot create a folder in {probe} ({e.strerror or e})") from None
+
+
 def is_local(fs: AbstractFileSystem) -> bool:
     """True when paths are real OS paths (so ``os.replace`` gives an atomic rename)."""
     return isinstance(fs, LocalFileSystem)
