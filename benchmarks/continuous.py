@@ -8,7 +8,9 @@ Per seed, on one thread:
   3. both policies evaluated on the held-out prompts (disjoint by hash) with the same seeded
      initial noise: the many-step SDE sampler (the one ADPO trains) and the deterministic ODE
      sampler (DDIM eta = 0) with ``--ode-steps`` <= sde_steps / 4 steps.
-Writes benchmarks/results/continuous.json. Run: python -m benchmarks.continuous [--seeds 0]
+``--smoke``: the same three stages at toy sizes (hidden 16, 5 SFT steps, 2 ADPO iterations of
+2 prompts x 2 samples, 8 SDE steps, one evaluation sample per prompt): the path, not the figure.
+Writes benchmarks/results/continuous.json. Run: python -m benchmarks.continuous [--seeds 0] [--smoke]
 """
 
 from __future__ import annotations
@@ -17,10 +19,16 @@ import argparse
 import random
 import time
 
-from benchmarks.harness import table, write_result
+from benchmarks.harness import add_smoke, check_measured, table, write_result
+
+# --smoke: every stage once or twice at toy sizes (ode_steps * 4 <= sde_steps still holds)
+SMOKE = {"seeds": [0], "hidden": 16, "demos_per_prompt": 1, "sft_steps": 5, "sft_batch": 16, "iterations": 2,
+         "prompts_per_iter": 2, "group_size": 2, "minibatches": 1, "row_chunk": 64, "sde_steps": 8, "ode_steps": 2,
+         "ode_few_steps": 1, "eval_samples": 1}
 
 
 def run_seed(seed: int, args: argparse.Namespace) -> dict:
+    """One seed's SFT, ADPO and held-out evaluations (module docstring), with their seconds."""
     import torch
 
     torch.set_num_threads(1)
@@ -43,7 +51,8 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
     losses = train_denoiser(model, encode_prompts(tok, rep, args.prompt_len), demos, args.sft_steps, args.sft_batch,
                             args.sft_lr, seed, sched)
     sft_seconds = time.perf_counter() - t0
-    print(f"[seed {seed}] SFT {args.sft_steps} steps in {sft_seconds:.0f}s, final loss {sum(losses[-100:]) / 100:.4f}; "
+    final_loss = sum(losses[-100:]) / len(losses[-100:])  # the last 100 steps' mean (all of them when fewer)
+    print(f"[seed {seed}] SFT {args.sft_steps} steps in {sft_seconds:.0f}s, final loss {final_loss:.4f}; "
           f"demo success {demo_success:.3f}", flush=True)
 
     samplers = {"sde": (args.sde_steps, 1.0, 1), "ode": (args.ode_steps, 0.0, 1), "ode_dpm2": (args.ode_steps, 0.0, 2),
@@ -83,12 +92,13 @@ def run_seed(seed: int, args: argparse.Namespace) -> dict:
     print(f"[seed {seed}] ADPO held-out success: " + ", ".join(f"{k} {v['success']:.3f}" for k, v in adpo_eval.items()),
           flush=True)
     return {"seed": seed, "demo_success": demo_success, "sft": sft_eval, "adpo": adpo_eval, "curve": curve,
-            "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_final_loss": sum(losses[-100:]) / 100,
-            "samples_trained": args.iterations * args.prompts_per_iter * args.group_size}
+            "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_final_loss": final_loss,
+            "samples_trained": args.iterations * args.prompts_per_iter * args.group_size,
+            "updates": len(curve), "rows_trained": sum(p["rows"] for p in curve)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=16)
@@ -111,7 +121,10 @@ def main() -> None:
     ap.add_argument("--ode-steps", type=int, default=25)
     ap.add_argument("--ode-few-steps", type=int, default=10)
     ap.add_argument("--eval-samples", type=int, default=32, help="samples per held-out prompt")
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/NAME.json)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     if args.ode_steps * 4 > args.sde_steps:
         ap.error(f"--ode-steps ({args.ode_steps}) must be <= --sde-steps / 4 ({args.sde_steps / 4:g})")
     t0 = time.perf_counter()
@@ -141,8 +154,16 @@ def main() -> None:
         "demo_success": sum(p["demo_success"] for p in per_seed) / n,
         "eval_samples": per_seed[0]["sft"]["sde"]["samples"],
         "seeds": args.seeds, "seconds": time.perf_counter() - t0, "config": vars(args), "per_seed": per_seed,
+        "smoke": args.smoke,
     }
-    print(f"wrote {write_result('continuous', payload)}")
+    # every seed must have trained (SFT and ADPO seconds, updates, rows) before its success rates mean anything
+    check_measured("continuous", {"seeds": {str(p["seed"]): p for p in per_seed}},
+                   positive=["seeds.*.sft_seconds", "seeds.*.adpo_seconds", "seeds.*.updates", "seeds.*.rows_trained",
+                             "seeds.*.samples_trained"])
+    path = write_result("continuous", payload, args.out, positive=["seconds", "eval_samples"],
+                        present=["sft_success", "adpo_success", "ode_success", "ode_dpm2_success", "ode_few_success",
+                                 "ode_many_success", "demo_success"])
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

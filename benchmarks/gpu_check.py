@@ -25,8 +25,10 @@ sharing the GPU, against one process doing rollout -> update in turn. Random wei
 so ``update.skip_zero_variance=false`` makes every batch cost a full update and the collapse guard
 is off (the throughput is real; the pass@1 is not a result).
 
-``--cpu`` runs the same code at toy sizes (a test does, so the script cannot rot unseen).
-Run: python -m benchmarks.gpu_check [--cpu] [--batch 64] [--out FILE] [--async-8b]
+``--cpu`` runs the same code at toy sizes (a test does, so the script cannot rot unseen);
+``--smoke`` is ``--cpu`` at smaller ones still (batch 2, prompt 16, one block of 8, 2 reference steps),
+on the CPU whatever the machine has, writing gpu_check_smoke.json unless ``--out`` names a file.
+Run: python -m benchmarks.gpu_check [--cpu] [--smoke] [--batch 64] [--out FILE] [--async-8b]
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.harness import synthetic_batch
+from benchmarks.harness import add_smoke, check_measured, synthetic_batch, write_result
 from benchmarks.llada_reference import reference_generate
 from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.models.families import SPECS
@@ -56,6 +58,9 @@ SHAPES = {
 }
 TOY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
        "intermediate_size": 128, "head_dim": 16}
+# (batch, completion, block, reference steps timed at batch 1, at ``batch``, prompt tokens): --smoke's
+# (one block; --cpu's are 4, 64, --block, 8, 4, 64)
+SMOKE_SIZES = (2, 8, 8, 2, 2, 16)
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype, toy: bool) -> tuple[HFDiffusion, HFTokenizer]:
@@ -86,12 +91,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def rollouts(model, tok, device, batch: int, completion: int, block: int, cache: str, ref_steps: int) -> dict:
-    """Reference tokens/s over its first steps against a whole Miles rollout (NSD + ``cache``); a
-    block-causal model (SDAR) decodes on its own attention blocks, in both."""
+def rollouts(model, tok, device, batch: int, completion: int, block: int, cache: str, ref_steps: int,
+             prompt_len: int = 64) -> dict:
+    """Reference tokens/s over its first steps against a whole Miles rollout (NSD + ``cache``) after
+    ``prompt_len`` prompt tokens; a block-causal model (SDAR) decodes on its own attention blocks, in both."""
     grid = attention_grid(model)
     block = grid or block
-    prompt = torch.randint(200, 100_000, (batch, 64), generator=torch.Generator().manual_seed(batch)).to(device)
+    prompt = torch.randint(200, 100_000, (batch, prompt_len), generator=torch.Generator().manual_seed(batch)).to(device)
     with torch.no_grad():
         sync(device)
         t0 = time.perf_counter()
@@ -112,7 +118,7 @@ def rollouts(model, tok, device, batch: int, completion: int, block: int, cache:
             "miles_host_reads": reads.count, "miles_host_bytes": reads.bytes, "cache": cache}
 
 
-def updates(model, tok, device, batch: int, completion: int) -> tuple[dict, dict]:
+def updates(model, tok, device, batch: int, completion: int, prompt_len: int = 64) -> tuple[dict, dict]:
     """One ADPO update (LoRA r=64) on synthetic trajectories of 16 steps, then the same update with
     every layer recomputed in backward (``update.grad_checkpointing``): seconds and peak memory of each."""
     from miles_core.models.activations import checkpoint_layers
@@ -124,7 +130,7 @@ def updates(model, tok, device, batch: int, completion: int) -> tuple[dict, dict
     policy = add_lora(model, r=64, alpha=128)
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-5)
-    trajs = synthetic_batch(tok, batch, 64, completion, 16, seed=0)
+    trajs = synthetic_batch(tok, batch, prompt_len, completion, 16, seed=0)
     plain = one_update(policy, params, opt, tok, device, trajs, completion)
     layers = checkpoint_layers(policy)
     return plain, {**one_update(policy, params, opt, tok, device, trajs, completion), "checkpointed_layers": layers}
@@ -252,27 +258,34 @@ def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) ->
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--cpu", action="store_true", help="toy sizes on the CPU (the code path, not the figures)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--block", type=int, default=32)
-    ap.add_argument("--out", default="benchmarks/results/gpu_check.json")
+    ap.add_argument("--out", default=None, metavar="FILE",
+                    help="the result JSON (default: benchmarks/results/gpu_check.json, _smoke with --smoke)")
     ap.add_argument("--async-8b", action="store_true", help="instead: async vs sync ADPO at the LLaDA-8B shape "
                     "(writes OUT with _async before .json)")
     ap.add_argument("--workdir", default=None, help="--async-8b: where the checkpoint and the run go (default: a temp dir)")
     args = ap.parse_args(argv)
+    args.cpu = args.cpu or args.smoke   # --smoke: the --cpu path at smaller sizes, CUDA or not
     device = torch.device("cpu" if args.cpu else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: torch sees no CUDA device (use --cpu for the code path)")
     if args.async_8b:
         import tempfile
 
-        out = Path(args.out)
+        out = Path(args.out or "benchmarks/results/gpu_check.json")
         work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-gpu-async-"))
         return async_at_scale(device, args.cpu, out.with_name(out.stem + "_async.json"), work)
     dtype = torch.float32 if args.cpu else torch.bfloat16
-    batch, completion = (4, 64) if args.cpu else (args.batch, args.completion)
+    if args.smoke:
+        batch, completion, block, ref1, refb, prompt_len = SMOKE_SIZES
+    elif args.cpu:
+        batch, completion, block, ref1, refb, prompt_len = 4, 64, args.block, 8, 4, 64
+    else:
+        batch, completion, block, ref1, refb, prompt_len = args.batch, args.completion, args.block, 8, 4, 64
     t_all = time.perf_counter()
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu", "dtype": str(dtype),
                     "torch": torch.__version__, "models": {}}
@@ -280,10 +293,10 @@ def main(argv: list[str] | None = None) -> dict:
         t0 = time.perf_counter()
         model, tok = build(name, device, dtype, args.cpu)
         entry = {"parameters": sum(p.numel() for p in model.parameters()), "build_s": time.perf_counter() - t0,
-                 "rollouts": [rollouts(model, tok, device, b, completion, args.block, cache, 8 if b == 1 else 4)
-                              for b in (1, batch)]}
+                 "rollouts": [rollouts(model, tok, device, b, completion, block, cache, ref1 if b == 1 else refb,
+                                       prompt_len) for b in (1, batch)]}
         if name == "llada_8b":
-            entry["update"], entry["update_checkpointed"] = updates(model, tok, device, batch, completion)
+            entry["update"], entry["update_checkpointed"] = updates(model, tok, device, batch, completion, prompt_len)
         result["models"][name] = entry
         for r in entry["rollouts"]:
             print(f"{name} batch {r['batch']}: reference {r['reference_tokens_per_s']:.1f} tok/s, Miles "
@@ -302,10 +315,18 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"diffusion_gemma ({d['parameters'] / 1e9:.1f}B) ADPO update: {d['completions']} x {d['canvas']} canvas, "
           f"{d['steps']} steps, {d['rows']} rows, {d['seconds']:.1f}s, peak {d['peak_gib_above_weights']:.1f} GiB "
           "above the weights", flush=True)
-    result["seconds"] = time.perf_counter() - t_all
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    result["seconds"], result["smoke"] = time.perf_counter() - t_all, args.smoke
+    # each rollout must have timed tokens from both decoders (a list per model: checked keyed)
+    check_measured("gpu_check", {"rollouts": {f"{m} batch {r['batch']}": r for m, e in result["models"].items()
+                                              for r in e.get("rollouts", [])}},
+                   positive=["rollouts.*.reference_tokens_per_s", "rollouts.*.reference_steps_timed",
+                             "rollouts.*.miles_tokens_per_s", "rollouts.*.miles_seconds", "rollouts.*.miles_nfe_mean"])
+    out = write_result("gpu_check", result, args.out, positive=[
+        "seconds", "models.*.parameters", *(f"models.{k}.{m}" for k in ("llada_8b.update", "llada_8b.update_checkpointed",
+                                                                        "diffusion_gemma_5b.update")
+                                            for m in ("rows", "seconds", "lora_parameters")),
+        "models.llada_8b.update.tokens_per_s", "models.llada_8b.update_checkpointed.checkpointed_layers"],
+        present=["device", "models.llada_8b.rollouts", "models.sdar_4b.rollouts"])
     print(f"wrote {out} in {result['seconds']:.0f}s")
     return result
 

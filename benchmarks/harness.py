@@ -233,14 +233,19 @@ class MeasuredNothing(AssertionError):
     that is not a finite positive number): the run fails instead of writing a figure."""
 
 
-def _at(payload: dict[str, Any], key: str) -> Any:
+def _at(payload: Any, key: str) -> Any:
     """``payload``'s value at a dotted path (``modes.static.denoiser_calls``); ``*`` matches every
-    key of a dict, giving a list."""
+    value of a dict or item of a list, giving a flat list (``curve.*.steady``)."""
     head, _, rest = key.partition(".")
     if head == "*":
-        if not isinstance(payload, dict) or not payload:
+        items = list(payload.values()) if isinstance(payload, dict) else payload if isinstance(payload, list) else None
+        if not items:
             raise KeyError(key)
-        return [_at(v, rest) if rest else v for v in payload.values()]
+        out: list[Any] = []
+        for v in items:
+            got = _at(v, rest) if rest else v
+            out += got if rest and "*" in rest else [got]
+        return out
     if not isinstance(payload, dict) or head not in payload:
         raise KeyError(key)
     return _at(payload[head], rest) if rest else payload[head]

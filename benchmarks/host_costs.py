@@ -1,7 +1,7 @@
 """Host work per update of one learner rank, and per batch of one sampler, at the real shapes: what
 the scale model charges for the work this 2-core machine cannot show at 4,096 GPUs.
 
-    python -m benchmarks.host_costs [--points NAME ...]
+Run: python -m benchmarks.host_costs [--points NAME ...] [--smoke]
 
 A learner rank's update, before the device computes anything (the code the rank runs, on
 synthetic batches of the real shape: n completions of L tokens committed over K steps, prompts
@@ -19,6 +19,8 @@ writes its batch. Each (point, mode) runs in a fresh process, so its peak memory
 (``ru_maxrss`` above the process after imports). Seconds depend on this machine's CPU: the
 figure is for this machine class, and the scale model takes it as measured.
 Writes benchmarks/results/host_costs.json (with a least-squares fit the scale model reads).
+``--smoke``: one small point (before and after, each still in its own process) and rank 0's and a
+sampler's costs at a 1/256 LoRA, through the same functions; the fit is then of one point.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
-from benchmarks.harness import bench_args, finish
+from benchmarks.harness import bench_args, check_measured, finish
 
 REPO = Path(__file__).resolve().parents[1]
 # (B sampler batches, D ranks, n completions per batch, G group size); K steps, L and P tokens fixed below
@@ -46,6 +48,9 @@ POINTS = {
     "fit 1": (4, 1, 96, 6), "fit 2": (16, 4, 96, 6), "fit 3": (64, 16, 96, 6), "fit 4": (512, 128, 96, 6),
     "fit 5": (128, 512, 96, 6), "fit 6": (16, 16, 96, 6),
 }
+# --smoke (and scale_model's smoke, which computes its host costs here): shares of 8 and 16 trajectories
+SMOKE_POINTS = {"smoke 1": (2, 1, 8, 4), "smoke 2": (4, 2, 8, 4)}
+SMOKE_LORA = 256  # --smoke: rank 0's and the sampler's costs at 1/256 of LLaDA-8B's LoRA
 K, L, P = 128, 256, 256
 LORA_PARAMS = 32 * (4 * (4096 * 64 * 2) + 3 * (4096 + 12288) * 64)  # LLaDA-8B, r = 64 on every projection
 CHECKPOINT_EVERY = 10
@@ -140,9 +145,9 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
             "phases": t, "host_s": sum(t.values()), "peak_bytes": peak}
 
 
-def rank0_and_sampler() -> dict[str, float]:
+def rank0_and_sampler(lora_params: int = LORA_PARAMS) -> dict[str, float]:
     """Rank 0's publish (every update) and checkpoint (every ``CHECKPOINT_EVERY``), a sampler's
-    adapter load and batch write, at LLaDA-8B's LoRA size."""
+    adapter load and batch write, at ``lora_params`` (LLaDA-8B's LoRA size; smaller for --smoke)."""
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -150,7 +155,7 @@ def rank0_and_sampler() -> dict[str, float]:
 
     torch.set_num_threads(1)
     rows = 4096
-    adapter = {f"l{i}": torch.randn(rows, LORA_PARAMS // rows // 64, dtype=torch.bfloat16) for i in range(64)}
+    adapter = {f"l{i}": torch.randn(rows, max(1, lora_params // rows // 64), dtype=torch.bfloat16) for i in range(64)}
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         save_file(adapter, f"{tmp}/adapter.safetensors")
@@ -169,7 +174,7 @@ def rank0_and_sampler() -> dict[str, float]:
         write = time.perf_counter() - t0
     return {"publish_s": publish, "checkpoint_s": ckpt, "checkpoint_every": CHECKPOINT_EVERY,
             "rank0_per_update_s": publish + ckpt / CHECKPOINT_EVERY, "sampler_fetch_s": fetch,
-            "sampler_write_s": write, "sampler_per_batch_s": fetch + write, "adapter_bytes": 2 * LORA_PARAMS}
+            "sampler_write_s": write, "sampler_per_batch_s": fetch + write, "adapter_bytes": 2 * lora_params}
 
 
 def fit(points: list[dict]) -> dict[str, float]:
@@ -193,28 +198,54 @@ def host_seconds(model: dict[str, float], trajectories: float, batches: float, r
             + model["per_batch_read_s"] * read)
 
 
-def main() -> None:
+def in_fresh_process(job: Sequence[Any]) -> dict[str, Any]:
+    """:func:`one` for ``job`` (B, D, n, G, mode) in a fresh interpreter, so its peak memory is its own."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.host_costs", "--one", json.dumps(list(job))], cwd=REPO,
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"{job} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def measure(points: dict[str, tuple[int, int, int, int]], before: Sequence[str], lora_params: int = LORA_PARAMS,
+            run: Callable[[Sequence[Any]], dict[str, Any]] = in_fresh_process) -> dict[str, Any]:
+    """Every point ``after`` (and ``before`` for those named), rank 0's and a sampler's costs, and
+    the fit: what host_costs.json holds and the scale model reads. ``run`` measures one (point,
+    mode); scale_model's --smoke passes :func:`one` itself (same code, its peak memory then not its own)."""
+    measured = []
+    for name, shape in points.items():
+        for mode in (["before"] if name in before else []) + ["after"]:
+            measured.append({"point": name, **run([*shape, mode])})
+            m = measured[-1]
+            print(f"  {name} {mode}: {m['host_s']:.3f} s, {m['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+    extra = rank0_and_sampler(lora_params)
+    # what must be measured: every (point, mode)'s seconds and work, and rank 0's and the sampler's
+    check_measured("host_costs", {"points": {f"{m['point']} ({m['mode']})": m for m in measured},
+                                  "rank0_and_sampler": extra},
+                   positive=["points.*.host_s", "points.*.trajectories", "points.*.rows", "points.*.batches_read",
+                             "rank0_and_sampler.publish_s", "rank0_and_sampler.checkpoint_s",
+                             "rank0_and_sampler.sampler_fetch_s", "rank0_and_sampler.sampler_write_s"])
+    return {"points": measured, "rank0_and_sampler": extra, "fit": fit(measured),
+            "shape": {"K": K, "L": L, "P": P, "lora_params": lora_params}}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, sets=False)
     ap.add_argument("--points", nargs="+", default=list(POINTS), choices=list(POINTS))
     ap.add_argument("--before", nargs="*", default=["emulated 64 procs", "4,096 GPUs, old weak batch",
                                                      "4,096 GPUs, fixed 4,096"], help="points also measured before")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)  # one (point, mode) in this process
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.one:
         print(json.dumps(one(*json.loads(args.one))))
         return
-    measured = []
-    for name in args.points:
-        for mode in (["before"] if name in args.before else []) + ["after"]:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.host_costs", "--one",
-                                  json.dumps([*POINTS[name], mode])], cwd=REPO, capture_output=True, text=True)
-            if out.returncode:
-                raise RuntimeError(f"{name} ({mode}) failed:\n{out.stderr[-3000:]}")
-            measured.append({"point": name, **json.loads(out.stdout.strip().splitlines()[-1])})
-            m = measured[-1]
-            print(f"  {name} {mode}: {m['host_s']:.3f} s, {m['peak_bytes'] / 2**20:.0f} MiB", flush=True)
-    extra = rank0_and_sampler()
-    model = fit(measured)
+    t0 = time.perf_counter()
+    if args.smoke:  # one point of 2 ranks, before and after (two fresh processes), a small LoRA
+        points, before, lora = {"smoke 2": SMOKE_POINTS["smoke 2"]}, ["smoke 2"], LORA_PARAMS // SMOKE_LORA
+    else:
+        points, before, lora = {name: POINTS[name] for name in args.points}, args.before, LORA_PARAMS
+    result = measure(points, before, lora)
+    measured, extra, model = result["points"], result["rank0_and_sampler"], result["fit"]
     rows = [[m["point"], m["B"], m["D"], m["mode"], m["trajectories"], m["batches_read"], f"{m['host_s']:.3f}",
              f"{m['peak_bytes'] / 2**20:.0f}", " ".join(f"{k} {v:.3f}" for k, v in m["phases"].items())]
             for m in measured]
@@ -222,9 +253,12 @@ def main() -> None:
           f"{CHECKPOINT_EVERY}; a sampler per batch: adapter load {extra['sampler_fetch_s']:.2f} s + write "
           f"{extra['sampler_write_s']:.3f} s")
     print(f"fit: {model}")
-    finish("host_costs", {"points": measured, "rank0_and_sampler": extra, "fit": model,
-                          "shape": {"K": K, "L": L, "P": P, "lora_params": LORA_PARAMS}}, rows,
-           ["point", "B", "D", "mode", "traj", "read", "host s", "peak MiB", "phases (s)"], out=args.out)
+    finish("host_costs", {**result, "smoke": args.smoke, "seconds": time.perf_counter() - t0}, rows,
+           ["point", "B", "D", "mode", "traj", "read", "host s", "peak MiB", "phases (s)"], out=args.out,
+           positive=["seconds", "rank0_and_sampler.rank0_per_update_s", "rank0_and_sampler.sampler_per_batch_s",
+                     "rank0_and_sampler.adapter_bytes"],
+           present=["fit.const_s", "fit.per_trajectory_s", "fit.per_batch_in_update_s", "fit.per_batch_read_s",
+                    "points"])
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 (benchmarks/sim.py), every cost that grows with the cluster charged, and validate it out of
 sample on the emulated runs.
 
-    python -m benchmarks.host_costs && python -m benchmarks.emulate && python -m benchmarks.scale_model
+Run: python -m benchmarks.host_costs && python -m benchmarks.emulate && python -m benchmarks.scale_model [--smoke]
 
 The design as built (miles_core/asyncrl): admission (a sampler starts slot k only while
 k < (S + v + 1) B), updates on the recipe's global batch of B sampler batches, each learner rank
@@ -37,6 +37,10 @@ changes with the process count (measured rollout and update seconds, host second
 are fitted on the 4- and 16-process runs only, linearly in the process count, and the 64-process
 run is predicted from the fit: out of sample, error with its sign.
 Writes benchmarks/results/scale_model.json.
+
+``--smoke``: the same curves at 8 and 64 GPUs, sensitivity at 64, short horizons, two seeds; its
+host costs computed in this process at host_costs' smoke sizes (no results file is read, so
+nothing is validated). Seconds; not a figure.
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from benchmarks.harness import RESULTS, table, write_result
-from benchmarks.host_costs import host_seconds
+from benchmarks.harness import RESULTS, add_smoke, check_measured, table, write_result
+from benchmarks.host_costs import LORA_PARAMS, SMOKE_LORA, SMOKE_POINTS, host_seconds, measure, one
 from benchmarks.sim import Params, largest_share, shares, simulate
 from miles_core.asyncrl.placement import Placement, admitting_batch, place
 from miles_core.storage.uri import S3_CONNECTIONS
@@ -64,6 +68,8 @@ VARIANTS = {"as stated": {}, "rank spread 0": {"rank_cv": 0.0}, "rank spread 2%"
             "a store that never queues": {"put_rate": 1e9, "get_rate": 1e9}}
 STRONG_BATCH = 4_608                   # completions per update (48 sampler batches of 96)
 SEED_CLAIM = 0.946
+SMOKE = {"rollouts": 4, "seeds": 2}    # --smoke: short horizons (20 updates still), at SMOKE_GPUS
+SMOKE_GPUS = (8, 64)
 
 
 def _load(name: str) -> dict | None:
@@ -147,11 +153,11 @@ def simulate_seeds(p: Params, horizon: float, warm: float, seeds: int, hours: fl
 
 
 def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: float,
-          seeds: int) -> list[dict[str, Any]]:
-    """Weak or strong scaling over :data:`GPUS`: per point the split, the global batch, steady and
-    whole-run efficiency (mean over ``seeds``), the first bottleneck."""
+          seeds: int, sizes: tuple[int, ...] = GPUS) -> list[dict[str, Any]]:
+    """Weak or strong scaling over ``sizes`` (:data:`GPUS`): per point the split, the global batch,
+    steady and whole-run efficiency (mean over ``seeds``), the first bottleneck."""
     out = []
-    for gpus in GPUS:
+    for gpus in sizes:
         completions = min(WEAK_PER_GPU * gpus, WEAK_CAP) if kind == "weak" else STRONG_BATCH
         p, pl = configure(base, gpus, completions, costs, ROUND_DOWN if kind == "weak" else 0.0)
         warm = 8 * p.rollout_s + p.learner_start_s
@@ -217,9 +223,9 @@ def calibrate(runs: list[dict], at: int) -> dict:
     return fitted
 
 
-def validation(calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict[str, Any]]:
-    """Every emulated run predicted: from a fit on ``calibrate_on`` (out of sample for the others)."""
-    runs = (_load("emulate") or {}).get("runs", [])
+def validation(runs: list[dict], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict[str, Any]]:
+    """Every emulated run (emulate.json's ``runs``) predicted: from a fit on ``calibrate_on`` (out
+    of sample for the others)."""
     cal = [r for r in runs if r["processes"] in calibrate_on]
     out: list[dict[str, Any]] = []
     for run in runs:
@@ -235,12 +241,13 @@ def validation(calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict[str, Any]]:
     return out
 
 
-def sensitivity(base: Params, costs: dict[str, Any], rollouts: int, hours: float, seeds: int) -> list[dict[str, Any]]:
-    """Weak scaling at 4,096 GPUs with one stated assumption changed at a time (:data:`VARIANTS`;
+def sensitivity(base: Params, costs: dict[str, Any], rollouts: int, hours: float, seeds: int,
+                gpus: int = GPUS[-1]) -> list[dict[str, Any]]:
+    """Weak scaling at ``gpus`` (4,096) with one stated assumption changed at a time (:data:`VARIANTS`;
     placement is told the rank spread, so it may pick another split)."""
     out = []
     for name, change in VARIANTS.items():
-        p, pl = configure(replace(base, **change), GPUS[-1], min(WEAK_PER_GPU * GPUS[-1], WEAK_CAP), costs, ROUND_DOWN)
+        p, pl = configure(replace(base, **change), gpus, min(WEAK_PER_GPU * gpus, WEAK_CAP), costs, ROUND_DOWN)
         warm = 8 * p.rollout_s + p.learner_start_s
         r = simulate_seeds(p, warm + rollouts * p.rollout_s, warm, seeds, hours)
         out.append({"variant": name, "change": change, "samplers": p.samplers, "learner_ranks": p.learner_ranks,
@@ -259,18 +266,39 @@ def below(points: list[dict], level: float = 0.9) -> dict[str, Any] | None:
     return None
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def host_costs(smoke: bool) -> tuple[dict[str, Any], str]:
+    """The measured host costs and where they came from: host_costs.json (required for the
+    figures), or with ``smoke`` computed here by host_costs' own functions at its smoke sizes
+    (in this process: seconds, not two fresh interpreters; no earlier result is read)."""
+    if not smoke:
+        costs = _load("host_costs")
+        if costs is None:
+            raise SystemExit("benchmarks/results/host_costs.json is missing: run python -m benchmarks.host_costs "
+                             "first (the model charges the measured host work)")
+        return costs, str(RESULTS / "host_costs.json")
+    import torch
+
+    threads = torch.get_num_threads()  # one() runs on one thread, as in its own process
+    try:
+        costs = measure(SMOKE_POINTS, [], LORA_PARAMS // SMOKE_LORA, run=lambda job: one(*job))
+    finally:
+        torch.set_num_threads(threads)
+    return costs, f"computed in this process at host_costs' smoke sizes {SMOKE_POINTS}, LoRA 1/{SMOKE_LORA}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     ap.add_argument("--rollouts", type=int, default=24, help="simulated rollouts per sampler after the fill")
     ap.add_argument("--hours", type=float, default=24.0, help="the whole run's length")
     ap.add_argument("--seeds", type=int, default=3, help="simulations per point (efficiency averaged)")
-    args = ap.parse_args()
-    costs = _load("host_costs")
-    if costs is None:
-        raise SystemExit("benchmarks/results/host_costs.json is missing: run python -m benchmarks.host_costs first "
-                         "(the model charges the measured host work)")
+    ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/NAME.json)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    sizes = SMOKE_GPUS if args.smoke else GPUS
+    costs, source = host_costs(args.smoke)
     base = llada_8b()
-    curves = {kind: curve(kind, base, costs, args.rollouts, args.hours, args.seeds) for kind in ("weak", "strong")}
+    curves = {kind: curve(kind, base, costs, args.rollouts, args.hours, args.seeds, sizes) for kind in ("weak", "strong")}
     for kind, pts in curves.items():
         print(f"\n{kind} scaling ({'32 completions per GPU, cap 131,072' if kind == 'weak' else 'global batch 4,608'})")
         print(table([[pt["gpus"], f"{pt['samplers']}:{pt['learner_ranks']}", pt["global_batch"],
@@ -281,34 +309,45 @@ def main() -> None:
                     ["GPUs", "S:D", "global batch", "host s", "steady", "seeds' range", f"{args.hours:g} h", "L idle",
                      "S idle",
                      "max stale", "dropped", "req/s", "bottleneck"]))
-    sens = sensitivity(base, costs, args.rollouts, args.hours, args.seeds)
-    print("\nweak scaling at 4,096 GPUs, one stated assumption changed at a time")
+    sens = sensitivity(base, costs, args.rollouts, args.hours, args.seeds, sizes[-1])
+    print(f"\nweak scaling at {sizes[-1]:,} GPUs, one stated assumption changed at a time")
     print(table([[s["variant"], f"{s['samplers']}:{s['learner_ranks']}", s["global_batch"], f"{s['steady']:.3f}",
                   f"{s['steady_range'][0]:.3f}-{s['steady_range'][1]:.3f}", f"{s['whole_run']:.3f}", s["dropped"],
                   s["bottleneck"]] for s in sens],
                 ["variant", "S:D", "global batch", "steady", "seeds' range", f"{args.hours:g} h", "dropped", "bottleneck"]))
-    val = validation()
+    val = [] if args.smoke else validation((_load("emulate") or {}).get("runs", []))
     if val:
         print()
         print(table([[v["run"], v["metric"], f"{v['predicted']:.3f}", f"{v['measured']:.3f}", f"{100 * v['error']:+.1f}%"]
                      for v in val], ["validation run", "metric", "predicted", "measured", "error"]))
     else:
-        print("\nno emulated runs in benchmarks/results/ to validate against (run python -m benchmarks.emulate)")
-    weak4096 = curves["weak"][-1]
+        print("\nno emulated runs validated against" + (" (--smoke reads no results)" if args.smoke else
+                                                          " in benchmarks/results/ (run python -m benchmarks.emulate)"))
+    top = curves["weak"][-1]
     drop = below(curves["strong"])
-    print(f"\nweak scaling at 4,096 GPUs (llada_8b, global batch {weak4096['global_batch']:,}): steady "
-          f"{weak4096['steady']:.3f}, whole {args.hours:g} h run {weak4096['whole_run']:.3f} (seed's claim {SEED_CLAIM})")
+    print(f"\nweak scaling at {top['gpus']:,} GPUs (llada_8b, global batch {top['global_batch']:,}): steady "
+          f"{top['steady']:.3f}, whole {args.hours:g} h run {top['whole_run']:.3f} (seed's claim at 4,096: {SEED_CLAIM})")
     print("strong scaling (4,608 completions): " + (f"below 0.9 from {drop['gpus']} GPUs ({drop['steady']:.3f}, "
                                                     f"{drop['bottleneck']}; the batch admits {drop['admitted_samplers']} "
-                                                    "samplers)" if drop else "never below 0.9 up to 4,096 GPUs"))
+                                                    "samplers)" if drop else f"never below 0.9 up to {sizes[-1]:,} GPUs"))
+    # every simulated point and variant must have consumed updates at a positive rate (lists: checked keyed)
+    check_measured("scale_model", {**{k: {str(pt["gpus"]): pt for pt in pts} for k, pts in curves.items()},
+                                   "sensitivity": {s["variant"]: s for s in sens}},
+                   positive=[f"{k}.*.{m}" for k in curves for m in ("steady", "whole_run", "consumed", "learner_host_s",
+                                                                     "steady_completions_per_s")]
+                   + ["sensitivity.*.steady", "sensitivity.*.whole_run"])
     path = write_result("scale_model", {
         "weak": curves["weak"], "strong": curves["strong"], "validation": val, "sensitivity_4096": sens,
         "strong_below_0_9_at": drop["gpus"] if drop else None,
         "inputs": {"llada_8b": {**base.__dict__, "source": f"FLOPs at {MFU:.0%} of {H200_FLOPS / 1e12:.0f} TFLOP/s"},
                    "host_costs": costs["fit"], "rank0_and_sampler": costs["rank0_and_sampler"],
+                   "host_costs_source": source, "gpus": list(sizes),
                    "weak": {"per_gpu": WEAK_PER_GPU, "cap": WEAK_CAP}, "strong": STRONG_BATCH, "hours": args.hours,
-                   "admitting_batch_4096": admitting_batch(weak4096["samplers"], base.max_staleness)},
-        "seed_claim_4096": SEED_CLAIM})
+                   "admitting_batch_4096": admitting_batch(top["samplers"], base.max_staleness)},
+        "seed_claim_4096": SEED_CLAIM, "settings": vars(args), "smoke": args.smoke}, args.out,
+        positive=["inputs.llada_8b.rollout_s", "inputs.llada_8b.update_s", "inputs.rank0_and_sampler.rank0_per_update_s",
+                  "inputs.rank0_and_sampler.sampler_per_batch_s", "inputs.hours"],
+        present=["validation", "strong_below_0_9_at", "inputs.host_costs.const_s", "inputs.host_costs.per_trajectory_s"])
     print(f"wrote {path}")
 
 

@@ -25,7 +25,10 @@ efficiency_2 = throughput(2) / (2 * throughput(1)), from the median throughputs.
 tell causes apart: work per CPU-second (2 procs / 1 proc: the cost of scaling out itself, e.g.
 communication) and the share of the cores obtained (CPU seconds / wall seconds, 2 procs / (2 x 1
 proc)); efficiency_2 is about their product. Writes benchmarks/results/scaling.json.
-Run: python -m benchmarks.scaling            (about 2 minutes)
+``--smoke``: the same processes (two samplers, two torchrun ranks) on a 1-layer model of hidden 32,
+one round of one rollout and one update of 1 prompt x 2 completions of 2 steps each: start-up
+dominates, the efficiencies are not figures.
+Run: python -m benchmarks.scaling [--smoke]           (about 2 minutes; --smoke: the processes' start-up)
 """
 
 from __future__ import annotations
@@ -43,10 +46,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import table, usable_cpus, write_result
+from benchmarks.harness import add_smoke, check_measured, table, usable_cpus, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = "llama_tiny"
+# --smoke: every phase once, at the smallest shapes that still train rows on both ranks
+SMOKE = {"hidden": 32, "layers": 1, "heads": 2, "lora_r": 2, "prompts": 1, "group": 2, "steps": 2, "row_chunk": 8,
+         "rounds": 1, "rollouts": 1, "updates": 1}
 
 
 def _overrides(a: argparse.Namespace) -> list[str]:
@@ -248,6 +254,10 @@ def report(samplers: dict, learner: dict, a: argparse.Namespace) -> None:
     print(f"cores obtained, 2 procs / (2 x 1 proc): sampler {share['sampler']:.3f}, learner {share['learner']:.3f} "
           f"(below 1: other processes held the cores)")
     target = 0.90
+    # what must have been measured: both phases' throughputs and the work in them (dicts keyed by process count)
+    check_measured("scaling", {"samplers": samplers, "learner": learner},
+                   positive=["samplers.*.completions_per_s", "samplers.*.completions_per_cpu_s",
+                             "learner.*.rows_per_s", "learner.*.rows_per_update", "learner.*.update_s_median"])
     print(f"target efficiency >= {target}: sampler {'meets' if s_eff >= target else 'below'} ({s_eff:.3f}), "
           f"learner {'meets' if l_eff >= target else 'below'} ({l_eff:.3f}); cpus={usable_cpus()}, "
           f"load average now {os.getloadavg()[0]:.2f}")
@@ -261,12 +271,14 @@ def report(samplers: dict, learner: dict, a: argparse.Namespace) -> None:
         "overrides": _overrides(a),
         "method": "weak scaling, one torch thread per process, 1- and 2-process phases interleaved in "
                   "long-lived processes; efficiency = median throughput(2) / (2 * median throughput(1))",
-    })
+        "smoke": a.smoke,
+    }, positive=["sampler_efficiency_2", "learner_efficiency_2", "machine_ceiling_2", "sampler_cpu_efficiency_2",
+                 "learner_cpu_efficiency_2", "cpus"], present=["samplers", "learner", "overrides"])
     print(f"wrote {path}")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = add_smoke(argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
@@ -288,6 +300,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.learner_rank:
         learner_rank(a)
         return
+    if a.smoke:
+        vars(a).update(SMOKE)
 
     from miles_core.models.llama import init_checkpoint
 

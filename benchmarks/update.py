@@ -20,21 +20,32 @@ holds for backward (miles_core/memory.py's SavedTensorMeter: deterministic, the 
 the methods differ in), and the growth of the peak resident set over the resident set just before
 the update (Linux: the peak is reset through /proc/self/clear_refs after the model is loaded and
 one small update has warmed up; allocator caching makes it noisier).
+``--smoke``: adpo at s = 1 and 2 and adpo+ckpt, K = 4 (not chain: adpo's code with one chunk, and
+a fresh process costs seconds of imports), on a 2-layer model of hidden 32, one trajectory of 16
+tokens: still one fresh process per configuration.
 Run: python -m benchmarks.update [--ks 8 32 128 256] [--merges 1 4 16] [--ckpt-ks 8 32] [--batch 2] [--completion 256]
+[--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from benchmarks.harness import SPEED_SIZE, synthetic_batch, table, write_result
+from benchmarks.harness import SPEED_SIZE, add_smoke, check_measured, synthetic_batch, table, write_result
+
+# --smoke: adpo (s = 1, 2) and adpo+ckpt at one K, a tiny model and one short trajectory
+SMOKE = {"ks": [4], "merges": [1, 2], "chain_ks": [], "ckpt_ks": [4], "batch": 1, "prompt_len": 8, "completion": 16,
+         "chunk_tokens": 64}
+SMOKE_SIZE = {**SPEED_SIZE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8}
 
 
 def run_one(job: tuple) -> dict:
@@ -92,8 +103,23 @@ def reset_peak_rss() -> int:
     return status_kb("VmRSS")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+@contextlib.contextmanager
+def env_var(name: str, default: str) -> Iterator[None]:
+    """``name`` set to ``default`` unless already set (what the spawned workers inherit), and put
+    back as it was afterwards, so a run inside another process (the smoke test) leaves no trace."""
+    before = os.environ.get(name)
+    os.environ.setdefault(name, default)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--ks", type=int, nargs="+", default=[8, 32, 128, 256])
     ap.add_argument("--merges", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--chain-ks", type=int, nargs="+", default=[8, 32, 128],
@@ -105,19 +131,21 @@ def main() -> None:
     ap.add_argument("--completion", type=int, default=256)
     ap.add_argument("--chunk-tokens", type=int, default=4096, help="update.chunk_tokens of the Miles arm")
     ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/NAME.json)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     from miles_core.models.hf import init_tiny
 
     t_all = time.perf_counter()
     results = []
-    with tempfile.TemporaryDirectory(prefix="miles-update-") as d:
-        folder = str(init_tiny("bidir_qwen3", Path(d) / "m", seed=0, size=SPEED_SIZE))
+    # glibc maps every allocation of 64 KiB or more on its own and unmaps it when freed, so the
+    # resident set follows the live tensors instead of what the allocator keeps cached
+    with tempfile.TemporaryDirectory(prefix="miles-update-") as d, env_var("MALLOC_MMAP_THRESHOLD_", "65536"):
+        folder = str(init_tiny("bidir_qwen3", Path(d) / "m", seed=0, size=SMOKE_SIZE if args.smoke else SPEED_SIZE))
         jobs = [(folder, "adpo", k, s, vars(args)) for s in args.merges for k in args.ks if s <= k]
         jobs += [(folder, "adpo+ckpt", k, 1, vars(args)) for k in args.ckpt_ks]
         jobs += [(folder, "chain", k, 1, vars(args)) for k in args.chain_ks]
-        # glibc maps every allocation of 64 KiB or more on its own and unmaps it when freed, so the
-        # resident set follows the live tensors instead of what the allocator keeps cached
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
         ctx = mp.get_context("spawn")
         for job in jobs:  # one at a time: each owns the CPUs and its own peak memory
             with ctx.Pool(1) as pool:
@@ -130,7 +158,7 @@ def main() -> None:
     adpo1 = [r for r in results if r["arm"] == "adpo" and r["s"] == 1]
     flat = max(r["saved_mb"] for r in adpo1) / max(min(r["saved_mb"] for r in adpo1), 1e-9) if adpo1 else float("nan")
     payload = {"results": results, "settings": vars(args), "adpo_s1_peak_ratio_max_over_min": flat,
-               "seconds": time.perf_counter() - t_all}
+               "seconds": time.perf_counter() - t_all, "smoke": args.smoke}
     print(f"ADPO (s=1) peak saved-for-backward memory, largest over smallest across K: {flat:.2f}x")
     for r in results:
         plain = next((a for a in adpo1 if a["K"] == r["K"]), None)
@@ -138,7 +166,12 @@ def main() -> None:
             r["vs_adpo"] = {"saved": r["saved_mb"] / plain["saved_mb"], "tokens_per_s": r["tokens_per_s"] / plain["tokens_per_s"]}
             print(f"gradient checkpointing at K={r['K']}: saved-for-backward {r['vs_adpo']['saved']:.2f}x, "
                   f"tokens/s {r['vs_adpo']['tokens_per_s']:.2f}x of plain ADPO")
-    print(f"wrote {write_result('update', payload)} in {payload['seconds']:.0f}s")
+    # every configuration must have updated: its rows, time and memory saved for backward (a list: checked keyed)
+    check_measured("update", {"runs": {f"{r['arm']} K={r['K']} s={r['s']}": r for r in results}},
+                   positive=["runs.*.rows", "runs.*.seconds", "runs.*.tokens_per_s", "runs.*.saved_mb"])
+    path = write_result("update", payload, args.out, positive=["adpo_s1_peak_ratio_max_over_min", "seconds"],
+                        present=["results", "settings"])
+    print(f"wrote {path} in {payload['seconds']:.0f}s")
 
 
 if __name__ == "__main__":

@@ -165,3 +165,30 @@ def test_an_arm_trains_through_the_run_a_user_trains(tmp_path: Path, monkeypatch
     # from 0.9 to the threshold 0.5 by half the run's 5 updates, then 0.5 (evaluation samples after)
     assert thresholds[:5] == pytest.approx([0.9, 0.7, 0.5, 0.5, 0.5])
     assert out["completions"] == 5 * 8 and 0.0 <= out["pass1"] <= 1.0
+
+
+def test_check_measured_refuses_a_result_that_measured_nothing(tmp_path, monkeypatch) -> None:
+    """Dotted paths with ``*`` over dicts and lists; a 0, NaN, bool, string or missing key fails
+    and nothing is written; a smoke payload goes to NAME_smoke.json in $MILES_BENCH_RESULTS."""
+    import math
+
+    from benchmarks.harness import MeasuredNothing, check_measured, write_result
+
+    good = {"modes": {"a": {"calls": 3}, "b": {"calls": 1.5}}, "curve": [{"eff": 0.9}, {"eff": 0.8}], "p": 0.0}
+    check_measured("x", good, positive=["modes.*.calls", "curve.*.eff"], present=["p"])
+    for bad, path in (({**good, "modes": {"a": {"calls": 0}}}, "modes.*.calls"),
+                      ({**good, "curve": [{"eff": math.nan}]}, "curve.*.eff"),
+                      ({**good, "curve": [{"eff": True}]}, "curve.*.eff"),
+                      ({**good, "curve": [{"eff": "1"}]}, "curve.*.eff"),
+                      ({**good, "curve": []}, "curve.*.eff"),
+                      ({**good, "modes": {}}, "modes.*.calls")):
+        with pytest.raises(MeasuredNothing, match="benchmarks.x"):
+            check_measured("x", bad, positive=[path])
+    with pytest.raises(MeasuredNothing, match="no 'q'"):
+        check_measured("x", good, present=["q"])
+    monkeypatch.setenv("MILES_BENCH_RESULTS", str(tmp_path))
+    with pytest.raises(MeasuredNothing):
+        write_result("x", {**good, "smoke": True}, positive=["p"])
+    assert not list(tmp_path.iterdir())
+    assert write_result("x", {**good, "smoke": True}, positive=["modes.*.calls"]) == tmp_path / "x_smoke.json"
+    assert write_result("x", good) == tmp_path / "x.json"
