@@ -252,6 +252,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if advice:
             print(f"miles: {advice}", file=sys.stderr)
         return EXIT_RUN_FAILED
+    except BaseException as e:  # not an Exception: Prefect's TerminationSignal: a SIGTERM while a flow ran
+        import tracking
+
+        if not tracking.stopped(e) or isinstance(e, SystemExit):
+            raise
+        print("miles: stopped by SIGTERM; the run is marked KILLED (resume it with --resume)", file=sys.stderr)
+        return 128 + signal.SIGTERM
 
 
 if __name__ == "__main__":

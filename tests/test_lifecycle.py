@@ -157,6 +157,37 @@ def test_kill_9_then_resume_marks_the_dead_run_and_continues_the_same_mlflow_run
     assert state.stdout.strip() == "CRASHED", state.stdout + state.stderr[-2000:]
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_and_sigint_end_the_run_killed(sig: int, tmp_path: Path) -> None:
+    """A scheduler's SIGTERM (Kubernetes, ``kill``) to the CLI mid-flow ends the MLflow run KILLED,
+    as Ctrl-C does, not FAILED: during a flow Prefect's engine raises its own TerminationSignal for
+    SIGTERM, and the run's context manager counts it as a stop. The CLI says so and exits 128 + N."""
+    env, run_dir = _env(tmp_path), tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "sft", "tiny", "--run-dir", str(run_dir), "--no-progress",
+                             "sft.steps=100000", "sft.eval_every=100000"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        rec = run_dir / session.RECORD
+        while time.monotonic() < deadline and proc.poll() is None:
+            if rec.exists() and json.loads(rec.read_text()).get("mlflow_run_id"):
+                break
+            time.sleep(0.5)
+        time.sleep(3)  # inside the training loop
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        proc.send_signal(sig)
+        rc = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+        proc.wait()
+    err = proc.stderr.read().decode()
+    assert rc in (128 + sig, 130), (rc, err[-3000:])
+    tracking.configure(env["MLFLOW_TRACKING_URI"])
+    run_id = json.loads((run_dir / session.RECORD).read_text())["mlflow_run_id"]
+    assert MlflowClient().get_run(run_id).info.status == "KILLED", err[-3000:]
+
+
 def test_corrupted_checkpoints_and_adapters_fail_naming_the_file(tmp_path: Path) -> None:
     """The sha256 recorded when Miles wrote a tensor file is checked when it is read back: a changed
     or truncated file is an error naming the file, not safetensors' bare "invalid header length"."""

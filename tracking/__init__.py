@@ -195,13 +195,19 @@ def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
         run_id = start_run(experiment, run_name, params, tags)
     try:
         yield run_id
-    except (KeyboardInterrupt, SystemExit):
-        end_run(run_id, "KILLED")
-        raise
-    except BaseException:
-        end_run(run_id, "FAILED")
+    except BaseException as e:
+        end_run(run_id, "KILLED" if stopped(e) else "FAILED")
         raise
     end_run(run_id, "FINISHED")
+
+
+def stopped(e: BaseException) -> bool:
+    """Whether ``e`` is a stop from outside (the run ends KILLED), not a failure: Ctrl-C, SystemExit
+    (the CLI's own SIGTERM handler) and Prefect's ``TerminationSignal``, which the flow engine raises
+    for a SIGTERM while a flow runs (its handler replaces the CLI's; Kubernetes and schedulers stop
+    jobs so). Matched by name so this package does not import Prefect."""
+    return isinstance(e, (KeyboardInterrupt, SystemExit)) or any(
+        c.__name__ == "TerminationSignal" and c.__module__.startswith("prefect") for c in type(e).__mro__)
 
 
 def log_params(run_id: str, params: Mapping[str, Any]) -> None:
