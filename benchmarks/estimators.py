@@ -23,8 +23,10 @@ peak bytes of autograd-saved tensors in one update, wall-clock of the updates, p
 against ADPO.
 Each (seed, arm) result is kept in ``seed{N}/arms/`` beside the SFT checkpoint and reused while the
 arm's config and the SFT weights match: a stopped table resumes.
+``--smoke``: seed 0, the SFT, ADPO and mean-field arms (every one-pass estimator still measured by
+:func:`matched_draws`) from a 3-step SFT, 2 iterations of 4 x 4 completions, 8 problems (not a figure).
 Writes benchmarks/results/estimators.json (estimators_RECIPE.json for ``--recipe`` other than arith).
-Run: python -m benchmarks.estimators [--checkpoint DIR] [--seeds 0 1 2 3] [--recipe countdown --set ...]
+Run: python -m benchmarks.estimators [--checkpoint DIR] [--seeds 0 1 2 3] [--recipe countdown --set ...] [--smoke]
 """
 
 from __future__ import annotations
@@ -61,6 +63,13 @@ DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300", "task.
                                  "eval.num_problems=1700"]
 DETECT_GAIN = 0.015  # the smallest gap the table must rank
 FLOP_EVERY = 10
+# --smoke: the same table at tiny sizes, after DEFAULT_OVERRIDES. Two iterations: the first one's update
+# is FLOP-counted, the second's peak memory measured; one SFT validation (its last step) picks the
+# checkpoint. Every row is kept in the update, so a 3-step SFT policy (no reward spread needed) is
+# updated and every probe of matched_draws measures FLOPs.
+SMOKE_SET = ["sft.steps=3", "sft.eval_every=3", "task.num_val=8", "task.num_test=8", "eval.num_problems=8",
+             "train.iterations=2", "train.prompts_per_iter=4", "train.group_size=4", "update.skip_zero_variance=false"]
+SMOKE = {"seeds": [0], "estimators": ["adpo", "meanfield"]}
 
 
 def arm_overrides(cfg, estimator: str, draws: dict[str, float] | None = None) -> list[str]:
@@ -242,12 +251,14 @@ def run_arm(job: tuple[int, str], overrides: list[str], out: str, sft_dir: str |
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=(0, 1), checkpoint=True, workdir=True)
     ap.add_argument("--recipe", default="arith", help="a built-in recipe (arith; countdown needs a larger model)")
     ap.add_argument("--estimators", nargs="+", default=list(ESTIMATORS), choices=ESTIMATORS + DIAGNOSTIC,
                     help=f"arms (default: all but the diagnostic {', '.join(DIAGNOSTIC)}); adpo is always run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE, set=SMOKE_SET + args.set)
     if "adpo" not in args.estimators:  # every arm is tested against it
         args.estimators = ["adpo", *args.estimators]
     overrides = DEFAULT_OVERRIDES + args.set
@@ -296,10 +307,17 @@ def main() -> None:
           f"{DETECT_GAIN:.3f} at p < 0.05 with power 0.8; this run has {problems}")
     payload = {"estimators": out, "power": power, "recipe": args.recipe, "seeds": args.seeds, "overrides": overrides,
                "seconds": time.perf_counter() - t0, "eval_config": per_seed[0]["results"]["adpo"]["eval_config"],
-               "sft_dir": args.checkpoint, "matched_draws": matched}
+               "sft_dir": args.checkpoint, "matched_draws": matched, "smoke": args.smoke,
+               # what each trained arm measured, keyed by name (the checks below name them)
+               "measured": {e["name"]: {k: e[k] for k in ("pass1", "samples", "update_flops", "flops_per_trajectory",
+                                                          "peak_mem_bytes", "update_seconds")}
+                            for e in out if e["name"] != "sft"}}
     finish("estimators" if args.recipe == "arith" else f"estimators_{args.recipe}", payload, rows,
            ["estimator", "pass@1", "mask draws", "update FLOPs", "FLOPs / kept traj", "peak saved MiB",
-            "update s", "won/lost vs adpo", "p vs adpo"], args.out)
+            "update s", "won/lost vs adpo", "p vs adpo"], args.out,
+           positive=["matched_draws.flops.*", "matched_draws.draws.*"]
+           + [f"measured.*.{k}" for k in ("samples", "update_flops", "flops_per_trajectory", "peak_mem_bytes", "update_seconds")],
+           present=["measured.adpo.pass1", "measured.*.pass1", "power.discordance"])
 
 
 if __name__ == "__main__":

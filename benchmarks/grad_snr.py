@@ -34,17 +34,24 @@ of that chain's expected reward, measured on that chain.
 Needs the SFT checkpoints the other benchmarks keep: ``--masked DIR`` (``benchmarks.estimators
 --checkpoint DIR``, seed{N}/sft) and ``--dgemma DIR`` (``benchmarks.diffusion_gemma --workdir DIR``,
 seed{N}/sft). Writes benchmarks/results/grad_snr.json.
-Run: python -m benchmarks.grad_snr --masked /tmp/est43 --dgemma /tmp/dg43 [--seeds 0 1] [--batches 24] [--arms ...]
+
+``--smoke``: the masked arm on seed 0, 2 batches, the reward along the mean on 1 batch, from a 3-step
+SFT trained in a temporary folder unless ``--masked DIR`` (not a figure). The DiffusionGemma arms
+are left out unless named with ``--arms`` and ``--dgemma DIR``: an untrained DiffusionGemma's batches
+rarely hold a reward spread (so its gradients are mostly 0), and the ~200 SFT steps that make one
+likely take longer than the whole smoke run.
+Run: python -m benchmarks.grad_snr --masked /tmp/est43 --dgemma /tmp/dg43 [--seeds 0 1] [--batches 24] [--arms ...] [--smoke]
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import bench_args, finish, over_seeds
+from benchmarks.harness import MeasuredNothing, bench_args, finish, over_seeds, sft_checkpoint
 
 STEPS = (0.0, 0.25, 0.5, 1.0, 2.0)   # in lengths of one Adam step at lr 1e-3 (1e-3 sqrt(P))
 # every position accepted at every step and no early stop: acceptance and the step count no longer
@@ -60,6 +67,10 @@ DGEMMA_ARMS = {"DiffusionGemma ADPO": {},
                "DiffusionGemma REINFORCE, every path sampled": {"chain": True, "every_path": True}}
 ARMS = ("masked ADPO", *DGEMMA_ARMS)
 MASKED_OVERRIDES = ["sft.steps=6000", "train.iterations=300", "update.num_minibatches=1", "update.max_grad_norm=1e9"]
+# --smoke: the masked arm at tiny sizes; its SFT checkpoint (3 steps) trained in a temporary folder
+SMOKE = {"seeds": [0], "batches": 2, "eval_batches": 1}
+SMOKE_ARMS = ["masked ADPO"]   # unless --arms names others
+SMOKE_SFT = ["sft.steps=3", "task.num_val=8", "task.num_test=8"]
 
 
 def _tap(params: list):
@@ -86,11 +97,14 @@ def snr(grads: list) -> dict[str, float]:
     m = g.shape[0]
     mean = g.mean(0)
     var = float(((g - mean) ** 2).sum(1).sum() / (m - 1))
+    if not var > 0:  # every batch's gradient the same (all zero: no batch had a reward spread)
+        raise MeasuredNothing(f"benchmarks.grad_snr: the {m} batch gradients are identical (norm "
+                              f"{float(g.norm(dim=1).mean()):.3g}): no gradient noise to measure")
     unit = g / g.norm(dim=1, keepdim=True).clamp_min(1e-30)
     cos = unit @ unit.T
     pairs = float((cos.sum() - cos.diagonal().sum()) / (m * (m - 1)))
     return {"cosine": pairs, "snr": (float(mean @ mean) - var / m) / var, "batches": m,
-            "grad_norm": float(g.norm(dim=1).mean())}
+            "grad_norm": float(g.norm(dim=1).mean()), "variance": var}
 
 
 def along(params: list, direction, reward_at) -> list[dict]:
@@ -242,25 +256,42 @@ def run(job: tuple[str, int], args: dict) -> dict:
     return {"arm": arm, "seed": seed, **out, "seconds": time.perf_counter() - t0}
 
 
-def main() -> None:
+def smoke_masked(folder: Path, seeds: list[int]) -> str:
+    """``--smoke`` without ``--masked``: each seed's masked SFT checkpoint, 3 steps, trained in
+    ``folder/seed{N}/sft`` the way ``benchmarks.estimators`` trains its own (``sft_checkpoint``)."""
+    from miles_core.config import load_recipe
+
+    for seed in seeds:
+        cfg = load_recipe("arith", MASKED_OVERRIDES + SMOKE_SFT + [f"sft.seed={seed}", f"train.seed={seed}"])
+        sft_checkpoint(cfg, seed, folder, validate=False)
+    return str(folder)
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=(0, 1), sets=False)
     ap.add_argument("--masked", metavar="DIR", help="benchmarks.estimators' --checkpoint folder (the masked arm)")
     ap.add_argument("--dgemma", metavar="DIR", help="benchmarks.diffusion_gemma's --workdir folder (its arms)")
     ap.add_argument("--batches", type=int, default=24, help="independent batches per model and seed")
     ap.add_argument("--eval-batches", type=int, default=8, help="batches (of 128) the reward is measured on")
     ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="which gradients (default: all)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE, arms=SMOKE_ARMS if args.arms == list(ARMS) else args.arms)
     arms = args.arms
-    for flag, needed in (("masked", "masked ADPO" in arms), ("dgemma", any(a != "masked ADPO" for a in arms))):
+    for flag, needed in (("masked", "masked ADPO" in arms and not args.smoke),   # smoke: trained here
+                         ("dgemma", any(a != "masked ADPO" for a in arms))):
         if needed and getattr(args, flag) is None:
             ap.error(f"--{flag} DIR is needed for the arms {arms}")
     jobs = [(arm, seed) for arm in arms for seed in args.seeds]
-    runs = over_seeds(run, jobs, vars(args))
+    with tempfile.TemporaryDirectory(prefix="miles-grad_snr-") as tmp:
+        if args.smoke and args.masked is None and "masked ADPO" in arms:
+            args.masked = smoke_masked(Path(tmp) / "masked", args.seeds)
+        runs = over_seeds(run, jobs, vars(args))
     rows, out = [], []
     for arm in arms:
         got = [r for r in runs if r["arm"] == arm]
-        entry = {"arm": arm, "cosine": sum(r["cosine"] for r in got) / len(got),
-                 "snr": sum(r["snr"] for r in got) / len(got), "per_seed": got}
+        entry = {"arm": arm, **{k: sum(r[k] for r in got) / len(got) for k in ("cosine", "snr", "grad_norm", "variance")},
+                 "per_seed": got}
         # reward change along the mean update, averaged over seeds, at each step length
         gain = [sum(r["along"][i]["reward"] - r["along"][0]["reward"] for r in got) / len(got) for i in range(len(STEPS))]
         entry["reward_gain_along_mean_update"] = dict(zip([str(k) for k in STEPS], gain))
@@ -276,10 +307,16 @@ def main() -> None:
             rows.append(["  (its argmax output)", "", "", "", "",
                          f"{sum(r['along_argmax'][0]['reward'] for r in got) / len(got):.4f}",
                          " ".join(f"{g:+.4f}" for g in ga[1:])])
-    finish("grad_snr", {"arms": out, "seeds": args.seeds, "batches": args.batches, "eval_batches": args.eval_batches,
-                        "steps": STEPS}, rows,
+    # what each arm measured, keyed by arm (the checks below name them; arms is a list)
+    measured = {e["arm"]: {"gradients": sum(r["batches"] for r in e["per_seed"]), "grad_norm": e["grad_norm"],
+                           "variance": e["variance"], "cosine": e["cosine"], "snr": e["snr"],
+                           "reward_gain": e["reward_gain_along_mean_update"]} for e in out}
+    finish("grad_snr", {"arms": out, "measured": measured, "seeds": args.seeds, "batches": args.batches,
+                        "eval_batches": args.eval_batches, "steps": STEPS, "smoke": args.smoke}, rows,
            ["gradient", "cosine per seed", "cosine", "SNR per seed", "SNR", "reward at SFT",
-            f"reward change at {', '.join(f'{k:g}' for k in STEPS[1:])} Adam steps"], args.out)
+            f"reward change at {', '.join(f'{k:g}' for k in STEPS[1:])} Adam steps"], args.out,
+           positive=["measured.*.gradients", "measured.*.grad_norm", "measured.*.variance"],
+           present=["measured.*.cosine", "measured.*.snr", "measured.*.reward_gain"])
 
 
 if __name__ == "__main__":

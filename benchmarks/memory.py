@@ -11,7 +11,7 @@ backward, counted through ``torch.autograd.graph.saved_tensors_hooks``: each dis
 once, freed when the graph that saved it is freed, parameters excluded (they are resident
 whatever the method). This is the activation memory that differs between the methods, and it is
 deterministic, unlike RSS on a shared machine. Writes benchmarks/results/memory.json.
-Run: python -m benchmarks.memory
+Run: python -m benchmarks.memory [--ks 8 16 32 64] [--smoke]
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ import time
 
 import torch
 
-from benchmarks.harness import table, write_result
+from benchmarks.harness import add_smoke, table, write_result
 from miles_core.memory import SavedTensorMeter
 
 KS = (8, 16, 32, 64)
+# --smoke: the same two measurements at two small K and a handful of trajectories (seconds)
+SMOKE = {"ks": [4, 8], "continuous_trajectories": 16, "discrete_sequences": 2}
 
 
 def continuous_peaks(ks: tuple[int, ...], n_traj: int, row_chunk: int, seed: int) -> dict[str, dict[int, int]]:
@@ -113,43 +115,53 @@ def discrete_peaks(ks: tuple[int, ...], n_seq: int, row_chunk: int, seed: int) -
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ks", type=int, nargs="+", default=list(KS), help="denoising steps K (the ratios: last / first)")
     ap.add_argument("--continuous-trajectories", type=int, default=64)
     ap.add_argument("--continuous-row-chunk", type=int, default=256)
     ap.add_argument("--discrete-sequences", type=int, default=8)
     ap.add_argument("--discrete-row-chunk", type=int, default=16)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/memory.json)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
+    ks = tuple(args.ks)
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    cont = continuous_peaks(KS, args.continuous_trajectories, args.continuous_row_chunk, args.seed)
-    disc = discrete_peaks(KS, args.discrete_sequences, args.discrete_row_chunk, args.seed)
+    cont = continuous_peaks(ks, args.continuous_trajectories, args.continuous_row_chunk, args.seed)
+    disc = discrete_peaks(ks, args.discrete_sequences, args.discrete_row_chunk, args.seed)
     mib = lambda b: b / 2**20  # noqa: E731
     rows = [[name, k, mib(res["adpo"][k]), mib(res["chain"][k]), res["chain"][k] / res["adpo"][k]]
-            for name, res in (("continuous", cont), ("discrete", disc)) for k in KS]
+            for name, res in (("continuous", cont), ("discrete", disc)) for k in ks]
     print(table(rows, ["model", "K", "adpo_MiB", "chain_MiB", "chain/adpo"]))
-    ratio = lambda res, m: res[m][KS[-1]] / res[m][KS[0]]  # noqa: E731
+    ratio = lambda res, m: res[m][ks[-1]] / res[m][ks[0]]  # noqa: E731
+    tag = f"{ks[-1]}_{ks[0]}"  # 64_8 at the default K
     payload = {
         "metric": "peak bytes of autograd-saved tensors during one policy update (storage-deduplicated, params excluded)",
-        "ks": list(KS),
-        "adpo_ratio_64_8": ratio(disc, "adpo"),
-        "chain_ratio_64_8": ratio(disc, "chain"),
-        "continuous_adpo_ratio_64_8": ratio(cont, "adpo"),
-        "continuous_chain_ratio_64_8": ratio(cont, "chain"),
-        "discrete": {"adpo_bytes": disc["adpo"], "chain_bytes": disc["chain"], "adpo_ratio_64_8": ratio(disc, "adpo"),
-                     "chain_ratio_64_8": ratio(disc, "chain"), "sequences": args.discrete_sequences,
-                     "row_chunk": args.discrete_row_chunk, "completion_len": max(KS)},
-        "continuous": {"adpo_bytes": cont["adpo"], "chain_bytes": cont["chain"], "adpo_ratio_64_8": ratio(cont, "adpo"),
-                       "chain_ratio_64_8": ratio(cont, "chain"), "trajectories": args.continuous_trajectories,
+        "ks": list(ks),
+        f"adpo_ratio_{tag}": ratio(disc, "adpo"),
+        f"chain_ratio_{tag}": ratio(disc, "chain"),
+        f"continuous_adpo_ratio_{tag}": ratio(cont, "adpo"),
+        f"continuous_chain_ratio_{tag}": ratio(cont, "chain"),
+        "discrete": {"adpo_bytes": disc["adpo"], "chain_bytes": disc["chain"], f"adpo_ratio_{tag}": ratio(disc, "adpo"),
+                     f"chain_ratio_{tag}": ratio(disc, "chain"), "sequences": args.discrete_sequences,
+                     "row_chunk": args.discrete_row_chunk, "completion_len": max(ks)},
+        "continuous": {"adpo_bytes": cont["adpo"], "chain_bytes": cont["chain"], f"adpo_ratio_{tag}": ratio(cont, "adpo"),
+                       f"chain_ratio_{tag}": ratio(cont, "chain"), "trajectories": args.continuous_trajectories,
                        "row_chunk": args.continuous_row_chunk},
         "seed": args.seed,
         "seconds": time.perf_counter() - t0,
+        "smoke": args.smoke,
     }
-    print(f"ADPO peak K=64/K=8: discrete {payload['adpo_ratio_64_8']:.3f}, continuous "
-          f"{payload['continuous_adpo_ratio_64_8']:.3f}; chain baseline: discrete {payload['chain_ratio_64_8']:.2f}, "
-          f"continuous {payload['continuous_chain_ratio_64_8']:.2f}")
-    print(f"wrote {write_result('memory', payload)}")
+    print(f"ADPO peak K={ks[-1]}/K={ks[0]}: discrete {payload[f'adpo_ratio_{tag}']:.3f}, continuous "
+          f"{payload[f'continuous_adpo_ratio_{tag}']:.3f}; chain baseline: discrete {payload[f'chain_ratio_{tag}']:.2f}, "
+          f"continuous {payload[f'continuous_chain_ratio_{tag}']:.2f}")
+    # every peak is a measurement: a 0 means the meter saw no saved tensor (the update or chain never ran)
+    path = write_result("memory", payload, args.out, positive=[f"{m}.{k}_bytes.*" for m in ("discrete", "continuous")
+                                                              for k in ("adpo", "chain")])
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -12,8 +12,9 @@ objective is unchanged). Total denoiser FLOPs (sampling + update) and final pass
 eval config, over ``--seeds`` (one run is within its own noise of 2 points: a binomial SE of 2.1
 points on 500 problems alone), with the paired sign test over every (seed, problem) pair. FLOPs are
 measured with torch.utils.flop_counter. The SFT checkpoint (seed ``sft.seed``) is ``--checkpoint
-DIR``'s, trained there when absent.
-Run: python -m benchmarks.nsd [--checkpoint DIR] [--seeds 0 1 2 3] [--set key=value ...]
+DIR``'s, trained there when absent. ``--smoke``: a 3-step SFT, one NSD threshold, 8 problems, the three
+training arms for 2 iterations of 4 x 4 completions on seed 0 (seconds; not a figure).
+Run: python -m benchmarks.nsd [--checkpoint DIR] [--seeds 0 1 2 3] [--set key=value ...] [--smoke]
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ from miles_core.models.base import load_checkpoint
 from miles_core.rewards.registry import get_reward
 from miles_core.data.registry import build_task
 from miles_core.eval.evaluate import eval_config
+
+# --smoke: both parts at tiny sizes. Every row is kept in the update, so each arm of a 3-step SFT
+# policy (no reward spread needed) is updated and its update FLOPs measured.
+SMOKE_SET = ["sft.steps=3", "task.num_test=8", "eval.num_problems=8", "train.prompts_per_iter=4", "train.group_size=4",
+             "update.skip_zero_variance=false"]
+SMOKE = {"thresholds": [0.9], "problems": 8, "iterations": 2, "seeds": [0], "threads": 1}
 
 
 def sampling_part(cfg, data, ckpt: Path, thresholds: list[float], n: int) -> list[dict]:
@@ -77,7 +84,7 @@ def nsd_update(step_fraction: float) -> list[str]:
     return ["estimators.adpo.step_cover=false", "estimators.adpo.step_sampling=uncertainty", f"estimators.adpo.step_fraction={step_fraction}"]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=(0, 1, 2, 3), checkpoint=True, workdir=True)
     ap.add_argument("--thresholds", type=float, nargs="+", default=[0.5, 0.7, 0.9, 0.95])
     ap.add_argument("--train-threshold", type=float, default=0.9)
@@ -86,7 +93,9 @@ def main() -> None:
     ap.add_argument("--problems", type=int, default=500)
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--threads", type=int, default=2, help="torch threads of part 1 (state it with the figures)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE, set=SMOKE_SET + args.set)
     torch.set_num_threads(args.threads)
     t_all = time.perf_counter()
     cfg = load_recipe("arith", args.set)
@@ -134,6 +143,7 @@ def main() -> None:
         "train_static_sampler": load_recipe("arith", [*args.set, *static_s]).sampler.__dict__,
         "train_nsd_sampler": load_recipe("arith", [*args.set, *nsd_s]).sampler.__dict__, "sampling_rows": rows,
         "problems": args.problems, "overrides": args.set, "threads": args.threads, "seconds": time.perf_counter() - t_all,
+        "smoke": args.smoke,
         "eval_config": eval_config(cfg).to_dict(), "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"},
     }
     print(f"flops_reduction {payload['flops_reduction']:.3f} (pass@1 {chosen['pass1']:.3f} vs {static1['pass1']:.3f}); "
@@ -145,7 +155,12 @@ def main() -> None:
                             for name, r, t in (("static K=8, covering rows", tr_static, None),
                                                ("NSD, rows by uncertainty", tr_nsd, test),
                                                ("NSD, rows uniform (control)", tr_uniform, test_uniform))],
-           ["rollouts, update", "final pass@1", "sample GFLOP", "update GFLOP", "total GFLOP", "vs static"], args.out)
+           ["rollouts, update", "final pass@1", "sample GFLOP", "update GFLOP", "total GFLOP", "vs static"], args.out,
+           positive=["static_flops", "nsd_flops", "flops_per_forward.*"]
+           + [f"{arm}.{k}" for arm in ("train_static", "train_nsd", "train_nsd_uniform")
+              for k in ("sample_flops", "update_flops", "completions", "seconds")],
+           present=["static_pass1", "nsd_pass1", "flops_reduction", "train_flops_reduction", "train_static_pass1",
+                    "train_nsd_pass1", "train_nsd_uniform.pass1", "train_p"])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ If the two land together, the model and its training budget (not the data) limit
 amount of fresh prompts, RL's or anyone's, can add much at this size.
 
 Each arm runs in its own process with one torch thread (the two use the two cores).
-Writes benchmarks/results/sft_ceiling.json. Run: python -m benchmarks.sft_ceiling [--set KEY=VALUE]
+``--smoke``: both arms for 3 SFT steps, the larger set capped at 2000 problems, 8 problems
+evaluated (seconds; not a figure).
+Writes benchmarks/results/sft_ceiling.json. Run: python -m benchmarks.sft_ceiling [--set KEY=VALUE] [--smoke]
 """
 
 from __future__ import annotations
@@ -20,9 +22,14 @@ from pathlib import Path
 from benchmarks.harness import bench_args, finish, over_seeds, workdir
 
 DEFAULT_OVERRIDES = ["sft.steps=4000"]
+MAX_LABELS = 100_000  # the all-labels arm's cap (largest_train_split)
+# --smoke: the same two arms at tiny sizes; one validation at the last step, so each arm has a curve.
+# Finding the largest split by bisection is most of a smoke run's time uncapped (~30 s): 2000 caps it.
+SMOKE_SET = ["sft.steps=3", "sft.eval_every=3", "task.num_val=8", "task.num_test=8", "eval.num_problems=8"]
+SMOKE_MAX_LABELS = 2000
 
 
-def largest_train_split(task, start: int, exclude: list[str], cap: int = 100_000) -> list:
+def largest_train_split(task, start: int, exclude: list[str], cap: int = MAX_LABELS) -> list:
     """The most distinct train-bucket problems the task's space can supply (doubling, then
     bisecting; at most ``cap``), none of them in ``exclude`` (the validation prompts)."""
     def fits(n: int) -> bool:
@@ -42,7 +49,7 @@ def largest_train_split(task, start: int, exclude: list[str], cap: int = 100_000
     return task.split("train", lo, seed=0, exclude=exclude)
 
 
-def run_arm(all_labels: bool, recipe: str, overrides: list[str], out: str) -> dict:
+def run_arm(all_labels: bool, recipe: str, overrides: list[str], out: str, cap: int = MAX_LABELS) -> dict:
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.data.registry import build_task
@@ -52,7 +59,7 @@ def run_arm(all_labels: bool, recipe: str, overrides: list[str], out: str) -> di
     cfg = load_recipe(recipe, overrides)
     data = build_task(cfg)
     if all_labels:  # where validation is not its own bucket (code), its prompts are kept out
-        data.train = largest_train_split(data.task, cfg.task.num_train, [p.prompt for p in data.val])
+        data.train = largest_train_split(data.task, cfg.task.num_train, [p.prompt for p in data.val], cap)
     curve: list[dict] = []
 
     def on_eval(step: int, pass1: float, stats: dict) -> None:  # no patience: both arms get the same steps
@@ -66,22 +73,30 @@ def run_arm(all_labels: bool, recipe: str, overrides: list[str], out: str) -> di
     model, tok = load_checkpoint(ckpt)
     test = run_eval(model, tok, cfg, data).pass_at["pass@1"]
     return {"num_train": len(data.train), "test_pass1": test, "best_val_pass1": max(c["val_pass1"] for c in curve),
-            "curve": curve, "seconds": seconds}
+            "curve": curve, "steps": curve[-1]["step"], "seconds": seconds}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, workdir=True)
     ap.add_argument("--recipe", default="arith")
-    args = ap.parse_args()
+    ap.add_argument("--max-labels", type=int, default=MAX_LABELS, help="cap on the all-labels arm's problems")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(set=SMOKE_SET + args.set, max_labels=SMOKE_MAX_LABELS)
     overrides = DEFAULT_OVERRIDES + args.set
     t0 = time.perf_counter()
-    scarce, full = over_seeds(run_arm, [False, True], args.recipe, overrides, str(workdir(args, "ceiling")))
+    scarce, full = over_seeds(run_arm, [False, True], args.recipe, overrides, str(workdir(args, "ceiling")),
+                              args.max_labels)
     rows = [[a["num_train"], a["best_val_pass1"], a["test_pass1"], f"{a['seconds']:.0f}"] for a in (scarce, full)]
     payload = {"recipe": args.recipe, "overrides": overrides, "scarce": scarce, "all_labels": full,
                "test_gain_from_all_labels": full["test_pass1"] - scarce["test_pass1"],
-               "seconds": time.perf_counter() - t0}
+               # the arms differ only in data: an all-labels arm no larger than the scarce one compared nothing
+               "extra_labels": full["num_train"] - scarce["num_train"],
+               "seconds": time.perf_counter() - t0, "smoke": args.smoke}
     print(f"all labels - scarce labels = {payload['test_gain_from_all_labels']:+.3f} test pass@1")
-    finish("sft_ceiling", payload, rows, ["labelled problems", "best val pass@1", "test pass@1", "seconds"], args.out)
+    finish("sft_ceiling", payload, rows, ["labelled problems", "best val pass@1", "test pass@1", "seconds"], args.out,
+           positive=["extra_labels", *(f"{arm}.{k}" for arm in ("scarce", "all_labels") for k in ("num_train", "steps", "seconds"))],
+           present=["test_gain_from_all_labels", "scarce.test_pass1", "all_labels.test_pass1"])
 
 
 if __name__ == "__main__":

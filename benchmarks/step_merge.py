@@ -7,7 +7,8 @@ arm trains the same number of iterations on its own rollouts (same seed and coun
 gives final pass@1 on the held-out problems, update FLOPs (torch.utils.flop_counter) and seconds.
 One seed per arm by default: the binomial SE of pass@1 on 500 problems alone is ~2 points.
 The SFT checkpoint (seed 0) is ``--checkpoint DIR``'s, trained there when absent.
-Run: python -m benchmarks.step_merge [--merges 1 2 4] [--seeds 0] [--checkpoint DIR]
+``--smoke``: s = 1 and 2 from a 3-step SFT, 2 iterations, 8 problems (seconds; not a figure).
+Run: python -m benchmarks.step_merge [--merges 1 2 4] [--seeds 0] [--checkpoint DIR] [--smoke]
 """
 
 from __future__ import annotations
@@ -18,6 +19,12 @@ from pathlib import Path
 from benchmarks.harness import bench_args, finish, over_seeds, sft_checkpoint, train_arm, workdir
 from miles_core.config import load_recipe
 
+# --smoke: the same arms at tiny sizes. Every row is kept in the update (no reward spread is needed
+# for a 3-step SFT policy to be updated), so each arm's update FLOPs measure a real update.
+SMOKE_SET = ["sft.steps=3", "task.num_test=8", "eval.num_problems=8", "train.prompts_per_iter=4", "train.group_size=4",
+             "update.skip_zero_variance=false"]
+SMOKE = {"merges": [1, 2], "iterations": 2, "seeds": [0]}
+
 
 def _job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
     """One (s, seed) training run (``over_seeds`` runs them two at a time, one torch thread each)."""
@@ -27,11 +34,13 @@ def _job(job: tuple, overrides: list[str], ckpt: str, iterations: int) -> dict:
     return {"s": s, "seed": seed, **train_arm(cfg, Path(ckpt))}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=(0,), checkpoint=True, workdir=True)
     ap.add_argument("--merges", type=int, nargs="+", default=[1, 2, 4])
     ap.add_argument("--iterations", type=int, default=None, help="default: the recipe's train.iterations")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE, set=SMOKE_SET + args.set)
     t_all = time.perf_counter()
     cfg = load_recipe("arith", args.set)
     sft = sft_checkpoint(cfg, 0, workdir(args, "merge"), args.checkpoint, validate=False)
@@ -44,11 +53,18 @@ def main() -> None:
         rows.append({"s": s, "pass1": sum(r["pass1"] for r in mine) / n,
                      "update_gflop": sum(r["update_flops"] for r in mine) / n / 1e9,
                      "sample_gflop": sum(r["sample_flops"] for r in mine) / n / 1e9,
-                     "seconds": sum(r["seconds"] for r in mine) / n, "per_seed": mine})
-    payload = {"rows": rows, "iterations": iters, "seeds": args.seeds, "seconds": time.perf_counter() - t_all,
+                     "seconds": sum(r["seconds"] for r in mine) / n,
+                     "completions": sum(r["completions"] for r in mine) / n, "per_seed": mine})
+    # what each arm measured, keyed by s (the checks below name them; rows is a list)
+    measured = {f"s{r['s']}": {k: r[k] for k in ("pass1", "update_gflop", "sample_gflop", "seconds", "completions")}
+                for r in rows}
+    payload = {"rows": rows, "measured": measured, "iterations": iters, "seeds": args.seeds,
+               "seconds": time.perf_counter() - t_all, "smoke": args.smoke,
                "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"}}
     finish("step_merge", payload, [[r["s"], r["pass1"], r["update_gflop"], r["sample_gflop"], r["seconds"]] for r in rows],
-           ["s", "final pass@1", "update GFLOP", "sample GFLOP", "train s"], args.out)
+           ["s", "final pass@1", "update GFLOP", "sample GFLOP", "train s"], args.out,
+           positive=["measured.*.update_gflop", "measured.*.sample_gflop", "measured.*.seconds", "measured.*.completions"],
+           present=["measured.*.pass1"])
 
 
 if __name__ == "__main__":
