@@ -12,6 +12,7 @@ that trains goes through, the one a user's ``miles train`` runs (``local_run``).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import dataclasses
 import json
@@ -19,6 +20,7 @@ import math
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -72,8 +74,14 @@ def bench_args(description: str, seeds: Sequence[int] | None = None, checkpoint:
 
 
 def workdir(args: argparse.Namespace, name: str) -> Path:
-    """``--workdir``, or a fresh temporary folder named after the benchmark."""
-    return Path(getattr(args, "workdir", None) or tempfile.mkdtemp(prefix=f"miles-{name}-"))
+    """``--workdir``, or a fresh temporary folder named after the benchmark (removed at exit after
+    a smoke run: its checkpoints are of no use after)."""
+    if getattr(args, "workdir", None):
+        return Path(args.workdir)
+    path = tempfile.mkdtemp(prefix=f"miles-{name}-")
+    if getattr(args, "smoke", False):
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return Path(path)
 
 
 # ---- SFT checkpoints --------------------------------------------------------------------------
