@@ -20,7 +20,7 @@ from prefect import flow, get_run_logger
 
 from flows.params import TrainParams, cli_main, documented, validate
 from flows.sft import base_or_sft
-from miles_core.config import load_recipe
+from miles_core.config import ConfigError, load_recipe
 from miles_core.progress import Progress
 import tracking
 from flows import session
@@ -109,6 +109,13 @@ def train_flow(recipe: str = "arith", overrides: list[str] | None = None, run_di
     owner = session.claim(out)
     previous = training.existing_run(out, p.resume)
     store = p.store_uri or (previous or {}).get("store_uri") or str(out / "store")
+    if previous:  # the run as it was started, the overrides given now on top (only resumable ones)
+        named = cfg.name
+        cfg, changed = training.resumed_recipe(store, p.recipe_overrides())
+        if cfg.name != named:
+            raise ConfigError(f"cannot resume {out} as recipe {named!r}: it trains {cfg.name!r}")
+        get_run_logger().info("resume: the run's recipe as started%s", "; changed now: " + ", ".join(
+            f"{k} {a} -> {b}" for k, (a, b) in changed.items()) if changed else ", unchanged")
     base, sft = base_or_sft(p, out, p.base_checkpoint or (previous or {}).get("base_checkpoint"))
     tags = {"miles.kind": "train", "miles.recipe": p.recipe, "miles.run_dir": out, "miles.store_uri": store,
             "miles.base_checkpoint": Path(base).resolve(), "miles.sft_run_id": sft.get("mlflow_run_id", "")}

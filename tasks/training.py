@@ -36,7 +36,7 @@ from prefect import task
 from miles_core.algo.rl import rollout_stats
 from miles_core.config import RecipeConfig
 from miles_core.eval.evaluate import run_eval
-from miles_core.learner.runtime import existing_run  # noqa: F401  (the flow's check before it trains an SFT base)
+from miles_core.learner.runtime import existing_run, resumed_recipe  # noqa: F401  (the flow's checks before it trains an SFT base)
 from miles_core.learner.runtime import LearnerRun, open_step_run, read_pointer, save_local_adapter, start_step_run, write_pointer
 from tasks.common import LIGHT, SAMPLE_ROWS, STORAGE, eval_summary
 

@@ -115,8 +115,10 @@ def _env(tmp: Path) -> dict[str, str]:
 @pytest.mark.e2e
 def test_kill_9_then_resume_marks_the_dead_run_and_continues_the_same_mlflow_run(tmp_path: Path) -> None:
     """``miles train`` killed with SIGKILL after its first update: the rerun without --resume is refused
-    naming --resume; with --resume the dead flow run is marked Crashed, the MLflow run is continued
-    (one run, its update steps 1..3 each once) and ends FINISHED."""
+    naming --resume; a resume changing an evaluation setting is refused naming it; a bare ``--resume``
+    (none of the start's overrides typed again) marks the dead flow run Crashed and continues the
+    same MLflow run with the run's own recipe (its update steps 1..3 each once, not the recipe's
+    default length; one evaluation fingerprint) and ends FINISHED."""
     env, run_dir = _env(tmp_path), tmp_path / "run"
     args = [sys.executable, "-m", "miles.cli", "train", "tiny", "--run-dir", str(run_dir), "--no-progress",
             "--register-as", "", "sft.steps=5", "sft.eval_every=5", "eval.num_problems=4",
@@ -142,12 +144,18 @@ def test_kill_9_then_resume_marks_the_dead_run_and_continues_the_same_mlflow_run
                            timeout=300)
     assert again.returncode != 0 and "--resume" in again.stderr, again.stderr[-2000:]
     assert MlflowClient().get_run(first["mlflow_run_id"]).info.status == "KILLED"  # reaped by that start
-    resumed = subprocess.run([*args, "--iterations", "3", "--resume"], cwd=tmp_path, env=env, capture_output=True,
-                             text=True, timeout=600)
+    bare = [sys.executable, "-m", "miles.cli", "train", "tiny", "--run-dir", str(run_dir), "--no-progress",
+            "--register-as", "", "--resume"]
+    refused = subprocess.run([*bare, "eval.num_problems=8"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             timeout=300)
+    assert refused.returncode != 0 and "eval.num_problems 4 -> 8" in refused.stderr, refused.stderr[-2000:]
+    # the documented resume, with none of the start's overrides: the run continues as it was started
+    resumed = subprocess.run(bare, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     run = MlflowClient().get_run(first["mlflow_run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["miles.resumes"] == "1"
     assert [s for s, _ in tracking.metric_history(run.info.run_id, "reward/reward_mean")] == [1, 2, 3]
+    assert run.data.params["eval.num_problems"] == "4" and "miles.changed_params" not in run.data.tags
     trains = MlflowClient().search_runs([run.info.experiment_id], "tags.`miles.kind` = 'train'")
     assert [r.info.run_id for r in trains] == [run.info.run_id]
     code = ("import sys\nfrom prefect.client.orchestration import get_client\n"

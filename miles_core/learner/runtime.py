@@ -38,7 +38,7 @@ from torch import Tensor
 
 from miles_core.algo.rl import batch_id
 from miles_core.algo.update import global_counts
-from miles_core.config import RecipeConfig, load_recipe, migrate, set_dotted
+from miles_core.config import ConfigError, RecipeConfig, flatten, load_recipe, migrate, set_dotted
 from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.channels import BatchChannel, PolicyChannel
 from miles_core.learner.policy import Learner
@@ -340,6 +340,26 @@ def existing_run(run_dir: str | os.PathLike[str], resume: bool) -> dict[str, Any
         raise FileExistsError(f"{run_dir} already holds a learner checkpoint (iteration {meta['iteration']}); "
                               "pass --resume to continue it (resume=True from Python), or choose a new --run-dir")
     return meta
+
+
+def resumed_recipe(store_uri: str, overrides: list[str]) -> tuple[RecipeConfig, dict[str, list[Any]]]:
+    """The recipe a resume continues: the run's own, as ``run.json`` recorded it at the start, with
+    the overrides given now on top -> (recipe, {key: [before, now]} for each key they change).
+
+    So a run started with ``train.iterations=30 eval.num_problems=100`` and resumed with a bare
+    ``--resume`` keeps both. A change to an evaluation setting is refused here: the curve would mix
+    two evaluations under one name; other changes outside :data:`RESUMABLE` are refused by
+    ``prepare_run``."""
+    stored = RunStore(store_uri).read_spec()["cfg"]
+    cfg = load_recipe(stored, overrides)
+    was, now = flatten(migrate(stored, "run.json")), cfg.flat()
+    changed = {k: [was.get(k), now[k]] for k in changed_settings(stored, cfg.to_dict())}
+    evals = sorted(k for k in changed if k.startswith("eval."))
+    if evals:
+        diff = ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in evals)
+        raise ConfigError(f"cannot resume with {diff}: the run's held-out curve was measured with the first value; "
+                          "resume without it, or start a new run (--run-dir) to evaluate differently")
+    return cfg, changed
 
 
 def start_step_run(run_dir: str, cfg: RecipeConfig, base_checkpoint: str, store_uri: str,
