@@ -17,7 +17,9 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
 ``--checkpoint DIR`` keeps the SFT checkpoints in DIR (``seed{N}/sft``): trained there when absent,
 and a later run with the same model, task and sft settings (RL settings may differ) starts from
 them instead of training again (benchmarks/harness.py's ``sft_checkpoint``).
-Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE] [--checkpoint DIR]
+``--smoke`` (CI): seed 0 alone, through the same steps at toy sizes (SMOKE_OVERRIDES: a few SFT
+steps, 2 ADPO iterations of 2 x 2 completions, 8 held-out functions): seconds, and no figure.
+Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE] [--checkpoint DIR] [--smoke]
 Every measured setting, and why the SFT baseline's length and machine matter: benchmarks/CODE.md.
 """
 
@@ -38,6 +40,10 @@ DEFAULT_OVERRIDES: list[str] = []
 # 2000 (of 6000), val 0.05, while the other kept rising; a baseline stopped by noise is no baseline.
 PATIENCE: int | None = None
 PASS_K = 8  # side measurement: pass@1 / pass@8 of samples at temperature 1
+# --smoke: every step of run_seed at toy sizes (one validation at the last SFT step, no RL curve point)
+SMOKE_OVERRIDES = ["sft.steps=4", "sft.eval_every=4", "sft.batch_size=8", "task.num_train=32", "task.num_test=8",
+                   "task.num_val=8", "eval.num_problems=8", "train.iterations=2", "train.prompts_per_iter=2",
+                   "train.group_size=2"]
 
 
 def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
@@ -163,11 +169,13 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
             "guard_rollbacks": learner.guard.rollbacks if learner.guard else 0, "sft_trained": sft["trained"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=(0, 1), checkpoint=True, workdir=True)
     ap.add_argument("--sft-continued", action="store_true", help="also run the continued-SFT control arm")
-    args = ap.parse_args()
-    overrides = DEFAULT_OVERRIDES + args.set
+    args = ap.parse_args(argv)
+    if args.smoke and args.seeds == ap.get_default("seeds"):
+        args.seeds = [0]
+    overrides = DEFAULT_OVERRIDES + (SMOKE_OVERRIDES if args.smoke else []) + args.set
     t0 = time.perf_counter()
     per_seed = over_seeds(run_seed, args.seeds, overrides, str(workdir(args, "code")), args.sft_continued, args.checkpoint)
     arms = ("sft", "adpo", "sft_continued") if args.sft_continued else ("sft", "adpo")
@@ -192,7 +200,10 @@ def main() -> None:
         "sft_pass1": mean["sft"], "adpo_pass1": mean["adpo"], "adpo_minus_sft": mean["adpo"] - mean["sft"],
         **({"sft_continued_pass1": mean["sft_continued"]} if args.sft_continued else {}),
         "target_gain": 0.10, "paired_sign_test_p": st["p"], "sign_test_wins": st["wins"], "sign_test_losses": st["losses"],
-        "seconds": time.perf_counter() - t0, "seeds": args.seeds, "overrides": overrides,
+        "seconds": time.perf_counter() - t0, "seeds": args.seeds, "overrides": overrides, "smoke": args.smoke,
+        "completions_scored": sum(p["completions"] for p in per_seed),
+        "reward_seconds": sum(p["reward_seconds"] for p in per_seed),
+        "adpo_seconds": sum(p["adpo_seconds"] for p in per_seed),
         "sft_reused": not any(p["sft_trained"] for p in per_seed), "checkpoint": args.checkpoint,
         "eval_config": per_seed[0]["results"]["sft"]["config"], "num_heldout_tasks": n_tasks,
         "sandbox_layers": per_seed[0]["sandbox_layers"],
@@ -217,7 +228,13 @@ def main() -> None:
                      for p in per_seed],
     }
     finish("code", payload, [[a, v["pass@1"], v[k], val[a]] for a, v in sampled.items()],
-           ["arm", "T=1 pass@1", f"T=1 {k}", "val greedy pass@1"], args.out)
+           ["arm", "T=1 pass@1", f"T=1 {k}", "val greedy pass@1"], args.out,
+           # ADPO ran (completions sampled and scored in the sandbox, time spent) and both arms were scored
+           # on held-out functions; pass rates may be 0 but must be there
+           positive=["num_heldout_tasks", "completions_scored", "reward_seconds", "adpo_seconds", "seconds"],
+           present=["sft_pass1", "adpo_pass1", "paired_sign_test_p", "hardcoding.*.visible_pass",
+                    "hardcoding.*.hardcoded_rate", "val_pass1.sft", "val_pass1.adpo",
+                    f"sampled_t1_pass_at_{PASS_K}.*.pass@{PASS_K}", "sequential_decoding_pass1.adpo"])
 
 
 if __name__ == "__main__":

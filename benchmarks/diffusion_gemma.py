@@ -10,7 +10,9 @@ Per seed (each in its own process, one torch thread, so two seeds use the two co
   5. on a batch the SFT policy sampled, scored by the trained policy: the log-prob error a stored
      top-k of the behaviour's logits would leave in place of rebuilding the self-conditioning.
 With ``--workdir DIR``, a seed's SFT checkpoint there is reused when its recorded settings match.
-Writes benchmarks/results/diffusion_gemma.json. Run: python -m benchmarks.diffusion_gemma
+``--smoke`` (CI): seed 0 alone, every step at toy sizes (SMOKE: a few SFT steps, 2 RL iterations
+of 2 x 2 chains, 8 test and 8 validation problems): seconds, and no figure.
+Writes benchmarks/results/diffusion_gemma.json. Run: python -m benchmarks.diffusion_gemma [--smoke]
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ ARMS: dict[str, dict] = {
     # the reward reads is then a sampled action; evaluated, like every arm, on generate's argmax output
     "sampled": {"renoise_output": True, "train_output": "sample"},
 }
+# --smoke: the same steps at toy sizes (one SFT validation, at the last step, keeps the checkpoint)
+SMOKE = dict(sft_steps=4, sft_eval_every=4, iterations=2, rl_eval_every=2, prompts=2, group=2, num_test=8,
+             num_val=8, generate_checks=2, top_k=[1, 8])
 
 
 def evaluate(model, tok, problems, rcfg, reward_fn, batch: int = 250) -> list[bool]:
@@ -69,7 +74,7 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
     from miles_core.rewards.registry import reward_for_recipe
     from miles_core.tokenizer import CharTokenizer
 
-    cfg = load_recipe("arith", [f"task.num_test={args.num_test}", "task.num_val=200"])
+    cfg = load_recipe("arith", [f"task.num_test={args.num_test}", f"task.num_val={args.num_val}"])
     data, tok, rcfg = build_task(cfg), CharTokenizer(), RenoiseConfig(**RENOISE)
     reward = reward_for_recipe(cfg)
     length = cfg.task.completion_len
@@ -80,7 +85,8 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
 
     # 1. SFT, best validation checkpoint (reused from --workdir when its record matches these settings)
     record = {"sizes": SIZES, "renoise": RENOISE, "steps": args.sft_steps, "lr": args.sft_lr,
-              "eval_every": args.sft_eval_every, "num_test": args.num_test, "seed": seed}
+              "eval_every": args.sft_eval_every, "num_test": args.num_test, "seed": seed,
+              **({"num_val": args.num_val} if args.num_val != 200 else {})}  # records made before --num-val: 200
     kept = json.loads((work / "sft_run.json").read_text()) if (work / "sft_run.json").exists() else {}
     if kept.get("record") == record:
         print(f"[seed {seed}] reusing the SFT checkpoint {work / 'sft'}", flush=True)
@@ -103,7 +109,7 @@ def run_seed(seed: int, args: argparse.Namespace, out: str) -> dict:
             model.eval()
             v = sum(evaluate(model, tok, data.val, rcfg, reward)) / len(data.val)
             curve.append({"step": step, "val_pass1": v, "loss": loss.item()})
-            print(f"[seed {seed}] sft step {step} loss {loss.item():.3f} val pass@1(200) {v:.3f}", flush=True)
+            print(f"[seed {seed}] sft step {step} loss {loss.item():.3f} val pass@1({len(data.val)}) {v:.3f}", flush=True)
             if v > best:
                 best = v
                 model.save_pretrained(work / "sft")
@@ -146,7 +152,7 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
     from miles_core.samplers import renoise as rn
     from miles_core.tokenizer import CharTokenizer
 
-    cfg = load_recipe("arith", [f"task.num_test={args.num_test}", "task.num_val=200"])
+    cfg = load_recipe("arith", [f"task.num_test={args.num_test}", f"task.num_val={args.num_val}"])
     data, tok, rcfg = build_task(cfg), CharTokenizer(), RenoiseConfig(**RENOISE)
     reward = reward_for_recipe(cfg)
     length = cfg.task.completion_len
@@ -234,7 +240,7 @@ def _rl(seed: int, args: argparse.Namespace, work: Path, curve: list, sft_second
             "policy_drift_mean": float(drift.mean())}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=(0, 1), workdir=True, sets=False)
     ap.add_argument("--sft-steps", type=int, default=3000)
     ap.add_argument("--sft-eval-every", type=int, default=500)
@@ -245,6 +251,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--num-test", type=int, default=500)
+    ap.add_argument("--num-val", type=int, default=200, help="validation problems (SFT checkpoint choice, RL curve)")
     ap.add_argument("--generate-checks", type=int, default=20)
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--arms", nargs="+", default=["adpo"], choices=list(ARMS),
@@ -255,7 +262,10 @@ def main() -> None:
                     help="also score the output, the last step's argmax, as if sampled at its temperature")
     ap.add_argument("--train-output", choices=["argmax", "sample"], default="argmax",
                     help="the RL chains' output: generate's argmax, or the last step's sample (evaluation: argmax)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        seeds = args.seeds if args.seeds != ap.get_default("seeds") else [0]
+        vars(args).update(SMOKE, seeds=seeds)
     for name in args.arms:  # a sampled output that no row scores is a path the estimator cannot credit
         a = {**vars(args), **ARMS[name]}
         if a["train_output"] == "sample" and not a["renoise_output"]:
@@ -299,6 +309,8 @@ def main() -> None:
         "adpo_pass1": sum(sum(p["adpo_correct"]) for p in per_seed) / n_all,
         "pooled_sign_test": {"gained": pooled["wins"], "lost": pooled["losses"], "p": pooled["p"]},
         "seconds_per_iteration": sum(p["seconds_per_iteration"] for p in per_seed) / len(per_seed),
+        "seconds_per_iteration_by_arm": {a["arm"]: a["seconds_per_iteration"] for a in arm_out},
+        "problems_scored": n_all, "smoke": args.smoke,
         "per_seed": [{k: v for k, v in p.items() if not k.endswith("_correct") and k != "arms"} | {
             "sft_pass1": sum(p["sft_correct"]) / len(p["sft_correct"]),
             "adpo_pass1": sum(p["adpo_correct"]) / len(p["adpo_correct"]),
@@ -308,7 +320,11 @@ def main() -> None:
     }
     print(f"\npooled: SFT {payload['sft_pass1']:.3f} -> ADPO {payload['adpo_pass1']:.3f} "
           f"({pooled['wins']} gained, {pooled['losses']} lost, p = {pooled['p']:.3g})")
-    finish("diffusion_gemma", payload, out=args.out)
+    # every arm trained (seconds per iteration) and SFT and RL were scored on the test problems; the
+    # sampler/generate agreement and the logp gap are results, present whatever they are
+    finish("diffusion_gemma", payload, out=args.out,
+           positive=["problems_scored", "seconds_per_iteration", "seconds_per_iteration_by_arm.*", "wall_seconds"],
+           present=["generate_match", "logp_gap_max", "sft_pass1", "adpo_pass1", "pooled_sign_test.p"])
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ code is now; and ``before: bwrap`` / ``before: bwrap_shared``, the same pools at
 commit before a job left nothing for the next: one report pipe for all runs, no refusal of xattrs,
 times, new inodes; no callbacks or mutated arguments in the tester), taken from this repository's
 git history and run in a subprocess with the same measurement code. Throughput: every completion
-submitted at once. Latency: 200 more, one at a time, end to end. Run: python -m benchmarks.sandbox
+submitted at once. Latency: 200 more, one at a time, end to end. ``--smoke`` (CI): every arm on
+16 + 8 completions and 4 one at a time; the ``before`` arms only when BASELINE_REV is in this clone's
+history (a shallow clone lacks it: they are skipped, and the result says so).
+Run: python -m benchmarks.sandbox [--no-before] [--smoke]
 """
 
 from __future__ import annotations
@@ -29,9 +32,9 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from benchmarks.harness import table, usable_cpus, write_result
+from benchmarks.harness import add_smoke, table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
 BASELINE_REV = "7830191"  # the last commit before a report FIFO per job, stage two's trace refusals, the callback tester
@@ -96,25 +99,49 @@ def measure_before(sizes: dict[str, int], n_latency: int) -> list[dict]:
     return json.loads(next(line for line in res.stdout.splitlines() if line.startswith("ROWS "))[5:])
 
 
+def baseline_present() -> bool:
+    """Whether this checkout's git history holds BASELINE_REV (a shallow CI clone may not)."""
+    res = subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BASELINE_REV}^{{commit}}"], capture_output=True)
+    return res.returncode == 0
+
+
+MODES = ("bwrap", "bwrap_shared", "none")
+SMOKE = {"n": 16, "tests_n": 8, "latency_n": 4}  # --smoke: a few completions through every pool
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.split("\n")[0]))
     ap.add_argument("--n", type=int, default=1000, help="completions for the expressions throughput figure")
     ap.add_argument("--tests-n", type=int, default=400, help="completions for the benchmark-tests figure")
     ap.add_argument("--latency-n", type=int, default=200, help="completions scored one at a time for p50/p99")
     ap.add_argument("--no-before", action="store_true", help=f"skip the {BASELINE_REV} arms")
+    ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/sandbox.json)")
     args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     sizes = {"expressions": args.n, "benchmark tests": args.tests_n}
     print(f"sandbox throughput: {sizes}, {usable_cpus()} workers, uid {os.geteuid()}", flush=True)
-    rows = [] if args.no_before else measure_before(sizes, args.latency_n)
-    rows += measure_modes(["bwrap", "bwrap_shared", "none"], "", sizes, args.latency_n)
+    before, note = not args.no_before, "ran" if not args.no_before else "skipped: --no-before"
+    if before and args.smoke and not baseline_present():  # full size fails instead: its figure needs them
+        before, note = False, f"skipped: {BASELINE_REV} is not in this clone's history (shallow clone?)"
+        print(f"  before arms {note}", flush=True)
+    rows = measure_before(sizes, args.latency_n) if before else []
+    rows += measure_modes(list(MODES), "", sizes, args.latency_n)
     for r in rows:
         ref = next((b for b in rows if b["workload"] == r["workload"] and b["name"] == "before: " + r["name"]), None)
         r["vs_before"] = r["per_s"] / ref["per_s"] if ref else None
     print(table([[r["workload"], r["name"], r["per_s"], "-" if r["vs_before"] is None else r["vs_before"],
                   r["p50_ms"], r["p99_ms"], r["not_ok"]] for r in rows],
                 ["workload", "isolation", "completions/s", "vs before", "p50 ms", "p99 ms", "not ok"]))
+    # per arm, what was measured: an arm that never ran, or scored no completion right, fails the run
+    arms = {f"{r['workload']}: {r['name']}": {"per_s": r["per_s"], "ok": r["completions"] - r["not_ok"],
+                                               "p50_ms": r["p50_ms"]} for r in rows}
+    names = [*(("before: " + m for m in MODES[:2]) if before else ()), *MODES]
     path = write_result("sandbox", {"workers": usable_cpus(), "uid": os.geteuid(), "baseline_rev": BASELINE_REV,
-                                    "limits": asdict(SandboxLimits()), "rows": rows})
+                                    "before": note, "limits": asdict(SandboxLimits()), "rows": rows, "arms": arms,
+                                    "smoke": args.smoke}, args.out,
+                        positive=["arms.*.per_s", "arms.*.ok", "arms.*.p50_ms"],
+                        present=[f"arms.{w}: {n}" for w in sizes for n in names])
     print(f"wrote {path}")
 
 

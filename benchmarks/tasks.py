@@ -1,6 +1,6 @@
 """The six benchmarks' loaders and checkers on files written here in each public format.
 
-    python -m benchmarks.tasks [--variants 2400]
+Run: python -m benchmarks.tasks [--variants 2400] [--smoke]
 
 Per task (GSM8K, MATH-500, Countdown, Sudoku, HumanEval, MBPP; MATH's train format too): rows
 loaded and skipped from a sample file that holds malformed rows on purpose, the accuracy of gold
@@ -11,7 +11,8 @@ on a generated set of answer variants, broken down by how the completion states 
 two differ on purpose where a completion has several boxes (we take the last, MATH's convention),
 or states its answer after ``####`` (GSM8K's convention) or in an ``<answer>`` tag (d1's) after
 numbers in the reasoning: math-verify alone knows neither marker and can take one of those numbers.
-Writes benchmarks/results/tasks.json.
+Writes benchmarks/results/tasks.json. ``--smoke`` (CI) scores the same sample files (already a few
+rows each) but only ~100 answer variants, so math-verify's part takes a second, not a minute.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.harness import table, write_result
+from benchmarks.harness import add_smoke, table, write_result
 from benchmarks.sample_files import corrupt_completion, gold_completion, write_samples
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task, check_reward
+from miles_core.rewards import pool as sandbox_pools
 from miles_core.rewards.mathverify import check_answer, math_verify_alone
 from miles_core.rewards.registry import get_reward
 
@@ -116,12 +118,23 @@ def task_rows(root: Path) -> list[dict]:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+SMOKE_VARIANTS = 100  # --smoke: a few of the hand-picked hard forms, every template
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     ap.add_argument("--variants", type=int, default=2400, help="answer variants for the checker agreement (>= 2000)")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as d:
-        rows = task_rows(Path(d))
+    ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/tasks.json)")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        args.variants = SMOKE_VARIANTS
+    before = set(sandbox_pools._SHARED)
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            rows = task_rows(Path(d))
+    finally:  # the code tasks' shared sandbox pools this run started: closed, the caller's processes as they were
+        for key in set(sandbox_pools._SHARED) - before:
+            sandbox_pools._SHARED[key].close()
     print(table([[r["name"], r["ok"], r["rows"], r["skipped"], r["gold_accuracy"], r["corrupt_accuracy"],
                   f"{1000 * r['seconds_per_sample']:.1f}", r["reward"]] for r in rows],
                 ["task", "ok", "rows", "skipped", "gold acc", "corrupt acc", "ms/sample", "reward"]))
@@ -132,8 +145,13 @@ def main() -> None:
     print(table([[k, v["n"], v["agree"], v["ours_correct"], v["alone_correct"], v["differ_on_purpose"]]
                  for k, v in agree["by_template"].items()],
                 ["answer stated as", "n", "agree", "ours right", "alone right", "differ on purpose"]))
-    path = write_result("tasks", {"tasks": rows, "math_verify_agreement": agree,
-                                  "all_ok": all(r["ok"] for r in rows)})
+    # per task, what was scored: a task that loaded no rows, or scored none, fails the run (check_measured)
+    scored = {r["name"]: {"problems": r["rows"], "seconds_per_sample": r["seconds_per_sample"]} for r in rows}
+    path = write_result("tasks", {"tasks": rows, "scored": scored, "math_verify_agreement": agree,
+                                  "all_ok": all(r["ok"] for r in rows), "smoke": args.smoke}, args.out,
+                        positive=["scored.*.problems", "scored.*.seconds_per_sample", "math_verify_agreement.n",
+                                  "math_verify_agreement.by_template.*.n"],
+                        present=["all_ok", "math_verify_agreement.agree", "math_verify_agreement.ours_correct"])
     print(f"\nwrote {path}")
 
 
