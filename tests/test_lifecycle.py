@@ -90,6 +90,25 @@ def test_a_resumed_run_keeps_its_first_params_and_records_the_changed_ones(tmp_p
     assert run.info.status == "FINISHED"
 
 
+def test_a_failed_resume_leaves_a_finished_run_finished(tmp_path: Path, store: str) -> None:
+    """A resume of a FINISHED run (it may back a registered version) that fails keeps the run
+    FINISHED and says what happened in ``miles.last_resume``; a resume of a KILLED run that fails
+    ends FAILED, as any run does."""
+    done = tracking.start_run("e", "done", {"a": 1})
+    tracking.end_run(done, "FINISHED")
+    with pytest.raises(ValueError):
+        with tracking.run("e", "done", {"a": 1}, resume_run_id=done):
+            raise ValueError("learner/checkpoints/v000003.pt: sha256 does not match")
+    run = MlflowClient().get_run(done)
+    assert run.info.status == "FINISHED" and run.data.tags["miles.last_resume"].startswith("FAILED: ValueError: learner")
+    dead = tracking.start_run("e", "dead", {"a": 1})
+    tracking.end_run(dead, "KILLED")
+    with pytest.raises(ValueError):
+        with tracking.run("e", "dead", {"a": 1}, resume_run_id=dead):
+            raise ValueError("x")
+    assert MlflowClient().get_run(dead).info.status == "FAILED"
+
+
 def test_tracking_uris_that_cannot_work_fail_fast_naming_themselves(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         tracking.check_uri(f"sqlite:///{tmp_path}/no/such/mlflow.db")

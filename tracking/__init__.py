@@ -188,7 +188,9 @@ def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
         tags: Mapping[str, Any] | None = None, resume_run_id: str | None = None) -> Iterator[str]:
     """``with run(...) as run_id``: the run ends FINISHED, FAILED if the body raises, KILLED if it is
     interrupted (Ctrl-C, SIGTERM). ``resume_run_id``: continue that run instead of creating one."""
+    before = None
     if resume_run_id:
+        before = MlflowClient().get_run(resume_run_id).info.status
         reopen_run(resume_run_id, params, tags)
         run_id = resume_run_id
     else:
@@ -196,7 +198,11 @@ def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
     try:
         yield run_id
     except BaseException as e:
-        end_run(run_id, "KILLED" if stopped(e) else "FAILED")
+        status = "KILLED" if stopped(e) else "FAILED"
+        if before == "FINISHED":  # a finished run (it may back a registered version) keeps its status
+            set_tags(run_id, {"miles.last_resume": f"{status}: {type(e).__name__}: {str(e)[:300]}"})
+            status = before
+        end_run(run_id, status)
         raise
     end_run(run_id, "FINISHED")
 
