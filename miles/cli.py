@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from flows import params as P
-from miles import __version__
+from miles import __version__, reaper
 from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, bare_word_error, call_flow, cmd_data, cmd_demo,
                             cmd_export, cmd_generate, cmd_models, cmd_recipes, cmd_serve, cmd_stop, print_result,
                             validate_recipe)
@@ -99,6 +99,7 @@ def cmd_flow(args: argparse.Namespace) -> int:
     run_dir = parsed.run_path(spec.run_prefix)
     values["run_dir"] = str(run_dir)
     args.log_file = log_to_file(run_dir / LOG_NAME)
+    reaper.start()  # Prefect's temporary server, samplers: stopped when this process dies, kill -9 too
     print_result(call_flow(spec.module, spec.flow, values))
     return 0
 

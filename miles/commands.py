@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from miles import reaper
 from miles.console import log_to_file, prefect_defaults
 
 # The demo: the `arith` recipe at the sizes benchmarks/learning.py measured (SFT to 4000 steps keeping
@@ -241,6 +242,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     log_file = args.log_file = log_to_file(run_dir / "prefect.log", task_lines=True)
     print(f"[miles demo] Prefect's per-task lines go to {log_file} and the Prefect UI; the curve stays here",
           flush=True)
+    reaper.start()  # Prefect's temporary server: stopped when this process dies, kill -9 too
     print(f"[miles demo] 1/3 SFT baseline ({args.recipe}) -> {run_dir / 'sft'}", flush=True)
     sft = call_flow("sft", "sft_flow", {**common, "run_dir": str(run_dir / "sft")})
     print(f"[miles demo] 2/3 ADPO training on top of {sft['base_checkpoint']}", flush=True)

@@ -215,6 +215,40 @@ def test_sigterm_and_sigint_end_the_run_killed(sig: int, tmp_path: Path) -> None
     assert MlflowClient().get_run(run_id).info.status == "KILLED", err[-3000:]
 
 
+@pytest.mark.e2e
+def test_no_process_of_the_cli_outlives_a_kill_9(tmp_path: Path) -> None:
+    """``kill -9`` of a running ``miles sft``: Prefect's temporary server (a uvicorn child) and every
+    other process the CLI started are gone within 5 s (miles/reaper.py), not re-parented to PID 1."""
+    from miles.reaper import _start_time, descendants
+
+    env, run_dir = _env(tmp_path), tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "sft", "tiny", "--run-dir", str(run_dir), "--no-progress",
+                             "sft.steps=100000", "sft.eval_every=100000"], cwd=tmp_path, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        rec = run_dir / session.RECORD
+        while time.monotonic() < deadline and proc.poll() is None:
+            if rec.exists() and json.loads(rec.read_text()).get("mlflow_run_id"):
+                break
+            time.sleep(0.5)
+        time.sleep(2)
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        kids = descendants(proc.pid)
+        cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode() for p in kids]
+        assert any("uvicorn" in c for c in cmdlines), cmdlines  # the temporary server is among them
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_start_time(p) == t for p, t in kids.items()):
+            time.sleep(0.1)
+        left = [c for (p, t), c in zip(kids.items(), cmdlines) if _start_time(p) == t]
+        assert not left, left
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_corrupted_checkpoints_and_adapters_fail_naming_the_file(tmp_path: Path) -> None:
     """The sha256 recorded when Miles wrote a tensor file is checked when it is read back: a changed
     or truncated file is an error naming the file, not safetensors' bare "invalid header length"."""
