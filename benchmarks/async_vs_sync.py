@@ -9,7 +9,9 @@ prompts_per_iter x G completions.
          whenever no batch waits, the learner samples one of the budget itself (learner_samples).
 Each arm's seconds are end to end, process start-up included. Both final adapters are evaluated
 on the same held-out problems with the recipe's pinned eval config.
-Writes benchmarks/results/async_vs_sync.json. Run: python -m benchmarks.async_vs_sync
+Writes benchmarks/results/async_vs_sync.json. Run: python -m benchmarks.async_vs_sync [--smoke]
+(--smoke: the same arms, ceiling and evaluation on a 3-step SFT, 3 batches of 2 x 4 completions and
+8 eval problems; writes async_vs_sync_smoke.json).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 from typing import Any
+from unittest import mock
 
 from benchmarks.harness import (ASYNC_OVERRIDES, bench_args, evaluate_adapter, local_run, sft_checkpoint, table, usable_cpus,
                                 workdir, write_result)
@@ -39,6 +42,14 @@ from benchmarks.harness import (ASYNC_OVERRIDES, bench_args, evaluate_adapter, l
 # LoRA r=4 on q_proj/v_proj (the LoRA paper's choice) and bfloat16 adapter sync: 1/77 of the base's
 # bytes per version (r=16 on every projection in float32: 1/3).
 DEFAULT_OVERRIDES = ASYNC_OVERRIDES  # benchmarks/harness.py: components.py measures the same run's parts
+# --smoke: the same run at sizes that take seconds (a budget of 3 batches, which the learner and
+# the sampler share as in the full run), and the ceiling's processes start as soon as they are ready.
+# A 3-step SFT earns no reward spread, so every update would skip all its rows: smoke scores them all.
+SMOKE_OVERRIDES = ["sft.steps=3", "async_rl.batches_per_sampler=3", "async_rl.checkpoint_every=2",
+                   "train.prompts_per_iter=2", "train.group_size=4", "eval.num_problems=8",
+                   "update.skip_zero_variance=false"]
+REPLAY_LEAD_S = 25.0  # seconds the replay's processes get to load and read their batches before the shared start
+SMOKE_REPLAY_LEAD_S = 0.0
 
 
 def timed_loop(cfg_json: str, base: str, threads: int, batches: int):
@@ -143,15 +154,16 @@ def replay_share(cfg_json: str, base: str, run_uri: str, bids: list[str], start_
 
 
 def replay_floor(cfg: Any, base: str, run_uri: str, consumed: list[dict[str, Any]], history: list[dict[str, Any]],
-                 processes: int) -> dict[str, Any]:
+                 processes: int, lead_s: float = REPLAY_LEAD_S) -> dict[str, Any]:
     """Replay the run's ``consumed`` batches over ``processes`` single-thread processes -> the floor
     and the per-batch costs it is made of. ``history`` (the learner's, in the same order) gives the
-    rows each real update scored, to check that the replay did the same work."""
+    rows each real update scored, to check that the replay did the same work. The processes start
+    together ``lead_s`` seconds after the pool is made (each then starts at once if it is late)."""
     bids = [e["id"] for e in consumed]
     shares = [bids[i::processes] for i in range(processes)]
     cfg_json = json.dumps(cfg.to_dict())
     with mp.get_context("spawn").Pool(processes) as pool:
-        start = time.time() + 25  # every process has loaded and read its batches before the shared start
+        start = time.time() + lead_s  # every process has loaded and read its batches before the shared start
         parts = pool.starmap(replay_share, [(cfg_json, base, run_uri, s, start) for s in shares])
     n = len(bids)
     roll = sum(p["rollout_s"] for p in parts)
@@ -165,7 +177,8 @@ def replay_floor(cfg: Any, base: str, run_uri: str, consumed: list[dict[str, Any
             "update_rows_matching": sum(replay_rows.get(k) == v for k, v in real_rows.items()) / max(n, 1)}
 
 
-def machine_ceiling(cfg, base: str, run_uri: str, sync_timing: dict, consumed: list[dict], history: list[dict]) -> dict:
+def machine_ceiling(cfg, base: str, run_uri: str, sync_timing: dict, consumed: list[dict], history: list[dict],
+                    lead_s: float = REPLAY_LEAD_S) -> dict:
     """The best asynchronous time this machine allows for this run's work, measured, not assumed.
 
     Async runs single-threaded processes side by side, so its floor is the single-thread work of
@@ -174,7 +187,7 @@ def machine_ceiling(cfg, base: str, run_uri: str, sync_timing: dict, consumed: l
     bounds the speedup before start-up costs (equal in both arms); the rows each arm's updates
     scored say how much of the ratio is the two runs' different batches.
     """
-    f = replay_floor(cfg, base, run_uri, consumed, history, min(usable_cpus(), cfg.async_rl.num_samplers + 1))
+    f = replay_floor(cfg, base, run_uri, consumed, history, min(usable_cpus(), cfg.async_rl.num_samplers + 1), lead_s)
     n = sync_timing["batches"]
     sync_compute = sync_timing["rollout_s"] + sync_timing["update_s"]
     return {**f, "sync_rollout_s_per_batch": sync_timing["rollout_s"] / n,
@@ -196,14 +209,14 @@ def learner_breakdown(history: list[dict], summary: dict) -> dict[str, float]:
     return per
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, checkpoint=True, workdir=True)
     ap.add_argument("--s3", action="store_true", help="run the async store on a loopback moto S3 server")
     ap.add_argument("--no-ceiling", action="store_true", help="skip measuring this machine's speedup ceiling "
                     "(the async run's batches redone by single-thread processes at once, ~1 minute)")
     ap.add_argument("--cold", action="store_true", help="start each async worker as a fresh interpreter "
                     "(default: fork them from one preloaded server, as long-lived workers would be)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     import torch
 
     from miles_core.asyncrl.launch import prepare_run, run_local
@@ -211,7 +224,7 @@ def main() -> None:
     from miles_core.data.registry import build_task
 
     cores = usable_cpus()
-    overrides = DEFAULT_OVERRIDES + args.set
+    overrides = DEFAULT_OVERRIDES + (SMOKE_OVERRIDES if args.smoke else []) + args.set
     cfg = load_recipe("arith", overrides)
     work = workdir(args, "async")
     torch.set_num_threads(cores)
@@ -238,23 +251,24 @@ def main() -> None:
         from benchmarks.loopback_s3 import start_loopback_s3
 
         server, env = start_loopback_s3("miles-bench")
-        os.environ.update(env)
         run_uri = "s3://miles-bench/async_run"
     try:
-        prepare_run(run_uri, cfg, base)
-        t1 = time.perf_counter()
-        summary = run_local(run_uri, cfg.async_rl.num_samplers, work / "logs", timeout=3600, env=env,
-                            warm=not args.cold)
-        async_seconds = time.perf_counter() - t1
-        from miles_core.storage.run import RunStore
+        with mock.patch.dict(os.environ, env):  # this process's store calls too, restored after (main runs in tests)
+            prepare_run(run_uri, cfg, base)
+            t1 = time.perf_counter()
+            summary = run_local(run_uri, cfg.async_rl.num_samplers, work / "logs", timeout=3600, env=env,
+                                warm=not args.cold)
+            async_seconds = time.perf_counter() - t1
+            from miles_core.storage.run import RunStore
 
-        rs = RunStore(run_uri)
-        rs.adapters.fetch(summary["version"], work / "async_adapter")
-        record = rs.read_json("learner", "history.json")
-        learner_time = learner_breakdown(record["history"], summary)
-        print(f"async: {async_seconds:.1f}s, learner idle {summary['idle_fraction']:.3f}", flush=True)
-        ceiling = None if args.no_ceiling else machine_ceiling(cfg, base, run_uri, timing, record["ledger"]["consumed"],
-                                                               record["history"])
+            rs = RunStore(run_uri)
+            rs.adapters.fetch(summary["version"], work / "async_adapter")
+            record = rs.read_json("learner", "history.json")
+            learner_time = learner_breakdown(record["history"], summary)
+            print(f"async: {async_seconds:.1f}s, learner idle {summary['idle_fraction']:.3f}", flush=True)
+            ceiling = None if args.no_ceiling else machine_ceiling(
+                cfg, base, run_uri, timing, record["ledger"]["consumed"], record["history"],
+                SMOKE_REPLAY_LEAD_S if args.smoke else REPLAY_LEAD_S)
     finally:
         if server is not None:
             server.stop()
@@ -291,6 +305,7 @@ def main() -> None:
         "async_workers": "fresh interpreters" if args.cold else "forked from one preloaded server",
         "learner_seconds_per_update": learner_time,
         "pass1_agreement": sum(a == b for a, b in zip(sync_correct, async_correct)) / max(len(sync_correct), 1),
+        "sync_batches": timing["batches"], "smoke": args.smoke,
     }
     rows = [["sync", f"{sync_seconds:.1f}", f"{completions / sync_seconds:.1f}", "-", sync_pass1, "-"],
             ["async", f"{async_seconds:.1f}", f"{completions / async_seconds:.1f}",
@@ -319,7 +334,18 @@ def main() -> None:
         print(f"machine ceiling: sync compute {c['sync_compute_s']:.1f}s / async floor {c['async_compute_floor_s']:.1f}s "
               f"= {c['speedup_ceiling_before_startup']:.2f}x before start-up; the async learner's loop took "
               f"{summary['wall_s']:.1f}s = {payload['async_compute_over_floor']:.3f}x the floor")
-    print(f"wrote {write_result('async_vs_sync', payload, args.out)}")
+    # what the benchmark exists to measure: both arms ran and consumed batches, the learner's loop
+    # was timed, adapters were synced, and (unless --no-ceiling) the replay redid the run's batches
+    positive = ["sync_seconds", "async_seconds", "speedup", "sync_batches", "sync_rollout_s", "sync_update_s",
+                "completions_consumed_async", "samples_per_s_sync", "samples_per_s_async", "adapter_syncs",
+                "adapter_sync_bytes", "full_weights_bytes", "learner_seconds_per_update.update_s"]
+    if ceiling is not None:
+        positive += ["machine_ceiling.batches", "machine_ceiling.async_compute_floor_s", "machine_ceiling.sync_compute_s",
+                     "machine_ceiling.update_rows_per_batch", "machine_ceiling.sync_update_rows_per_batch",
+                     "machine_ceiling.speedup_ceiling_before_startup", "async_compute_s"]
+    present = ["sync_pass1", "async_pass1", "learner_idle_fraction", "max_staleness_seen", "dropped_batches",
+               "pass1_agreement"]
+    print(f"wrote {write_result('async_vs_sync', payload, args.out, positive=positive, present=present)}")
 
 
 if __name__ == "__main__":

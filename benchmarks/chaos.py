@@ -9,7 +9,9 @@ Afterwards the store is audited against the learner's ledger (the one in its las
   max_staleness_seen  largest staleness among consumed batches (must be <= staleness_bound)
 Checkpoints are written every 2 updates, so a killed learner also exercises the orphaned-version
 path (updates after its last checkpoint are redone and numbered above what it had published).
-Writes benchmarks/results/chaos.json. Run: python -m benchmarks.chaos [--kills 8]
+Writes benchmarks/results/chaos.json. Run: python -m benchmarks.chaos [--kills 8] [--smoke]
+(--smoke: 2 kills, one sampler's and then the learner's, 0.5-1 s apart, in a run of 2 x 6 batches of
+2 x 4 completions from a 3-step SFT; writes chaos_smoke.json).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import os
 import random
 import signal
 import time
+from unittest import mock
 
 from benchmarks.harness import bench_args, sft_checkpoint, table, usable_cpus, workdir, write_result
 from benchmarks.loopback_s3 import start_loopback_s3
@@ -25,6 +28,11 @@ from benchmarks.loopback_s3 import start_loopback_s3
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=15",
                      "async_rl.checkpoint_every=2", "async_rl.max_staleness=3", "sft.steps=300",
                      "async_rl.retry_budget_s=120", "async_rl.poll_interval=0.05"]
+# --smoke: the same run and audit in seconds. Every update scores all its rows (a 3-step SFT earns no
+# reward spread, and updates that skip every row would end the run before a kill could land).
+SMOKE_OVERRIDES = ["sft.steps=3", "async_rl.batches_per_sampler=6", "train.prompts_per_iter=2", "train.group_size=4",
+                   "update.skip_zero_variance=false"]
+SMOKE = {"kills": 2, "min_gap": 0.5, "max_gap": 1.0}
 
 
 def audit(run_uri: str, expected: int) -> dict:
@@ -51,13 +59,15 @@ def learner_started(rs) -> bool:
     return int((rs.read_json("learner", "status.json") or {}).get("updates", 0)) > 0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, checkpoint=True, workdir=True)
     ap.add_argument("--kills", type=int, default=8, help="SIGKILLs to deliver (bounded)")
     ap.add_argument("--min-gap", type=float, default=4.0, help="seconds between kills, at least")
     ap.add_argument("--max-gap", type=float, default=12.0, help="seconds between kills, at most")
     ap.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     import torch
 
     from miles_core.asyncrl.launch import LocalRun, local_env, prepare_run, worker_names
@@ -65,12 +75,14 @@ def main() -> None:
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
 
-    cfg = load_recipe("arith", DEFAULT_OVERRIDES + args.set)
+    overrides = DEFAULT_OVERRIDES + (SMOKE_OVERRIDES if args.smoke else []) + args.set
+    cfg = load_recipe("arith", overrides)
     work = workdir(args, "chaos")
     torch.set_num_threads(usable_cpus())
     base = sft_checkpoint(cfg, cfg.sft.seed, work, args.checkpoint, build_task(cfg), validate=False)["path"]  # a short SFT
     server, env = start_loopback_s3("miles-chaos")
-    os.environ.update(env)
+    environ = mock.patch.dict(os.environ, env)  # this process's store calls too; restored after (main runs in tests)
+    environ.start()
     run_uri = "s3://miles-chaos/run"
     rng = random.Random(args.seed)
     kills: list[dict] = []
@@ -109,11 +121,12 @@ def main() -> None:
         if run is not None:
             run.close()  # the killed workers' download caches
         server.stop()
+        environ.stop()
     seconds = time.perf_counter() - t0
     payload = {"kills": len(kills), "kill_log": kills, **result, "staleness_bound": cfg.async_rl.max_staleness,
                "seconds": seconds, "restarts": {n: c - 1 for n, c in run.starts.items()},
                "processes": ["learner"] + worker_names(cfg.async_rl.num_samplers), "store": "s3 (loopback moto)",
-               "overrides": DEFAULT_OVERRIDES + args.set}
+               "overrides": overrides, "smoke": args.smoke}
     payload["learner_restarts"] = run.starts["learner"] - 1
     payload["sampler_restarts"] = sum(c - 1 for n, c in run.starts.items() if n != "learner")
     ok = (result["batches_lost"] == 0 and result["batches_duplicated"] == 0
@@ -124,7 +137,12 @@ def main() -> None:
     print(table([[payload[k] for k in keys]], keys))
     print(f"{'OK' if ok else 'FAILED'}: lost={result['batches_lost']} duplicated={result['batches_duplicated']} "
           f"staleness {result['max_staleness_seen']} <= {cfg.async_rl.max_staleness}; {seconds:.0f}s")
-    print(f"wrote {write_result('chaos', payload, args.out)}")
+    # a run with no kill landed, no batch committed or consumed, audited nothing
+    path = write_result("chaos", payload, args.out,
+                        positive=["kills", "sampler_restarts", "batches_committed", "batches_consumed", "seconds"],
+                        present=["batches_lost", "batches_duplicated", "max_staleness_seen", "learner_restarts",
+                                 "target_met"])
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """What each part of an asynchronous run costs on this machine: the inputs of benchmarks/scale_model.py.
 
-    python -m benchmarks.components [--reps 30]
+    python -m benchmarks.components [--reps 30] [--smoke]
 
 Measured with the real code paths, on the ``arith`` recipe with the async benchmark's settings
 (benchmarks/harness.py ASYNC_OVERRIDES: LoRA r=4 on q/v, bf16 adapter sync), one torch
@@ -9,7 +9,8 @@ one ADPO update of it (``Learner.update``; random-init weights, so rewards are s
 per group, as benchmarks/scaling.py does, and every row carries signal), and the store operations, against a local folder and
 against the loopback S3 server (moto): the Parquet batch write (data + commit marker) and read,
 the commit-marker check, a shared-budget claim (exclusive create), a listing of committed batches,
-and adapter publish and fetch. Medians over ``--reps``. Writes benchmarks/results/components.json.
+and adapter publish and fetch. Medians over ``--reps``. Writes benchmarks/results/components.json
+(``--smoke``: 3 reps of 2 x 4-completion batches, components_smoke.json).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
+from unittest import mock
 
-from benchmarks.harness import ASYNC_OVERRIDES, table, write_result
+from benchmarks.harness import ASYNC_OVERRIDES, add_smoke, table, write_result
 from benchmarks.loopback_s3 import start_loopback_s3
 
 
@@ -85,22 +87,32 @@ def store_costs(uri: str, batch: Any, adapter_dir: Path, reps: int, storage_opti
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+# --smoke: the same measurements, 3 reps of a batch of 2 prompts x 4 completions (seconds).
+SMOKE_REPS = 3
+SMOKE_OVERRIDES = ["train.prompts_per_iter=2", "train.group_size=4"]
+STORE_OPS = ("write_batch_s", "read_batch_s", "marker_check_s", "list_batches_s", "claim_s", "publish_adapter_s",
+             "latest_pointer_s", "fetch_adapter_s", "batch_bytes")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = add_smoke(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     ap.add_argument("--reps", type=int, default=30)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from miles_core.config import load_recipe
 
-    cfg = load_recipe("arith", ASYNC_OVERRIDES)
+    if args.smoke:
+        args.reps = SMOKE_REPS
+    overrides = ASYNC_OVERRIDES + (SMOKE_OVERRIDES if args.smoke else [])
+    cfg = load_recipe("arith", overrides)
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         compute = compute_costs(cfg, work, args.reps)
         batch = compute.pop("batch")
         stores = {"local": store_costs(str(work / "store"), batch, work / "adapter", args.reps)}
         server, env = start_loopback_s3("miles-components")
-        try:
-            os.environ.update(env)  # the store reads its endpoint from MILES_S3_ENDPOINT_URL
-            stores["loopback_s3"] = store_costs("s3://miles-components/run", batch, work / "adapter", args.reps)
+        try:  # the store reads its endpoint from MILES_S3_ENDPOINT_URL; restored after (main runs in tests too)
+            with mock.patch.dict(os.environ, env):
+                stores["loopback_s3"] = store_costs("s3://miles-components/run", batch, work / "adapter", args.reps)
         finally:
             server.stop()
     rows = [[k, f"{1000 * v:.2f} ms" if k.endswith("_s") else f"{v:.0f}"] for k, v in compute.items()]
@@ -109,8 +121,11 @@ def main() -> None:
     print()
     print(table([[k, *(f"{1000 * s[k]:.2f} ms" if k.endswith("_s") else f"{s[k]:.0f} B" for s in stores.values())]
                  for k in keys], ["store operation", *stores]))
-    path = write_result("components", {"compute": compute, "store": stores, "threads": 1, "reps": args.reps,
-                                       "overrides": ASYNC_OVERRIDES})
+    payload = {"compute": compute, "store": stores, "threads": 1, "reps": args.reps, "overrides": overrides,
+               "smoke": args.smoke}
+    path = write_result("components", payload, positive=["compute.rollout_s", "compute.update_s",
+                                                         "compute.completions_per_batch", "compute.adapter_bytes",
+                                                         *(f"store.*.{k}" for k in STORE_OPS)])
     print(f"\nwrote {path}")
 
 

@@ -3,7 +3,7 @@ processes, the real store protocol on a real S3 server (SeaweedFS) and real torc
 collectives (gloo), with the model's compute replaced by a calibrated stand-in
 (benchmarks/standin.py: LLaDA-8B's rollout and update times and adapter bytes x ``SCALE``).
 
-    python -m benchmarks.emulate [--processes 4 16 64] [--batches 4] [--chaos]
+    python -m benchmarks.emulate [--processes 4 16 64] [--batches 4] [--chaos] [--smoke]
 
 Per size P: placement.py splits P into samplers and learner ranks from the stand-in's seconds per
 completion (LLaDA-8B's ratio) and sizes the global batch; samplers are forked from this process
@@ -15,6 +15,8 @@ committed batch (every process's S3 requests, counted by botocore). ``--chaos`` 
 random samplers (restarted) and one learner rank (torchrun restarts the group) mid-run, then checks
 that every batch was consumed exactly once within the staleness bound.
 Writes benchmarks/results/emulate.json; benchmarks/scale_model.py validates against it.
+``--smoke``: one run of 2 processes (1 sampler, 1 learner rank), 5 batches, LLaDA-8B's seconds x 0.002
+and bytes x 1e-4 (emulate_smoke.json).
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
-from benchmarks.harness import bench_args, finish, usable_cpus
+from benchmarks.harness import MeasuredNothing, bench_args, finish, usable_cpus
 from benchmarks.standin import SCALE, settings
 from miles_core.asyncrl.launch import WarmProcess
 from miles_core.asyncrl.launch import summarize as run_summary
@@ -40,12 +43,16 @@ from miles_core.config import load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 STALENESS = 6
+MAX_SAMPLER_RESTARTS = 5  # chaos kills a sampler once; one that keeps exiting is broken, not unlucky
 OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=4", "train.group_size=2", "sampler.steps=4",
              "estimators.adpo.step_fraction=0.5", "update.num_minibatches=4", "update.kl_coef=0.0", f"async_rl.max_staleness={STALENESS}",
              "lora.r=4", "lora.targets=q_proj,v_proj,ballast", "async_rl.sync_dtype=bfloat16",
              "async_rl.checkpoint_every=10", "async_rl.poll_interval=0.05", "async_rl.poll_backoff=2.0",
              "async_rl.poll_max_interval=1.0", "async_rl.retain_heap_mb=0", "guard.enabled=false",
              "update.skip_zero_variance=false"]  # every trajectory is learned on, as at scale (an untrained model scores 0)
+# --smoke: one small run on the same path in seconds; 5 updates, so two count as steady (summarize)
+SMOKE = {"processes": [2], "batches": 5, "scale": 0.002, "bytes_scale": 1e-4, "chaos": False}
+SMOKE_STORE_PROBES = 3
 
 
 def _seaweed() -> Any:
@@ -61,6 +68,17 @@ def _children(pid: int) -> list[int]:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
+
+
+def _kill_group(agent: subprocess.Popen) -> None:
+    """SIGKILL torchrun's agent and the ranks it forked (killed alone, the agent leaves them running)."""
+    for pid in _children(agent.pid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.kill()
+    agent.wait()
 
 
 def stand_in(cfg: Any, scale: float = SCALE, bytes_scale: float | None = None) -> dict[str, Any]:
@@ -137,31 +155,40 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
     learner = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *nproc, "-m", "benchmarks.standin",
                                 "learner", run, "--backend", "gloo", "--cache-dir", str(work / "cache")],
                                env=env, cwd=REPO, stdout=open(logs / "learner.log", "wb"), stderr=subprocess.STDOUT)
-    samplers = {f"w{i}": WarmProcess(command("sampler", run, f"w{i}", i, work / "cache" / f"w{i}")[3:],
-                                     logs / f"w{i}.log", env) for i in range(pl.samplers)}
+    samplers: dict[str, WarmProcess] = {}
     rs, killed = RunStore(run), {"samplers": 0, "learner_ranks": 0}
     chaos_at = pl.samplers * batches // 3
-    while learner.poll() is None:
-        time.sleep(0.5)
-        for name, p in list(samplers.items()):
-            if p.poll() not in (None, 0):  # killed by chaos: a new process resumes it from the store
-                samplers[name] = WarmProcess(command("sampler", run, name, int(name[1:]), work / "cache" / name)[3:],
-                                             logs / f"{name}.log", env)
-        if chaos and not killed["samplers"] and len(rs.trajectories.list_batches()) >= chaos_at:
-            for name in random.Random(procs).sample(sorted(samplers), min(3, len(samplers))):
-                os.kill(samplers[name].pid, signal.SIGKILL)
-                killed["samplers"] += 1
-            ranks = _children(learner.pid)  # torchrun's agent forks the ranks
-            if ranks:
-                os.kill(ranks[-1], signal.SIGKILL)  # one rank: torchrun restarts the group from the checkpoint
-                killed["learner_ranks"] += 1
-        if time.time() - t0 > 1800:
-            learner.kill()
-            raise TimeoutError(f"emulated run of {procs} processes did not finish in 30 minutes; logs in {logs}")
-    if learner.returncode != 0:  # the samplers would wait for versions that never come
+    try:  # whatever fails here, no process of this run outlives it
+        samplers = {f"w{i}": WarmProcess(command("sampler", run, f"w{i}", i, work / "cache" / f"w{i}")[3:],
+                                         logs / f"w{i}.log", env) for i in range(pl.samplers)}
+        restarts = dict.fromkeys(samplers, 0)
+        while learner.poll() is None:
+            time.sleep(0.5)
+            for name, p in list(samplers.items()):
+                if p.poll() not in (None, 0):  # killed by chaos: a new process resumes it from the store
+                    restarts[name] += 1
+                    if restarts[name] > MAX_SAMPLER_RESTARTS:  # not chaos: it fails at start (the log says why)
+                        raise RuntimeError(f"sampler {name} exited with {p.poll()} {restarts[name]} times:\n"
+                                           + (logs / f"{name}.log").read_text()[-3000:])
+                    samplers[name] = WarmProcess(command("sampler", run, name, int(name[1:]), work / "cache" / name)[3:],
+                                                 logs / f"{name}.log", env)
+            if chaos and not killed["samplers"] and len(rs.trajectories.list_batches()) >= chaos_at:
+                for name in random.Random(procs).sample(sorted(samplers), min(3, len(samplers))):
+                    os.kill(samplers[name].pid, signal.SIGKILL)
+                    killed["samplers"] += 1
+                ranks = _children(learner.pid)  # torchrun's agent forks the ranks
+                if ranks:
+                    os.kill(ranks[-1], signal.SIGKILL)  # one rank: torchrun restarts the group from the checkpoint
+                    killed["learner_ranks"] += 1
+            if time.time() - t0 > 1800:
+                raise TimeoutError(f"emulated run of {procs} processes did not finish in 30 minutes; logs in {logs}")
+        if learner.returncode != 0:  # the samplers would wait for versions that never come
+            raise RuntimeError(f"learner exited with {learner.returncode}:\n" + (logs / "learner.log").read_text()[-3000:])
+    except BaseException:
+        _kill_group(learner)
         for p in samplers.values():
             p.kill()
-        raise RuntimeError(f"learner exited with {learner.returncode}:\n" + (logs / "learner.log").read_text()[-3000:])
+        raise
     cpu1 = cpu_times()
     for p in samplers.values():
         p.wait(60)
@@ -241,7 +268,20 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
             "poll_max_s": cfg.async_rl.poll_max_interval, "max_staleness": cfg.async_rl.max_staleness}
 
 
-def main() -> None:
+CHECKED = ("efficiency", "whole_run_efficiency", "completions_per_s", "updates", "batches", "requests_per_batch",
+           "measured_rollout_s", "measured_update_s", "store_latency_s", "store_bytes_s", "exactly_once")
+
+
+def _fresh_forkserver() -> None:
+    """Stop this process's fork server if one runs. Its preloaded modules are fixed when it starts:
+    one started before (another benchmark's warm run, in the same test process) would fork samplers
+    without the stand-in, and one started here must not fork later runs' workers with it."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # private, but the only way; a no-op when none runs
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = bench_args(__doc__, seeds=None, checkpoint=False, workdir=True, sets=False)
     ap.add_argument("--processes", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--batches", type=int, default=4, help="batches per sampler (each a stand-in rollout)")
@@ -250,24 +290,32 @@ def main() -> None:
     ap.add_argument("--bytes-scale", type=float, default=None,
                     help="LLaDA-8B's bytes times this instead (default: --scale): 64 processes at --scale 0.5 hold "
                          "an adapter-sized ballast each, more than 24 GiB")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.smoke:
+        vars(args).update(SMOKE)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="miles-emulate-"))
+    from multiprocessing import forkserver
+
     from miles_core.models.tiny import init_checkpoint
 
     base = init_checkpoint(work / "base", seed=0)
-    server = _seaweed().start(work / "s3", bucket="miles")
-    os.environ.update({"MILES_S3_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.key,
-                       "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_DEFAULT_REGION": "us-east-1"})
     probe = load_recipe("tiny", OVERRIDES)
-    os.environ["MILES_STANDIN"] = json.dumps({**stand_in(probe, args.scale, args.bytes_scale),
-                                              "allreduce_bytes": trained_bytes(probe, base)})
-    os.environ["MILES_STANDIN_INSTALL"] = "1"  # the forkserver installs it once; forked samplers inherit it
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["miles_core.asyncrl.warm", "benchmarks.standin"])
-    WarmProcess._ctx = ctx
-    store_cost = measure_store(server)
+    standin = json.dumps({**stand_in(probe, args.scale, args.bytes_scale), "allreduce_bytes": trained_bytes(probe, base)})
+    server = _seaweed().start(work / "s3", bucket="miles")
+    # the environment, fork server and launcher context this run sets, restored after (main runs in tests too)
+    environ = mock.patch.dict(os.environ, {
+        "MILES_S3_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.key,
+        "AWS_SECRET_ACCESS_KEY": server.secret, "AWS_DEFAULT_REGION": "us-east-1", "MILES_STANDIN": standin,
+        "MILES_STANDIN_INSTALL": "1"})  # the forkserver installs it once; forked samplers inherit it
+    preload, warm_ctx = list(forkserver._forkserver._preload_modules), WarmProcess._ctx
     runs = []
     try:
+        environ.start()
+        _fresh_forkserver()
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["miles_core.asyncrl.warm", "benchmarks.standin"])
+        WarmProcess._ctx = ctx
+        store_cost = measure_store(server, SMOKE_STORE_PROBES if args.smoke else 30)
         for procs in args.processes:
             chaos = args.chaos and procs == max(args.processes)
             print(f"emulating {procs} processes{' with chaos' if chaos else ''} ...", flush=True)
@@ -275,18 +323,28 @@ def main() -> None:
             r = runs[-1]
             print(f"  {r['samplers']}:{r['learner_ranks']} B={r['batches_per_update']} eff {r['efficiency']:.3f} "
                   f"req/batch {r['requests_per_batch']:.1f} dropped {r['dropped']}", flush=True)
+            if not r["measured_rollout_s"] >= 0.9 * r["rollout_s"]:  # a sampler's passes last their waits at least
+                raise MeasuredNothing(f"benchmarks.emulate: rollouts took {r['measured_rollout_s']:.3f}s, the stand-in "
+                                      f"plans {r['rollout_s']:.3f}s: the samplers ran without it")
     finally:
+        _fresh_forkserver()
+        forkserver._forkserver._preload_modules, WarmProcess._ctx = preload, warm_ctx
+        environ.stop()
         server.stop()
     rows = [[r["processes"], f"{r['samplers']}:{r['learner_ranks']}", r["batches_per_update"], f"{r['efficiency']:.3f}",
              f"{r['learner_idle']:.2f}", f"{r['sampler_idle']:.2f}", r["dropped"], r["staleness_max"],
              f"{r['requests_per_batch']:.1f}", r["exactly_once"], f"{r['measured_rollout_s']:.2f}/{r['rollout_s']:.2f}",
              f"{r['measured_update_s']:.2f}/{r['update_s']:.2f}", f"{r['cpu_busy']:.2f}",
              f"{r['whole_run_efficiency']:.3f}"] for r in runs]
+    # the figures each run exists for, keyed by its size (``runs`` is a list, which the checks cannot index)
+    measured = {str(r["processes"]): {k: r[k] for k in CHECKED} for r in runs}
     finish("emulate", {"runs": runs, "scale": args.scale,
                        "bytes_scale": args.scale if args.bytes_scale is None else args.bytes_scale,
-                       "cpus": usable_cpus(), "staleness_bound": STALENESS}, rows,
+                       "cpus": usable_cpus(), "staleness_bound": STALENESS, "measured": measured,
+                       "smoke": args.smoke}, rows,
            ["procs", "S:D", "B", "eff", "L idle", "S idle", "dropped", "max stale", "req/batch", "once",
-            "rollout s meas/plan", "update s meas/plan", "CPU busy", "whole run"], out=args.out)
+            "rollout s meas/plan", "update s meas/plan", "CPU busy", "whole run"], out=args.out,
+           positive=[f"measured.*.{k}" for k in CHECKED if k != "exactly_once"], present=["measured.*.exactly_once"])
 
 
 if __name__ == "__main__":

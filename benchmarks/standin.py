@@ -120,28 +120,27 @@ def _ballast_frozen(model: nn.Module) -> nn.Module:
 
 
 def install() -> None:
-    """Wrap the base loader the sampler and the learner call, in this process."""
+    """Wrap the policy builder the sampler and the learner call (learner/policy.py::build_policy), in
+    this process: the base it loads gets the ballast and the waits (the learner's, trainable, waits
+    per row; a sampler's per step), and the ballast's LoRA factors stay frozen."""
     cfg = json.loads(os.environ["MILES_STANDIN"])
     import miles_core.asyncrl.sampler as sampler_mod
     import miles_core.learner.policy as policy_mod
 
-    for mod in (sampler_mod, policy_mod):
-        real = mod.load_base
-        if getattr(real, "standin", False):
-            continue  # installed already (the forkserver imports this module with the flag set)
+    real = policy_mod.build_policy
+    if getattr(real, "standin", False):
+        return  # installed already (the forkserver imports this module with the flag set)
 
-        def load_base(recipe: Any, base_dir: Any, _real: Any = real, _learner: bool = mod is policy_mod) -> Any:
-            model, tok = _real(recipe, base_dir)
-            return fit(model, cfg, _learner), tok
-        load_base.standin = True  # type: ignore[attr-defined]
-        mod.load_base = load_base
-    for name in ("add_lora_from", "load_adapter"):  # the learner's trainable parameters
-        real = getattr(policy_mod, name)
-        if not getattr(real, "standin", False):
-            def frozen(*args: Any, _real: Any = real, **kw: Any) -> Any:
-                return _ballast_frozen(_real(*args, **kw))
-            frozen.standin = True  # type: ignore[attr-defined]
-            setattr(policy_mod, name, frozen)
+    def build_policy(recipe: Any, base_dir: Any, adapter_dir: Any = None, trainable: bool = True) -> Any:
+        load = policy_mod.load_base
+        policy_mod.load_base = lambda r, b: (lambda mt: (fit(mt[0], cfg, trainable), mt[1]))(load(r, b))
+        try:
+            model, tok = real(recipe, base_dir, adapter_dir, trainable)
+        finally:
+            policy_mod.load_base = load
+        return _ballast_frozen(model), tok
+    build_policy.standin = True  # type: ignore[attr-defined]
+    policy_mod.build_policy = sampler_mod.build_policy = build_policy
 
 
 if os.environ.get("MILES_STANDIN_INSTALL") == "1":  # emulate.py's forkserver: every forked sampler has it

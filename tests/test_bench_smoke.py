@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,9 @@ def test_smoke(name: str, tmp_path: Path, monkeypatch) -> None:
     in-process so the lane pays the imports once: 27 fresh interpreters would spend ~2 minutes
     importing torch and transformers alone)."""
     monkeypatch.setenv("MILES_BENCH_RESULTS", str(tmp_path / "results"))
+    # processes a benchmark starts (a forkserver's preloads, torchrun) import benchmarks.* from the
+    # repository, as they do under `python -m benchmarks.NAME` run from its root
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.chdir(tmp_path)
     threads = torch.get_num_threads()
     module = importlib.import_module(f"benchmarks.{name}")
