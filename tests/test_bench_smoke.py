@@ -21,16 +21,8 @@ from benchmarks import HELPERS
 ROOT = Path(__file__).resolve().parents[1]
 MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
 BENCHMARKS = [m for m in MODULES if m not in HELPERS]
-# What a benchmark's smoke run needs from the test beyond --smoke (a file the test writes).
-EXTRA = {"real_model": lambda tmp: ["--source", str(_tiny_gguf(tmp)), "--workdir", str(tmp / "work"), "--seeds", "0"]}
-
-
-def _tiny_gguf(tmp: Path) -> Path:
-    from tests.test_importer import write_tiny_gguf
-
-    path = tmp / "tiny.gguf"
-    write_tiny_gguf(path)
-    return path
+# Benchmarks whose smoke run is a test of its own, with more checks (so the lane runs it once).
+OWN_TEST = {"real_model": "tests/test_real_model_bench.py"}
 
 
 def test_every_module_is_a_benchmark_with_a_smoke_mode_or_a_helper() -> None:
@@ -40,11 +32,13 @@ def test_every_module_is_a_benchmark_with_a_smoke_mode_or_a_helper() -> None:
         assert 'if __name__ == "__main__"' in src, f"benchmarks/{name}.py runs as nothing: a benchmark or a HELPERS entry"
         assert "add_smoke(" in src or "bench_args(" in src, f"benchmarks/{name}.py has no --smoke (harness.add_smoke)"
         assert "def main(argv: list[str] | None = None)" in src, f"benchmarks/{name}.py: main must take argv"
+    for name, test in OWN_TEST.items():
+        assert "--smoke" in (ROOT / test).read_text() and "pytest.mark.bench" in (ROOT / test).read_text(), test
 
 
 @pytest.mark.e2e
 @pytest.mark.bench
-@pytest.mark.parametrize("name", BENCHMARKS)
+@pytest.mark.parametrize("name", [m for m in BENCHMARKS if m not in OWN_TEST])
 def test_smoke(name: str, tmp_path: Path, monkeypatch) -> None:
     """``main(["--smoke", ...])`` in this process (what ``python -m benchmarks.NAME --smoke`` runs;
     in-process so the lane pays the imports once: 27 fresh interpreters would spend ~2 minutes
@@ -57,7 +51,7 @@ def test_smoke(name: str, tmp_path: Path, monkeypatch) -> None:
     threads = torch.get_num_threads()
     module = importlib.import_module(f"benchmarks.{name}")
     try:
-        module.main(["--smoke", *EXTRA.get(name, lambda _: [])(tmp_path)])
+        module.main(["--smoke"])
     finally:
         torch.set_num_threads(threads)
     written = sorted((tmp_path / "results").glob("*_smoke.json"))

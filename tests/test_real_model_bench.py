@@ -12,8 +12,11 @@ from tests.test_importer import write_tiny_gguf
 
 
 @pytest.mark.e2e
-def test_every_stage_runs_and_reruns_from_cache(tmp_path, capsys) -> None:
+@pytest.mark.bench  # this is benchmarks.real_model's smoke run in the lane (tests/test_bench_smoke.py)
+def test_every_stage_runs_and_reruns_from_cache(tmp_path, capsys, monkeypatch) -> None:
     from benchmarks.real_model import main
+
+    monkeypatch.setenv("MILES_BENCH_RESULTS", str(tmp_path / "results"))
 
     src = tmp_path / "tiny.gguf"
     write_tiny_gguf(src)
