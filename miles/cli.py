@@ -207,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--shift", action=argparse.BooleanOptionalAction, default=False,
                    help="import: keep the AR logit shift, position i's prediction read at i-1 (Dream style); "
                         "default off, read at i (LLaDA/MDLM), chosen by benchmarks.real_model's adaptation table")
+    p.add_argument("--block-size", type=int, default=0, metavar="N",
+                   help="import: block-causal attention over blocks of N positions (SDAR/BD3LM style); default 0, "
+                        "full bidirectional attention")
     p.set_defaults(func=cmd_models)
     return parser
 

@@ -190,7 +190,8 @@ def cmd_models(args: argparse.Namespace) -> int:
     if args.action == "import":
         if not args.out:
             raise UsageError("miles models import SRC OUT: OUT, the new base folder, is missing")
-        return models_main(["import", args.dir, args.out, "--shift" if args.shift else "--no-shift"])
+        return models_main(["import", args.dir, args.out, "--shift" if args.shift else "--no-shift",
+                            "--block-size", str(args.block_size)])
     folder = Path(args.dir)
     if not folder.exists():
         raise UsageError(f"{folder}: no such folder (miles models check takes a local checkpoint folder)")
