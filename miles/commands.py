@@ -153,7 +153,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import mlflow.pyfunc
     import pandas as pd
 
-    uri = tracking_uri(args.tracking_uri)  # the store training registered into, not MLflow's own default
+    uri = live_tracking_uri(args.tracking_uri)  # the store training registered into, not MLflow's own default
     mlflow.set_tracking_uri(uri)
     mlflow.set_registry_uri(uri)
     model = mlflow.pyfunc.load_model(args.model)
@@ -173,7 +173,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     """``mlflow models serve`` for a registered model, with this interpreter's scripts on PATH (MLflow
     starts ``uvicorn`` by name, which fails when the venv is not activated) and the project's store."""
-    uri = tracking_uri(args.tracking_uri)
+    uri = live_tracking_uri(args.tracking_uri)
     env = {**os.environ, "MLFLOW_TRACKING_URI": uri, "MLFLOW_REGISTRY_URI": uri,
            "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     cmd = [sys.executable, "-m", "mlflow", "models", "serve", "-m", args.model, "--env-manager", "local",
@@ -306,6 +306,18 @@ def demo_report(train: dict[str, Any], gain: dict[str, Any], recipe: str) -> str
     return "\n".join(lines)
 
 
+def live_tracking_uri(explicit: str | None = None) -> str:
+    """:func:`tracking_uri`, refused in seconds (naming it) when it is a server that does not answer:
+    MLflow's client would retry for minutes before failing."""
+    import tracking
+
+    uri = tracking_uri(explicit)
+    try:
+        return tracking.check_uri(uri)
+    except (ValueError, ConnectionError) as e:
+        raise UsageError(str(e)) from None
+
+
 def tracking_uri(explicit: str | None = None) -> str:
     """The MLflow store the flows write to: ``--tracking-uri``, the env var, else the default."""
     uri = explicit or os.environ.get("MLFLOW_TRACKING_URI")
@@ -370,7 +382,7 @@ def model_source(source: str, base: str | None, tracking_uri_arg: str | None, sc
         import tracking
         from tracking import registry
 
-        tracking.configure(tracking_uri(tracking_uri_arg))
+        tracking.configure(live_tracking_uri(tracking_uri_arg))
         src = registry.resolve_model(source, scratch)
         return {"base_dir": Path(base or src["base_dir"]),
                 "adapter_dir": Path(src["adapter_dir"]) if src["adapter_dir"] else None,

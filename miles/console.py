@@ -34,11 +34,20 @@ def startup_timeout_s(load: float | None = None, cpus: int | None = None) -> int
     return int(min(STARTUP_MAX_S, STARTUP_BASE_S * max(1.0, load / cpus)))
 
 
+MLFLOW_RETRY = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "4", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+
+
 def prefect_defaults() -> None:
     """Set Prefect's embedded-mode defaults in the environment; must run before Prefect is imported
     (``main`` calls it first). A value the user exported wins."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault(STARTUP_ENV, str(startup_timeout_s()))
+    # A tracking server that goes away mid-run: MLflow's defaults (7 retries, backoff factor 2, 120 s
+    # a request) keep a finished run retrying for minutes. These bound a request that is refused to
+    # about 15 s (1 + 2 + 4 + 8) and one that hangs to 5 x 30 s.
+    for key, value in MLFLOW_RETRY.items():
+        os.environ.setdefault(key, value)
 
 
 def startup_advice(err: BaseException) -> str | None:

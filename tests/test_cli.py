@@ -321,6 +321,17 @@ def test_a_missing_gpu_is_refused_before_any_flow_starts() -> None:
     assert not any(s in r.stdout + r.stderr for s in FLOW_STARTED)
 
 
+@pytest.mark.parametrize("cmd", [["generate", "--model", "models:/m/1", "1+2"], ["serve", "--model", "models:/m/1"]])
+def test_a_tracking_server_that_does_not_answer_is_refused_in_seconds(cmd: list[str]) -> None:
+    """``miles generate`` / ``serve`` against a tracking server that is down fail in seconds, naming it
+    (MLflow's client alone retried for 249 s)."""
+    port = _free_port()
+    t0 = time.monotonic()
+    r = miles(*cmd, "--tracking-uri", f"http://127.0.0.1:{port}", timeout=120)
+    assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr and "does not answer" in r.stderr, r.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+
+
 @pytest.mark.parametrize("where", ["afile/store", "/proc/x", "ro/store"])
 def test_an_unwritable_store_or_run_folder_is_refused_before_any_flow_starts(where: str, tmp_path: Path) -> None:
     """A store or run folder that cannot be created fails in seconds, naming the flag and the
