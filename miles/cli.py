@@ -95,6 +95,12 @@ def cmd_flow(args: argparse.Namespace) -> int:
                 check_writable_folder(getattr(parsed, field), flag)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if getattr(parsed, "resume", False) and spec.flow == "train_flow":  # refused before Prefect starts too
+        from miles_core.learner.runtime import read_pointer, resumed_recipe
+
+        meta = read_pointer(parsed.run_dir) or {}
+        if meta.get("store_uri"):
+            resumed_recipe(parsed.store_uri or meta["store_uri"], parsed.recipe_overrides())
     # The run folder is fixed here, not in the flow, so the log file is in it from the first line.
     run_dir = parsed.run_path(spec.run_prefix)
     values["run_dir"] = str(run_dir)

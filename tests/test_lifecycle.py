@@ -6,6 +6,7 @@ runs ``miles train`` as a user does, kills it with SIGKILL mid-run, and resumes 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -133,11 +134,14 @@ def _env(tmp: Path) -> dict[str, str]:
 
 @pytest.mark.e2e
 def test_kill_9_then_resume_marks_the_dead_run_and_continues_the_same_mlflow_run(tmp_path: Path) -> None:
-    """``miles train`` killed with SIGKILL after its first update: the rerun without --resume is refused
+    """``miles train`` killed with SIGKILL after its first update: nothing it started outlives it (the
+    temporary Prefect server included: miles/reaper.py); the rerun without --resume is refused
     naming --resume; a resume changing an evaluation setting is refused naming it; a bare ``--resume``
     (none of the start's overrides typed again) marks the dead flow run Crashed and continues the
     same MLflow run with the run's own recipe (its update steps 1..3 each once, not the recipe's
     default length; one evaluation fingerprint) and ends FINISHED."""
+    from miles.reaper import _start_time, descendants
+
     env, run_dir = _env(tmp_path), tmp_path / "run"
     args = [sys.executable, "-m", "miles.cli", "train", "tiny", "--run-dir", str(run_dir), "--no-progress",
             "--register-as", "", "sft.steps=5", "sft.eval_every=5", "eval.num_problems=4",
@@ -152,8 +156,19 @@ def test_kill_9_then_resume_marks_the_dead_run_and_continues_the_same_mlflow_run
                 break
             time.sleep(0.5)
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        os.killpg(proc.pid, signal.SIGKILL)
+        kids = descendants(proc.pid)
+        cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode() for p in kids]
+        assert any("uvicorn" in c for c in cmdlines), cmdlines  # Prefect's temporary server is among them
+        proc.send_signal(signal.SIGKILL)  # the CLI alone, as the OOM killer does: not its process group
+        proc.wait()
+        # nothing the CLI started outlives it by 5 s (miles/reaper.py), the server included
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(_start_time(p) == t for p, t in kids.items()):
+            time.sleep(0.1)
+        assert not [c for (p, t), c in zip(kids.items(), cmdlines) if _start_time(p) == t]
     finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     first = json.loads((run_dir / session.RECORD).read_text())
     tracking.configure(env["MLFLOW_TRACKING_URI"])
@@ -185,8 +200,7 @@ def test_kill_9_then_resume_marks_the_dead_run_and_continues_the_same_mlflow_run
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_sigterm_and_sigint_end_the_run_killed(sig: int, tmp_path: Path) -> None:
+def test_sigterm_ends_the_run_killed(tmp_path: Path) -> None:
     """A scheduler's SIGTERM (Kubernetes, ``kill``) to the CLI mid-flow ends the MLflow run KILLED,
     as Ctrl-C does, not FAILED: during a flow Prefect's engine raises its own TerminationSignal for
     SIGTERM, and the run's context manager counts it as a stop. The CLI says so and exits 128 + N."""
@@ -203,50 +217,16 @@ def test_sigterm_and_sigint_end_the_run_killed(sig: int, tmp_path: Path) -> None
             time.sleep(0.5)
         time.sleep(3)  # inside the training loop
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        proc.send_signal(sig)
+        proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=120)
     finally:
         proc.kill()
         proc.wait()
     err = proc.stderr.read().decode()
-    assert rc in (128 + sig, 130), (rc, err[-3000:])
+    assert rc == 128 + signal.SIGTERM, (rc, err[-3000:])
     tracking.configure(env["MLFLOW_TRACKING_URI"])
     run_id = json.loads((run_dir / session.RECORD).read_text())["mlflow_run_id"]
     assert MlflowClient().get_run(run_id).info.status == "KILLED", err[-3000:]
-
-
-@pytest.mark.e2e
-def test_no_process_of_the_cli_outlives_a_kill_9(tmp_path: Path) -> None:
-    """``kill -9`` of a running ``miles sft``: Prefect's temporary server (a uvicorn child) and every
-    other process the CLI started are gone within 5 s (miles/reaper.py), not re-parented to PID 1."""
-    from miles.reaper import _start_time, descendants
-
-    env, run_dir = _env(tmp_path), tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "miles.cli", "sft", "tiny", "--run-dir", str(run_dir), "--no-progress",
-                             "sft.steps=100000", "sft.eval_every=100000"], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 300
-        rec = run_dir / session.RECORD
-        while time.monotonic() < deadline and proc.poll() is None:
-            if rec.exists() and json.loads(rec.read_text()).get("mlflow_run_id"):
-                break
-            time.sleep(0.5)
-        time.sleep(2)
-        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-        kids = descendants(proc.pid)
-        cmdlines = [Path(f"/proc/{p}/cmdline").read_bytes().replace(b"\0", b" ").decode() for p in kids]
-        assert any("uvicorn" in c for c in cmdlines), cmdlines  # the temporary server is among them
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and any(_start_time(p) == t for p, t in kids.items()):
-            time.sleep(0.1)
-        left = [c for (p, t), c in zip(kids.items(), cmdlines) if _start_time(p) == t]
-        assert not left, left
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 def test_corrupted_checkpoints_and_adapters_fail_naming_the_file(tmp_path: Path) -> None:
