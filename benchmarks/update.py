@@ -20,7 +20,7 @@ holds for backward (miles_core/memory.py's SavedTensorMeter: deterministic, the 
 the methods differ in), and the growth of the peak resident set over the resident set just before
 the update (Linux: the peak is reset through /proc/self/clear_refs after the model is loaded and
 one small update has warmed up; allocator caching makes it noisier).
-``--smoke``: adpo at s = 1 and 2 and adpo+ckpt, K = 4 (not chain: adpo's code with one chunk, and
+``--smoke``: adpo at s = 1 and adpo+ckpt, K = 4 (not chain, adpo's code with one chunk, nor s > 1:
 a fresh process costs seconds of imports), on a 2-layer model of hidden 32, one trajectory of 16
 tokens: still one fresh process per configuration.
 Run: python -m benchmarks.update [--ks 8 32 128 256] [--merges 1 4 16] [--ckpt-ks 8 32] [--batch 2] [--completion 256]
@@ -42,8 +42,8 @@ import torch
 
 from benchmarks.harness import SPEED_SIZE, add_smoke, check_measured, synthetic_batch, table, write_result
 
-# --smoke: adpo (s = 1, 2) and adpo+ckpt at one K, a tiny model and one short trajectory
-SMOKE = {"ks": [4], "merges": [1, 2], "chain_ks": [], "ckpt_ks": [4], "batch": 1, "prompt_len": 8, "completion": 16,
+# --smoke: adpo (s = 1) and adpo+ckpt at one K, a tiny model and one short trajectory
+SMOKE = {"ks": [4], "merges": [1], "chain_ks": [], "ckpt_ks": [4], "batch": 1, "prompt_len": 8, "completion": 16,
          "chunk_tokens": 64}
 SMOKE_SIZE = {**SPEED_SIZE, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "head_dim": 8}
 
