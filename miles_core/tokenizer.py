@@ -22,10 +22,10 @@ PROMPT_PREFILL = {"gsm8k": "<reasoning>", "math": "<reasoning>", "math500": "<re
 
 
 def _countdown_question(prompt: str) -> str:
-    from miles_core.data.countdown import parse_prompt  # imported on use: miles_core.data imports this module
-
-    nums, target = parse_prompt(prompt)
-    return f"Make {target} from the numbers {' and '.join(map(str, nums))}, using each once with +, - or *. " \
+    """``"3,10:13"`` (countdown's notation, data/countdown.py: the numbers, then the target) asked
+    in words. Read here, not through data/countdown.py: the tokenizer sits below the data floor."""
+    numbers, _, target = "".join(prompt.split()).partition(":")
+    return f"Make {target} from the numbers {' and '.join(numbers.split(','))}, using each once with +, - or *. " \
            "Answer with the equation only."
 
 
