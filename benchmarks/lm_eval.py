@@ -28,6 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Iterator
+from unittest import mock
 
 from benchmarks.harness import bench_args, finish, sft_checkpoint, workdir
 
@@ -42,19 +43,10 @@ def offline_and_own_sandboxes() -> Iterator[None]:
     """``HF_DATASETS_OFFLINE=1`` (lm-eval's local tasks must not reach the hub) while the benchmark
     runs, and the code tasks' shared sandbox pools this run started closed after it: the caller's
     environment and processes as they were (the smoke test calls ``main`` in its own process)."""
-    from miles_core.rewards import pool
+    from miles_core.rewards.pool import shared_pools_closed_after
 
-    old, before = os.environ.get("HF_DATASETS_OFFLINE"), set(pool._SHARED)
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    try:
+    with mock.patch.dict(os.environ, {"HF_DATASETS_OFFLINE": "1"}), shared_pools_closed_after():
         yield
-    finally:
-        if old is None:
-            os.environ.pop("HF_DATASETS_OFFLINE", None)
-        else:
-            os.environ["HF_DATASETS_OFFLINE"] = old
-        for key in set(pool._SHARED) - before:
-            pool._SHARED[key].close()
 
 
 def lm_eval_correct(lm, task_dir: Path, names: list[str], limit: int | None,

@@ -27,7 +27,7 @@ from benchmarks.harness import add_smoke, table, write_result
 from benchmarks.sample_files import corrupt_completion, gold_completion, write_samples
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task, check_reward
-from miles_core.rewards import pool as sandbox_pools
+from miles_core.rewards.pool import shared_pools_closed_after
 from miles_core.rewards.mathverify import check_answer, math_verify_alone
 from miles_core.rewards.registry import get_reward
 
@@ -128,13 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.smoke:
         args.variants = SMOKE_VARIANTS
-    before = set(sandbox_pools._SHARED)
-    try:
-        with tempfile.TemporaryDirectory() as d:
-            rows = task_rows(Path(d))
-    finally:  # the code tasks' shared sandbox pools this run started: closed, the caller's processes as they were
-        for key in set(sandbox_pools._SHARED) - before:
-            sandbox_pools._SHARED[key].close()
+    # the code tasks' shared sandbox pools this run starts: closed after, the caller's processes as they were
+    with shared_pools_closed_after(), tempfile.TemporaryDirectory() as d:
+        rows = task_rows(Path(d))
     print(table([[r["name"], r["ok"], r["rows"], r["skipped"], r["gold_accuracy"], r["corrupt_accuracy"],
                   f"{1000 * r['seconds_per_sample']:.1f}", r["reward"]] for r in rows],
                 ["task", "ok", "rows", "skipped", "gold acc", "corrupt acc", "ms/sample", "reward"]))

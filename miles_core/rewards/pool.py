@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import fcntl
 import itertools
@@ -23,7 +24,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from miles_core.rewards.isolation import MODES, USERNS_HINT, IsolationUnavailable, Mode, filter_rules, prepare
 from miles_core.rewards.reports import interpret, parse_report
@@ -406,6 +407,19 @@ def _job_message(job: Job, k: int) -> dict:
     except (TypeError, ValueError) as e:
         raise ValueError(f"SandboxPool: jobs[{k}].inputs must be JSON values ({e})") from None
     return msg
+
+
+@contextlib.contextmanager
+def shared_pools_closed_after() -> Iterator[None]:
+    """The shared pools (:func:`shared_pool`) first started inside the block are closed when it
+    ends, so a run inside a longer-lived process (a benchmark's ``main`` called by a test) leaves
+    no sandbox workers behind; pools that existed before stay as they were."""
+    before = set(_SHARED)
+    try:
+        yield
+    finally:
+        for key in set(_SHARED) - before:
+            _SHARED[key].close()
 
 
 def shared_pool(isolation: Mode = "bwrap") -> SandboxPool:
