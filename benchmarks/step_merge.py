@@ -55,16 +55,13 @@ def main(argv: list[str] | None = None) -> None:
                      "sample_gflop": sum(r["sample_flops"] for r in mine) / n / 1e9,
                      "seconds": sum(r["seconds"] for r in mine) / n,
                      "completions": sum(r["completions"] for r in mine) / n, "per_seed": mine})
-    # what each arm measured, keyed by s (the checks below name them; rows is a list)
-    measured = {f"s{r['s']}": {k: r[k] for k in ("pass1", "update_gflop", "sample_gflop", "seconds", "completions")}
-                for r in rows}
-    payload = {"rows": rows, "measured": measured, "iterations": iters, "seeds": args.seeds,
+    payload = {"rows": rows, "iterations": iters, "seeds": args.seeds,
                "seconds": time.perf_counter() - t_all, "smoke": args.smoke,
                "sft_checkpoint": {k: v for k, v in sft.items() if k != "curve"}}
     finish("step_merge", payload, [[r["s"], r["pass1"], r["update_gflop"], r["sample_gflop"], r["seconds"]] for r in rows],
            ["s", "final pass@1", "update GFLOP", "sample GFLOP", "train s"], args.out,
-           positive=["measured.*.update_gflop", "measured.*.sample_gflop", "measured.*.seconds", "measured.*.completions"],
-           present=["measured.*.pass1"])
+           positive=["rows.*.update_gflop", "rows.*.sample_gflop", "rows.*.seconds", "rows.*.completions"],
+           present=["rows.*.pass1"])
 
 
 if __name__ == "__main__":
