@@ -76,6 +76,15 @@ def stage(work: Path, name: str, fn: Callable[[], dict]) -> dict:
     return out
 
 
+def imported(source: Path, out: Path, **options: Any) -> dict:
+    """``out``'s import report: ``miles models import`` of ``source`` with ``options``, or the report
+    a previous import left there (a stage killed after the import but before its record)."""
+    from miles_core.models.importer import import_causal_lm
+
+    report = out / "miles_import.json"
+    return json.loads(report.read_text()) if report.exists() else asdict(import_causal_lm(source, out, **options))
+
+
 def recipe(base: str | Path, size: dict, overrides: list[str]):
     from miles_core.config import load_recipe
 
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     from miles_core.data.registry import build_task
     from miles_core.models.base import load_base, set_prompt_format
     from miles_core.models.hf_tokenizer import HFTokenizer
-    from miles_core.models.importer import find_smollm2, import_causal_lm
+    from miles_core.models.importer import find_smollm2
 
     ap = bench_args(__doc__, seeds=[0, 1], workdir=True)
     ap.add_argument("--quick", action="store_true", help="every stage on fewer problems, steps and updates")
@@ -224,9 +233,7 @@ def main(argv: list[str] | None = None) -> None:
     for shift in (True, False):
         out = work / f"base-{'shift' if shift else 'noshift'}"
         bases[shift] = out
-        stage(work, f"import_{'shift' if shift else 'noshift'}",
-              lambda: asdict(import_causal_lm(source, out, logit_shift=shift)) if not (out / "miles_import.json").exists()
-              else json.loads((out / "miles_import.json").read_text()))
+        stage(work, f"import_{'shift' if shift else 'noshift'}", lambda: imported(source, out, logit_shift=shift))
     cfg = recipe(bases[True], size, args.set)
     data = build_task(cfg)
     tok = HFTokenizer.load(bases[True])  # the prompt ids the AR stage sends: no weights needed
@@ -252,9 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         lora_cfg, data, bases[chosen == "shift"], work / f"sft-{chosen}-lora", size, lora=True))
     # block-causal attention at the same budget, from the chosen shift: reported beside the choice
     block_base = work / f"base-{chosen}-block{BLOCK}"
-    stage(work, f"import_{chosen}_block{BLOCK}", lambda: asdict(import_causal_lm(
-        source, block_base, logit_shift=chosen == "shift", block_size=BLOCK)) if not (block_base / "miles_import.json").exists()
-        else json.loads((block_base / "miles_import.json").read_text()))
+    stage(work, f"import_{chosen}_block{BLOCK}",
+          lambda: imported(source, block_base, logit_shift=chosen == "shift", block_size=BLOCK))
     block_cfg = recipe(block_base, size, args.set)
     adapt[f"{chosen}_block{BLOCK}"] = stage(work, f"adapt_{chosen}_block{BLOCK}", lambda: adapt_arm(
         block_cfg, data, block_base, work / f"sft-{chosen}-block{BLOCK}", size))
