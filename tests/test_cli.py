@@ -245,7 +245,7 @@ def test_demo_and_every_command_it_prints(tmp_path: Path) -> None:
     # as a new user meets it: no start-up limit exported (the CLI's own), and every core busy with
     # another process while Prefect's temporary server starts (Prefect's default 20 s failed here)
     env.pop("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS")
-    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 90\nwhile time.time() < t: pass"])
+    hogs = [subprocess.Popen([sys.executable, "-c", "import time\nt = time.time() + 40\nwhile time.time() < t: pass"])
             for _ in range(os.cpu_count() or 1)]
     try:
         r = miles("demo", "--recipe", "tiny", "--no-progress", "--register-as", "cli-demo",

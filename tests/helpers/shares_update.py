@@ -71,8 +71,8 @@ for estimator in ("adpo", "espo", "wd1"):
     one = update(None)
     if estimator == "adpo":
         held = sum(int(owned_rows(j, n, B, G, world).sum()) for j in range(B))
-        print(f"built={world.rank}:{mine_built}:{held}", flush=True)
+        print(f"built={world.rank}:{mine_built}:{held}\n", end="", flush=True)  # one write: ranks share stdout, unbuffered under PYTHONUNBUFFERED
     if world.rank == 0:
         diff = max(float((one[k] - shares[k]).abs().max()) for k in one)
         moved = max(float(v.abs().max()) for k, v in one.items() if "lora_B" in k)
-        print(f"estimator={estimator} max_abs_diff={diff:.3e} moved={moved:.3e}", flush=True)
+        print(f"estimator={estimator} max_abs_diff={diff:.3e} moved={moved:.3e}\n", end="", flush=True)
