@@ -84,12 +84,11 @@ def cmd_flow(args: argparse.Namespace) -> int:
         import yaml
         print(yaml.safe_dump(json.loads(json.dumps(cfg.to_dict())), sort_keys=False), end="")
         return 0
-    import tracking
-
+    from miles.commands import live_tracking_uri
     from miles_core.storage.uri import check_writable_folder
 
-    try:  # a store that cannot work fails now, not after Prefect's server started
-        tracking.check_uri(parsed.tracking_uri)
+    live_tracking_uri(parsed.tracking_uri)  # a store that cannot work fails now, not after Prefect's server started
+    try:
         for field, flag in (("store_uri", "--store"), ("run_dir", "--run-dir")):
             if getattr(parsed, field, None):
                 check_writable_folder(getattr(parsed, field), flag)

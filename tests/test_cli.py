@@ -321,15 +321,16 @@ def test_a_missing_gpu_is_refused_before_any_flow_starts() -> None:
     assert not any(s in r.stdout + r.stderr for s in FLOW_STARTED)
 
 
-@pytest.mark.parametrize("cmd", [["generate", "--model", "models:/m/1", "1+2"], ["serve", "--model", "models:/m/1"]])
+@pytest.mark.parametrize("cmd", [["generate", "--model", "models:/m/1", "1+2"], ["serve", "--model", "models:/m/1"],
+                                 ["train", "tiny"]])
 def test_a_tracking_server_that_does_not_answer_is_refused_in_seconds(cmd: list[str]) -> None:
-    """``miles generate`` / ``serve`` against a tracking server that is down fail in seconds, naming it
-    (MLflow's client alone retried for 249 s)."""
+    """``miles generate`` / ``serve`` / a flow command against a tracking server that is down fail in
+    seconds with a usage error naming it (MLflow's client alone retried for 249 s), before any flow."""
     port = _free_port()
     t0 = time.monotonic()
     r = miles(*cmd, "--tracking-uri", f"http://127.0.0.1:{port}", timeout=120)
     assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr and "does not answer" in r.stderr, r.stderr[-2000:]
-    assert time.monotonic() - t0 < 60
+    assert time.monotonic() - t0 < 60 and not any(s in r.stdout + r.stderr for s in FLOW_STARTED)
 
 
 @pytest.mark.parametrize(("flag", "cmd", "where"), [("--store", "train", "afile/store"), ("--run-dir", "sft", "/proc/x"),

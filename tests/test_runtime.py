@@ -165,3 +165,51 @@ def test_a_start_that_failed_before_its_first_update_can_be_started_again(tmp_pa
     prepare_run(str(tmp_path / "shared"), load_recipe("tiny", BASE), base_dir)
     with pytest.raises(FileExistsError, match="another training run"):
         training.init_learner.fn(training.LearnerSession(tmp_path / "r2"), cfg, str(base_dir), str(tmp_path / "shared"))
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before_and_says_so(tmp_path: Path,
+                                                                                caplog: pytest.LogCaptureFixture) -> None:
+    """The pointer names the newest checkpoint and the two before it (older files are deleted); a
+    resume skips a damaged or missing newest one for the newest intact one, warns naming both, and
+    records the fallback; with none intact it fails naming every file."""
+    rs = RunStore(str(tmp_path / "run"))
+    for v in range(1, 6):
+        rs.save_checkpoint({"version": v, "ledger": {"consumed": list(range(v))}}, v)
+    ptr = rs.read_json("learner", "CHECKPOINT")
+    assert [ptr["file"], *(e["file"] for e in ptr["previous"])] == ["v000005.pt", "v000004.pt", "v000003.pt"]
+    assert sorted(p.name for p in (tmp_path / "run" / "learner" / "checkpoints").iterdir()) == [
+        "v000003.pt", "v000004.pt", "v000005.pt"]
+    assert rs.load_checkpoint()["version"] == 5 and "fallback" not in rs.load_checkpoint()
+    newest = tmp_path / "run" / "learner" / "checkpoints" / "v000005.pt"
+    newest.write_bytes(newest.read_bytes()[:-7] + b"garbage")
+    with caplog.at_level("WARNING", logger="miles_core.storage.run"):
+        got = rs.load_checkpoint()
+    assert got["version"] == 4 and got["ledger"] == {"consumed": [0, 1, 2, 3]}
+    assert got["fallback"]["used"] == "v000004.pt" and "v000005.pt: sha256" in got["fallback"]["skipped"][0]
+    assert "v000004.pt" in caplog.text and "v000005.pt" in caplog.text
+    (tmp_path / "run" / "learner" / "checkpoints" / "v000004.pt").unlink()
+    assert rs.load_checkpoint()["version"] == 3
+    (tmp_path / "run" / "learner" / "checkpoints" / "v000003.pt").write_bytes(b"x")
+    with pytest.raises(ValueError, match="no intact learner checkpoint: .*v000005.pt: sha256.*v000004.pt: missing"
+                                         ".*v000003.pt: sha256"):
+        rs.load_checkpoint()
+
+
+def test_a_sync_resume_past_a_damaged_checkpoint_redoes_only_the_lost_update(tmp_path: Path, base_dir: Path) -> None:
+    """Three iterations, the newest checkpoint damaged: the resume starts from version 2's, records
+    the fallback, and consumes batch 2 again (its update was lost with the checkpoint), each once."""
+    cfg = load_recipe("tiny", BASE)
+    run_dir, store = tmp_path / "run", str(tmp_path / "run" / "store")
+    with training.learner(run_dir) as lr:
+        training.init_learner.fn(lr, cfg, str(base_dir), store, resume=False)
+        iterate(lr, range(3))
+    newest = Path(store, "learner", "checkpoints", "v000003.pt")
+    newest.write_bytes(b"\0" * 64)
+    with training.learner(run_dir) as lr:
+        init = training.init_learner.fn(lr, cfg, str(base_dir), store, resume=True)
+        assert init["iteration"] == 2 and init["resumed"]
+        last = iterate(lr, range(2, 3))
+    assert last["iteration"] == 3
+    ckpt = RunStore(store).load_checkpoint()
+    assert [e["id"] for e in ckpt["ledger"]["consumed"]] == [f"{i:06d}-learner" for i in range(3)]
+    assert ckpt["totals"]["checkpoint_fallbacks"][0]["used"] == "v000002.pt"

@@ -92,6 +92,8 @@ class LearnerRun:
             self.learner.load_state(ckpt["learner"])
             self.ledger, self.history, self.totals = ckpt["ledger"], ckpt["history"], ckpt["totals"]
             self.totals["resumes"] += 1
+            if "fallback" in ckpt:  # the newest was damaged: storage/run.py::load_checkpoint said which it used
+                self.totals["checkpoint_fallbacks"] = [*self.totals.get("checkpoint_fallbacks", []), ckpt["fallback"]]
         latest = self.rs.retry(self.rs.adapters.latest_version, "polling adapters")
         if latest is not None and latest > self.learner.version:
             # versions published after the last checkpoint by a learner that died: never reuse them

@@ -7,7 +7,7 @@ The synchronous flow and the asynchronous learner use the same layout (see ARCHI
     {run}/trajectories/             committed, scored Parquet batches (TrajectoryStore): what a learner consumes
     {run}/adapters/vNNNNNN/         published LoRA versions (AdapterRegistry)
     {run}/learner/checkpoints/      learner state: adapter, optimizer, RNGs, version, ledger
-    {run}/learner/CHECKPOINT        pointer to the newest checkpoint (+ its sha256), written last
+    {run}/learner/CHECKPOINT        pointer to the newest checkpoint and the two before it (+ sha256s), written last
     {run}/learner/status.json       progress the samplers read for back-pressure
     {run}/samplers/{worker}.json    each sampler's progress (next sequence number, sync stats)
     {run}/control/STOP              ask every process to stop cleanly
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import os
 import time
 from pathlib import Path
@@ -37,6 +38,9 @@ from miles_core.storage.retry import call_with_retry
 
 T = TypeVar("T")
 BASE_FILES_MARKER = "COMMITTED"
+# learner checkpoints a run keeps: the newest and the ones a resume falls back to when it is damaged
+KEEP_CHECKPOINTS = 3
+log = logging.getLogger(__name__)
 
 
 class RunSpecMismatch(ConfigError):
@@ -173,27 +177,57 @@ class RunStore:
         """Write ``learner/checkpoints/v{version}.pt`` then move the pointer; both atomic, pointer last.
 
         A learner killed anywhere in here leaves the previous pointer intact, so a resume sees
-        either the old checkpoint or the new one, never a mix."""
+        either the old checkpoint or the new one, never a mix. The pointer also lists the
+        :data:`KEEP_CHECKPOINTS` - 1 checkpoints before it (file and sha256), so a resume can fall
+        back when the newest is damaged (:meth:`load_checkpoint`); older files are deleted once the
+        pointer no longer names them (a day-long run would otherwise keep every one)."""
         buf = io.BytesIO()
         torch.save(blob, buf)
         data = buf.getvalue()
         name = f"v{version:06d}.pt"
         path = self.path("learner", "checkpoints", name)
         self.retry(lambda: U.write_bytes_atomic(self.fs, path, data), f"writing learner checkpoint {name}")
+        old = self.read_json("learner", "CHECKPOINT")
+        chain = [] if old is None else [{k: old[k] for k in ("file", "version", "sha256", "bytes")},
+                                        *old.get("previous", [])]
+        chain = [c for c in chain if c["file"] != name]
+        kept, dropped = chain[:KEEP_CHECKPOINTS - 1], chain[KEEP_CHECKPOINTS - 1:]
         self.write_json({"file": name, "version": version, "sha256": hashlib.sha256(data).hexdigest(),
-                         "bytes": len(data)}, "learner", "CHECKPOINT")
+                         "bytes": len(data), "previous": kept}, "learner", "CHECKPOINT")
+        for entry in dropped:  # only after the pointer stopped naming them
+            self.retry(lambda e=entry: self.fs.rm(self.path("learner", "checkpoints", e["file"]))
+                       if self.fs.exists(self.path("learner", "checkpoints", e["file"])) else None,
+                       f"removing learner checkpoint {entry['file']}")
         return name
 
     def load_checkpoint(self) -> dict[str, Any] | None:
-        """The newest learner checkpoint (verified against its pointer's sha256), or None."""
+        """The newest intact learner checkpoint the pointer names (each verified against its
+        sha256), or None when there is no pointer. A damaged newest one is skipped for the one before
+        it, with a warning naming both and ``fallback`` in the result (the file used, the files
+        skipped and why): the batches consumed after the older one are not in its ledger, so they
+        are consumed again, as after a learner killed between checkpoints. None intact raises
+        ValueError naming every file and why."""
         ptr = self.read_json("learner", "CHECKPOINT")
         if ptr is None:
             return None
-        path = self.path("learner", "checkpoints", ptr["file"])
-        data = self.retry(lambda: self.fs.cat_file(path), f"reading learner checkpoint {ptr['file']}")
-        if hashlib.sha256(data).hexdigest() != ptr["sha256"]:
-            raise ValueError(f"{self.uri}/learner/checkpoints/{ptr['file']}: sha256 does not match learner/CHECKPOINT")
-        return torch.load(io.BytesIO(data), weights_only=True)
+        skipped: list[str] = []
+        for entry in [ptr, *ptr.get("previous", [])]:
+            where = f"{self.uri}/learner/checkpoints/{entry['file']}"
+            path = self.path("learner", "checkpoints", entry["file"])
+            try:
+                data = self.retry(lambda: self.fs.cat_file(path), f"reading learner checkpoint {entry['file']}")
+            except FileNotFoundError:
+                skipped.append(f"{where}: missing")
+                continue
+            if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+                skipped.append(f"{where}: sha256 does not match learner/CHECKPOINT")
+                continue
+            blob = torch.load(io.BytesIO(data), weights_only=True)
+            if skipped:
+                log.warning("resuming from %s (version %d): skipped %s", where, entry["version"], "; ".join(skipped))
+                blob["fallback"] = {"used": entry["file"], "skipped": skipped}
+            return blob
+        raise ValueError("no intact learner checkpoint: " + "; ".join(skipped))
 
     # ------------------------------------------------------------------ control
     def stop_requested(self) -> bool:
