@@ -420,7 +420,9 @@ def cmd_export(args: argparse.Namespace) -> int:
             out = export_merged(base_dir, adapter_dir, args.out, card, dtype=args.dtype)
         except (BaseMismatch, FileExistsError) as e:
             raise UsageError(str(e)) from None
-    print(f"exported {args.source} merged into {base_dir} -> {out}")
+    # a registered model's base was a download into a folder removed above: name what it was instead
+    where = f"the base registered with {reg['name']} version {reg['version']}" if reg else str(base_dir)
+    print(f"exported {args.source}: the adapter merged into {where} -> {out}")
     if not transformers_loads(out):
         print(f"note: {out} is a Miles toy family (config.json model_type "
               f"{json.loads((out / 'config.json').read_text()).get('model_type')!r}): transformers cannot load it; "

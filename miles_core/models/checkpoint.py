@@ -10,6 +10,7 @@ both digests, not safetensors' "invalid header length" naming nothing. A folder 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
@@ -22,6 +23,16 @@ from miles_core.storage.adapters import sha256_file
 
 M = TypeVar("M", bound=nn.Module)
 DIGESTS = "miles_sha256.json"
+
+
+def save_tensors(state: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None) -> None:
+    """``safetensors.torch.save_file``, readable as the folder's other files are: safetensors creates
+    its file owner-only (0600) whatever the umask, so a folder a user shares or serves from another
+    account would hold one file nobody else can read."""
+    save_file(state, str(path), metadata=metadata)
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, 0o666 & ~mask)
 
 
 def record_digest(path: str | Path) -> None:
@@ -51,7 +62,7 @@ def save_module(module: nn.Module, config: dict[str, Any], directory: str | Path
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "config.json").write_text(json.dumps(config, indent=1))
-    save_file({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, str(d / "model.safetensors"))
+    save_tensors({k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}, d / "model.safetensors")
     record_digest(d / "model.safetensors")
 
 

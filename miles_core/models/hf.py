@@ -27,10 +27,10 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from miles_core.config import ConfigError
+from miles_core.models.checkpoint import save_tensors
 from miles_core.models.families import SPECS, FamilySpec, family_for
 from miles_core.models.family import Family, LoadOptions
 from miles_core.models.hf_native import PROJECTIONS, make_bidirectional, model_inputs
@@ -126,7 +126,7 @@ class HFDiffusion(WindowDenoiser):
         (d / "config.json").write_text(json.dumps(cfg, indent=2))
         gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg.get(k) is not None}
         (d / "generation_config.json").write_text(json.dumps({"_from_model_config": True, **gen}, indent=2))
-        save_file(state, str(d / "model.safetensors"), metadata={"format": "pt"})
+        save_tensors(state, d / "model.safetensors", metadata={"format": "pt"})
 
 
 def _auto_map_files(auto_map: dict[str, Any]) -> list[str]:

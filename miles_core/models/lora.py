@@ -13,10 +13,9 @@ from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import save_file
 from torch import nn
 
-from miles_core.models.checkpoint import load_tensors, record_digest
+from miles_core.models.checkpoint import load_tensors, record_digest, save_tensors
 from miles_core.models.registry import family_of
 from miles_core.models.window import capabilities
 
@@ -75,6 +74,9 @@ def load_adapter(base: nn.Module, adapter_dir: str | Path, trainable: bool = Fal
     cfg = LoraConfig.from_pretrained(str(d))
     cfg.target_modules = sorted(set(_paths(native)))
     cfg.task_type, cfg.inference_mode = None, not trainable
+    # the adapter goes onto the base loaded here (its identity is checked by sha256 where it matters:
+    # models/export.py), so the config names that base, as peft would, without peft's rename warning
+    cfg.base_model_name_or_path = base.__dict__.get("name_or_path") or None
     model = get_peft_model(base, cfg)
     result = set_peft_model_state_dict(model, native)
     missing = [k for k in result.missing_keys if "lora_" in k]
@@ -216,7 +218,7 @@ def save_adapter(model: PeftModel, directory: str | Path, dtype: torch.dtype | N
     state = {k: v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in tensors.items()}
     if to_outside is not None:  # the keys of the class a user loads from the base folder
         state = _rekey(state, to_outside, "save_adapter")
-    save_file(state, str(d / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_tensors(state, d / ADAPTER_WEIGHTS, metadata={"format": "pt"})
     record_digest(d / ADAPTER_WEIGHTS)
     if base:  # beside the weights, not in their header: safetensors orders header metadata arbitrarily
         (d / BASE_FILE).write_text(json.dumps(base, sort_keys=True))
