@@ -95,18 +95,59 @@ class CharTokenizer:
         return eos_padded(self.encode(text), self.eos_id, length, text)
 
     def save(self, directory: str | Path) -> None:
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        (Path(directory) / "tokenizer.json").write_text(json.dumps({"type": "char", "chars": self.chars}))
+        """``tokenizer.json`` in the Hugging Face ``tokenizers`` format (a WordLevel vocabulary of one
+        entry per character, each character its own pre-token, the four specials as special tokens)
+        and ``tokenizer_config.json``, so ``transformers.AutoTokenizer`` opens the folder and encodes
+        exactly as :meth:`encode` (left padding, as Miles batches prompts)."""
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        hf = Tokenizer(models.WordLevel(dict(self.stoi), unk_token="[UNK]"))
+        hf.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # one token per character
+        hf.decoder = decoders.Fuse()
+        hf.add_special_tokens(list(SPECIALS))
+        hf.save(str(d / "tokenizer.json"))
+        (d / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "[PAD]", "mask_token": "[MASK]",
+             "eos_token": "[EOS]", "unk_token": "[UNK]", "padding_side": "left"}, indent=1))
 
     @classmethod
     def load(cls, directory: str | Path) -> "CharTokenizer":
+        """Read :meth:`save`'s folder, or the older ``{"type": "char", "chars": ...}`` tokenizer.json."""
         path = Path(directory) / "tokenizer.json"
         if not path.exists():
             raise FileNotFoundError(f"no tokenizer.json in {directory}")
-        data = json.loads(path.read_text())
-        if data.get("type") != "char":
-            raise ValueError(f"{path}: unsupported tokenizer type {data.get('type')!r}")
-        return cls(data["chars"])
+        chars = saved_chars(json.loads(path.read_text()))
+        if chars is None:
+            raise ValueError(f"{path}: not a Miles character tokenizer (neither type 'char' nor a WordLevel "
+                             f"vocabulary starting with {SPECIALS} at ids 0..{len(SPECIALS) - 1})")
+        return cls(chars)
+
+    @staticmethod
+    def saved_in(directory: str | Path) -> bool:
+        """Whether ``directory``'s tokenizer.json is a character tokenizer :meth:`load` reads (a
+        family that also takes subword tokenizers asks before choosing)."""
+        path = Path(directory) / "tokenizer.json"
+        return path.exists() and saved_chars(json.loads(path.read_text())) is not None
+
+
+def saved_chars(data: dict) -> str | None:
+    """The characters of a saved character tokenizer (``tokenizer.json`` parsed), or None when it
+    is another tokenizer: the older ``{"type": "char"}`` form, or a WordLevel vocabulary whose ids
+    0..3 are :data:`SPECIALS`, contiguous, every other entry one character."""
+    if data.get("type") == "char":
+        return data["chars"]
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    vocab = model.get("vocab")
+    if model.get("type") != "WordLevel" or not isinstance(vocab, dict):
+        return None
+    itos = [s for s, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    rest = itos[len(SPECIALS):]
+    if tuple(itos[:len(SPECIALS)]) != SPECIALS or sorted(vocab.values()) != list(range(len(itos))) \
+            or any(len(c) != 1 for c in rest):
+        return None
+    return "".join(rest)
 
 
 def eos_padded(ids: list[int], eos_id: int, length: int, text: str) -> list[int]:

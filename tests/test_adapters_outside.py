@@ -154,20 +154,41 @@ def test_export_round_trip(family: str, tmp_path: Path) -> None:
     assert "merged" in card and base_identity(base_dir)["sha256"][:16] in card
     # the card's library is the one that loads the folder: transformers for the published families
     # (a config class or auto_map), Miles for its own toy family
-    assert f"library_name: {'miles' if family == 'tiny' else 'transformers'}" in card
+    assert "library_name: transformers" in card
     assert not (out / ADAPTER_WEIGHTS).exists() and "lora_" not in json.dumps(list(read_or_empty(out)))
-    if family in OUTSIDE_CLASS:
-        cls, bidir = OUTSIDE_CLASS[family]
-        code = ("import json, sys, torch, transformers\n"
-                "m = getattr(transformers, sys.argv[2]).from_pretrained(sys.argv[1], local_files_only=True).eval()\n"
-                "kw = {'is_causal': False} if sys.argv[3] == '1' else {}\n"
-                "print(json.dumps(m(input_ids=torch.tensor([json.loads(sys.argv[4])]), **kw).logits[0].tolist()))\n")
+    if family in EXPORT_OUTSIDE:
+        cls, bidir = EXPORT_OUTSIDE[family]
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-        res = subprocess.run([sys.executable, "-I", "-c", code, str(out), cls, "1" if bidir else "0", json.dumps(ids)],
+        res = subprocess.run([sys.executable, "-I", "-c", EXPORT_CHILD, str(out), cls, "1" if bidir else "0",
+                              json.dumps(ids), "1" if family == "tiny" else "0"],
                              capture_output=True, text=True, env=env, timeout=300)
         assert res.returncode == 0, res.stderr[-2000:]
-        got = torch.tensor(json.loads(res.stdout.strip().splitlines()[-1]))
+        child = json.loads(res.stdout.strip().splitlines()[-1])
+        got = torch.tensor(child["logits"])
         assert torch.allclose(got, logits, atol=1e-5), (got - logits).abs().max()
+        assert not child["miles_imported"]
+        if family == "tiny":  # AutoTokenizer reads the folder's tokenizer and encodes as Miles does
+            tok = load_checkpoint(out)[1]
+            assert child["ids"] == [tok.encode(p) for p in PROMPTS] and child["decoded"] == PROMPTS[0]
+
+
+# The tiny family's export opens with transformers' Auto classes through the remote code its folder
+# carries (modeling_miles_tiny.py, named in config.json's auto_map), where Miles is not installed.
+EXPORT_OUTSIDE = {**OUTSIDE_CLASS, "tiny": ("AutoModel", False)}
+PROMPTS = ["12+3=", "7*(2-5)\n"]
+EXPORT_CHILD = r"""
+import json, sys, torch, transformers
+m = getattr(transformers, sys.argv[2]).from_pretrained(sys.argv[1], local_files_only=True, trust_remote_code=True).eval()
+kw = {'is_causal': False} if sys.argv[3] == '1' else {}
+with torch.no_grad():
+    out = {"logits": m(input_ids=torch.tensor([json.loads(sys.argv[4])]), **kw).logits[0].tolist()}
+if sys.argv[5] == "1":
+    tok = transformers.AutoTokenizer.from_pretrained(sys.argv[1], local_files_only=True, trust_remote_code=True)
+    out["ids"] = [tok(p)["input_ids"] for p in %r]
+    out["decoded"] = tok.decode(out["ids"][0])
+out["miles_imported"] = any(k.split(".")[0] in ("miles", "miles_core") for k in sys.modules)
+print(json.dumps(out))
+""" % PROMPTS
 
 
 def read_or_empty(d: Path) -> list[str]:

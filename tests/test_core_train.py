@@ -296,3 +296,35 @@ def test_every_numeric_setting_is_bounded_and_refused_outside(key: str, tp: type
     for bad in ([lo - step] if lo is not None else []) + ([hi + step] if hi is not None else []):
         with pytest.raises(ConfigError, match=rf"{key}: {bad!r} is out of bounds \["):
             load_recipe("tiny", [f"{key}={bad}"])
+
+
+def test_the_character_tokenizer_saves_what_transformers_reads_and_reads_its_older_file(tmp_path) -> None:
+    """A saved character tokenizer is a ``tokenizers`` WordLevel file transformers opens with the
+    same ids, left padding and decoding (checked here on the file itself; the folder in a fresh
+    process: tests/test_adapters_outside.py); the older ``{"type": "char"}`` file still loads, and a
+    subword tokenizer is not taken for a character one."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from miles_core.tokenizer import SPECIALS, CharTokenizer
+
+    tok = CharTokenizer()
+    tok.save(tmp_path / "new")
+    text = "12+3=\n'x'\\é"  # a newline, quotes, a backslash and a character outside the vocabulary
+    hf = Tokenizer.from_file(str(tmp_path / "new" / "tokenizer.json"))
+    assert hf.encode(text).ids == tok.encode(text) and tok.unk_id in tok.encode(text)
+    assert hf.decode(tok.encode("7*(2-5)")) == "7*(2-5)"
+    assert [hf.token_to_id(s) for s in SPECIALS] == [tok.pad_id, tok.mask_id, tok.eos_id, tok.unk_id]
+    assert json.loads((tmp_path / "new" / "tokenizer_config.json").read_text())["padding_side"] == "left"
+    assert CharTokenizer.load(tmp_path / "new").chars == tok.chars and CharTokenizer.saved_in(tmp_path / "new")
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "tokenizer.json").write_text(json.dumps({"type": "char", "chars": "ab+"}))
+    assert CharTokenizer.load(tmp_path / "old").encode("a+b") == [4, 6, 5]
+    bpe = json.loads((tmp_path / "new" / "tokenizer.json").read_text())
+    bpe["model"]["vocab"]["ab"] = len(bpe["model"]["vocab"])  # a merged token: not one character each
+    (tmp_path / "bpe").mkdir()
+    (tmp_path / "bpe" / "tokenizer.json").write_text(json.dumps(bpe))
+    assert not CharTokenizer.saved_in(tmp_path / "bpe")
+    with pytest.raises(ValueError, match="bpe/tokenizer.json: not a Miles character tokenizer"):
+        CharTokenizer.load(tmp_path / "bpe")

@@ -180,5 +180,5 @@ def test_export_merges_a_registered_model_into_a_folder_with_a_card(trained: Tra
     card = (out / "README.md").read_text()
     assert f"registry version: {src['version']}" in card and "pass@1" in card and "fingerprint" in card
     assert "recipe: `" in card
-    # the tiny toy family is not a transformers model: the card says so instead of claiming it
-    assert "library_name: miles" in card and "transformers cannot load" in card
+    # the tiny family's folder carries its remote code: transformers loads it (tests/test_adapters_outside.py)
+    assert "library_name: transformers" in card and "trust_remote_code=True" in card

@@ -88,8 +88,7 @@ def load_diffusion_gemma(directory: str | Path, dtype: torch.dtype = torch.float
     if mt != "diffusion_gemma":
         raise ConfigError(f"{cfg_file}: model_type is {mt!r}, the diffusion_gemma family needs 'diffusion_gemma'")
     model = DiffusionGemmaForBlockDiffusion.from_pretrained(str(d), dtype=dtype, local_files_only=True).eval()
-    tok_file = d / "tokenizer.json"
-    if tok_file.exists() and json.loads(tok_file.read_text()).get("type") == "char":
+    if CharTokenizer.saved_in(d):
         tok: Any = CharTokenizer.load(d)
     else:
         tok = load_tokenizer(d, int(model.config.text_config.pad_token_id or 0))

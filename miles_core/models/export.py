@@ -56,10 +56,11 @@ def export_merged(base_dir: str | Path, adapter_dir: str | Path, out_dir: str | 
 
 def transformers_loads(folder: str | Path) -> bool:
     """Whether transformers can build the folder's model: every published family can (a config class
-    it ships, or the family's remote code: LLaDA, Dream, SDAR); Miles' own toy families, whose
-    ``model_type`` is ``miles-…``, cannot."""
+    it ships, or the family's remote code: LLaDA, Dream, SDAR), and so can Miles' character model,
+    whose folder carries its own (``auto_map``: models/modeling_miles_tiny.py); a Miles toy family
+    without such code (``model_type`` ``miles-…``, no ``auto_map``) cannot."""
     cfg = json.loads((Path(folder) / "config.json").read_text())
-    return not str(cfg.get("model_type", "")).startswith("miles-")
+    return bool(cfg.get("auto_map")) or not str(cfg.get("model_type", "")).startswith("miles-")
 
 
 def model_card(base: dict[str, str], card: dict[str, Any], cls: str, with_transformers: bool = True) -> str:
@@ -82,7 +83,7 @@ def model_card(base: dict[str, str], card: dict[str, Any], cls: str, with_transf
             lines.append(f"- {label}: {card[key]}")
     if with_transformers:
         lines += ["", "Loading: the same code that loads the base checkpoint loads this folder (for families whose "
-                  "published class is remote code, add the family's published `*.py` files and "
+                  "published class is remote code, the folder carries its `*.py` files: pass "
                   "`trust_remote_code=True`).", ""]
     else:
         lines += ["", f"Loading: this is a Miles toy family, which transformers cannot load; load it with Miles: "

@@ -10,15 +10,17 @@ way it targets a Llama backbone.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import shutil
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from miles_core.models import modeling_miles_tiny as published
 from miles_core.models.checkpoint import load_module, save_module
 from miles_core.models.family import Family, LoadOptions
+from miles_core.models.modeling_miles_tiny import Block, padding_bias, right_aligned_positions
 from miles_core.models.window import (Capabilities, KVCache, Out, Span, WindowDenoiser, head_weight_of, key_mask,
                                       kept_spans, out_logits)
 from miles_core.tokenizer import CharTokenizer
@@ -41,35 +43,6 @@ class TinyConfig:
         return getattr(self, key, default)
 
 
-class Block(nn.Module):
-    def __init__(self, cfg: TinyConfig) -> None:
-        super().__init__()
-        self.n_heads = cfg.n_heads
-        self.ln1 = nn.LayerNorm(cfg.d_model)
-        self.q_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.k_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.v_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.o_proj = nn.Linear(cfg.d_model, cfg.d_model)
-        self.ln2 = nn.LayerNorm(cfg.d_model)
-        self.fc1 = nn.Linear(cfg.d_model, cfg.d_ff)
-        self.fc2 = nn.Linear(cfg.d_ff, cfg.d_model)
-
-    def forward(self, h: Tensor, attn_bias: Tensor | None,
-                past: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
-        """h [B, T, D] -> (h', (k, v) of these T positions, each [B, H, T, D/H]).
-
-        With ``past`` (cached keys/values of earlier positions) the queries attend to past + own.
-        """
-        b, t, d = h.shape
-        x = self.ln1(h)
-        q, k, v = (p(x).view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2)
-                   for p in (self.q_proj, self.k_proj, self.v_proj))
-        kk, vv = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2)) if past is not None else (k, v)
-        a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=attn_bias)
-        h = h + self.o_proj(a.transpose(1, 2).reshape(b, t, d))
-        return h + self.fc2(F.gelu(self.fc1(self.ln2(h)))), (k, v)
-
-
 class TinyDenoiser(WindowDenoiser):
     """logits = model(input_ids [B, T], attention_mask [B, T] bool) -> [B, T, V]."""
 
@@ -78,7 +51,7 @@ class TinyDenoiser(WindowDenoiser):
         self.config = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_len, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_heads, cfg.d_ff) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
         self.apply(self._init)
@@ -105,19 +78,15 @@ class TinyDenoiser(WindowDenoiser):
         dev = self.lm_head.weight.device  # samplers may hand CPU tensors to a model on a GPU
         ids, mask = ids.to(dev), mask.to(dev).bool()
         b, total = ids.shape
-        if total > self.config.max_len:
-            raise ValueError(f"sequence length {total} exceeds max_len={self.config.max_len}")
         q0, q1 = query
-        # positions are right-aligned: the last position of the sequence is always max_len - 1, so the
-        # completion (a fixed completion_len at the end) sits at the same positions whatever the
-        # prompt's length, and a left-padded row gets exactly the positions it would get alone (the pad
-        # width its batch's longest prompt sets does not move it; measured on the code task, where one
-        # 28-character prompt made a whole RL batch decode empty).
-        pos = torch.arange(q0, q1, device=dev) + (self.config.max_len - total)           # [Tq]
+        # right-aligned positions (modeling_miles_tiny.right_aligned_positions): the completion sits at
+        # the same positions whatever the prompt's length, and a left-padded row gets exactly the
+        # positions it would get alone (the pad width its batch's longest prompt sets does not move
+        # it; measured on the code task, where one 28-character prompt made a whole RL batch decode empty)
+        pos = right_aligned_positions(q0, q1, total, self.config.max_len, dev)           # [Tq]
         h = self.tok_emb(ids[:, q0:q1]) + self.pos_emb(pos)[None]
         _, kreal = key_mask(mask, query, cache)                                         # [B, Tk]
-        bias = torch.zeros(b, 1, 1, kreal.shape[1], dtype=h.dtype, device=dev)          # padded keys: -inf
-        bias = bias.masked_fill(~kreal[:, None, None, :], float("-inf"))
+        bias = padding_bias(kreal, h.dtype)                                             # padded keys: -inf
         kvs = []
         for i, blk in enumerate(self.blocks):
             h, kv = blk(h, bias, cache.layers[i] if cache is not None else None)
@@ -126,12 +95,21 @@ class TinyDenoiser(WindowDenoiser):
         return out_logits(lambda x: self.lm_head(self.ln_f(x)), h, mask, query, out), new   # [B, n, V]
 
     def save_pretrained(self, directory: str | Path) -> None:
-        save_module(self, self.config.to_dict(), directory)
+        """config.json + model.safetensors, and the remote code transformers opens them with
+        (``AutoModel.from_pretrained(directory, trust_remote_code=True)``: modeling_miles_tiny.py)."""
+        code = Path(published.__file__).name
+        save_module(self, {**self.config.to_dict(), "architectures": ["MilesTinyModel"],
+                           "auto_map": {k: f"{Path(code).stem}.{v}" for k, v in AUTO_MAP.items()}}, directory)
+        shutil.copyfile(published.__file__, Path(directory) / code)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "TinyDenoiser":
-        return load_module(directory, "miles-tiny", lambda cfg: cls(TinyConfig(**cfg)))
+        names = {f.name for f in fields(TinyConfig)}
+        return load_module(directory, "miles-tiny", lambda cfg: cls(TinyConfig(**{k: cfg[k] for k in names if k in cfg})))
 
+
+# the classes a folder's config.json names for transformers' Auto classes (modeling_miles_tiny.py)
+AUTO_MAP = {"AutoConfig": "MilesTinyConfig", "AutoModel": "MilesTinyModel", "AutoModelForMaskedLM": "MilesTinyModel"}
 
 # peft targets: the attention and MLP projections, named as a Llama's are
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "fc1", "fc2")
