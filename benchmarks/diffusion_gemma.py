@@ -52,6 +52,7 @@ SMOKE = dict(sft_steps=4, sft_eval_every=4, iterations=2, rl_eval_every=2, promp
 def evaluate(model, tok, problems, rcfg, reward_fn, batch: int = 250) -> list[bool]:
     import torch
 
+    from miles_core.rewards.registry import call_reward
     from miles_core.samplers.renoise import sample
 
     out: list[bool] = []
@@ -59,7 +60,7 @@ def evaluate(model, tok, problems, rcfg, reward_fn, batch: int = 250) -> list[bo
         part = problems[s:s + batch]
         b = sample(model, tok, [tok.encode_prompt(p.prompt) for p in part], rcfg,
                    torch.arange(s, s + len(part)) + EVAL_SEED)
-        r = reward_fn([p.prompt for p in part], b.completions, answer=[p.answer for p in part])
+        r = call_reward(reward_fn, [p.prompt for p in part], b.completions, answer=[p.answer for p in part])
         out += [v is not None and v >= 1.0 for v in r]
     return out
 

@@ -60,7 +60,7 @@ def ar_stage(cfg, source: Path, data, miles_tok, reward_name: str) -> dict:
     """The AR original's pass@1 on the test problems, with the diffusion model's own prompt ids,
     scored by the reward ``reward_name`` the diffusion model's evaluation uses."""
     from miles_core.models.importer import load_source
-    from miles_core.rewards.registry import get_reward
+    from miles_core.rewards.registry import call_reward, get_reward
 
     torch.set_num_threads(usable_cpus())
     lm, tok = load_source(source)
@@ -70,7 +70,7 @@ def ar_stage(cfg, source: Path, data, miles_tok, reward_name: str) -> dict:
     for i in range(0, len(probs), 16):
         part = probs[i:i + 16]
         out, _ = ar_generate(lm, tok, [miles_tok.encode_prompt(p.prompt) for p in part], 2 * cfg.task.completion_len)
-        r = reward([p.prompt for p in part], out, answer=[p.answer for p in part])
+        r = call_reward(reward, [p.prompt for p in part], out, answer=[p.answer for p in part])
         correct += [x is not None and x >= 1 for x in r]
         texts += out
     return {"pass1": sum(correct) / len(correct), "correct": correct, "seconds": time.perf_counter() - t0,
@@ -96,7 +96,7 @@ def latency_child(cfg_dict: dict, sft: str, adapter: str, source: str, n: int) -
     from miles_core.models.base import load_base
     from miles_core.models.importer import load_source
     from miles_core.models.lora import load_adapter
-    from miles_core.rewards.registry import get_reward
+    from miles_core.rewards.registry import call_reward, get_reward
     from miles_core.samplers.registry import sample_for
 
     torch.set_num_threads(usable_cpus())
@@ -109,7 +109,7 @@ def latency_child(cfg_dict: dict, sft: str, adapter: str, source: str, n: int) -
     L = cfg.task.completion_len
 
     def score(texts: list[str]) -> float:
-        r = reward([p.prompt for p in probs], texts, answer=[p.answer for p in probs])
+        r = call_reward(reward, [p.prompt for p in probs], texts, answer=[p.answer for p in probs])
         return sum(x is not None and x >= 1 for x in r) / len(probs)
 
     def miles(kind: str, cache: str, steps: int | None = None) -> Callable[[list[list[int]]], tuple[list[str], int]]:

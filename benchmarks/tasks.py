@@ -29,7 +29,7 @@ from miles_core.config import load_recipe
 from miles_core.data.registry import build_task, check_reward
 from miles_core.rewards.pool import shared_pools_closed_after
 from miles_core.rewards.mathverify import check_answer, math_verify_alone
-from miles_core.rewards.registry import get_reward
+from miles_core.rewards.registry import call_reward, get_reward
 
 TASKS = ("gsm8k", "math", "math500", "countdown", "sudoku", "humaneval", "mbpp")
 # How a completion states its answer A (W: a wrong earlier answer). "on purpose": the two checkers
@@ -104,8 +104,10 @@ def task_rows(root: Path) -> list[dict]:
         reward = get_reward(check_reward(cfg.task))
         probs = data.test
         t0 = time.perf_counter()
-        gold = reward([p.prompt for p in probs], [gold_completion(name, p) for p in probs], answer=[p.answer for p in probs])
-        bad = reward([p.prompt for p in probs], [corrupt_completion(name, p) for p in probs], answer=[p.answer for p in probs])
+        gold = call_reward(reward, [p.prompt for p in probs], [gold_completion(name, p) for p in probs],
+                           answer=[p.answer for p in probs])
+        bad = call_reward(reward, [p.prompt for p in probs], [corrupt_completion(name, p) for p in probs],
+                          answer=[p.answer for p in probs])
         seconds = (time.perf_counter() - t0) / (2 * len(probs))
         rep = data.task.test_report
         g = sum(r is not None and r >= 1.0 for r in gold) / len(probs)

@@ -178,3 +178,44 @@ def test_nonempty_reward_makes_an_empty_completion_worse_than_a_wrong_one() -> N
     assert nonempty(["p"] * 4, ["", "  \n", "7", [{"role": "assistant", "content": " 1"}]]) == [0.0, 0.0, 1.0, 1.0]
     shaped = get_reward("math_exact:1.0,nonempty:0.5")
     assert shaped(["p"] * 3, ["48", "49", ""], answer=["48"] * 3) == [1.5, 0.5, 0.0]
+
+
+def test_a_trl_reward_registers_by_name_and_is_called_as_trl_calls_it() -> None:
+    """TRL's ``think_format_reward(completions, **kwargs)`` (trl/rewards/format_rewards.py), written
+    as TRL writes it: registered by name, it scores the completions, not the prompts (a positional
+    call would hand it the prompts), alone, in a weighted combination and through a training batch;
+    a taken name, a name with the combination's separators and a non-callable are refused."""
+    import re
+
+    from miles_core.algo.rl import score_rewards
+    from miles_core.rewards.registry import get_reward, register_reward, unregister_reward
+
+    class Batch:  # what score_rewards reads of a recorded batch
+        def __init__(self, prompts: list[str], completions: list[str], meta: list[dict]) -> None:
+            self.prompts, self.completions, self.meta, self.reward = prompts, completions, meta, None
+
+        def __len__(self) -> int:
+            return len(self.completions)
+
+    @register_reward("think_format_test")
+    def think_format_reward(completions: list[str], **kwargs) -> list[float]:
+        pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
+        return [1.0 if re.match(pattern, c, re.DOTALL) else 0.0 for c in completions]
+
+    try:
+        prompts, comps = ["<think>a</think>x", "q"], ["no think", "<think>ok</think>42"]
+        assert get_reward("think_format_test")(prompts=prompts, completions=comps) == [0.0, 1.0]
+        both = get_reward("think_format_test:1.0,nonempty:0.5")
+        assert both(prompts, comps, answer=["1", "2"]) == [0.5, 1.5]
+        batch = Batch(prompts, comps, [{"answer": "1"}, {"answer": "2"}])
+        assert score_rewards(batch, get_reward("think_format_test")).reward.tolist() == [0.0, 1.0]
+        with pytest.raises(ValueError, match="'think_format_test' is already registered"):
+            register_reward("think_format_test", think_format_reward)
+        with pytest.raises(ValueError, match="'a:b' is not a reward name"):
+            register_reward("a:b", think_format_reward)
+        with pytest.raises(TypeError, match="is not callable"):
+            register_reward("not_callable", 3)  # type: ignore[arg-type]
+    finally:
+        unregister_reward("think_format_test")
+    with pytest.raises(ValueError, match="unknown reward 'think_format_test'"):
+        get_reward("think_format_test")

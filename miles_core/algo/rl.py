@@ -14,6 +14,7 @@ import torch
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
 from miles_core.config import RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData
+from miles_core.rewards.registry import call_reward
 from miles_core.samplers.registry import sample_for
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import Batch, RenoiseBatch, TrajectoryBatch
@@ -38,7 +39,7 @@ def rollout(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence
 
 
 def score_rewards(batch: Batch, reward_fn: RewardFn) -> Batch:
-    """Apply a reward function with the TRL contract ``fn(prompts, completions, **meta)``.
+    """Apply a reward function with the TRL contract ``fn(prompts=..., completions=..., **meta)``.
 
     A reward of None (unscorable reference) becomes NaN and is treated as 0 for advantages.
     A reward function that raises is a bug in the reward, so the error names it.
@@ -46,7 +47,7 @@ def score_rewards(batch: Batch, reward_fn: RewardFn) -> Batch:
     keys = batch.meta[0].keys() if batch.meta else []
     meta = {k: [m.get(k) for m in batch.meta] for k in keys}
     try:
-        r = reward_fn(batch.prompts, batch.completions, **meta)
+        r = call_reward(reward_fn, batch.prompts, batch.completions, **meta)
     except Exception as e:  # noqa: BLE001 - re-raised with context
         raise RuntimeError(f"reward function {getattr(reward_fn, '__name__', reward_fn)!r} failed: {e}") from e
     if len(r) != len(batch):

@@ -16,6 +16,7 @@ from miles_core.config import ConfigError, RecipeConfig, RenoiseConfig, SamplerC
 from miles_core.data.registry import TaskData, check_reward
 from miles_core.eval.passk import EvalConfig, EvalResult, aggregate_pass_at_k, problems_digest
 from miles_core.eval.presets import preset_values
+from miles_core.rewards.registry import call_reward
 from miles_core.progress import track
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.samplers.registry import sample_for
@@ -51,7 +52,8 @@ def evaluate(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequenc
         part = order[start:start + batch_size]
         ids = [tok.encode_prompt(prompts[i]) for i, _ in part]
         batch = sample_for(model, tok, ids, scfg, ec.completion_len, gen, renoise_cfg=renoise)
-        rewards = reward_fn([prompts[i] for i, _ in part], batch.completions, answer=[answers[i] for i, _ in part])
+        rewards = call_reward(reward_fn, [prompts[i] for i, _ in part], batch.completions,
+                              answer=[answers[i] for i, _ in part])
         for (i, s), c, r in zip(part, batch.completions, rewards):
             ok = r is not None and r >= 1.0
             reward_sum += float(r or 0.0)  # d1's Sudoku metric is this mean (cells), not pass@1 (grids)

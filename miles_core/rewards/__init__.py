@@ -1,4 +1,5 @@
-"""Rule-based rewards with the TRL contract ``fn(prompts, completions, **meta) -> list[float | None]``.
+"""Rule-based rewards with the TRL contract ``fn(prompts=..., completions=..., **meta) -> list[float | None]``
+(called with keywords, as TRL calls them).
 
 By name: :mod:`miles_core.rewards.registry`. ``code_tests`` executes code completions in the
 sandbox (rewards/code.py, pool.py, isolation.py, sandbox.py); answers are read by
@@ -8,7 +9,7 @@ from miles_core.data.answers import answers_match, extract_answer, normalize_num
 from miles_core.rewards.code import Score, code_tests_reward, score_completions
 from miles_core.rewards.math import format_reward, is_worked_solution, math_exact_reward
 from miles_core.rewards.pool import SandboxLimits, SandboxPool
-from miles_core.rewards.registry import REWARDS, combined_reward, get_reward, reward_for_recipe
+from miles_core.rewards.registry import REWARDS, combined_reward, get_reward, register_reward, reward_for_recipe
 
 __all__ = [
     "REWARDS",
@@ -26,5 +27,6 @@ __all__ = [
     "math_exact_reward",
     "normalize_number",
     "reference_answer",
+    "register_reward",
     "reward_for_recipe",
 ]

@@ -3,13 +3,21 @@
 Why a registry module of its own: the rewards live in modules that say what they check (math
 answers, the arithmetic and countdown verifiers, executed code, reasoning-gym's scorers); this one
 only maps names to them and builds weighted combinations, so adding a reward is one module plus
-one line here. :func:`reward_for_recipe` also applies the recipe's sandbox setting, so no caller can
-score code with a sandbox mode other than the one its recipe asks for.
+one line here, or, from outside Miles, :func:`register_reward`. :func:`reward_for_recipe` also
+applies the recipe's sandbox setting, so no caller can score code with a sandbox mode other than
+the one its recipe asks for.
+
+The contract is TRL's (``GRPOTrainer``'s reward functions): a reward is called with keywords,
+``fn(prompts=[...], completions=[...], **columns)``, one list per dataset column (here ``answer``,
+and ``isolation`` for the code rewards), and returns one float (or None: unscorable) per
+completion. So a TRL reward such as ``def think_format_reward(completions, **kwargs)`` registers
+and runs unchanged.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import re
+from typing import Any, Callable, Sequence
 
 from miles_core.config import RecipeConfig
 from miles_core.rewards.code import code_pass_reward, code_tests_reward
@@ -19,6 +27,7 @@ from miles_core.rewards.puzzles import countdown_d1_reward, sudoku_reward
 from miles_core.rewards.reasoning_gym import reasoning_gym_reward
 from miles_core.rewards.verifiers import arith_digits_reward, arith_steps_reward, countdown_reward
 
+# the built-in rewards; register_reward adds others (``train.reward`` and combinations name either)
 REWARDS: dict[str, RewardFn] = {
     "math_exact": math_exact_reward,
     "countdown": countdown_reward,
@@ -35,6 +44,37 @@ REWARDS: dict[str, RewardFn] = {
 }
 
 
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")  # no ':' or ',': the combination grammar's separators
+
+
+def register_reward(name: str, fn: RewardFn | None = None) -> Any:
+    """Register ``fn`` under ``name`` for ``train.reward`` (and ``"name:weight,..."`` combinations);
+    as a decorator when ``fn`` is omitted (``@register_reward("think_format")``). A taken name, a
+    name the combination grammar cannot hold, or a non-callable is refused naming it."""
+    def add(f: RewardFn) -> RewardFn:
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ValueError(f"register_reward: {name!r} is not a reward name (letters, digits, '_', '.', '-'; "
+                             "no ':' or ',', which separate a combination's parts)")
+        if not callable(f):
+            raise TypeError(f"register_reward({name!r}): {f!r} is not callable")
+        if name in REWARDS:
+            raise ValueError(f"reward {name!r} is already registered ({getattr(REWARDS[name], '__name__', REWARDS[name])})")
+        REWARDS[name] = f
+        return f
+    return add if fn is None else add(fn)
+
+
+def unregister_reward(name: str) -> None:
+    """Remove a reward :func:`register_reward` added (tests clean up with this)."""
+    REWARDS.pop(name, None)
+
+
+def call_reward(fn: Callable[..., Sequence[float | None]], prompts: Sequence[str], completions: Sequence[Any],
+                **columns: Any) -> list[float | None]:
+    """``fn`` called as TRL calls a reward: keywords only, one list per column."""
+    return list(fn(prompts=prompts, completions=completions, **columns))
+
+
 def combined_reward(weights: dict[str, float]) -> RewardFn:
     """Weighted sum of registered rewards, e.g. ``{"math_exact": 1.0, "format": 0.1}``.
 
@@ -47,7 +87,7 @@ def combined_reward(weights: dict[str, float]) -> RewardFn:
     def fn(prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
         total: list[float | None] = [0.0] * len(completions)
         for name, (f, w) in fns.items():
-            vals = f(prompts, completions, **meta)
+            vals = call_reward(f, prompts, completions, **meta)
             for i, v in enumerate(vals):
                 if w == 0.0:
                     continue
@@ -88,7 +128,7 @@ class RecipeReward:
         self.__name__ = getattr(fn, "__name__", "reward")
 
     def __call__(self, prompts: Sequence[str], completions: Sequence[Any], **meta: Any) -> list[float | None]:
-        return self.fn(prompts, completions, **{"isolation": self.isolation, **meta})
+        return call_reward(self.fn, prompts, completions, **{"isolation": self.isolation, **meta})
 
 
 def reward_for_recipe(cfg: RecipeConfig, name: str | None = None) -> RewardFn:
