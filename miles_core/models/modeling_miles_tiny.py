@@ -63,6 +63,14 @@ def right_aligned_positions(start: int, stop: int, total: int, max_len: int, dev
     return torch.arange(start, stop, device=device) + (max_len - total)
 
 
+def init_weights(module: nn.Module) -> None:
+    """The denoiser's initialisation: N(0, 0.02) weights, zero biases (``module.apply(init_weights)``)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
 def padding_bias(key_mask: Tensor, dtype: torch.dtype) -> Tensor:
     """key_mask [B, Tk] bool (True = a real token) -> an additive attention bias [B, 1, 1, Tk]:
     0 for real keys, -inf for padding."""
@@ -97,10 +105,7 @@ class MilesTinyModel(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, std=0.02)
-        if isinstance(module, nn.Linear) and module.bias is not None:
-            nn.init.zeros_(module.bias)
+        init_weights(module)
 
     def forward(self, input_ids: Tensor, attention_mask: Tensor | None = None, **kwargs) -> MaskedLMOutput:
         b, t = input_ids.shape

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from miles_core.models import modeling_miles_tiny as published
 from miles_core.models.checkpoint import load_module, save_module
 from miles_core.models.family import Family, LoadOptions
-from miles_core.models.modeling_miles_tiny import Block, padding_bias, right_aligned_positions
+from miles_core.models.modeling_miles_tiny import Block, init_weights, padding_bias, right_aligned_positions
 from miles_core.models.window import (Capabilities, KVCache, Out, Span, WindowDenoiser, head_weight_of, key_mask,
                                       kept_spans, out_logits)
 from miles_core.tokenizer import CharTokenizer
@@ -54,14 +54,7 @@ class TinyDenoiser(WindowDenoiser):
         self.blocks = nn.ModuleList(Block(cfg.d_model, cfg.n_heads, cfg.d_ff) for _ in range(cfg.n_layers))
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size)
-        self.apply(self._init)
-
-    @staticmethod
-    def _init(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+        self.apply(init_weights)
 
     def capabilities(self) -> Capabilities:
         c = self.config
@@ -97,10 +90,10 @@ class TinyDenoiser(WindowDenoiser):
     def save_pretrained(self, directory: str | Path) -> None:
         """config.json + model.safetensors, and the remote code transformers opens them with
         (``AutoModel.from_pretrained(directory, trust_remote_code=True)``: modeling_miles_tiny.py)."""
-        code = Path(published.__file__).name
+        code = Path(published.__file__)
         save_module(self, {**self.config.to_dict(), "architectures": ["MilesTinyModel"],
-                           "auto_map": {k: f"{Path(code).stem}.{v}" for k, v in AUTO_MAP.items()}}, directory)
-        shutil.copyfile(published.__file__, Path(directory) / code)
+                           "auto_map": {k: f"{code.stem}.{v}" for k, v in AUTO_MAP.items()}}, directory)
+        shutil.copyfile(code, Path(directory) / code.name)
 
     @classmethod
     def from_pretrained(cls, directory: str | Path) -> "TinyDenoiser":

@@ -195,9 +195,9 @@ class RunStore:
         self.write_json({"file": name, "version": version, "sha256": hashlib.sha256(data).hexdigest(),
                          "bytes": len(data), "previous": kept}, "learner", "CHECKPOINT")
         for entry in dropped:  # only after the pointer stopped naming them
-            self.retry(lambda e=entry: self.fs.rm(self.path("learner", "checkpoints", e["file"]))
-                       if self.fs.exists(self.path("learner", "checkpoints", e["file"])) else None,
-                       f"removing learner checkpoint {entry['file']}")
+            old_path = self.path("learner", "checkpoints", entry["file"])
+            if self.fs.exists(old_path):
+                self.retry(lambda: self.fs.rm(old_path), f"removing learner checkpoint {entry['file']}")
         return name
 
     def load_checkpoint(self) -> dict[str, Any] | None:
