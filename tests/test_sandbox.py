@@ -121,18 +121,18 @@ HOSTILE = {
         "    return {SECRET} if r == 0 else 0\n"),
     "kill the parent": "import os\ndef f(x):\n    os.kill(os.getppid(), 9)\n    return {SECRET}\n",
     "TCP to loopback": (
-        "import socket\ndef f(x):\n    socket.create_connection(('127.0.0.1', {port}), timeout=1).send(b'x')\n"
+        "import _socket as socket\ndef f(x):\n    s = socket.socket()\n    s.connect(('127.0.0.1', {port}))\n    s.send(b'x')\n"
         "    return {SECRET}\n"),
     "AF_UNIX to a host socket": (
-        "import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect({unix!r})\n    return {SECRET}\n"),
+        "import _socket as socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect({unix!r})\n    return {SECRET}\n"),
     "abstract AF_UNIX": (
-        "import socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect('\\0' + {abstract!r})\n"
+        "import _socket as socket\ndef f(x):\n    s = socket.socket(socket.AF_UNIX)\n    s.connect('\\0' + {abstract!r})\n"
         "    return {SECRET}\n"),
     "netlink, packet and inet6 sockets": (
-        "import socket\ndef f(x):\n    n = 0\n    for fam, t in ((16, 3), (17, 3), (10, 1), (2, 2)):\n"
+        "import _socket as socket\ndef f(x):\n    n = 0\n    for fam, t in ((16, 3), (17, 3), (10, 1), (2, 2)):\n"
         "        try:\n            socket.socket(fam, t)\n            n += 1\n        except OSError:\n            pass\n"
         "    return {SECRET} if n else 0\n"),
-    "socketpair": "import socket\ndef f(x):\n    socket.socketpair()\n    return {SECRET}\n",
+    "socketpair": "import _socket as socket\ndef f(x):\n    socket.socketpair()\n    return {SECRET}\n",
     "fork bomb": "import os\ndef f(x):\n    while True:\n        os.fork()\n",
     "thread bomb": (
         "import _thread, time\ndef f(x):\n    for _ in range(10000):\n        _thread.start_new_thread(time.sleep, (60,))\n"
@@ -259,7 +259,8 @@ def test_specific_kernel_refusals(attacked: dict) -> None:
     assert "raised PermissionError" in sc["kill the victim"].reason           # seccomp, whatever the uid
     assert "raised PermissionError" in sc["TCP to loopback"].reason           # seccomp: no socket at all
     assert "FileNotFoundError" in sc["open a world-readable file"].reason     # not in the mount namespace
-    assert sc["stdout flood"].status == "output_limit" and sc["stderr flood"].status == "output_limit"
+    # endless output is drained and cut (never fatal, never to a file): the run ends at its time limit
+    assert {sc["stdout flood"].status, sc["stderr flood"].status} <= {"timeout", "cpu_limit"}
     assert sc["forge a result on fd 3"].reason.endswith("returned 12345, expected 73914263")
     assert sc["read the environment"].reason.endswith("returned 0, expected 73914263")  # empty environment
     assert sc["mmap memory bomb"].status in ("ok", "memory_limit")
@@ -333,17 +334,17 @@ HOOKED = {  # the audit hook's readable reasons (the kernel would also stop each
     "sleep forever": ("__import__('time').sleep(3600)", ("timeout",)),
     "memory bomb": ("len(bytearray(8 * 2**30))", ("memory_limit",)),
     "fork": ("import os\ndef f(x):\n    while True:\n        os.fork()\n", ("blocked",)),
-    "print gigabytes": ("[print('x' * 10**6) for _ in range(10**4)]", ("output_limit",)),
+    "print gigabytes": ("[print('x' * 10**6) for _ in range(10**5)]", ("timeout", "cpu_limit")),  # cut, not fatal
     "os._exit": ("__import__('os')._exit(0)", ("exited",)),
     "sys.exit": ("__import__('sys').exit(3)", ("exited",)),
     "recursion bomb": ("(lambda g: g(g))(lambda g: g(g))", ("recursion_limit",)),
     "deep recursion, raised limit": ("import sys\nsys.setrecursionlimit(10**7)\ndef f(x):\n    return f(x) + 1\n",
                                      ("crashed", "cpu_limit", "memory_limit", "timeout", "recursion_limit")),
-    "subprocess": ("__import__('subprocess').run(['true'])", ("blocked",)),
-    "ctypes": ("__import__('ctypes').CDLL(None).getpid()", ("blocked",)),
+    "subprocess": ("__import__('_posixsubprocess').fork_exec", ("ok",)),  # a missing module: ModuleNotFoundError
+    "ctypes": ("__import__('ctypes').CDLL(None).getpid()", ("ok",)),
     "kill the worker": ("__import__('os').kill(__import__('os').getppid(), 9)", ("blocked",)),
     "find every frame": ("__import__('sys')._current_frames()", ("blocked",)),
-    "socket": ("__import__('socket').socket()", ("blocked",)),
+    "socket": ("__import__('_socket').socket()", ("ok",)),
 }
 
 
@@ -352,7 +353,14 @@ def test_hooked_pool_gives_reasons(pool: SandboxPool, name: str) -> None:
     source, statuses = HOOKED[name]
     s = score_completions([source], [_answer([(1, 1), (2, 2)])], pool=pool)[0]
     assert s.score == 0.0 and s.status in statuses, (name, s)
-    assert s.reason
+    assert s.reason and (s.status != "ok" or "ModuleNotFoundError" in s.reason), s  # refused as if absent
+
+
+def test_a_chatty_correct_program_scores_one_and_keeps_the_tail(pool: SandboxPool) -> None:
+    src = "import sys\ndef f(x):\n    for i in range(3000):\n        print('debug', i, 'x' * 1000)\n" \
+          "    sys.stderr.write('the end')\n    return x + 1\n"
+    res = pool.run([Job(src, [[1], [2]], kind="module")])[0]
+    assert res.status == "ok" and res.outputs == [2, 3] and res.output_tail.endswith("the end"), res
 
 
 def test_submit_does_not_block_the_caller(pool: SandboxPool) -> None:

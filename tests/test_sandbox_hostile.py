@@ -327,17 +327,17 @@ def test_rewriting_harness_globals_does_not_switch_the_hook_off() -> None:
               "    for k in ('_DENY_EVENTS', '_DENY_PREFIXES', '_PATH_EVENTS'):\n"
               "        if k in g:\n            g[k] = frozenset() if k != '_DENY_PREFIXES' else ()\n"
               "    if 'SAFE_MODULES' in g:\n        g['SAFE_MODULES'] = frozenset(['socket', 'ctypes'])\n"
-              "    f0 = f0.f_back\ndef f(x):\n    import socket\n    return 1\n")
+              "    f0 = f0.f_back\ndef f(x):\n    sys._current_frames()\n    return 1\n")
     with SandboxPool(1, LIMITS, isolation="bwrap_shared", cache_size=0) as pool:
         res = pool.run([Job(attack, [[0]])])[0]
-        assert res.status == "blocked" and "import socket" in res.reason, res
+        assert res.status == "blocked" and "sys._current_frames" in res.reason, res
         assert pool.run([Job("x + 1", [[1]])])[0].outputs == [2]
 
 
 def test_a_policy_refusal_in_the_program_reaches_the_tester_as_blocked() -> None:
     with SandboxPool(1, LIMITS, isolation="bwrap_shared", cache_size=0) as pool:
-        res = pool.run([_tests_job("import socket\ndef f(x):\n    return 1\n")])[0]
-    assert isinstance(res, ExecResult) and res.status == "blocked" and "socket" in res.reason, res
+        res = pool.run([_tests_job("import sys\nsys._current_frames()\ndef f(x):\n    return 1\n")])[0]
+    assert isinstance(res, ExecResult) and res.status == "blocked" and "_current_frames" in res.reason, res
     assert re.search(r"blocked by sandbox policy", res.reason)
 
 
@@ -347,7 +347,7 @@ def test_a_policy_refusal_in_the_program_reaches_the_tester_as_blocked() -> None
 @pytest.fixture(scope="module", params=("bwrap", "bwrap_shared"))
 def docker_pool(request: pytest.FixtureRequest) -> Iterator[tuple[SandboxPool, str]]:
     """An interpreter laid out as python:3.11-slim's (PREFIX/lib/python3.11/site-packages), made by
-    copying the one the sandbox would use; the pool must mask that folder, empty and read-only."""
+    copying the one the sandbox would use; the sandbox must start from it and not hold that folder."""
     import shutil
     import sys
     import sysconfig
@@ -381,23 +381,22 @@ import os
 def f(site):
     got = []
     for attempt in (lambda: open(site + "/zz_evil.pth", "w").write("import os"),
-                    lambda: os.mkdir(site + "/pkg"), lambda: os.chmod(site, 0o777)):
+                    lambda: os.mkdir(site + "/pkg"), lambda: os.chmod(site, 0o777), lambda: os.listdir(site)):
         try:
             attempt()
             got.append("ALLOWED")
         except OSError as e:
             got.append(type(e).__name__)
-    st = os.statvfs(site)
-    return [sorted(set(got)), st.f_blocks * st.f_frsize <= 1 << 16, sorted(os.listdir(site))]
+    return sorted(set(got))
 """
 
 
-def test_a_docker_style_site_packages_mask_is_empty_sized_and_read_only(docker_pool: tuple) -> None:
+def test_a_docker_style_site_packages_is_not_in_the_sandbox(docker_pool: tuple) -> None:
+    """The sandbox holds copies of the standard library (image.py), never the host's folder, so a
+    site-packages inside it is simply absent."""
     pool, site = docker_pool
-    assert pool.isolation.interpreter.hide == (os.path.realpath(site),)  # the layout under test
     res = pool.run([Job(MASK, [[site]])])[0]
-    refused, small, listed = res.outputs[0]
-    assert set(refused) <= {"OSError", "PermissionError"} and small and listed == [], res  # EROFS / EPERM
+    assert res.status == "ok" and set(res.outputs[0]) <= {"FileNotFoundError", "OSError", "PermissionError"}, res
     assert os.listdir(site) == []  # nothing reached the host's folder
     test_a_run_creates_no_file_and_the_tmpfs_is_wiped(pool)
     test_a_run_cannot_reach_its_worker_or_anyone(pool)

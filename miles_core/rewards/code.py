@@ -126,17 +126,17 @@ def submit_scores(completions: Sequence[Any], answers: Sequence[Any], pool: Sand
     """Start scoring in the sandbox workers and return at once (the caller can keep sampling);
     ``pool``, or this process's shared pool of ``isolation``."""
     plan, expected = _prepare(completions, answers)
-    jobs = [p for p in plan if isinstance(p, Job)]
-    inner = (pool or shared_pool(isolation)).submit(jobs)
+    run = [k for k, p in enumerate(plan) if isinstance(p, Job)]
+    jobs = [plan[k] for k in run]
+    # each report becomes its Score as it arrives: a batch never holds its parsed reports at once
+    inner = (pool or shared_pool(isolation)).submit(
+        jobs, reduce=lambda j, res: _safe_score(res, expected[run[j]], jobs[j].inputs))
     out: Future = Future()
 
     def finish(f: Future) -> None:
         try:
-            results = iter(f.result())
-            scores: list[Score | None] = []
-            for p, exp in zip(plan, expected):
-                scores.append(_safe_score(next(results), exp, p.inputs) if isinstance(p, Job) else p)
-            out.set_result(scores)
+            verdicts = iter(f.result())
+            out.set_result([next(verdicts) if isinstance(p, Job) else p for p in plan])
         except BaseException as e:  # noqa: BLE001 - surfaced to whoever waits on the future
             out.set_exception(e)
     inner.add_done_callback(finish)

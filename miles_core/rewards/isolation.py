@@ -6,10 +6,12 @@ invocation that starts a fresh interpreter (the worker of sandbox.py, which fork
 
 * its own **user namespace** (inside: uid/gid 65534, no capabilities, no further user namespaces)
   and, when the caller is root, bwrap itself started as uid 65534, so a run owns no host file;
-* its own **mount namespace**: a read-only root holding only the interpreter, its standard
-  library and the shared objects they load (found with ``ldd``), ``/dev/null``, and a
-  size-capped tmpfs at ``/tmp`` that is the run's only writable place and its working directory;
-  no ``/proc``, no home, no repository, no trajectory store;
+* its own **mount namespace**: a read-only tmpfs root holding private copies of the interpreter,
+  the shared objects it loads (found with ``ldd``) and its standard library, packed as a zip
+  (image.py: no host file is ever mapped or read by a run, so the host's page cache, locks and
+  watches are no channel between jobs), the host's ``/dev/null``, and a size-capped tmpfs at
+  ``/tmp`` that is the run's only writable place and its working directory; no ``/proc``, no home,
+  no repository, no trajectory store;
 * its own **PID namespace** (it sees and can signal only itself), **network namespace** (no
   interface, not even a usable loopback), IPC, UTS and cgroup namespaces; a new session (no
   TIOCSTI into a terminal); an empty environment; ``--die-with-parent``;
@@ -17,7 +19,9 @@ invocation that starts a fresh interpreter (the worker of sandbox.py, which fork
   (EPERM) what neither the worker nor a run needs: STAGE_ONE less WORKER_NEEDS. Stage two, loaded
   in each run's child before user code, refuses all of STAGE_ONE plus exec: process and thread
   creation, every way to send a signal, ptrace and process_vm_*, sockets of every family, memfd,
-  mount and namespace calls, bpf, keyctl, perf_event_open, io_uring, module and kexec loading.
+  mount and namespace calls, bpf, keyctl, perf_event_open, io_uring, module and kexec loading,
+  file locks, leases and watches of every kind, and the page-cache calls (fadvise, readahead,
+  mincore, cachestat): what could reach or read state another job also touches.
 
 ``isolation=bwrap`` starts one such sandbox per run (every run has namespaces of its own, at
 about 20 ms of interpreter and namespace start-up per run); ``bwrap_shared`` keeps one sandbox per
@@ -45,9 +49,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Sequence
 
-from miles_core.rewards.sandbox import SAFE_MODULES, seccomp_arg
+from miles_core.rewards.image import Image, build_image
+from miles_core.rewards.sandbox import seccomp_arg
 
 NOBODY = 65534
 Mode = Literal["bwrap", "bwrap_shared", "none"]
@@ -74,15 +79,21 @@ STAGE_ONE = (
     # SysV and POSIX IPC outlive a run inside a shared worker's IPC namespace: no run may make any
     "shmget", "shmat", "shmctl", "msgget", "msgsnd", "msgrcv", "msgctl", "semget", "semop", "semctl",
     "semtimedop", "mq_open", "mq_unlink", "mq_timedsend", "mq_timedreceive", "mq_notify", "mq_getsetattr",
+    # state shared with whoever else opens an inode (the host's /dev/null, a shared worker's copies):
+    # locks, watches, and the page cache's advice and residency (image.py: a sandbox's files are tmpfs)
+    "flock", "inotify_init", "inotify_init1", "inotify_add_watch", "fanotify_mark",
+    "fadvise64", "readahead", "mincore", "cachestat",
 )
 # Refused for the whole run too, but only with these arguments: another process's limits or pages,
 # and the owner settings that make the kernel signal a process chosen by the caller (O_ASYNC/SIGIO).
 # "eq32" compares the low 32 bits, as the kernel reads an int argument (no high-bit bypass).
 F_SETOWN, F_SETSIG, F_SETOWN_EX = 8, 10, 15
+# record locks (classic and open-file-description), leases and directory notification (dnotify)
+FCNTL_LOCKS = (5, 6, 7, 36, 37, 38, 1024, 1025, 1026)  # F_GETLK F_SETLK F_SETLKW F_OFD_* F_SETLEASE F_GETLEASE F_NOTIFY
 FIOSETOWN, SIOCSPGRP, TIOCSPGRP = 0x8901, 0x8902, 0x5410
 STAGE_ONE_IF = (
     ("prlimit64", ((0, "ne", 0),)), ("migrate_pages", ((0, "ne", 0),)), ("move_pages", ((0, "ne", 0),)),
-    *(("fcntl", ((1, "eq32", cmd),)) for cmd in (F_SETOWN, F_SETSIG, F_SETOWN_EX)),
+    *(("fcntl", ((1, "eq32", cmd),)) for cmd in (F_SETOWN, F_SETSIG, F_SETOWN_EX, *FCNTL_LOCKS)),
     *(("ioctl", ((1, "eq32", cmd),)) for cmd in (FIOSETOWN, SIOCSPGRP, TIOCSPGRP)),
 )
 # Refused to every run's child, with all of STAGE_ONE: exec, and everything that would leave a
@@ -119,18 +130,9 @@ def filter_rules(stage: int) -> list[tuple[str, tuple]]:
     return [(n, ()) for n in (*STAGE_ONE, *STAGE_TWO)] + list(STAGE_ONE_IF) + list(STAGE_TWO_IF)
 HARNESS_PYC = "/harness.pyc"           # where the compiled harness is bound inside the sandbox
 _PROBE = r"""
-import importlib, json, sys, sysconfig
-safe = json.loads(sys.argv[1])
-for m in safe:
-    try:
-        importlib.import_module(m)
-    except ImportError:
-        pass
+import json, sys, sysconfig
 paths = sysconfig.get_paths()
-dyn = [getattr(sys.modules.get(m), "__file__", None) for m in list(sys.modules)]
-print(json.dumps({"version": list(sys.version_info[:2]), "stdlib": paths["stdlib"],
-                  "platstdlib": paths["platstdlib"], "importable": sorted(sys.modules),
-                  "extensions": sorted(f for f in dyn if f and f.endswith(".so"))}))
+print(json.dumps({"version": list(sys.version_info[:2]), "stdlib": paths["stdlib"], "platstdlib": paths["platstdlib"]}))
 """
 
 
@@ -144,10 +146,8 @@ class Interpreter:
 
     executable: str
     version: tuple[int, int]
-    stdlib: tuple[str, ...]
-    hide: tuple[str, ...]        # site-packages inside the stdlib tree: masked with an empty tmpfs
-    libs: tuple[str, ...]        # shared objects: the interpreter's, its extensions', libseccomp's
-    importable: tuple[str, ...]  # start-up modules + what importing SAFE_MODULES imports (hook allows them)
+    stdlib: tuple[str, ...]      # on the host: mode none reads it in place
+    image: Image                 # what a bwrap sandbox gets copied instead (image.py)
 
 
 @dataclass(frozen=True)
@@ -169,22 +169,20 @@ class Isolation:
                 "network_namespace": iso, "seccomp": iso, "namespaces_per_run": self.mode == "bwrap",
                 "uid_drop": self.uid is not None, "process_per_run": True, "rlimits": True, "empty_env": True}
 
-    def command(self, job_dir: str, tmpfs_bytes: int, bpf_fd: int | None, harness_fd: int | None) -> list[str]:
+    def command(self, job_dir: str, tmpfs_bytes: int, bpf_fd: int | None, harness_fd: int | None,
+                image_argv: Sequence[str] = ()) -> list[str]:
         """argv of one sandbox worker: a fresh ``python -I -S -B`` running sandbox.py. Under bwrap
         it arrives compiled (``harness_fd``: its .pyc, bound read-only), which saves compiling it
-        at every start; without bwrap it is passed as source."""
+        at every start; without bwrap it is passed as source. ``image_argv``: image.copy_args."""
         exe = self.interpreter.executable
         if self.mode == "none":
-            return [exe, "-I", "-S", "-B", "-c", harness_source()]
+            return [exe, "-I", "-S", "-B", "-c", "import sys; exec(compile(sys.argv[1], '<miles-harness>', 'exec'))",
+                    harness_source()]
         # No --disable-userns: stage one refuses unshare, clone and setns, so no namespace can be made.
         argv = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--uid", str(NOBODY), "--gid", str(NOBODY),
                 "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
-        for p in (self.interpreter.executable, *self.interpreter.stdlib, *self.interpreter.libs):
-            argv += ["--ro-bind", p, p]
-        for p in self.interpreter.hide:  # an empty, read-only, 4 KiB mask (the root's remount is not recursive)
-            argv += ["--perms", "0555", "--size", "4096", "--tmpfs", p, "--remount-ro", p]
-        argv += ["--dev-bind", "/dev/null", "/dev/null", "--perms", "1777", "--size", str(tmpfs_bytes),
+        argv += [*image_argv, "--dev-bind", "/dev/null", "/dev/null", "--perms", "1777", "--size", str(tmpfs_bytes),
                  "--tmpfs", job_dir, "--chdir", job_dir]
         if bpf_fd is not None:
             argv += ["--seccomp", str(bpf_fd)]
@@ -244,23 +242,16 @@ def shared_libs(paths: list[str]) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def describe_interpreter(exe: str, seccomp_module: str = "") -> Interpreter:
-    """Ask ``exe`` for its standard library and what the allowed modules import (once per process)."""
-    res = subprocess.run([exe, "-I", "-S", "-c", _PROBE, json.dumps(sorted(SAFE_MODULES))],
+    """Ask ``exe`` for its standard library and pack it for the sandbox (once per process)."""
+    res = subprocess.run([exe, "-I", "-S", "-c", _PROBE],
                          capture_output=True, text=True, env={}, timeout=60)
     if res.returncode != 0:
         raise IsolationUnavailable(f"the sandbox interpreter {exe} failed to start: {res.stderr.strip()[-300:]}")
     info = json.loads(res.stdout)
     stdlib = sorted({os.path.realpath(info["stdlib"]), os.path.realpath(info["platstdlib"])})
-    inside = lambda p: any(p.startswith(s + os.sep) for s in stdlib)  # noqa: E731
-    stdlib = [s for s in stdlib if not inside(s)]
-    hide = [p for s in stdlib for p in (os.path.join(s, "site-packages"), os.path.join(s, "dist-packages"))
-            if os.path.isdir(p)]
-    deps = [exe, *info["extensions"], *glob.glob(os.path.join(info["platstdlib"], "lib-dynload", "resource*.so"))]
-    libs = [p for p in shared_libs(deps + ([seccomp_module] if seccomp_module else [])) if not inside(p)]
-    if seccomp_module:
-        libs.append(seccomp_module)
-    return Interpreter(exe, tuple(info["version"]), tuple(stdlib), tuple(hide), tuple(sorted(set(libs))),
-                       tuple(info["importable"]))
+    stdlib = [s for s in stdlib if not any(s.startswith(t + os.sep) for t in stdlib)]
+    image = build_image(exe, info["stdlib"], tuple(shared_libs([exe])), seccomp_module)
+    return Interpreter(exe, tuple(info["version"]), tuple(stdlib), image)
 
 
 def find_seccomp_module(version: tuple[int, int]) -> str:
@@ -343,7 +334,7 @@ def compile_harness(exe: str) -> bytes:
         src, out = os.path.join(d, "harness.py"), os.path.join(d, "harness.pyc")
         Path(src).write_text(harness_source())
         res = subprocess.run([exe, "-I", "-S", "-c", "import py_compile, sys; "
-                              "py_compile.compile(sys.argv[1], sys.argv[2], doraise=True)", src, out],
+                              "py_compile.compile(sys.argv[1], sys.argv[2], '<miles-harness>', doraise=True)", src, out],
                              capture_output=True, text=True, env={}, timeout=60)
         if res.returncode != 0:
             raise IsolationUnavailable(f"{exe} could not compile the sandbox harness: {res.stderr.strip()[-300:]}")

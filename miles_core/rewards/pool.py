@@ -24,8 +24,9 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
+from miles_core.rewards.image import copy_args
 from miles_core.rewards.isolation import MODES, USERNS_HINT, IsolationUnavailable, Mode, filter_rules, prepare
 from miles_core.rewards.reports import interpret, parse_report
 from miles_core.rewards.sandbox import read_frame, send_frame
@@ -108,8 +109,10 @@ class SandboxPool:
         self._dir = tempfile.mkdtemp(prefix="miles-sandbox-")  # workers' stderr; mode none: their run dirs
         os.chmod(self._dir, 0o711)  # a worker started as nobody (mode none) reaches its own dir, lists nothing
         self._opts = {"limits": dataclasses.asdict(self.limits), "audit_hook": audit_hook,
-                      "read_roots": sorted({*iso.interpreter.stdlib, os.devnull}),
-                      "importable": list(iso.interpreter.importable), "seccomp_module": iso.seccomp_module,
+                      "read_roots": sorted({*(iso.interpreter.stdlib if iso.mode == "none" else
+                                                iso.interpreter.image.read_roots), os.devnull}),
+                      "trusted_files": sorted({*iso.interpreter.stdlib, *iso.interpreter.image.read_roots}),
+                      "importable": list(iso.interpreter.image.importable), "seccomp_module": iso.seccomp_module,
                       "stage_two": filter_rules(2), "preimport": iso.mode != "bwrap"}
         self._count = itertools.count()
         self._queue: Any = queue.SimpleQueue()
@@ -169,9 +172,12 @@ class SandboxPool:
         bpf, pyc = (_data_pipe(iso.bpf, fds), _data_pipe(iso.harness_pyc, fds)) if iso.bpf else (None, None)
         ids = {} if iso.uid is None else {"user": iso.uid, "group": iso.uid, "extra_groups": []}
         try:
-            p = subprocess.Popen(iso.command(base, self.limits.tmpfs_mb << 20, bpf, pyc), stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, stderr=err, pass_fds=tuple(f for f in (bpf, pyc) if f),
-                                 env={}, start_new_session=True, **ids)
+            image_argv, image_fds = copy_args(iso.interpreter.image) if iso.mode != "none" else ([], [])
+            fds += image_fds
+            argv = iso.command(base, self.limits.tmpfs_mb << 20, bpf, pyc, image_argv)
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
+                                 pass_fds=tuple(f for f in (bpf, pyc, *image_fds) if f), env={},
+                                 start_new_session=True, **ids)
         finally:
             for fd in fds[1:]:
                 os.close(fd)
@@ -237,9 +243,12 @@ class SandboxPool:
             except Exception as e:  # noqa: BLE001 - reported per job, the pool keeps serving
                 res = ExecResult("worker_error", str(e)[:300])
             done(key, res)
+            del item, job, done, res  # nothing of this job stays alive while the thread waits for the next
 
-    def submit(self, jobs: Sequence[Job]) -> "Future[list[ExecResult]]":
-        """Queue ``jobs``; the Future resolves to their results, in order.
+    def submit(self, jobs: Sequence[Job], reduce: Callable[[int, ExecResult], Any] | None = None) -> "Future[list]":
+        """Queue ``jobs``; the Future resolves to their results, in order, or to ``reduce(k, result)``
+        of each, computed as each result arrives, so a caller that keeps only a verdict (the code
+        reward's Score) never holds a batch of parsed reports (up to ~10 MiB each) at once.
 
         Identical jobs (same source and inputs: common within an RL group) run once, and results
         of recent jobs are reused from an LRU cache (at most ``cache_size`` results and
@@ -260,7 +269,7 @@ class SandboxPool:
                     self._cache.move_to_end(key)
             hit = entry[0] if entry is not None else None
             if hit is not None:
-                results[k] = hit
+                results[k] = reduce(k, hit) if reduce else hit
             else:
                 groups.setdefault(key, []).append(k)
         left, lock = [len(groups)], threading.Lock()
@@ -276,7 +285,7 @@ class SandboxPool:
                         self._cached_bytes -= self._cache.popitem(last=False)[1][1]
             with lock:
                 for k in groups[key]:
-                    results[k] = res
+                    results[k] = reduce(k, res) if reduce else res
                 left[0] -= 1
                 if left[0] == 0:
                     fut.set_result(results)

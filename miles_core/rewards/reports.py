@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # benchmark's own setup code raised). It cannot claim a failure of the harness (setup_failed,
 # worker_error), which the worker alone establishes.
 _RUN_STATUSES = PROGRAM_ENDS | {"ok", "setup_error"}
+ERROR_CHARS = 200  # of each per-call error a run reports (they reach Score.reason and logs)
 REPORT_DEPTH = 16  # nesting a report may have (an honest one: about 8; sandbox._encode caps values at 5)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
@@ -74,7 +75,8 @@ def interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: "SandboxLi
             outs, errs = msg.get("outputs"), msg.get("errors")
             if not (isinstance(outs, list) and isinstance(errs, list) and len(outs) == len(errs)):
                 return {"status": "bad_result", "reason": "malformed result message"}
-            out.update(outputs=outs, errors=[e if isinstance(e, str) or e is None else "?" for e in errs])
+            out.update(outputs=outs, errors=[e[:ERROR_CHARS] if isinstance(e, str) else None if e is None else "?"
+                                             for e in errs])
         return out
     if data and msg is None:
         why = "a malformed or over-deep result" if body is not None else "a malformed result"

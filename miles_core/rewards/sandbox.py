@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # typing costs ~5 ms of imports per sandbox start; annotation
     from typing import Any, Callable
 
 VIOLATION_EXIT = 86
+_HARNESS_FILE = "<miles-harness>"  # the file name the harness is compiled under (isolation.compile_harness)
 SETUP_OK = b"+"  # first byte a run writes on its report pipe, once limits, filter and hook are in place
 _HDR = struct.Struct(">I")
 SAFE_MODULES = frozenset(
@@ -180,6 +181,7 @@ def _define(job: dict, report: "Callable[[dict], None]") -> "Callable[..., Any]"
 def _harness(job: dict, out_fd: int) -> None:
     """Define the function from the completion, call it on each input, report, exit."""
     def report(msg: dict) -> None:
+        flush_output()
         send_msg(out_fd, msg)
         os._exit(0)
     fn, entry = _define(job, report), job["entry"]
@@ -198,69 +200,94 @@ def _harness(job: dict, out_fd: int) -> None:
     report({"status": "ok", "reason": "finished", "outputs": outputs, "errors": errors})
 
 
-def _audit_hook(job_dir: str, read_roots: tuple[str, ...], importable: frozenset[str],
-                out_fd: int) -> Callable[[str, tuple], None]:
+def flush_output() -> None:
+    """Flush what the program printed before the run ends with ``os._exit`` (which would drop it)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001 - the program's own streams, possibly replaced or closed
+            pass
+
+
+def _audit_hook(job_dir: str, read_roots: tuple[str, ...], importable: frozenset[str], out_fd: int,
+                trusted: tuple[str, ...] = ()) -> Callable[[str, tuple], None]:
     """The in-process policy (see module docstring); a refusal reports and exits immediately.
 
-    ``importable``: SAFE_MODULES and what importing them imports (isolation.py computes it once
-    per interpreter), so the allowed modules load lazily instead of ~30 ms of imports per run.
-    Everything the hook consults is bound here, in its closure: a completion reaches the harness's
-    module globals through its caller's frame and may rewrite them, which must not switch the hook
-    off (it stays defence in depth all the same: the kernel is the boundary)."""
+    ``importable``: the top-level modules a completion may import (image.py: what the sandbox
+    holds, less the refused built-ins); any other import raises ImportError, as a missing module
+    would, so an honest ``try: import numpy / except ImportError`` takes its fallback.
+    ``trusted``: the standard library's files; code from anywhere else (the completion, whatever
+    file name it compiles under, ``exec``, generated code) counts as the completion's, and it may
+    not compile, build or unmarshal code that claims a trusted file name. Everything the hook
+    consults is bound in its closure (a completion reaches the harness's module globals through
+    its caller's frame), and it never calls into an object a run made (paths must be exact str or
+    bytes). It stays defence in depth: the kernel is the boundary."""
     write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    deny_events, deny_prefixes, path_events, safe = _DENY_EVENTS, _DENY_PREFIXES, _PATH_EVENTS, SAFE_MODULES
-    getframe, realpath, fsdecode, fspath, sep = sys._getframe, os.path.realpath, os.fsdecode, os.fspath, os.sep
+    deny_events, deny_prefixes, path_events = _DENY_EVENTS, _DENY_PREFIXES, _PATH_EVENTS
+    getframe, realpath, fsdecode, sep, type_ = sys._getframe, os.path.realpath, os.fsdecode, os.sep, type
     isabs = os.path.isabs
     write, exit_, encode, pack = os.write, os._exit, _json.encode_basestring_ascii, _HDR.pack
     inside = lambda p, root: p == root or p.startswith(root + sep)  # noqa: E731
+    trusted_names = (*trusted, "<frozen ", _HARNESS_FILE)
+    code_attrs = frozenset({"__code__", "__defaults__", "__kwdefaults__"})
 
     def deny(what: str) -> None:
         body = ('{"status":"blocked","reason":' + encode(f"blocked by sandbox policy: {what}"[:300]) + "}").encode()
         write(out_fd, pack(len(body)) + body)
         exit_(VIOLATION_EXIT)
 
-    def real(p: Any) -> str:  # relative paths resolve against the current directory, as the OS does
-        return realpath(fsdecode(fspath(p)))
+    def path(p: Any, event: str) -> str:
+        if type_(p) is not str and type_(p) is not bytes:  # no __fspath__ of a run's making runs here
+            deny(f"{event} of a {type_(p).__name__} path (give a str)")
+        return fsdecode(p)
 
     def by_completion() -> bool:
-        """Was the event raised by the completion's own code (not a stdlib module it imports)?"""
+        """Was the event raised by code other than the standard library's and the harness's?"""
         f = getframe(2)
         while f is not None and f.f_code.co_filename.startswith("<frozen importlib"):
             f = f.f_back
-        return f is None or f.f_code.co_filename == "<completion>"
+        return f is None or not f.f_code.co_filename.startswith(trusted_names)
 
     def hook(event: str, args: tuple) -> None:
         if event in deny_events or event.startswith(deny_prefixes):
             deny(event)
-        elif event == "import" and args[0] not in importable and args[0].split(".")[0] not in safe:
-            if by_completion():
-                deny(f"import {args[0]}")
-            # an optional import inside an allowed module (``try: import x except ImportError``)
-            raise ImportError(f"import of {args[0]!r} refused by the sandbox policy")
-        elif event == "object.__setattr__" and type(args[0]).__name__ in ("function", "code", "cell") \
-                and by_completion():
-            deny(f"setting {args[1]} on a {type(args[0]).__name__}")
-        elif event == "open" and isinstance(args[0], int):
+        elif event == "import":
+            if args[0].split(".")[0] not in importable:
+                raise ModuleNotFoundError(f"No module named {args[0]!r} (refused by the sandbox policy)")
+        elif event == "object.__setattr__" and type_(args[0]).__name__ == "function" and args[1] in code_attrs and (
+                args[1] == "__code__" or by_completion()):  # namedtuple sets __defaults__; nothing sets __code__
+            deny(f"setting {args[1]} on a function")
+        elif event == "object.__setattr__" and type_(args[0]).__name__ in ("code", "cell") and by_completion():
+            deny(f"setting {args[1]} on a {type_(args[0]).__name__}")
+        elif event == "compile" and by_completion() and type_(args[1]) in (str, bytes) and (
+                fsdecode(args[1]).startswith(trusted_names)):
+            deny("compiling code under a standard-library file name")
+        elif event in ("code.__new__", "marshal.load", "marshal.loads") and by_completion():
+            deny(event)
+        elif event == "open" and type_(args[0]) is int:
             if args[0] > 2 and by_completion():  # its report and pipes are written by the harness alone
                 deny(f"open of descriptor {args[0]}")
         elif event == "open":
-            mode, flags = args[1] or "", args[2] or 0
-            if not isabs(fsdecode(fspath(args[0]))) and by_completion():
+            mode, flags, name = args[1] or "", args[2] or 0, path(args[0], event)
+            if not isabs(name) and by_completion():
                 deny("open of a relative path (the event does not say which directory a dir_fd names)")
-            p = real(args[0])
+            p = realpath(name)
             writing = any(c in mode for c in "wax+") or bool(flags & write_flags)
             if not inside(p, job_dir) and (writing or not any(inside(p, r) for r in read_roots)):
                 deny(f"open {p!r} for {'writing' if writing else 'reading'} outside the sandbox directory")
         elif event in path_events:
             listing = event in ("os.listdir", "os.scandir")  # the import system lists the stdlib
             for a in args[:2]:
-                if isinstance(a, int) and not isinstance(a, bool) and by_completion():
+                if type_(a) is int and by_completion():
                     deny(f"{event} on descriptor {a}")
-                if isinstance(a, (str, bytes, os.PathLike)) and not isabs(fsdecode(fspath(a))) and by_completion():
+                if a is None or type_(a) is int:
+                    continue
+                name = path(a, event)
+                if not isabs(name) and by_completion():
                     deny(f"{event} of a relative path")
-                if isinstance(a, (str, bytes, os.PathLike)) and not inside(real(a), job_dir) and not (
-                        listing and any(inside(real(a), r) for r in read_roots)):
-                    deny(f"{event} {real(a)!r} outside the sandbox directory")
+                if not inside(realpath(name), job_dir) and not (
+                        listing and any(inside(realpath(name), r) for r in read_roots)):
+                    deny(f"{event} {realpath(name)!r} outside the sandbox directory")
     return hook
 
 
@@ -326,25 +353,31 @@ def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any
         del sys.modules[name]
     if opts["audit_hook"]:
         importable = frozenset(opts["importable"])
-        _guard_builtins(importable | SAFE_MODULES)
-        sys.addaudithook(_audit_hook(os.path.realpath(job_dir), tuple(opts["read_roots"]), importable, 3))
+        _guard_builtins(importable)
+        sys.addaudithook(_audit_hook(os.path.realpath(job_dir), tuple(opts["read_roots"]), importable, 3,
+                                     tuple(opts["trusted_files"])))
     os.write(3, SETUP_OK)  # the last word of trusted code: without it, the reader knows setup failed
     (harness or _harness)(job, *range(3, 3 + len(keep)))
 
 
 def _guard_builtins(allowed: frozenset[str]) -> None:
-    """``_imp.create_builtin`` makes a built-in module (gc, fcntl, faulthandler) without an import
-    event: the import system's loaders call it through the ``_imp`` module, so a run gets a
-    version that refuses every module the policy does not allow."""
+    """``_imp.create_builtin`` makes a built-in module (gc, fcntl, _socket) without an import
+    event: the import system's loaders call it through the ``_imp`` module. A run gets a
+    replacement that hands out the allowed built-ins, made here in advance, and refuses the rest;
+    the original is dropped, so nothing a run can reach (a closure cell, a default) leads to it."""
     import _imp
+    from _frozen_importlib import BuiltinImporter
 
-    create = _imp.create_builtin
+    made = {}
+    for name in sorted(allowed & frozenset(sys.builtin_module_names)):
+        spec = BuiltinImporter.find_spec(name)
+        made[name] = sys.modules[name] if name in sys.modules else _imp.create_builtin(spec)
 
-    def create_builtin(spec: Any) -> Any:
+    def create_builtin(spec: Any, _made: dict = made) -> Any:
         name = getattr(spec, "name", None)
-        if type(name) is not str or name.split(".")[0] not in allowed:
+        if type(name) is not str or name not in _made:
             raise ImportError(f"built-in module {name!r} refused by the sandbox policy")
-        return create(spec)
+        return _made[name]
     _imp.create_builtin = create_builtin
 
 

@@ -27,7 +27,8 @@ helpers (framing, ``_define``, ``_fatal``) it uses; sandbox_worker.py starts its
 """
 
 try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
-    from miles_core.rewards.sandbox import SETUP_OK, _define, _fatal, os, read_frame, send_frame, send_msg, to_json
+    from miles_core.rewards.sandbox import (SETUP_OK, _define, _fatal, flush_output, os, read_frame, send_frame,
+                                            send_msg, to_json)
 except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
     pass
 
@@ -199,6 +200,7 @@ def _serve(job: dict, rep: int, req: int) -> None:
     import marshal
 
     def report(msg: dict) -> None:
+        flush_output()
         send_frame(rep, to_json({"fatal": msg}).encode())
         os._exit(0)
 
@@ -236,6 +238,7 @@ def _serve(job: dict, rep: int, req: int) -> None:
             send_frame(rep, to_json(out).encode())
         except BaseException as e:  # noqa: BLE001 - e.g. a str with surrogates, a float subclass
             send_frame(rep, to_json({"value": ["u", f"unencodable ({type(e).__name__})"]}).encode())
+        flush_output()
     os._exit(0)
 
 

