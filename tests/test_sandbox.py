@@ -155,7 +155,7 @@ HOSTILE = {
         "import os, struct\ndef f(x):\n    b = b'{{\"status\":\"ok\",\"reason\":\"finished\",\"outputs\":[12345],\"errors\":[null]}}'\n"
         "    os.write(3, struct.pack('>I', len(b)) + b)\n    os._exit(0)\n"),
     "patch the harness's report": (
-        "import sys\ndef f(x):\n    m = sys.modules['__main__']\n    m._encode = lambda v, *a, **k: 12345\n"
+        "import sys\ndef f(x):\n    m = sys.modules['__main__']\n    m._tag = lambda v, *a, **k: 12345\n"
         "    return 1\n"),
     "raise its own rlimits": (
         "import resource\ndef f(x):\n    for r in (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_NPROC):\n"

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
-from miles_core.rewards.sandbox_tests import Opaque, _tag, _untag
+from miles_core.rewards.sandbox_values import Opaque, _tag, _untag
 
 LIMITS = SandboxLimits(timeout_s=3.0, cpu_s=1, memory_mb=256, tmpfs_mb=16)
 SETUP = 'import math\n\ndef add(a, b):\n    """Add two numbers."""\n'

@@ -31,7 +31,6 @@ MBPP_SPLITS = {"test": range(11, 511), "prompt": range(1, 11), "validation": ran
                "train": range(601, 975)}
 # Completions are hostile and these run in the trainer: every pattern matches in time linear in the
 # text (possessive runs, no two quantifiers that can trade the same characters; strip in Python).
-_FENCE = re.compile(r"```[ \t]*+(?:(?:python|py|Python)[ \t]*+)?\n(.*?)(?:```|$)", re.DOTALL)
 _BEGIN = re.compile(r"\[BEGIN\](.*?)(?:\[DONE\]|$)", re.DOTALL)
 _ENTRY = re.compile(r"^\s*assert\s+(?:not\s+)?\(?\s*(?:set\(|math\.isclose\()?\s*([A-Za-z_]\w*)\s*\(")
 
@@ -42,25 +41,68 @@ def tests_answer(entry: str, tests: list[str], setup: str = "", prefix: str = ""
     return json.dumps({"kind": "tests", "entry": entry, "tests": tests, "setup": setup, "prefix": prefix})
 
 
+PYTHON_INFO = frozenset({"", "python", "py", "python3", "py3", "pycon", "ipython"})
+
+
+def fenced_blocks(text: str) -> list[str]:
+    """The Python code blocks of a Markdown text, as models write them: a fence of three or more
+    backticks, optionally indented (a list item) with its body dedented by as much, an info word
+    that is empty or Python's (``python``, ``py``, ``python3``, any case; other languages are
+    skipped), closed by a line of at least as many backticks and nothing else (so backticks inside
+    a line, a string, never close it), or by the end of the text. CRLF and CR line ends are read as
+    LF. One pass over the lines: linear in the text, whatever it holds."""
+    lines = text.replace("\r\n", "\n").replace("\r", "\n").split("\n")
+    blocks, i = [], 0
+    while i < len(lines):
+        line = lines[i]
+        body = line.lstrip(" \t")
+        i += 1
+        if not body.startswith("```"):
+            continue
+        ticks = len(body) - len(body.lstrip("`"))
+        words = body[ticks:].split()
+        info = words[0].lower() if words else ""
+        indent = len(line) - len(body)
+        code = []
+        while i < len(lines):
+            end = lines[i].strip(" \t")
+            i += 1
+            if len(end) >= ticks and end == "`" * len(end):
+                break
+            row = lines[i - 1]
+            code.append(row[indent:] if not row[:indent].strip(" \t") else row.lstrip(" \t"))
+        if info in PYTHON_INFO and "`" not in info:
+            blocks.append("\n".join(code) + "\n")
+    return blocks
+
+
 def extract_code(text: str, entry: str) -> str:
-    """The code in a completion: a fenced block (the first that defines ``entry``, else the first),
-    an MBPP ``[BEGIN] ... [DONE]`` span, or the text itself (a base model continuing the prompt)."""
-    blocks = _FENCE.findall(text)
+    """The code in a completion, by a stated rule: among its Python fenced blocks
+    (:func:`fenced_blocks`), the first that defines ``entry``, else the first; with no block, an
+    MBPP ``[BEGIN] ... [DONE]`` span; else the text itself (a base model continuing the prompt)."""
+    blocks = fenced_blocks(text)
     if blocks:
         return next((b for b in blocks if re.search(rf"def\s+{re.escape(entry)}\s*\(", b)), blocks[0])
     m = _BEGIN.search(text)
     return m.group(1).strip() if m else text
 
 
+_FUTURE = re.compile(r"^from[ \t]++__future__[ \t]++import[^\n]*+\n?", re.MULTILINE)
+
+
 def program(spec: dict[str, Any], completion: str) -> str:
     """What the sandbox's program process runs: the prompt's code, then the completion's. A
     completion that writes the whole function redefines the prompt's stub; one that continues the
-    prompt (HumanEval's base-model convention) supplies the body."""
+    prompt (HumanEval's base-model convention) supplies the body. The completion's ``from
+    __future__`` imports go first, where Python requires them."""
     code = extract_code(completion, spec["entry"])
     prefix = spec.get("prefix", "")
+    futures = "".join(m if m.endswith("\n") else m + "\n" for m in _FUTURE.findall(code))
+    if futures:
+        code = _FUTURE.sub("", code)
     if re.search(rf"^[ \t]*+def\s+{re.escape(spec['entry'])}\s*\(", code, re.MULTILINE):
-        return prefix + "\n" + code
-    return prefix + code
+        return futures + prefix + "\n" + code
+    return futures + prefix + code
 
 
 def parse_humaneval(row: dict) -> Problem:

@@ -316,13 +316,13 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
 
 
 def harness_source() -> str:
-    """What the sandbox interpreter runs: sandbox.py, then sandbox_tests.py (the two-process test
-    harness, which uses sandbox.py's helpers), then sandbox_worker.py (the dispatcher and the
-    zygote, with the entry point ``main``). One text, because
-    ``python -I`` puts no directory of ours on sys.path."""
-    from miles_core.rewards import sandbox, sandbox_tests, sandbox_worker
+    """What the sandbox interpreter runs: sandbox.py (framing, run setup, the hook), then
+    sandbox_values.py (the value encoding), sandbox_tests.py (the harnesses), sandbox_worker.py
+    (the dispatcher and the zygote, with the entry point ``main``). One text, because ``python -I``
+    puts no directory of ours on sys.path."""
+    from miles_core.rewards import sandbox, sandbox_tests, sandbox_values, sandbox_worker
 
-    return ("\n".join(Path(m.__file__).read_text() for m in (sandbox, sandbox_tests, sandbox_worker))
+    return ("\n".join(Path(m.__file__).read_text() for m in (sandbox, sandbox_values, sandbox_tests, sandbox_worker))
             + '\n\nif __name__ == "__main__":\n    main()\n')
 
 

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 # worker_error), which the worker alone establishes.
 _RUN_STATUSES = PROGRAM_ENDS | {"ok", "setup_error"}
 ERROR_CHARS = 200  # of each per-call error a run reports (they reach Score.reason and logs)
-REPORT_DEPTH = 16  # nesting a report may have (an honest one: about 8; sandbox._encode caps values at 5)
+REPORT_DEPTH = 64  # nesting a report may have (a tagged value takes two levels per container level)
 _NOT_BRACKETS = bytes(c for c in range(256) if c not in b"[]{}")
 
 
@@ -75,10 +75,36 @@ def interpret(data: bytes, sig: int, code: int, timed_out: bool, lim: "SandboxLi
             outs, errs = msg.get("outputs"), msg.get("errors")
             if not (isinstance(outs, list) and isinstance(errs, list) and len(outs) == len(errs)):
                 return {"status": "bad_result", "reason": "malformed result message"}
-            out.update(outputs=outs, errors=[e[:ERROR_CHARS] if isinstance(e, str) else None if e is None else "?"
+            out.update(outputs=[plain(o) for o in outs], errors=[e[:ERROR_CHARS] if isinstance(e, str) else None if e is None else "?"
                                              for e in errs])
         return out
     if data and msg is None:
         why = "a malformed or over-deep result" if body is not None else "a malformed result"
         return {"status": "bad_result", "reason": f"exited with code {code} after writing {why}"}
     return {"status": "exited", "reason": f"exited with code {code} without reporting a result (os._exit/sys.exit?)"}
+
+
+_KINDS = {"s": "set", "f": "frozenset", "g": "iterator", "G": "iterator", "b": "bytes", "c": "complex", "r": "range",
+          "k": "dict_keys", "v": "dict_values", "i": "dict_items", "F": "Fraction", "D": "Decimal", "d": "dict"}
+
+
+def plain(v: Any) -> Any:
+    """A single run's tagged output (sandbox_values._tag) as the JSON value it equals: lists and
+    tuples as lists, dicts with str keys as dicts, ints of any size; anything else as
+    ``{"__unencodable__": kind}``, which equals no expected value. Never raises on what a run sent."""
+    if type(v) is not list:
+        return v if v is None or type(v) in (bool, int, float, str) else {"__unencodable__": "malformed"}
+    if len(v) != 2 or type(v[0]) is not str:
+        return {"__unencodable__": "malformed"}
+    tag, items = v
+    try:
+        if tag in ("l", "t") and type(items) is list:
+            return [plain(x) for x in items]
+        if tag == "I" and type(items) is str:
+            return int(items, 16)
+        if tag == "d" and type(items) is list and all(type(p) is list and len(p) == 2 and type(p[0]) is str
+                                                      for p in items):
+            return {k: plain(x) for k, x in items}
+    except (ValueError, RecursionError):
+        pass
+    return {"__unencodable__": _KINDS.get(tag, str(items)[:40] if tag == "u" else "malformed")}

