@@ -109,10 +109,17 @@ def _crash_flow_run(flow_run_id: str, why: str) -> bool:
 
 
 def reap(run_dir: Path) -> list[str]:
-    """Close what a dead owner of ``run_dir`` (or of its direct subfolders) left open -> what was marked."""
+    """Close what a dead owner of ``run_dir`` (or of its direct subfolders) left open, and apply a
+    final status its process could not write (``end_pending``: the tracking server was away) ->
+    what was marked."""
     marked: list[str] = []
     for path in [run_dir / RECORD, *sorted(run_dir.glob(f"*/{RECORD}"))]:
         rec = read(path.parent)
+        if rec and rec.get("end_pending") and rec.get("mlflow_run_id"):  # its process ended, the server was away
+            if tracking.end_if_running(rec["mlflow_run_id"], rec["end_pending"]):
+                marked.append(f"MLflow run {rec['mlflow_run_id']} {rec['end_pending']}")
+            _write(path.parent, {k: v for k, v in rec.items() if k != "end_pending"})
+            continue
         if not rec or rec.get("ended") or owner_alive(rec) is not False:
             continue
         why = (f"process {rec.get('pid')} on {rec.get('host')} died without ending the run (found by pid "
@@ -180,10 +187,23 @@ def tracked(c: Claim, experiment: str, name: str, params: Mapping[str, Any] | No
         reopen = None
     extra = {"miles.copied_from_run": prev["mlflow_run_id"]} if resume and prev.get("mlflow_run_id") and not same_folder else {}
     record = {**(read(c.run_dir) or {})}
+    pending: dict[str, str] = {}
     try:
-        with tracking.run(experiment, name, params, {**(tags or {}), **extra}, resume_run_id=reopen) as run_id:
+        with tracking.run(experiment, name, params, {**(tags or {}), **extra}, resume_run_id=reopen,
+                          unended=lambda run_id, status: pending.update(end_pending=status)) as run_id:
             record["mlflow_run_id"] = run_id
             _write(c.run_dir, record)
             yield run_id
     finally:
-        _write(c.run_dir, {**record, "ended": "exited", "ended_unix": time.time()})
+        _write(c.run_dir, {**record, "ended": "exited", "ended_unix": time.time(), **pending})
+        if pending:
+            log.error("%s: its MLflow run stays RUNNING until the tracking server answers again; the next start "
+                      "in this folder or `miles runs gc` marks it %s", c.run_dir, pending["end_pending"])
+
+
+def collect(root: Path) -> list[str]:
+    """:func:`reap` every run folder under ``root`` (``miles runs gc``) -> what was marked."""
+    marked: list[str] = []
+    for folder in sorted({p.parent for p in root.rglob(RECORD)}):
+        marked += [f"{folder}: {m}" for m in reap(folder)]
+    return marked

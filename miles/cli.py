@@ -26,8 +26,8 @@ from typing import Any
 from flows import params as P
 from miles import __version__, reaper
 from miles.commands import (DEMO_EXPERIMENT, DEMO_RECIPE, UsageError, bare_word_error, call_flow, cmd_data, cmd_demo,
-                            cmd_export, cmd_generate, cmd_models, cmd_recipes, cmd_serve, cmd_stop, print_result,
-                            validate_recipe)
+                            cmd_export, cmd_generate, cmd_models, cmd_recipes, cmd_runs, cmd_serve, cmd_stop,
+                            print_result, validate_recipe)
 from miles.lm_eval_cmd import add_parser as add_lm_eval_parser
 from miles.console import LOG_NAME, log_to_file, merge_overrides, prefect_defaults, startup_advice
 
@@ -160,6 +160,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run", metavar="RUN", help="the run's folder or URI (s3://bucket/runs/NAME)")
     p.add_argument("--reason", default="", help="recorded in control/STOP")
     p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("runs", help="close what ended runs left open (miles runs gc)",
+                       description="miles runs gc [ROOT]: for every run folder under ROOT (default ./runs), mark "
+                                   "the MLflow run of a process that died (kill -9, the OOM killer) KILLED and its "
+                                   "Prefect flow run Crashed, and write the final status a run could not write "
+                                   "because the tracking server was away. What a start in the folder also does.")
+    p.add_argument("action", choices=["gc"])
+    p.add_argument("root", nargs="?", default="runs", help="folder searched for run folders (default: runs)")
+    _tracking(p)
+    p.set_defaults(func=cmd_runs)
 
     p = sub.add_parser("serve", help="serve a registered model over HTTP (mlflow models serve, venv-independent)",
                        description="Serve a registered model's predict over HTTP on the project's MLflow store.")

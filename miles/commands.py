@@ -445,3 +445,19 @@ def cmd_stop(args: argparse.Namespace) -> int:
     rs.request_stop(args.reason)
     print(f"{args.run}: stop requested; its samplers and learner finish their current batch and exit")
     return 0
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    """``miles runs gc [ROOT]``: close what ended runs under ROOT left open (flows/session.py)."""
+    import tracking
+    from flows import session
+
+    root = Path(args.root)
+    if not root.is_dir():
+        raise UsageError(f"{root}: no such folder (give the folder your runs are in, e.g. runs)")
+    tracking.configure(live_tracking_uri(args.tracking_uri))
+    marked = session.collect(root)
+    for line in marked:
+        print(line)
+    print(f"{root}: {len(marked)} run(s) marked" if marked else f"{root}: nothing left open")
+    return 0

@@ -110,6 +110,97 @@ def test_a_failed_resume_leaves_a_finished_run_finished(tmp_path: Path, store: s
     assert MlflowClient().get_run(dead).info.status == "FAILED"
 
 
+WRITER = """
+import sys, time
+from pathlib import Path
+import tracking
+from flows import session
+tracking.configure(sys.argv[1])
+run_dir = Path(sys.argv[2])
+with session.tracked(session.claim(run_dir), "e", "writer", {"a": 1}) as run_id:
+    print(run_id, flush=True)
+    for step in range(10**6):
+        tracking.log_metrics(run_id, {"loss": 1.0 / (step + 1)}, step)
+        time.sleep(0.2)
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.e2e
+def test_a_tracking_server_killed_mid_run_ends_the_run_within_budget_and_gc_marks_it(tmp_path: Path) -> None:
+    """A real MLflow server, killed while a run logs to it (the run's code path: session.tracked,
+    tracking.run, log_metrics): the process ends within tracking.HTTP_BUDGET's bound (a refused
+    connection: ~10 s per call, two calls), its record keeps the status it could not write, and
+    ``miles runs gc`` on the server's store marks the run FAILED, never leaving it RUNNING."""
+    port, store = _free_port(), f"sqlite:///{tmp_path / 'srv' / 'mlflow.db'}"
+    (tmp_path / "srv").mkdir()
+    env = _env(tmp_path)
+    server = subprocess.Popen([str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+                               str(port), "--workers", "1", "--backend-store-uri", store, "--artifacts-destination",
+                               str(tmp_path / "srv" / "artifacts")], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    writer = None
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                tracking.check_server(f"http://127.0.0.1:{port}", timeout_s=2)
+                break
+            except ConnectionError:
+                time.sleep(0.5)
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, f"http://127.0.0.1:{port}", str(tmp_path / "run")],
+                                  cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        run_id = writer.stdout.readline().strip()
+        assert run_id, writer.stderr.read()[-2000:]
+        time.sleep(2)  # a few metrics logged
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+        t0 = time.monotonic()
+        rc = writer.wait(timeout=150)
+        took = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.pid, signal.SIGKILL)
+        if writer is not None and writer.poll() is None:
+            writer.kill()
+    err = writer.stderr.read()
+    print(f"the run's process ended {took:.1f} s after its tracking server died (rc {rc})")
+    assert rc != 0 and took < 60, (rc, took, err[-2000:])
+    assert "could not be marked FAILED" in err and "miles runs gc" in err, err[-2000:]
+    record = session.read(tmp_path / "run")
+    assert record["ended"] == "exited" and record["end_pending"] == "FAILED", record
+    tracking.configure(store)
+    assert MlflowClient().get_run(run_id).info.status == "RUNNING"  # what the dead server kept
+    gc = subprocess.run([sys.executable, "-m", "miles.cli", "runs", "gc", str(tmp_path), "--tracking-uri", store],
+                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert gc.returncode == 0 and f"MLflow run {run_id} FAILED" in gc.stdout, gc.stdout + gc.stderr[-2000:]
+    assert MlflowClient().get_run(run_id).info.status == "FAILED"
+    assert "end_pending" not in session.read(tmp_path / "run")
+
+
+def test_a_status_the_store_missed_is_written_by_the_next_start(tmp_path: Path, store: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit under the e2e test: ``tracking.run`` tells ``unended`` when it cannot write the
+    final status and re-raises the body's own error; the next claim of the folder writes it."""
+    from mlflow.exceptions import MlflowException
+
+    claim = session.claim(tmp_path / "r")
+    real_end = tracking.end_run
+    monkeypatch.setattr(tracking, "end_run", lambda *a, **k: (_ for _ in ()).throw(MlflowException("down")))
+    with pytest.raises(KeyError):
+        with session.tracked(claim, "e", "r") as run_id:
+            raise KeyError("the body's own error")
+    monkeypatch.setattr(tracking, "end_run", real_end)
+    assert session.read(tmp_path / "r")["end_pending"] == "FAILED"
+    assert MlflowClient().get_run(run_id).info.status == "RUNNING"
+    assert session.claim(tmp_path / "r") and MlflowClient().get_run(run_id).info.status == "FAILED"
+
+
 def test_tracking_uris_that_cannot_work_fail_fast_naming_themselves(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="does not exist"):
         tracking.check_uri(f"sqlite:///{tmp_path}/no/such/mlflow.db")

@@ -19,7 +19,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +46,22 @@ def _sqlite_file(uri: str) -> Path | None:
     return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
 
 
+# MLflow's HTTP client retries a call 7 times with a backoff factor of 2 and a 120 s timeout: a server
+# that went away mid-run hung a finished run in retries for ~8 minutes. Miles' budget per call: 4
+# attempts, backoff 0 + 2 + 4 s (+ up to 1 s jitter each), a 60 s timeout per attempt: a server that
+# refuses connections costs ~10 s per call, one that accepts and never answers at most ~250 s. A
+# user's own MLFLOW_HTTP_* settings win.
+HTTP_BUDGET = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "3", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+               "MLFLOW_HTTP_REQUEST_TIMEOUT": "60"}
+
+
 def configure(tracking_uri: str | None = None) -> str:
     """Point MLflow (tracking and, unless ``MLFLOW_REGISTRY_URI`` says otherwise, registry) at a store."""
     uri = check_uri(tracking_uri)
     # per-file download bars of tiny artifacts (table appends, model downloads) only bury the logs
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+    for key, value in HTTP_BUDGET.items():
+        os.environ.setdefault(key, value)
     mlflow.set_tracking_uri(uri)
     if not os.environ.get("MLFLOW_REGISTRY_URI"):
         mlflow.set_registry_uri(uri)
@@ -161,13 +172,16 @@ def run_exists(run_id: str) -> bool:
 
 
 def end_if_running(run_id: str, status: str = "KILLED") -> bool:
-    """End ``run_id`` with ``status`` if it is still RUNNING (its process died) -> whether it was."""
+    """End ``run_id`` with ``status`` if it is still RUNNING (its process died) -> whether it was.
+    A run this store does not have is not running; a store that does not answer raises."""
     client = MlflowClient()
     try:
         if client.get_run(run_id).info.status != "RUNNING":
             return False
-    except MlflowException:
-        return False
+    except MlflowException as e:
+        if e.error_code in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
+            return False
+        raise
     client.set_terminated(run_id, status=status)
     return True
 
@@ -185,9 +199,13 @@ def reopen_run(run_id: str, params: Mapping[str, Any] | None = None, tags: Mappi
 
 @contextlib.contextmanager
 def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
-        tags: Mapping[str, Any] | None = None, resume_run_id: str | None = None) -> Iterator[str]:
+        tags: Mapping[str, Any] | None = None, resume_run_id: str | None = None,
+        unended: Callable[[str, str], None] | None = None) -> Iterator[str]:
     """``with run(...) as run_id``: the run ends FINISHED, FAILED if the body raises, KILLED if it is
-    interrupted (Ctrl-C, SIGTERM). ``resume_run_id``: continue that run instead of creating one."""
+    interrupted (Ctrl-C, SIGTERM). ``resume_run_id``: continue that run instead of creating one.
+    When the final status cannot be written (the tracking server went away), ``unended(run_id,
+    status)`` is told, so the status can be applied later (flows/session.py), and the block's own
+    error, if any, is the one raised."""
     before = None
     if resume_run_id:
         before = MlflowClient().get_run(resume_run_id).info.status
@@ -195,16 +213,26 @@ def run(experiment: str, run_name: str, params: Mapping[str, Any] | None = None,
         run_id = resume_run_id
     else:
         run_id = start_run(experiment, run_name, params, tags)
+    def end(status: str, note: str | None = None) -> None:
+        try:
+            if note is not None:
+                set_tags(run_id, {"miles.last_resume": note})
+            end_run(run_id, status)
+        except Exception as e:  # noqa: BLE001 - the store is unreachable: say so, leave it to the caller
+            log.error("MLflow run %s could not be marked %s (%s: %s)", run_id, status, type(e).__name__, str(e)[:200])
+            if unended is None:
+                raise
+            unended(run_id, status)
     try:
         yield run_id
     except BaseException as e:
         status = "KILLED" if stopped(e) else "FAILED"
         if before == "FINISHED":  # a finished run (it may back a registered version) keeps its status
-            set_tags(run_id, {"miles.last_resume": f"{status}: {type(e).__name__}: {str(e)[:300]}"})
-            status = before
-        end_run(run_id, status)
+            end(before, f"{status}: {type(e).__name__}: {str(e)[:300]}")
+        else:
+            end(status)
         raise
-    end_run(run_id, "FINISHED")
+    end("FINISHED")
 
 
 def stopped(e: BaseException) -> bool:
