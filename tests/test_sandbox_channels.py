@@ -195,3 +195,38 @@ def test_honest_imports_that_fall_back_and_lazy_stdlib_imports_score(hooked: San
            "    rows = list(csv.reader(io.StringIO('a,b')))\n"
            "    return [np is None, d, s, len(t) > 0, rows, difflib.SequenceMatcher(None, 'ab', 'ac').ratio()]\n")
     assert _one(hooked, src) == [True, 12, "nopéé", True, [["a", "b"]], 0.5]
+
+
+def test_the_trainer_keeps_a_verdict_per_completion_not_its_report() -> None:
+    """Trainer memory: each report becomes its Score as it arrives (pool.submit's ``reduce``), so a
+    batch never holds its parsed reports at once, and after the call only Scores remain, their
+    reasons cut. 24 completions each report a 100,000-item list (~3.6 MB parsed): held together
+    that is ~86 MB; the bound asserted is two workers' worth of reports at a time."""
+    import tracemalloc
+
+    from miles_core.data.code import encode_answer
+    from miles_core.rewards.code import score_completions
+
+    big = "def f(x):\n    return list(range(100_000 + x))\n"
+    answers = [encode_answer([[[k], 0]]) for k in range(24)]
+    with SandboxPool(2, LIMITS, isolation="bwrap_shared", cache_size=0) as pool:
+        score_completions([big], [answers[0]], pool=pool)  # warm the worker and the parser
+        tracemalloc.start()
+        try:
+            scores = score_completions([big + f"#{k}" for k in range(24)], answers, pool=pool)
+            retained, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert all(s.score == 0.0 and len(s.reason) < 400 for s in scores), scores[0]
+    assert peak < 30 << 20 and retained < 1 << 20, (peak >> 20, retained >> 10)
+
+
+def test_a_runs_error_text_is_cut_before_it_reaches_the_trainer() -> None:
+    from miles_core.data.code import encode_answer
+    from miles_core.rewards.code import score_completions
+
+    src = "def f(x):\n    raise ValueError('x' * 900_000)\n"
+    with SandboxPool(1, LIMITS, isolation="bwrap_shared", cache_size=0) as pool:
+        res = pool.run([Job(src, [[1]], kind="module")])[0]
+        score = score_completions([src], [encode_answer([[[1], 2]])], pool=pool)[0]
+    assert res.status == "ok" and len(res.errors[0]) <= 200 and len(score.reason) < 400, (res.errors, score)
