@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 from benchmarks.harness import add_smoke, table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
-BASELINE_REV = "7830191"  # the last commit before a report FIFO per job, stage two's trace refusals, the callback tester
+BASELINE_REV = "d03d5ab"  # the last commit before private file copies (image.py), the output FIFO, the one value encoder
 ROOT = Path(__file__).resolve().parents[1]
 CHECK = "def check(candidate):\n    assert candidate(1) == {a}\n    assert candidate(2) == {b}\n" \
         "    assert candidate(-3) == {c}\ncheck(f)\n"

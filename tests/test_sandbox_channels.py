@@ -230,3 +230,13 @@ def test_a_runs_error_text_is_cut_before_it_reaches_the_trainer() -> None:
         res = pool.run([Job(src, [[1]], kind="module")])[0]
         score = score_completions([src], [encode_answer([[[1], 2]])], pool=pool)[0]
     assert res.status == "ok" and len(res.errors[0]) <= 200 and len(score.reason) < 400, (res.errors, score)
+
+
+def test_the_kernel_filter_denies_by_default(bare: SandboxPool) -> None:
+    """Stage one is an allow-list (isolation.STAGE_ONE_ALLOW): a call nobody listed, here eventfd2
+    and sched_rr_get_interval, fails with ENOSYS, while the named refusals keep EPERM."""
+    probe = ("import errno, os\ndef f(_):\n    out = []\n"
+             "    for call in (lambda: os.eventfd(0), lambda: os.sched_rr_get_interval(0), lambda: os.setpriority(0, 0, 5)):\n"
+             "        try:\n            call()\n            out.append('ALLOWED')\n"
+             "        except OSError as e:\n            out.append(errno.errorcode[e.errno])\n    return out\n")
+    assert _one(bare, probe) == ["ENOSYS", "ENOSYS", "EPERM"]

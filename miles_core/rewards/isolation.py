@@ -15,8 +15,9 @@ invocation that starts a fresh interpreter (the worker of sandbox.py, which fork
 * its own **PID namespace** (it sees and can signal only itself), **network namespace** (no
   interface, not even a usable loopback), IPC, UTS and cgroup namespaces; a new session (no
   TIOCSTI into a terminal); an empty environment; ``--die-with-parent``;
-* **seccomp** in two stages. Stage one, loaded by bwrap before the interpreter starts, refuses
-  (EPERM) what neither the worker nor a run needs: STAGE_ONE less WORKER_NEEDS. Stage two, loaded
+* **seccomp** in two stages. Stage one, loaded by bwrap before the interpreter starts, denies by
+  default: it allows STAGE_ONE_ALLOW (anything else fails with ENOSYS) and refuses (EPERM) what
+  neither the worker nor a run needs: STAGE_ONE less WORKER_NEEDS. Stage two, loaded
   in each run's child before user code, refuses all of STAGE_ONE plus exec: process and thread
   creation, every way to send a signal, ptrace and process_vm_*, sockets of every family, memfd,
   mount and namespace calls, bpf, keyctl, perf_event_open, io_uring, module and kexec loading,
@@ -118,6 +119,31 @@ STAGE_TWO_IF = (
     *(("fcntl", ((1, "eq32", cmd),)) for cmd in (F_SETFL, F_SETPIPE_SZ)),
     *(("ioctl", ((1, "eq32", cmd),)) for cmd in (FIONBIO, FIOASYNC)),
 )
+# Deny by default: stage one is two programs, this allow-list (anything else, a syscall a newer
+# kernel adds included, fails with ENOSYS, which glibc treats as "not implemented") and the EPERM
+# refusals above, loaded after it so that their EPERM is what a refused call sees. It is what the
+# interpreter, the worker and honest programs call (strace of the sandbox test suite and the honest
+# corpus), with the read-only variants of each family.
+STAGE_ONE_ALLOW = (
+    "read", "write", "readv", "writev", "pread64", "pwrite64", "preadv", "pwritev", "preadv2", "pwritev2", "lseek",
+    "open", "openat", "close", "close_range", "dup", "dup2", "dup3", "fcntl", "ioctl", "pipe", "pipe2",
+    "stat", "lstat", "fstat", "newfstatat", "statx", "statfs", "fstatfs", "access", "faccessat", "faccessat2",
+    "readlink", "readlinkat", "getdents64", "getcwd", "chdir", "fchdir", "getxattr", "lgetxattr", "fgetxattr",
+    "listxattr", "llistxattr", "flistxattr", "ftruncate", "fsync", "fdatasync", "sendfile", "copy_file_range",
+    # the worker's own file work (FIFOs, run folders, the wipe); stage two refuses runs what creates or changes
+    "mkdir", "mkdirat", "mknodat", "unlink", "unlinkat", "rmdir", "rename", "renameat", "renameat2", "chmod",
+    "fchmod", "fchmodat", "utimensat", "umask", "truncate",
+    "select", "pselect6", "poll", "ppoll", "epoll_create1", "epoll_ctl", "epoll_wait", "epoll_pwait",
+    "mmap", "munmap", "mprotect", "mremap", "madvise", "brk", "msync",
+    "execve", "exit", "exit_group", "clone", "wait4", "waitid", "kill", "pidfd_open", "setsid",
+    "getpid", "getppid", "gettid", "getuid", "geteuid", "getgid", "getegid", "getgroups", "getresuid", "getresgid",
+    "getpgrp", "getpgid", "getsid", "set_tid_address", "set_robust_list", "get_robust_list", "rseq", "arch_prctl",
+    "prctl", "seccomp", "prlimit64", "getrlimit", "setrlimit", "getrusage", "times", "sysinfo", "uname",
+    "sched_getaffinity", "sched_yield", "sched_getparam", "sched_getscheduler", "getpriority", "getcpu", "futex",
+    "rt_sigaction", "rt_sigprocmask", "rt_sigreturn", "rt_sigsuspend", "rt_sigpending", "rt_sigtimedwait",
+    "sigaltstack", "restart_syscall", "setitimer", "getitimer", "alarm", "pause",
+    "clock_gettime", "clock_getres", "clock_nanosleep", "nanosleep", "gettimeofday", "time", "getrandom",
+)
 # The worker forks runs, kills late ones, and makes each job's report FIFO (mknodat: in a user
 # namespace no device node can be made, so a FIFO, socket or empty file is all it allows).
 WORKER_NEEDS = ("fork", "clone", "kill", "pidfd_open", "mknodat")
@@ -158,7 +184,7 @@ class Isolation:
     interpreter: Interpreter
     uid: int | None              # started as this uid (root callers drop to nobody), None: as is
     seccomp_module: str          # libseccomp's bindings, for the harness's stage two ('' if none)
-    bpf: bytes                   # stage-one filter (bwrap --seccomp), empty for mode none
+    bpf: tuple[bytes, ...]       # stage one: the allow-list, then the refusals (bwrap --add-seccomp-fd); () for none
     bwrap: str
     harness_pyc: bytes           # the harness compiled by the sandbox interpreter (bwrap only)
 
@@ -169,7 +195,7 @@ class Isolation:
                 "network_namespace": iso, "seccomp": iso, "namespaces_per_run": self.mode == "bwrap",
                 "uid_drop": self.uid is not None, "process_per_run": True, "rlimits": True, "empty_env": True}
 
-    def command(self, job_dir: str, tmpfs_bytes: int, bpf_fd: int | None, harness_fd: int | None,
+    def command(self, job_dir: str, tmpfs_bytes: int, bpf_fds: Sequence[int], harness_fd: int | None,
                 image_argv: Sequence[str] = ()) -> list[str]:
         """argv of one sandbox worker: a fresh ``python -I -S -B`` running sandbox.py. Under bwrap
         it arrives compiled (``harness_fd``: its .pyc, bound read-only), which saves compiling it
@@ -184,8 +210,8 @@ class Isolation:
                 "--die-with-parent", "--new-session", "--clearenv", "--cap-drop", "ALL"]
         argv += [*image_argv, "--dev-bind", "/dev/null", "/dev/null", "--perms", "1777", "--size", str(tmpfs_bytes),
                  "--tmpfs", job_dir, "--chdir", job_dir]
-        if bpf_fd is not None:
-            argv += ["--seccomp", str(bpf_fd)]
+        for fd in bpf_fds:  # in order: the last loaded decides the errno of a call both refuse
+            argv += ["--add-seccomp-fd", str(fd)]
         if harness_fd is not None:
             argv += ["--ro-bind-data", str(harness_fd), HARNESS_PYC]
         return argv + ["--remount-ro", "/", "--", exe, "-I", "-S", "-B", HARNESS_PYC]
@@ -276,17 +302,25 @@ def _load_seccomp(path: str) -> Any:
     return mod
 
 
-def stage_one_bpf(module_path: str) -> bytes:
-    """The stage-one filter (STAGE_ONE less WORKER_NEEDS) as BPF, compiled by libseccomp; a call
+def stage_one_bpf(module_path: str, allow: bool = False) -> bytes:
+    """A stage-one program as BPF, compiled by libseccomp: the refusals (STAGE_ONE less
+    WORKER_NEEDS, with STAGE_ONE_IF's conditions: EPERM, anything else allowed), or with ``allow``
+    the allow-list (STAGE_ONE_ALLOW allowed, anything else ENOSYS). Two programs because a
+    conditional refusal of a call the allow-list allows outright would be dropped in one. A call
     from another architecture's ABI (int 0x80, x32) kills the process (libseccomp's default)."""
     import errno
     import tempfile
 
     sc = _load_seccomp(module_path)
-    f = sc.SyscallFilter(defaction=sc.ALLOW)
-    for name, conds in filter_rules(1):
+    if allow:
+        f = sc.SyscallFilter(defaction=sc.ERRNO(errno.ENOSYS))
+        rules: list = [(sc.ALLOW, name, ()) for name in STAGE_ONE_ALLOW]
+    else:
+        f = sc.SyscallFilter(defaction=sc.ALLOW)
+        rules = [(sc.ERRNO(errno.EPERM), name, conds) for name, conds in filter_rules(1)]
+    for action, name, conds in rules:
         try:
-            f.add_rule(sc.ERRNO(errno.EPERM), name, *[seccomp_arg(sc, *c) for c in conds])
+            f.add_rule(action, name, *[seccomp_arg(sc, *c) for c in conds])
         except (ValueError, RuntimeError):  # a call this libseccomp/kernel does not know
             continue
     with tempfile.TemporaryFile() as fh:
@@ -303,7 +337,7 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
     uid = sandbox_uid()
     exe = choose_interpreter(uid)
     if mode == "none":
-        return Isolation("none", describe_interpreter(exe), uid, "", b"", "", b"")
+        return Isolation("none", describe_interpreter(exe), uid, "", (), "", b"")
     bwrap = shutil.which("bwrap") or ""
     if not bwrap:
         raise IsolationUnavailable("bubblewrap is not installed (no bwrap on PATH): apt-get install bubblewrap, "
@@ -311,7 +345,8 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
     if sys.platform != "linux":
         raise IsolationUnavailable(f"kernel isolation needs Linux namespaces and seccomp; this is {sys.platform}")
     module = find_seccomp_module(sys.version_info[:2])  # choose_interpreter only offers this Python's version
-    return Isolation(mode, describe_interpreter(exe, module), uid, module, stage_one_bpf(module), bwrap,
+    return Isolation(mode, describe_interpreter(exe, module), uid, module,
+                     (stage_one_bpf(module, allow=True), stage_one_bpf(module)), bwrap,
                      compile_harness(exe))
 
 
