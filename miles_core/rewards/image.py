@@ -50,8 +50,11 @@ EXTENSIONS = ("resource", "_decimal", "_json", "_queue", "_contextvars", "_typin
               "_codecs_tw", "_uuid", "audioop", "mmap")
 # Built-in modules a completion may not import: what reaches the OS or the harness itself (gc walks
 # every object, the hook's included; fcntl takes locks). Listed for the hook's readable refusal.
+# _elementtree: its initialisation costs ~7 ms per run (sandbox.py makes the allowed built-ins in
+# advance), and xml.etree falls back to its pure-Python twin without it.
 REFUSED_BUILTINS = frozenset({"gc", "_socket", "fcntl", "faulthandler", "_posixsubprocess", "_tracemalloc", "pwd",
-                              "grp", "spwd", "syslog", "xxsubtype", "_xxsubinterpreters", "resource", "_ctypes"})
+                              "grp", "spwd", "syslog", "xxsubtype", "_xxsubinterpreters", "resource", "_ctypes",
+                              "_elementtree"})
 _PACK = r"""
 import importlib.util, json, marshal, os, sys, zipfile
 stdlib, out, excluded = sys.argv[1], sys.argv[2], set(json.loads(sys.argv[3]))

@@ -297,18 +297,31 @@ def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any
     harness(job, *range(3, 3 + len(keep)))
 
 
-def _guard_builtins(allowed: frozenset[str]) -> None:
-    """``_imp.create_builtin`` makes a built-in module (gc, fcntl, _socket) without an import
-    event: the import system's loaders call it through the ``_imp`` module. A run gets a
-    replacement that hands out the allowed built-ins, made here in advance, and refuses the rest;
-    the original is dropped, so nothing a run can reach (a closure cell, a default) leads to it."""
+_MADE: dict = {}  # the allowed built-in modules, made once per worker before its zygote forks (make_builtins)
+
+
+def make_builtins(allowed: frozenset[str]) -> None:
+    """Make the allowed built-in modules once, in the worker (their initialisation would cost every
+    run; forks share them), for :func:`_guard_builtins` to hand out."""
     import _imp
     from _frozen_importlib import BuiltinImporter
 
-    made = {}
     for name in sorted(allowed & frozenset(sys.builtin_module_names)):
-        spec = BuiltinImporter.find_spec(name)
-        made[name] = sys.modules[name] if name in sys.modules else _imp.create_builtin(spec)
+        if name not in _MADE:
+            _MADE[name] = sys.modules[name] if name in sys.modules else _imp.create_builtin(
+                BuiltinImporter.find_spec(name))
+
+
+def _guard_builtins(allowed: frozenset[str]) -> None:
+    """``_imp.create_builtin`` makes a built-in module (gc, fcntl, _socket) without an import
+    event: the import system's loaders call it through the ``_imp`` module. A run gets a
+    replacement that hands out the allowed built-ins, made in advance (:func:`make_builtins`), and
+    refuses the rest; the original is dropped, so nothing a run can reach (a closure cell, a
+    default) leads to it."""
+    import _imp
+
+    make_builtins(allowed)  # a no-op where the worker made them already
+    made = {name: _MADE[name] for name in allowed if name in _MADE}
 
     def create_builtin(spec: Any, _made: dict = made) -> Any:
         name = getattr(spec, "name", None)

@@ -27,8 +27,8 @@ sandbox.py and sandbox_tests.py, whose helpers it uses.
 """
 
 try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
-    from miles_core.rewards.sandbox import (SAFE_MODULES, SETUP_OK, _child, _load_filter, marshal, os, read_frame,
-                                            select, send_frame, send_msg, time, _signal)
+    from miles_core.rewards.sandbox import (SAFE_MODULES, SETUP_OK, _child, _load_filter, _signal, make_builtins,
+                                            marshal, os, read_frame, select, send_frame, send_msg, time)
     from miles_core.rewards.sandbox_tests import SETUP_FAILED_EXIT, _harness, _serve, _test
 except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
     pass
@@ -256,6 +256,8 @@ def main() -> None:
     os.environ.clear()
     opts = marshal.loads(read_frame(proto_in))
     seccomp = _load_filter(opts["seccomp_module"], opts["stage_two"]) if opts["seccomp_module"] else None
+    if opts["audit_hook"]:  # made once here, not in every run
+        make_builtins(frozenset(opts["importable"]))
     if opts["preimport"]:  # a long-lived worker imports the allowed modules once, not per run
         for m in sorted(SAFE_MODULES):
             try:
