@@ -216,15 +216,34 @@ def attacked(request: pytest.FixtureRequest, world: dict) -> Iterator[dict]:
     yield {"mode": mode, "scores": dict(zip(names, scores)), "after": after, "status": status, "left_running": left}
 
 
+def _is_sandbox(cmd: str) -> bool:
+    return "_miles_sandbox" in cmd or cmd.startswith(("bwrap ", "/usr/bin/bwrap "))
+
+
+def _ours(pid: str) -> bool:
+    """Started by this process, or orphaned (only sandbox processes between it and init): not a
+    sandbox of another test process running beside this one (pytest-xdist)."""
+    while pid not in (str(os.getpid()), "1", "0"):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return True  # gone while we looked: count it, the caller's wait decides
+        if not _is_sandbox(cmd):
+            return False
+        pid = stat.rsplit(")", 1)[1].split()[1]
+    return True
+
+
 def _sandbox_processes() -> list[str]:
-    """pid and command line of live processes that belong to some sandbox (bwrap, or its worker)."""
+    """pid and command line of live sandbox processes (bwrap, or its worker) of this test process."""
     found = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if iso_mod.HARNESS_PYC in cmd or cmd.startswith(("bwrap ", "/usr/bin/bwrap ")):
+        if _is_sandbox(cmd) and _ours(pid):
             found.append(f"{pid} {cmd[:120]}")
     return found
 

@@ -78,10 +78,18 @@ with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as z:
                 continue
             z.writestr(os.path.normpath(os.path.join(rel, f[:-3] + ".pyc")), header + marshal.dumps(code))
             names.add(top)
+    for src, arcname, filename in json.loads(sys.argv[4]):  # the harness, as a package of its own
+        code = compile(open(src, "rb").read() if src else b"", filename, "exec", dont_inherit=True)
+        z.writestr(arcname, header + marshal.dumps(code))
 dyn = [p for p in sys.path if p.endswith("lib-dynload")]
 print(json.dumps({"zip": sys.path[0], "dynload": dyn[0] if dyn else "", "modules": sorted(names),
                   "builtins": sorted(sys.builtin_module_names)}))
 """
+
+
+HARNESS_PACKAGE = "_miles_sandbox"  # the harness's modules inside the zip (never importable by a completion)
+HARNESS_MODULES = ("sandbox", "sandbox_values", "sandbox_tests", "sandbox_worker")
+HARNESS_FILE = "<miles-harness>"  # the file-name prefix its code is compiled under (sandbox.py trusts it)
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,7 @@ class Image:
     """The files bwrap copies into a sandbox: ``(path inside, host path, mode)`` each."""
 
     files: tuple[tuple[str, str, int], ...]
+    zip_host: str                 # the zip on the host (mode none puts it on sys.path)
     importable: tuple[str, ...]   # top-level modules a completion may import (packed, copied or built in)
     read_roots: tuple[str, ...]   # where the import system reads: the zip and the extension directory
 
@@ -104,9 +113,14 @@ def build_image(exe: str, stdlib: str, libs: tuple[str, ...], seccomp_module: st
 
     d = tempfile.mkdtemp(prefix="miles-image-")
     atexit.register(shutil.rmtree, d, True)
+    os.chmod(d, 0o711)  # mode none's worker, started as nobody, reads the zip in place
     zpath = os.path.join(d, "stdlib.zip")
-    res = subprocess.run([exe, "-I", "-S", "-c", _PACK, stdlib, zpath, json.dumps(sorted(EXCLUDED))],
+    here = os.path.dirname(os.path.abspath(__file__))
+    harness = [["", f"{HARNESS_PACKAGE}/__init__.pyc", f"{HARNESS_FILE}/__init__.py"]] + [
+        [os.path.join(here, f"{m}.py"), f"{HARNESS_PACKAGE}/{m}.pyc", f"{HARNESS_FILE}/{m}.py"] for m in HARNESS_MODULES]
+    res = subprocess.run([exe, "-I", "-S", "-c", _PACK, stdlib, zpath, json.dumps(sorted(EXCLUDED)), json.dumps(harness)],
                          capture_output=True, text=True, env={}, timeout=300)
+    os.chmod(zpath, 0o644)
     if res.returncode != 0:
         raise IsolationUnavailable(f"{exe} could not pack its standard library for the sandbox: "
                                    f"{res.stderr.strip()[-300:]}")
@@ -119,7 +133,7 @@ def build_image(exe: str, stdlib: str, libs: tuple[str, ...], seccomp_module: st
     files = [(inside, os.path.realpath(host), mode) for inside, host, mode in files]
     importable = {*info["modules"], *(os.path.basename(p).split(".")[0] for p in exts),
                   *info["builtins"]} - REFUSED_BUILTINS
-    return Image(tuple(files), tuple(sorted(importable)), (info["zip"], info["dynload"]))
+    return Image(tuple(files), zpath, tuple(sorted(importable - {HARNESS_PACKAGE})), (info["zip"], info["dynload"]))
 
 
 def copy_args(image: Image) -> tuple[list[str], list[int]]:

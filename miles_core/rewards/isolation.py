@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
-from miles_core.rewards.image import Image, build_image
+from miles_core.rewards.image import HARNESS_PACKAGE, Image, build_image
 from miles_core.rewards.sandbox import seccomp_arg
 
 NOBODY = 65534
@@ -154,7 +154,6 @@ def filter_rules(stage: int) -> list[tuple[str, tuple]]:
     if stage == 1:
         return [(n, ()) for n in STAGE_ONE if n not in WORKER_NEEDS] + list(STAGE_ONE_IF)
     return [(n, ()) for n in (*STAGE_ONE, *STAGE_TWO)] + list(STAGE_ONE_IF) + list(STAGE_TWO_IF)
-HARNESS_PYC = "/harness.pyc"           # where the compiled harness is bound inside the sandbox
 _PROBE = r"""
 import json, sys, sysconfig
 paths = sysconfig.get_paths()
@@ -186,7 +185,6 @@ class Isolation:
     seccomp_module: str          # libseccomp's bindings, for the harness's stage two ('' if none)
     bpf: tuple[bytes, ...]       # stage one: the allow-list, then the refusals (bwrap --add-seccomp-fd); () for none
     bwrap: str
-    harness_pyc: bytes           # the harness compiled by the sandbox interpreter (bwrap only)
 
     @property
     def layers(self) -> dict[str, bool]:
@@ -195,15 +193,14 @@ class Isolation:
                 "network_namespace": iso, "seccomp": iso, "namespaces_per_run": self.mode == "bwrap",
                 "uid_drop": self.uid is not None, "process_per_run": True, "rlimits": True, "empty_env": True}
 
-    def command(self, job_dir: str, tmpfs_bytes: int, bpf_fds: Sequence[int], harness_fd: int | None,
-                image_argv: Sequence[str] = ()) -> list[str]:
-        """argv of one sandbox worker: a fresh ``python -I -S -B`` running sandbox.py. Under bwrap
-        it arrives compiled (``harness_fd``: its .pyc, bound read-only), which saves compiling it
-        at every start; without bwrap it is passed as source. ``image_argv``: image.copy_args."""
-        exe = self.interpreter.executable
+    def command(self, job_dir: str, tmpfs_bytes: int, bpf_fds: Sequence[int], image_argv: Sequence[str] = ()) -> list[str]:
+        """argv of one sandbox worker: a fresh ``python -I -S -B`` running the harness package the
+        image's zip holds (``_miles_sandbox.sandbox_worker``, compiled with the standard library).
+        Mode none puts the zip on its path itself. ``image_argv``: image.copy_args."""
+        exe, start = self.interpreter.executable, f"from {HARNESS_PACKAGE}.sandbox_worker import main; main()"
         if self.mode == "none":
-            return [exe, "-I", "-S", "-B", "-c", "import sys; exec(compile(sys.argv[1], '<miles-harness>', 'exec'))",
-                    harness_source()]
+            return [exe, "-I", "-S", "-B", "-c", f"import sys; sys.path.insert(0, {self.interpreter.image.zip_host!r}); "
+                    + start]
         # No --disable-userns: stage one refuses unshare, clone and setns, so no namespace can be made.
         argv = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
                 "--unshare-cgroup-try", "--uid", str(NOBODY), "--gid", str(NOBODY),
@@ -212,9 +209,7 @@ class Isolation:
                  "--tmpfs", job_dir, "--chdir", job_dir]
         for fd in bpf_fds:  # in order: the last loaded decides the errno of a call both refuse
             argv += ["--add-seccomp-fd", str(fd)]
-        if harness_fd is not None:
-            argv += ["--ro-bind-data", str(harness_fd), HARNESS_PYC]
-        return argv + ["--remount-ro", "/", "--", exe, "-I", "-S", "-B", HARNESS_PYC]
+        return argv + ["--remount-ro", "/", "--", exe, "-I", "-S", "-B", "-c", start]
 
 
 def sandbox_uid() -> int | None:
@@ -337,7 +332,7 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
     uid = sandbox_uid()
     exe = choose_interpreter(uid)
     if mode == "none":
-        return Isolation("none", describe_interpreter(exe), uid, "", (), "", b"")
+        return Isolation("none", describe_interpreter(exe), uid, "", (), "")
     bwrap = shutil.which("bwrap") or ""
     if not bwrap:
         raise IsolationUnavailable("bubblewrap is not installed (no bwrap on PATH): apt-get install bubblewrap, "
@@ -346,34 +341,7 @@ def prepare(mode: Mode = "bwrap") -> Isolation:
         raise IsolationUnavailable(f"kernel isolation needs Linux namespaces and seccomp; this is {sys.platform}")
     module = find_seccomp_module(sys.version_info[:2])  # choose_interpreter only offers this Python's version
     return Isolation(mode, describe_interpreter(exe, module), uid, module,
-                     (stage_one_bpf(module, allow=True), stage_one_bpf(module)), bwrap,
-                     compile_harness(exe))
-
-
-def harness_source() -> str:
-    """What the sandbox interpreter runs: sandbox.py (framing, run setup, the hook), then
-    sandbox_values.py (the value encoding), sandbox_tests.py (the harnesses), sandbox_worker.py
-    (the dispatcher and the zygote, with the entry point ``main``). One text, because ``python -I``
-    puts no directory of ours on sys.path."""
-    from miles_core.rewards import sandbox, sandbox_tests, sandbox_values, sandbox_worker
-
-    return ("\n".join(Path(m.__file__).read_text() for m in (sandbox, sandbox_values, sandbox_tests, sandbox_worker))
-            + '\n\nif __name__ == "__main__":\n    main()\n')
-
-
-def compile_harness(exe: str) -> bytes:
-    """sandbox.py as a .pyc for ``exe`` (compiled by ``exe`` itself, so the magic number matches)."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as d:
-        src, out = os.path.join(d, "harness.py"), os.path.join(d, "harness.pyc")
-        Path(src).write_text(harness_source())
-        res = subprocess.run([exe, "-I", "-S", "-c", "import py_compile, sys; "
-                              "py_compile.compile(sys.argv[1], sys.argv[2], '<miles-harness>', doraise=True)", src, out],
-                             capture_output=True, text=True, env={}, timeout=60)
-        if res.returncode != 0:
-            raise IsolationUnavailable(f"{exe} could not compile the sandbox harness: {res.stderr.strip()[-300:]}")
-        return Path(out).read_bytes()
+                     (stage_one_bpf(module, allow=True), stage_one_bpf(module)), bwrap)
 
 
 USERNS_HINT = ("bwrap could not create its namespaces. Unprivileged user namespaces must be enabled "

@@ -170,14 +170,13 @@ class SandboxPool:
         err = os.open(err_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         fds = [err]
         bpf = [_data_pipe(prog, fds) for prog in iso.bpf]
-        pyc = _data_pipe(iso.harness_pyc, fds) if iso.bpf else None
         ids = {} if iso.uid is None else {"user": iso.uid, "group": iso.uid, "extra_groups": []}
         try:
             image_argv, image_fds = copy_args(iso.interpreter.image) if iso.mode != "none" else ([], [])
             fds += image_fds
-            argv = iso.command(base, self.limits.tmpfs_mb << 20, bpf, pyc, image_argv)
+            argv = iso.command(base, self.limits.tmpfs_mb << 20, bpf, image_argv)
             p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                 pass_fds=tuple(f for f in (*bpf, pyc, *image_fds) if f), env={},
+                                 pass_fds=(*bpf, *image_fds), env={},
                                  start_new_session=True, **ids)
         finally:
             for fd in fds[1:]:

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # typing costs ~5 ms of imports per sandbox start; annotation
     from typing import Any, Callable
 
 VIOLATION_EXIT = 86
-_HARNESS_FILE = "<miles-harness>"  # the file name the harness is compiled under (isolation.compile_harness)
+_HARNESS_FILE = "<miles-harness>"  # the file-name prefix the harness is compiled under (image.HARNESS_FILE)
 SETUP_OK = b"+"  # first byte a run writes on its report pipe, once limits, filter and hook are in place
 _HDR = struct.Struct(">I")
 SAFE_MODULES = frozenset(
@@ -286,7 +286,8 @@ def _child(job: dict, opts: dict, job_dir: str, wfd: int, out: int, seccomp: Any
     if seccomp is not None:
         seccomp.load()
     os.environ.clear()
-    for name in [m for m in sys.modules if m.split(".")[0] not in SAFE_MODULES and m not in _KEEP]:
+    for name in [m for m in sys.modules if m.split(".")[0] not in SAFE_MODULES and m not in _KEEP
+                 and not m.startswith(__package__ or "-")]:  # the harness's own modules stay
         del sys.modules[name]
     if opts["audit_hook"]:
         importable = frozenset(opts["importable"])

@@ -24,17 +24,17 @@ only its own part of the job:
 
 The tester reports one pass flag per snippet in the single-process harness's format (``outputs``:
 True per passing snippet, ``errors``: why one failed), so the pool and the code reward read both
-alike. This file is not run alone: isolation.harness_source() puts it after sandbox.py and
-sandbox_values.py, whose helpers (framing, ``_fatal``, the value encoding) it uses;
-sandbox_worker.py starts its processes.
+alike. sandbox_worker.py starts its processes; inside the sandbox this is
+``_miles_sandbox.sandbox_tests`` (image.py packs the harness with the standard library).
 """
 
-try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
-    from miles_core.rewards.sandbox import (SETUP_OK, _fatal, flush_output, os, read_frame, send_frame, send_msg, sys,
-                                            to_json)
-    from miles_core.rewards.sandbox_values import Opaque, _error_of, _exception, _snapshot, _tag, _untag, _write_back
-except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
-    pass
+from __future__ import annotations
+
+import os
+import sys
+
+from .sandbox import SETUP_OK, _fatal, flush_output, read_frame, send_frame, send_msg, to_json
+from .sandbox_values import Opaque, _error_of, _exception, _snapshot, _tag, _untag, _write_back
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -5,14 +5,15 @@ Both harnesses (sandbox_tests.py) use them: the single process reports its retur
 and the two-process harness sends arguments one way and results, mutations, exceptions and lazy
 iterators the other. What a receiver builds is made of builtin types only (an exception becomes
 its nearest builtin base class with the program's message), so nothing of a completion's classes
-ever runs outside its own process. This file is not run alone: isolation.harness_source() puts it
-after sandbox.py, whose helpers it uses.
+ever runs outside its own process. Inside the sandbox it is ``_miles_sandbox.sandbox_values``
+(image.py packs the harness with the standard library).
 """
 
-try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
-    from miles_core.rewards.sandbox import sys, to_json
-except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
-    pass
+from __future__ import annotations
+
+import sys
+
+from .sandbox import to_json
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -18,20 +18,28 @@ exactly its frame before any completion code runs (``_child`` closes every other
 a run that never got that far is a setup failure, after which the pool replaces the whole worker.
 The **report and output channels are fresh per job**: the dispatcher makes two FIFOs in ``base``
 and opens their read ends, the zygote opens the write ends and unlinks the names before it forks
-the job's runs, and the dispatcher closes them when the job ends. The program (or single run)
+the job's runs, and the dispatcher closes them when the job ends, so nothing a run sets on its
+report descriptor and nothing it leaves unread reaches a later job. The program (or single run)
 writes its stdout and stderr to the output FIFO, which the dispatcher drains as it waits, keeping
 the last bytes (no size limit kills a chatty run, and no run can read back what it wrote); the
-tester writes to ``/dev/null``, so nothing it prints can reach the program. So nothing a run sets on its report descriptor (O_NONBLOCK,
-a pipe size; stage two refuses both anyway) and nothing it leaves unread reaches a later job. This file is not run alone: isolation.harness_source() appends it to
-sandbox.py and sandbox_tests.py, whose helpers it uses.
+tester writes to ``/dev/null``, so nothing it prints can reach the program.
+
+Inside the sandbox this is ``_miles_sandbox.sandbox_worker``, started as ``python -I -S -B -c "from
+_miles_sandbox.sandbox_worker import main; main()"`` (isolation.py; image.py packs the harness).
 """
 
-try:  # imported as a module (the pool, tests, linters); inside the harness these are globals already
-    from miles_core.rewards.sandbox import (SAFE_MODULES, SETUP_OK, _child, _load_filter, _signal, make_builtins,
-                                            marshal, os, read_frame, select, send_frame, send_msg, time)
-    from miles_core.rewards.sandbox_tests import SETUP_FAILED_EXIT, _harness, _serve, _test
-except ImportError:  # pragma: no cover - the sandbox interpreter has no miles_core
-    pass
+from __future__ import annotations
+
+import marshal
+import os
+import select
+import time
+
+import _signal
+
+from .sandbox import (SAFE_MODULES, SETUP_OK, _child, _load_filter, make_builtins, read_frame, send_frame,
+                      send_msg)
+from .sandbox_tests import SETUP_FAILED_EXIT, _harness, _serve, _test
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
