@@ -25,9 +25,9 @@ invocation that starts a fresh interpreter (the worker of sandbox.py, which fork
   mincore, cachestat): what could reach or read state another job also touches.
 
 ``isolation=bwrap`` starts one such sandbox per run (every run has namespaces of its own, at
-about 20 ms of interpreter and namespace start-up per run); ``bwrap_shared`` keeps one sandbox per
-pool worker and forks each run inside it (its runs share the worker's namespaces, one at a time,
-and the worker wipes the tmpfs between them), several times faster. Both are the kernel boundary
+about 45 ms of copies, interpreter and namespace start-up per run); ``bwrap_shared`` keeps one
+sandbox per pool worker and forks each run inside it (its runs share the worker's namespaces and
+copies, one at a time, and the worker wipes the tmpfs between them), several times faster. Both are the kernel boundary
 above; benchmarks/sandbox.py measures both.
 
 Why these tools: bubblewrap (Debian ``bubblewrap``) is the well-kept setuid-free sandbox behind
