@@ -17,6 +17,9 @@ git history and run in a subprocess with the same measurement code. Throughput: 
 submitted at once. Latency: 200 more, one at a time, end to end. ``--smoke`` (CI): every arm on
 16 + 8 completions and 4 one at a time; the ``before`` arms only when BASELINE_REV is in this clone's
 history (a shallow clone lacks it: they are skipped, and the result says so).
+Beside the speed, what a harness change does to correct code: the honest corpora of tests/ (228
+solutions of 57 tasks in four styles, the audit's honest cases, code fences; ``honest_items``)
+scored now and at BASELINE_REV, and which scored differently (``--smoke``: the first 12).
 Run: python -m benchmarks.sandbox [--no-before] [--smoke]
 """
 
@@ -32,7 +35,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from benchmarks.harness import add_smoke, table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
@@ -80,23 +83,56 @@ def measure_modes(modes: Sequence[str], prefix: str, sizes: dict[str, int], n_la
     return rows
 
 
-def measure_before(sizes: dict[str, int], n_latency: int) -> list[dict]:
+def honest_items(limit: int | None = None) -> list[tuple[str, str, str, str]]:
+    """(name, completion, entry, test) of the honest corpora in tests/ (test_sandbox_corpus.py's 228
+    solutions, test_sandbox_honest.py's audit cases and code fences): correct code that must score 1.0."""
+    import importlib.util
+
+    def load(name: str) -> Any:
+        spec = importlib.util.spec_from_file_location(f"_honest_{name}", ROOT / "tests" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)  # type: ignore[union-attr]
+        return mod
+    corpus, honest = load("test_sandbox_corpus"), load("test_sandbox_honest")
+    items = [(f"corpus/{k}", c, e, t) for k, (c, e, t) in corpus.CASES.items()]
+    items += [(f"honest/{k}", c, "f", t) for k, (c, t) in honest.CASES.items()]
+    items += [(f"fence/{k}", c, "f", "assert candidate(1) == 2") for k, c in honest.FENCES.items()]
+    return items[:limit]
+
+
+def score_honest(limit: int | None = None) -> dict[str, float]:
+    """Each honest item's score through the code reward (bwrap_shared), with the ``miles_core`` this
+    interpreter imports: what a harness change does to correct code."""
+    from miles_core.data import codesets
+    from miles_core.rewards.code import score_completions
+
+    items = honest_items(limit)
+    with SandboxPool(usable_cpus(), SandboxLimits(), isolation="bwrap_shared", cache_size=0) as pool:
+        scores = score_completions([c for _, c, _, _ in items],
+                                   [codesets.tests_answer(e, [t], setup="", prefix="") for _, _, e, t in items], pool=pool)
+    return {name: s.score for (name, *_), s in zip(items, scores)}
+
+
+def measure_before(sizes: dict[str, int], n_latency: int, honest_limit: int | None = None) -> tuple[list[dict], dict]:
     """The bwrap arms at BASELINE_REV: its miles_core from git, this file's measurement, a subprocess."""
     with tempfile.TemporaryDirectory(prefix="miles-sandbox-before-") as d:
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", BASELINE_REV, "miles_core"],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", d], input=archive, check=True)
         code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-                "from benchmarks.sandbox import measure_modes\n"
+                "from benchmarks.sandbox import measure_modes, score_honest\n"
                 "import miles_core; assert miles_core.__file__.startswith(sys.argv[1])\n"
                 "rows = measure_modes(['bwrap', 'bwrap_shared'], 'before: ', json.loads(sys.argv[3]), int(sys.argv[4]))\n"
-                "print('ROWS ' + json.dumps(rows))")
-        res = subprocess.run([sys.executable, "-c", code, d, str(ROOT), json.dumps(sizes), str(n_latency)],
-                             capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
-    sys.stdout.write("".join(line + "\n" for line in res.stdout.splitlines() if not line.startswith("ROWS ")))
+                "print('ROWS ' + json.dumps(rows))\n"
+                "print('HONEST ' + json.dumps(score_honest(json.loads(sys.argv[5]))))")
+        res = subprocess.run([sys.executable, "-c", code, d, str(ROOT), json.dumps(sizes), str(n_latency),
+                              json.dumps(honest_limit)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
+    sys.stdout.write("".join(line + "\n" for line in res.stdout.splitlines() if not line.startswith(("ROWS ", "HONEST "))))
     if res.returncode != 0:
         raise RuntimeError(f"the {BASELINE_REV} arms failed: {res.stderr[-1500:]}")
-    return json.loads(next(line for line in res.stdout.splitlines() if line.startswith("ROWS "))[5:])
+    tagged = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines()
+              if line.startswith(("ROWS ", "HONEST "))}
+    return tagged["ROWS"], tagged["HONEST"]
 
 
 def baseline_present() -> bool:
@@ -125,8 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     if before and args.smoke and not baseline_present():  # full size fails instead: its figure needs them
         before, note = False, f"skipped: {BASELINE_REV} is not in this clone's history (shallow clone?)"
         print(f"  before arms {note}", flush=True)
-    rows = measure_before(sizes, args.latency_n) if before else []
+    honest_limit = 12 if args.smoke else None
+    rows, honest_before = measure_before(sizes, args.latency_n, honest_limit) if before else ([], {})
     rows += measure_modes(list(MODES), "", sizes, args.latency_n)
+    honest = score_honest(honest_limit)
+    changed = sorted(k for k in honest_before if honest_before[k] != honest[k])
+    print(f"honest corpus ({len(honest)} correct solutions, bwrap_shared): {sum(v == 1.0 for v in honest.values())} "
+          f"score 1.0 now" + (f", {sum(v == 1.0 for v in honest_before.values())} at {BASELINE_REV}; "
+                              f"{len(changed)} scored differently" if honest_before else ""))
     for r in rows:
         ref = next((b for b in rows if b["workload"] == r["workload"] and b["name"] == "before: " + r["name"]), None)
         r["vs_before"] = r["per_s"] / ref["per_s"] if ref else None
@@ -139,8 +181,10 @@ def main(argv: list[str] | None = None) -> None:
     names = [*(("before: " + m for m in MODES[:2]) if before else ()), *MODES]
     path = write_result("sandbox", {"workers": usable_cpus(), "uid": os.geteuid(), "baseline_rev": BASELINE_REV,
                                     "before": note, "limits": asdict(SandboxLimits()), "rows": rows, "arms": arms,
-                                    "smoke": args.smoke}, args.out,
-                        positive=["arms.*.per_s", "arms.*.ok", "arms.*.p50_ms"],
+                                    "honest": {"items": len(honest), "ones": sum(v == 1.0 for v in honest.values()),
+                                               "ones_before": sum(v == 1.0 for v in honest_before.values()),
+                                               "changed": changed}, "smoke": args.smoke}, args.out,
+                        positive=["arms.*.per_s", "arms.*.ok", "arms.*.p50_ms", "honest.items"],
                         present=[f"arms.{w}: {n}" for w in sizes for n in names])
     print(f"wrote {path}")
 
