@@ -292,7 +292,8 @@ def test_each_run_is_alone_in_its_namespaces() -> None:
         a, b = pool.run([Job(probe, [[0]]), Job(probe + "#2", [[0]])])
     # a fresh PID namespace each time: bwrap's init 1, the dispatcher 2, the zygote 3, the run 4
     assert a.outputs[0][:3] == [4, 3, 65534] == b.outputs[0][:3]
-    assert a.outputs[0][3] == ["dev", "harness.pyc", "lib", "lib64", "tmp", "usr"] or "root" not in a.outputs[0][3]
+    image = {inside.split("/")[1] for inside, _, _ in pool.isolation.interpreter.image.files}
+    assert a.outputs[0][3] == sorted(image | {"dev", "tmp"}), a.outputs[0][3]  # the copies, /dev/null, /tmp
     assert a.outputs[0][4].startswith("/tmp/run")
 
 
