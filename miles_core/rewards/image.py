@@ -120,20 +120,20 @@ def build_image(exe: str, stdlib: str, libs: tuple[str, ...], seccomp_module: st
         [os.path.join(here, f"{m}.py"), f"{HARNESS_PACKAGE}/{m}.pyc", f"{HARNESS_FILE}/{m}.py"] for m in HARNESS_MODULES]
     res = subprocess.run([exe, "-I", "-S", "-c", _PACK, stdlib, zpath, json.dumps(sorted(EXCLUDED)), json.dumps(harness)],
                          capture_output=True, text=True, env={}, timeout=300)
-    os.chmod(zpath, 0o644)
     if res.returncode != 0:
         raise IsolationUnavailable(f"{exe} could not pack its standard library for the sandbox: "
                                    f"{res.stderr.strip()[-300:]}")
+    os.chmod(zpath, 0o644)
     info = json.loads(res.stdout)
     exts = [so for name in EXTENSIONS for so in sorted(glob.glob(os.path.join(info["dynload"], f"{name}.cpython-*.so")))]
-    ext_libs = [p for p in shared_libs(exts + ([seccomp_module] if seccomp_module else [])) if p not in libs]
+    bindings = [seccomp_module] if seccomp_module else []
+    ext_libs = [p for p in shared_libs(exts + bindings) if p not in libs]
+    # each file under the path the loader asks for (ldd's, which may be a link), holding its target's bytes
     files = [(exe, exe, 0o555), (info["zip"], zpath, 0o444)]
-    files += [(p, p, 0o555) for p in dict.fromkeys([*libs, *ext_libs, *exts, *([seccomp_module] if seccomp_module else [])])]
-    # ldd names a library by the path it was found at, which may be a link: copy the target under both
-    files = [(inside, os.path.realpath(host), mode) for inside, host, mode in files]
+    files += [(p, os.path.realpath(p), 0o555) for p in dict.fromkeys([*libs, *ext_libs, *exts, *bindings])]
     importable = {*info["modules"], *(os.path.basename(p).split(".")[0] for p in exts),
                   *info["builtins"]} - REFUSED_BUILTINS
-    return Image(tuple(files), zpath, tuple(sorted(importable - {HARNESS_PACKAGE})), (info["zip"], info["dynload"]))
+    return Image(tuple(files), zpath, tuple(sorted(importable)), (info["zip"], info["dynload"]))
 
 
 def copy_args(image: Image) -> tuple[list[str], list[int]]:

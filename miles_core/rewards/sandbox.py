@@ -322,9 +322,8 @@ def _guard_builtins(allowed: frozenset[str]) -> None:
     import _imp
 
     make_builtins(allowed)  # a no-op where the worker made them already
-    made = {name: _MADE[name] for name in allowed if name in _MADE}
 
-    def create_builtin(spec: Any, _made: dict = made) -> Any:
+    def create_builtin(spec: Any, _made: dict = dict(_MADE)) -> Any:  # a copy: the global is reachable
         name = getattr(spec, "name", None)
         if type(name) is not str or name not in _made:
             raise ImportError(f"built-in module {name!r} refused by the sandbox policy")

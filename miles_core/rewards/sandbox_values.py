@@ -68,7 +68,7 @@ def _tag(v: "Any", depth: int = 0, live: "dict | None" = None, _t=type) -> "Any"
                 got = read(v)
                 return _tag(dict(got) if base is dict else base(got) if base in _SEQ else got, depth, live)
         if callable(getattr(t, "__next__", None)):
-            if live is not None:  # pulled by the tester, a chunk at a time (sandbox_tests._pull)
+            if live is not None:  # pulled by the tester, a chunk at a time (sandbox_tests._test's pull)
                 live[len(live)] = v
                 return ["G", len(live) - 1]
             items, end = [], None
