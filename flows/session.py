@@ -108,31 +108,36 @@ def _crash_flow_run(flow_run_id: str, why: str) -> bool:
         return True
 
 
+def _settle(folder: Path, seen_from: Path) -> list[str]:
+    """Close what a dead owner of ``folder``'s record left open, or apply a final status its process
+    could not write (``end_pending``: the tracking server was away) -> what was marked."""
+    rec = read(folder)
+    if rec and rec.get("end_pending") and rec.get("mlflow_run_id"):  # its process ended, the server was away
+        marked = [f"MLflow run {rec['mlflow_run_id']} {rec['end_pending']}"] if tracking.end_if_running(
+            rec["mlflow_run_id"], rec["end_pending"]) else []
+        _write(folder, {k: v for k, v in rec.items() if k != "end_pending"})
+        return marked
+    if not rec or rec.get("ended") or owner_alive(rec) is not False:
+        return []
+    why = (f"process {rec.get('pid')} on {rec.get('host')} died without ending the run (found by pid "
+           f"{os.getpid()} in {seen_from})")
+    marked = []
+    if rec.get("mlflow_run_id") and tracking.end_if_running(rec["mlflow_run_id"], "KILLED"):
+        marked.append(f"MLflow run {rec['mlflow_run_id']} KILLED")
+    if rec.get("prefect_flow_run_id"):
+        try:
+            if _crash_flow_run(rec["prefect_flow_run_id"], why):
+                marked.append(f"Prefect flow run {rec['prefect_flow_run_id']} Crashed")
+        except Exception as e:  # noqa: BLE001 - another Prefect API than the one that ran it
+            log.warning("could not mark Prefect flow run %s crashed: %s", rec["prefect_flow_run_id"], e)
+    _write(folder, {**rec, "ended": "reaped", "reaped_by": _me(), "reaped_unix": time.time()})
+    return marked
+
+
 def reap(run_dir: Path) -> list[str]:
-    """Close what a dead owner of ``run_dir`` (or of its direct subfolders) left open, and apply a
-    final status its process could not write (``end_pending``: the tracking server was away) ->
-    what was marked."""
-    marked: list[str] = []
-    for path in [run_dir / RECORD, *sorted(run_dir.glob(f"*/{RECORD}"))]:
-        rec = read(path.parent)
-        if rec and rec.get("end_pending") and rec.get("mlflow_run_id"):  # its process ended, the server was away
-            if tracking.end_if_running(rec["mlflow_run_id"], rec["end_pending"]):
-                marked.append(f"MLflow run {rec['mlflow_run_id']} {rec['end_pending']}")
-            _write(path.parent, {k: v for k, v in rec.items() if k != "end_pending"})
-            continue
-        if not rec or rec.get("ended") or owner_alive(rec) is not False:
-            continue
-        why = (f"process {rec.get('pid')} on {rec.get('host')} died without ending the run (found by pid "
-               f"{os.getpid()} starting in {run_dir})")
-        if rec.get("mlflow_run_id") and tracking.end_if_running(rec["mlflow_run_id"], "KILLED"):
-            marked.append(f"MLflow run {rec['mlflow_run_id']} KILLED")
-        if rec.get("prefect_flow_run_id"):
-            try:
-                if _crash_flow_run(rec["prefect_flow_run_id"], why):
-                    marked.append(f"Prefect flow run {rec['prefect_flow_run_id']} Crashed")
-            except Exception as e:  # noqa: BLE001 - another Prefect API than the one that ran it
-                log.warning("could not mark Prefect flow run %s crashed: %s", rec["prefect_flow_run_id"], e)
-        _write(path.parent, {**rec, "ended": "reaped", "reaped_by": _me(), "reaped_unix": time.time()})
+    """:func:`_settle` ``run_dir`` and its direct subfolders (a flow's subflows) -> what was marked."""
+    marked = [m for path in [run_dir / RECORD, *sorted(run_dir.glob(f"*/{RECORD}"))]
+              for m in _settle(path.parent, run_dir)]
     if marked:
         log.warning("%s: its previous process died; marked %s", run_dir, "; ".join(marked))
     return marked
@@ -202,8 +207,6 @@ def tracked(c: Claim, experiment: str, name: str, params: Mapping[str, Any] | No
 
 
 def collect(root: Path) -> list[str]:
-    """:func:`reap` every run folder under ``root`` (``miles runs gc``) -> what was marked."""
-    marked: list[str] = []
-    for folder in sorted({p.parent for p in root.rglob(RECORD)}):
-        marked += [f"{folder}: {m}" for m in reap(folder)]
-    return marked
+    """:func:`_settle` every run folder under ``root``, once each (``miles runs gc``) -> what was marked."""
+    return [f"{folder}: {m}" for folder in sorted({p.parent for p in root.rglob(RECORD)})
+            for m in _settle(folder, root)]
