@@ -323,10 +323,10 @@ def finish(name: str, payload: dict[str, Any], rows: Sequence[Sequence[Any]] | N
 @contextlib.contextmanager
 def local_run(cfg, ckpt: str | Path) -> Iterator[Any]:
     """The synchronous run ``miles train`` trains, on a local store in a temporary folder: started
-    as the flow starts it (``learner/runtime.py::start_step_run``: ``run.json``, adapter v0), then
+    as the flow starts it (``learner/run_folder.py::start_step_run``: ``run.json``, adapter v0), then
     each ``collect`` commits its batch and each ``consume`` judges its staleness, updates,
     checkpoints and publishes. An arm that trains through it pays what a user's run pays."""
-    from miles_core.learner.runtime import start_step_run
+    from miles_core.learner.run_folder import start_step_run
 
     with tempfile.TemporaryDirectory(prefix="miles-arm-") as tmp:
         run, _ = start_step_run(str(Path(tmp) / "run"), cfg, str(ckpt), str(Path(tmp) / "run" / "store"))

@@ -95,7 +95,7 @@ def cmd_flow(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     if getattr(parsed, "resume", False) and spec.flow == "train_flow":  # refused before Prefect starts too
-        from miles_core.learner.runtime import read_pointer, resumed_recipe
+        from miles_core.learner.run_folder import read_pointer, resumed_recipe
 
         meta = read_pointer(parsed.run_dir) or {}
         if meta.get("store_uri"):

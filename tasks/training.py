@@ -36,8 +36,9 @@ from prefect import task
 from miles_core.algo.rl import rollout_stats
 from miles_core.config import RecipeConfig
 from miles_core.eval.evaluate import run_eval
-from miles_core.learner.runtime import existing_run, resumed_recipe  # noqa: F401  (the flow's checks before it trains an SFT base)
-from miles_core.learner.runtime import LearnerRun, open_step_run, read_pointer, save_local_adapter, start_step_run, write_pointer
+from miles_core.learner.run_folder import existing_run, resumed_recipe  # noqa: F401  (the flow's checks before it trains an SFT base)
+from miles_core.learner.run_folder import open_step_run, read_pointer, save_local_adapter, start_step_run, write_pointer
+from miles_core.learner.runtime import LearnerRun
 from tasks.common import LIGHT, SAMPLE_ROWS, STORAGE, eval_summary
 
 checkpoint_meta = read_pointer  # run_dir/learner.json: which store and base the folder trains
@@ -160,7 +161,7 @@ def update(session: LearnerSession, batch_id: str, local_copy: bool = True) -> d
     Idempotent per batch: a batch the ledger lists is not used again, so a retry after a failed
     publish publishes without updating twice."""
     def go(run: LearnerRun) -> dict[str, Any]:
-        if batch_id not in run.handled():
+        if batch_id not in run.ledger:
             _, stats = run.consume(batch_id)
         else:
             stats = run.last_update(batch_id)

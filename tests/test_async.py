@@ -67,7 +67,7 @@ def test_the_learner_still_drops_what_admission_let_go_stale(tmp_path: Path, bas
     for seq in range(5):
         sampler.run_store.trajectories.write_batch(sampler.make_batch(seq), batch_id(seq, "w0"))
     out = learner.run()
-    consumed, dropped = learner.ledger["consumed"], learner.ledger["dropped"]
+    consumed, dropped = learner.ledger.consumed, learner.ledger.dropped
     assert [e["staleness"] for e in consumed] == [0, 1]
     assert [e["id"] for e in dropped] == [batch_id(s, "w0") for s in (2, 3, 4)]
     assert all(e["staleness"] > 1 for e in dropped)
@@ -88,9 +88,9 @@ def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path:
             b.reward = torch.arange(len(b), dtype=torch.float32) % 2  # signal in every group, whatever the toy model says
             s.run_store.trajectories.write_batch(assign_advantages(b), batch_id(seq, s.worker))
             s.stats["next_seq"] = seq + 1
-        learner.max_updates = len(learner.ledger["consumed"]) + 2
+        learner.max_updates = len(learner.ledger.consumed) + 2
         learner.run()
-    ids = [e["id"] for e in learner.ledger["consumed"]]
+    ids = [e["id"] for e in learner.ledger.consumed]
     assert sorted(ids) == sorted(learner.rs.trajectories.list_batches()) and len(ids) == len(set(ids)) == 4
     # the second round was sampled with a newer adapter, hot-swapped into the resident base
     s = samplers[0]
@@ -131,7 +131,7 @@ def test_corrupt_batch_is_quarantined_and_the_run_continues(tmp_path: Path, base
     Path(store.data_path(bad)).write_bytes(b"PAR1 this is not parquet")
     out = learner.run()
     assert out["done"] and out["quarantined"] == 1 and out["consumed"] == 2
-    assert learner.ledger["quarantined"][0]["id"] == bad and "sha256" in learner.ledger["quarantined"][0]["reason"]
+    assert learner.ledger.quarantined[0]["id"] == bad and "sha256" in learner.ledger.quarantined[0]["reason"]
     assert bad in store.list_quarantined() and bad not in store.list_batches()
 
 
@@ -208,7 +208,7 @@ HARNESS = textwrap.dedent("""
         import miles_core.asyncrl.learner as L
         real_ckpt = L.AsyncLearner.checkpoint
         def checkpoint(self):
-            if len(self.ledger["consumed"]) == 2:
+            if len(self.ledger.consumed) == 2:
                 pause()
             return real_ckpt(self)
         L.AsyncLearner.checkpoint = checkpoint
@@ -328,7 +328,7 @@ def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: P
     assert SamplerWorker(run, "w0", 0, str(tmp_path / "s0")).run()["committed"] == 2
     out = learner.run()
     assert out["done"] and out["consumed"] == 3 and out["self_sampled_batches"] == 1
-    assert sorted(e["id"] for e in learner.ledger["consumed"]) == [batch_id(0, "learner"), batch_id(0, "w0"), batch_id(1, "w0")]
+    assert sorted(e["id"] for e in learner.ledger.consumed) == [batch_id(0, "learner"), batch_id(0, "w0"), batch_id(1, "w0")]
     assert out["idle_s"] == 0.0 and out["self_sample_s"] > 0
 
 
@@ -415,7 +415,7 @@ def test_restarted_learner_numbers_its_own_batches_after_the_ones_it_claimed(tmp
     second = AsyncLearner(run, str(tmp_path / "l2"))
     assert second._next_seq == 1 and second._redo == []
     out = second.run()
-    ids = [e["id"] for e in second.ledger["consumed"]]
+    ids = [e["id"] for e in second.ledger.consumed]
     assert out["done"] and ids == [batch_id(s, "learner") for s in range(3)]
     with pytest.raises(ValueError, match="reserved for the learner"):
         SamplerWorker(run, "learner", 0, str(tmp_path / "s"))

@@ -11,6 +11,7 @@ from test_storage import make_batch
 
 from miles_core.config import load_recipe
 from miles_core.learner.channels import BatchChannel, PolicyChannel, admits
+from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import add_lora, adapter_tensors, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.storage.run import RunStore
@@ -24,7 +25,7 @@ def test_the_batch_channel_admits_judges_and_commits_once(tmp_path: Path) -> Non
         assert ch.admits((2 + v + 1) * b - 1, v) and not ch.admits((2 + v + 1) * b, v)
     assert admits(9, 1, 3, 2) and not admits(12, 1, 3, 2)
     batch = make_batch(version=3)  # rows sampled by versions 3 and 2: its oldest counts
-    assert ch.verdict(batch, 4) == ("fresh", 2) and ch.verdict(batch, 5) == ("dropped", 3)
+    assert ch.verdict(batch, 4) == Verdict.fresh(2) and ch.verdict(batch, 5) == Verdict.dropped(3)
     assert ch.commit(batch, "000000-w0") and not ch.commit(make_batch(seed=1), "000000-w0")
     assert ch.rs.trajectories.list_batches() == ["000000-w0"]
     stored = ch.rs.trajectories.read_batch("000000-w0")

@@ -19,7 +19,7 @@ from flows.sft import sft_flow
 from flows import train as train_mod
 from flows.train import train_flow
 from miles_core.config import ConfigError, load_recipe
-from miles_core.learner.runtime import pointed_recipe
+from miles_core.learner.run_folder import pointed_recipe
 from miles_core.storage import AdapterRegistry, TrajectoryStore
 from miles_core.storage.run import RunStore
 import tracking

@@ -15,6 +15,7 @@ from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.algo.draws import Draws, minibatches, trajectory_keys
 from miles_core.algo.rows import build_rows
 from miles_core.learner.shares import agree, first_reader, my_share, owned_rows
+from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import add_lora
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.parallel import World
@@ -72,7 +73,7 @@ def test_ranks_own_equal_blocks_of_whole_groups_and_read_only_the_batches_they_t
 
 
 def test_agree_in_one_process_returns_the_verdicts_in_order() -> None:
-    assert agree(2, {1: ("dropped", 4), 0: ("fresh", 0)}, World()) == [("fresh", 0), ("dropped", 4)]
+    assert agree(2, {1: Verdict.dropped(4), 0: Verdict.fresh(0)}, World()) == [Verdict.fresh(0), Verdict.dropped(4)]
 
 
 def test_trajectory_draws_do_not_depend_on_the_batch_around_them() -> None:

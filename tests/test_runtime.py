@@ -12,7 +12,7 @@ from conftest import train_tiny_base
 
 from miles_core.config import ConfigError, load_recipe
 from miles_core.data.registry import build_task
-from miles_core.learner.runtime import open_step_run, pointed_recipe, start_step_run
+from miles_core.learner.run_folder import open_step_run, pointed_recipe, start_step_run
 from miles_core.storage.run import RunStore
 from tasks import training
 

@@ -77,6 +77,9 @@ def rollout_stats(batch: Batch) -> dict[str, float]:
     }
 
 
+SELF_WORKER = "learner"  # the worker name of the batches the learner samples itself
+
+
 def batch_id(seq: int, worker: str) -> str:
     """Sorts by sequence number first, so the learner takes batches roughly in sampling order."""
     return f"{seq:06d}-{worker}"

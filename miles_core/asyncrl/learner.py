@@ -16,14 +16,13 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from collections import Counter
 from typing import Any
 
 import torch
 
+from miles_core.algo.rl import SELF_WORKER as SELF  # the worker name of batches the learner samples itself
 from miles_core.algo.rl import batch_id, batch_seq
 from miles_core.allocator import apply_heap_setting
-from miles_core.asyncrl.sampler import SELF_WORKER as SELF  # the worker name of batches the learner samples itself
 from miles_core.learner.channels import poll_intervals
 from miles_core.config import load_recipe
 from miles_core.learner.runtime import LearnerRun
@@ -63,7 +62,8 @@ class AsyncLearner(LearnerRun):
         committed = set(self.rs.retry(self.rs.trajectories.list_batches, "listing trajectories"))
         quarantined = set(self.rs.retry(self.rs.trajectories.list_quarantined, "listing quarantine"))
         # claimed, then killed before the commit: redo those first (never one already handled or quarantined)
-        self._redo = sorted((b, k) for b, k in mine.items() if b not in committed | quarantined | self.handled())
+        self._redo = sorted((b, k) for b, k in mine.items() if b not in committed and b not in quarantined
+                            and b not in self.ledger)
         self._next_seq = 1 + max((batch_seq(b) for b in mine), default=-1)
 
     def sample_self(self) -> bool:
@@ -105,17 +105,17 @@ class AsyncLearner(LearnerRun):
         return self.batches.claims.total
 
     def status(self, done: bool = False) -> dict[str, Any]:
-        """Progress for operators and benchmarks (samplers read only ``adapters/LATEST``)."""
-        st = [e["staleness"] for e in self.ledger["consumed"]]
+        """Progress for operators and benchmarks (samplers read only ``adapters/LATEST``): running
+        totals, so it costs the same whatever the run's age."""
+        ledger = self.ledger
         wall = max(self.totals["wall_s"], 1e-9)
         return {"version": self.learner.version, "updates": len(self.history),
                 "batches_per_update": self.cfg.batches_per_update(), "learner_ranks": self.world.size,
-                "consumed": len(self.ledger["consumed"]), "dropped": len(self.ledger["dropped"]),
-                # of those consumed, batches it sampled itself
-                "self_consumed": sum(e["id"].endswith(f"-{SELF}") for e in self.ledger["consumed"]),
-                "quarantined": len(self.ledger["quarantined"]), "expected": self.expected, "done": done,
-                "staleness_hist": {str(k): v for k, v in sorted(Counter(st).items())},
-                "max_staleness_seen": max(st, default=0), "staleness_bound": self.cfg.async_rl.max_staleness,
+                "consumed": len(ledger.consumed), "dropped": len(ledger.dropped),
+                "self_consumed": ledger.self_consumed,  # of those consumed, batches it sampled itself
+                "quarantined": len(ledger.quarantined), "expected": self.expected, "done": done,
+                "staleness_hist": {str(k): v for k, v in sorted(ledger.staleness.items())},
+                "max_staleness_seen": ledger.max_staleness(), "staleness_bound": self.cfg.async_rl.max_staleness,
                 "idle_s": self.totals["idle_s"], "wall_s": self.totals["wall_s"],
                 "idle_fraction": self.totals["idle_s"] / wall, "resumes": self.totals["resumes"],
                 # idle after the first batch arrived: the pipeline-fill wait at start-up excluded
@@ -127,15 +127,14 @@ class AsyncLearner(LearnerRun):
                 "self_sampled_batches": self.totals.get("self_batches", 0),
                 "self_sample_s": self.totals.get("sample_s", 0.0),
                 "self_sample_fraction": self.totals.get("sample_s", 0.0) / wall,
-                "completions": sum(e["rows"] for e in self.ledger["consumed"]),
+                "completions": ledger.completions,
                 **self.rs.requests.report(), "requests_at_start": self.requests_at_start}
 
     def _decide(self, waits: Any) -> tuple[str, Any]:
         """Rank 0's next step: ("stop" | "done", None), ("update", batch ids), ("sampled", None)
         after sampling a batch itself, or ("waited", seconds) after one back-off sleep."""
-        rs = self.rs
-        handled = self.handled()
-        if len(handled) >= self.expected:
+        rs, ledger = self.rs, self.ledger
+        if len(ledger) >= self.expected:
             return "done", None
         with rs.requests.phase("stop_check"):
             stop = rs.stop_requested()
@@ -143,8 +142,8 @@ class AsyncLearner(LearnerRun):
             return "stop", None
         with rs.requests.phase("list"):
             listed = rs.retry(rs.trajectories.list_batches, "listing trajectories")
-        pending = [b for b in listed if b not in handled]
-        need = min(self.cfg.batches_per_update(), self.expected - len(handled))  # the last may be short (drops)
+        pending = [b for b in listed if b not in ledger]
+        need = min(self.cfg.batches_per_update(), self.expected - len(ledger))  # the last may be short (drops)
         if len(pending) >= need:
             return "update", pending[:need]
         if self.sample_self():
@@ -166,7 +165,7 @@ class AsyncLearner(LearnerRun):
                 break
             if kind == "waited":
                 self.totals["idle_s"] += arg
-                if not self.handled():  # nothing ever arrived yet: the pipeline is still filling
+                if not len(self.ledger):  # nothing ever arrived yet: the pipeline is still filling
                     self.totals["fill_s"] = self.totals.get("fill_s", 0.0) + arg
             elif kind == "update":
                 waits = poll_intervals(a.poll_interval, a.poll_backoff, a.poll_max_interval)  # poll fast again
@@ -182,7 +181,7 @@ class AsyncLearner(LearnerRun):
         status = self.status(done=kind == "done")
         if world.is_main:
             rs.write_json(status, "learner", "status.json")
-            rs.write_json({"history": self.history, "ledger": self.ledger}, "learner", "history.json")
+            rs.write_json({"history": self.history, "ledger": self.ledger.state()}, "learner", "history.json")
         else:  # what this rank's share of the reading cost the store
             rs.write_json({"rank": world.rank, **rs.requests.report(), "requests_at_start": self.requests_at_start},
                           "learner", f"rank{world.rank}.json")

@@ -42,7 +42,6 @@ from miles_core.rewards.registry import reward_for_recipe
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
-SELF_WORKER = "learner"  # the worker name of the batches the learner samples itself
 
 
 class SamplerWorker:

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from miles_core.config import RecipeConfig
-from miles_core.learner.shares import Verdict
+from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import ADAPTER_WEIGHTS, native_adapter_state
 from miles_core.storage import AdapterExistsError, BatchExistsError
 from miles_core.storage import uri as U
@@ -123,11 +123,11 @@ class BatchChannel:
             return False
 
     def verdict(self, batch: Batch, version: int) -> Verdict:
-        """The learner's verdict at ``version`` on a committed batch: ("fresh", the version that
-        sampled it) or ("dropped", its staleness) when that is more than S versions ago."""
+        """The learner's verdict at ``version`` on a committed batch: fresh (with the version that
+        sampled it), or dropped (with its staleness) when that is more than S versions ago."""
         behaviour = int(batch.policy_version.min())
         staleness = version - behaviour
-        return ("dropped", staleness) if staleness > self.bound else ("fresh", behaviour)
+        return Verdict.dropped(staleness) if staleness > self.bound else Verdict.fresh(behaviour)
 
 
 class PolicyChannel:

@@ -23,10 +23,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles_core.algo.draws import trajectory_keys
+from miles_core.learner.ledger import Verdict
 from miles_core.parallel import World
 from miles_core.types import Batch
 
-Verdict = tuple[str, Any]  # ("fresh", behaviour version) | ("dropped", staleness) | ("quarantined", reason)
 
 
 def owned_rows(j: int, n: int, batches: int, group: int, world: World) -> Tensor:
