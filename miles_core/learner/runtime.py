@@ -175,49 +175,58 @@ class LearnerRun:
         verdict = self.batches.verdict(batch, self.learner.version)
         return verdict, batch if verdict.kind == "fresh" else None
 
-    def consume(self, bids: str | list[str]) -> tuple[str, dict[str, float]]:
-        """One update on the committed batches ``bids`` (one global batch: ``async_rl.global_batch``
-        completions) -> ('consumed' | 'dropped' | 'quarantined', update stats). Each batch is
-        judged on its own: a corrupt one is quarantined, one staler than ``async_rl.max_staleness``
-        dropped, both recorded; the rest are updated on together, and the ledger lists each with
-        the update that consumed it. With D ranks each reads only its share (learner/shares.py)."""
-        bids = [bids] if isinstance(bids, str) else list(bids)
-        t_read, world, m = time.perf_counter(), self.world, len(bids)
+    def _read_share(self, bids: list[str]) -> tuple[list[tuple[str, int, int]], Batch, Tensor | None]:
+        """Judge the batches ``bids`` of one global batch and record the quarantined and dropped ones
+        in the ledger -> (the fresh ones as (id, behaviour version, rows), this rank's rows of them,
+        their trajectories' keys). With D ranks each reads only its share (learner/shares.py) and
+        the ranks exchange their verdicts alone."""
+        world, m = self.world, len(bids)
         group = self.cfg.train.group_size
         n = self.cfg.train.prompts_per_iter * group  # rows of a sampler batch
         multi = world.size > 1
         share = my_share(m, n, group, world) if multi else range(m)
         judged = {j: self._judge(bids[j], first_reader(j, n, m, group, world)) for j in share}
         verdicts = agree(m, {j: v for j, (v, _) in judged.items()}, world)
-        fresh: list[tuple[str, int, int]] = []  # (id, behaviour version, rows)
+        fresh: list[tuple[str, int, int]] = []
         parts: list[Batch] = []                 # this rank's rows of each fresh batch it read
         keys: list[Tensor] = []                 # their trajectories' keys (algo/draws.py)
-        dropped = 0
         for j, (bid, verdict) in enumerate(zip(bids, verdicts)):
             if verdict.kind == "quarantined":
                 self.ledger.quarantine(bid, verdict.reason)
-            elif verdict.kind == "dropped":
+                continue
+            if verdict.kind == "dropped":
                 self.ledger.drop(bid, verdict.staleness)
-                dropped += 1
-            else:
-                batch = judged[j][1] if j in judged else None
-                fresh.append((bid, verdict.version, n if batch is None else len(batch)))
-                if batch is None:
-                    continue
-                if multi and len(batch) != n:
-                    raise ValueError(f"batch {bid} has {len(batch)} rows; the ranks split sampler batches of "
-                                     f"{n} (train.prompts_per_iter x train.group_size)")
-                part, part_keys = held_rows(bid, j, batch, m, group, world)
-                parts.append(part)
-                keys.append(part_keys)
+                continue
+            batch = judged[j][1] if j in judged else None
+            fresh.append((bid, verdict.version, n if batch is None else len(batch)))
+            if batch is None:
+                continue
+            if multi and len(batch) != n:
+                raise ValueError(f"batch {bid} has {len(batch)} rows; the ranks split sampler batches of "
+                                 f"{n} (train.prompts_per_iter x train.group_size)")
+            part, part_keys = held_rows(bid, j, batch, m, group, world)
+            parts.append(part)
+            keys.append(part_keys)
+        rows: Batch = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts) if parts
+                       else TrajectoryBatch.empty(self.cfg.task.completion_len))
+        return fresh, rows, torch.cat(keys) if keys else None
+
+    def consume(self, bids: str | list[str]) -> tuple[str, dict[str, float]]:
+        """One update on the committed batches ``bids`` (one global batch: ``async_rl.global_batch``
+        completions) -> ('consumed' | 'dropped' | 'quarantined', update stats). Each batch is
+        judged on its own: a corrupt one is quarantined, one staler than ``async_rl.max_staleness``
+        dropped, both recorded; the rest are updated on together, and the ledger lists each with
+        the update that consumed it."""
+        bids = [bids] if isinstance(bids, str) else list(bids)
+        t_read, world = time.perf_counter(), self.world if self.world.size > 1 else None
+        dropped_before = len(self.ledger.dropped)
+        fresh, batch, keys = self._read_share(bids)
         if not fresh:
-            return ("dropped" if dropped else "quarantined"), {}
-        batch: Batch = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts) if parts
-                        else TrajectoryBatch.empty(self.cfg.task.completion_len))
+            return ("dropped" if len(self.ledger.dropped) > dropped_before else "quarantined"), {}
         version_before = self.learner.version
         staleness = version_before - min(v for _, v, _ in fresh)
         t0 = time.perf_counter()
-        stats = self.learner.update(batch, world=world if multi else None, keys=torch.cat(keys) if keys else None)
+        stats = self.learner.update(batch, world=world, keys=keys)
         t1 = time.perf_counter()
         stats.update(staleness=float(staleness), seconds=t1 - t0, batches=float(len(fresh)),
                      tokens_per_s=stats.get("tokens", 0.0) / max(t1 - t0, 1e-9))
@@ -225,8 +234,7 @@ class LearnerRun:
         for bid, v, rows in fresh:
             self.ledger.consume(bid, policy_version=v, learner_version=self.learner.version, rows=rows, update=update,
                                 staleness=version_before - v)
-        reward_sum, count = global_counts(world if multi else None, float(torch.nan_to_num(batch.reward, nan=0.0).sum()),
-                                          len(batch))
+        reward_sum, count = global_counts(world, float(torch.nan_to_num(batch.reward, nan=0.0).sum()), len(batch))
         self.history.append({"update": update, "version": self.learner.version, "batches": len(fresh), "at": time.time(),
                              "staleness": staleness, "reward_mean": reward_sum / max(count, 1.0),
                              "read_s": t0 - t_read, "update_s": t1 - t0, "guard_event": self.learner.guard_event,
