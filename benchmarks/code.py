@@ -12,6 +12,11 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      per arm and seed, the fraction passing every visible example (the outputs the prompt shows)
      and the hard-coding rate: the fraction passing those but failing a hidden input, i.e. fitting
      the prompt without being the function (code_eval's ``hardcoding``, scored in the sandbox).
+Beside them, what the harness change of issue 68 did to these scores: every held-out completion of
+both arms (greedy and the T = 1 samples) is scored again with the sandbox of
+``benchmarks/sandbox.py::BASELINE_REV`` (its ``miles_core`` from git, in a subprocess), and the run
+reports how many scored differently and which way (skipped in ``--smoke`` where a shallow clone
+lacks that commit).
 ``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
 (it adds RL's wall-clock again, so it is off by default).
 ``--checkpoint DIR`` keeps the SFT checkpoints in DIR (``seed{N}/sft``): trained there when absent,
@@ -33,6 +38,7 @@ from typing import Any, Callable, Sequence
 
 from benchmarks.harness import (bench_args, finish, local_run, over_seeds, paired, rl_iteration, seed_mean,
                                 sft_checkpoint, table, workdir)
+from benchmarks.sandbox import baseline_present, rescored
 
 DEFAULT_OVERRIDES: list[str] = []
 # SFT runs all sft.steps and keeps its best-validation weights. No plateau stop: on 200 validation
@@ -65,6 +71,7 @@ def code_eval(model, tok, cfg, data, steps: int | None = None) -> dict:
     return {"pass1": r.pass_at["pass@1"], "correct": [c[0] for c in r.correct], "config": r.config.to_dict(),
             "per_family": {f: fam_ok[f] / n for f, n in sorted(fam_total.items())},
             "samples": [{k: s[k] for k in ("prompt", "completion", "correct")} for s in r.samples[:8]],
+            "scored": (seen, answers),  # the completions and their tests, for the rescoring at BASELINE_REV
             "visible_pass": hc["visible_pass"], "hardcoded_rate": hc["hardcoded_rate"], "hardcoded": hc["hardcoded"],
             "hardcoded_samples": [{"prompt": p, "completion": c} for p, c, h in zip(prompts, seen, hc["hardcoded"]) if h][:5]}
 
@@ -91,14 +98,17 @@ def hardcoding(prompts: Sequence[str], completions: Sequence[str], answers: Sequ
             "visible": visible, "hidden": hidden, "hardcoded": flags}
 
 
-def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, float]:
+def sampled_pass_at(model, tok, cfg, data, k: int = PASS_K) -> dict[str, Any]:
     """pass@1 and pass@k of ``k`` samples at temperature 1 (a side measurement): a policy that only
     sharpens what SFT could already write raises pass@1 toward SFT's pass@k; one that learned to
-    write programs SFT could not also raises pass@k."""
+    write programs SFT could not also raises pass@k. ``scored``: the samples and their tests."""
     from miles_core.eval.evaluate import run_eval
 
     cfg = dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, temperature=1.0, n_samples=k))
-    return run_eval(model, tok, cfg, data).pass_at
+    r = run_eval(model, tok, cfg, data)
+    probs = data.test[:r.config.num_problems]
+    return {**r.pass_at, "scored": ([c for cs in r.completions for c in cs],
+                                    [p.answer for p, cs in zip(probs, r.completions) for _ in cs])}
 
 
 def val_pass1(model, tok, cfg, data) -> float:
@@ -109,7 +119,8 @@ def val_pass1(model, tok, cfg, data) -> float:
     return run_eval(model, tok, cfg, data, split="val").pass_at["pass@1"]
 
 
-def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, checkpoint: str | None = None) -> dict:
+def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, checkpoint: str | None = None,
+             rescore_before: bool = True) -> dict:
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
     from miles_core.rewards.code import code_tests_reward
@@ -163,7 +174,13 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
         model, tok = continue_sft(cfg, data, ckpt, adpo_seconds, seed)
         results["sft_continued"] = code_eval(model, tok, cfg, data)
         print(f"[seed {seed}] SFT continued pass@1 {results['sft_continued']['pass1']:.3f}", flush=True)
-    return {"seed": seed, "results": results, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_curve": sft_curve,
+    scored = [results[a]["scored"] for a in ("sft", "adpo", "sft_sampled", "adpo_sampled")]
+    completions, answers = [c for s in scored for c in s[0]], [a for s in scored for a in s[1]]
+    rescore = rescored(completions, answers) if rescore_before else None  # the harness change, on these completions
+    if rescore:
+        print(f"[seed {seed}] {rescore['changed']} of {rescore['completions']} completions scored differently "
+              f"at {rescore['rev']} ({rescore['zero_to_one']} 0 -> 1, {rescore['one_to_zero']} 1 -> 0)", flush=True)
+    return {"seed": seed, "results": results, "rescored": rescore, "sft_seconds": sft_seconds, "adpo_seconds": adpo_seconds, "sft_curve": sft_curve,
             "reward_seconds": reward_seconds[0], "completions": n, "reward_status_counts": dict(statuses),
             "adpo_curve": curve, "sandbox_layers": shared_pool(cfg.sandbox.isolation).layers,
             "guard_rollbacks": learner.guard.rollbacks if learner.guard else 0, "sft_trained": sft["trained"]}
@@ -177,7 +194,9 @@ def main(argv: list[str] | None = None) -> None:
         args.seeds = [0]
     overrides = DEFAULT_OVERRIDES + (SMOKE_OVERRIDES if args.smoke else []) + args.set
     t0 = time.perf_counter()
-    per_seed = over_seeds(run_seed, args.seeds, overrides, str(workdir(args, "code")), args.sft_continued, args.checkpoint)
+    rescore = baseline_present() or not args.smoke  # a shallow clone lacks BASELINE_REV: the smoke run skips it
+    per_seed = over_seeds(run_seed, args.seeds, overrides, str(workdir(args, "code")), args.sft_continued, args.checkpoint,
+                          rescore)
     arms = ("sft", "adpo", "sft_continued") if args.sft_continued else ("sft", "adpo")
     mean = {a: seed_mean(per_seed, lambda p: p["results"][a]["pass1"]) for a in arms}
     k = f"pass@{PASS_K}"
@@ -210,12 +229,16 @@ def main(argv: list[str] | None = None) -> None:
         "sequential_decoding_pass1": {a: seed_mean(per_seed, lambda p: p["results"][f"{a}_sequential"]["pass1"])
                                       for a in ("sft", "adpo")},
         "val_pass1": val,
+        # the held-out completions (greedy and T = 1, both arms) scored again with the harness of BASELINE_REV
+        "rescored": ({k: sum(p["rescored"][k] for p in per_seed) for k in per_seed[0]["rescored"] if k != "rev"}
+                     | {"rev": per_seed[0]["rescored"]["rev"]}) if per_seed[0]["rescored"] else "skipped (shallow clone)",
         "hardcoding": hard,  # per arm: visible_pass, hardcoded_rate (code_eval's hardcoding), mean over seeds
         f"sampled_t1_pass_at_{PASS_K}": sampled,
         "per_seed": [{"seed": p["seed"], **{f"{a}_pass1": p["results"][a]["pass1"] for a in arms},
                       **{f"{a}_{m}": p["results"][f"{a}_{r}"]["pass1"] for a in ("sft", "adpo")
                          for m, r in (("sequential_pass1", "sequential"), ("val_pass1", "val"))},
-                      "sft_sampled": p["results"]["sft_sampled"], "adpo_sampled": p["results"]["adpo_sampled"],
+                      **{f"{a}_sampled": {k: v for k, v in p["results"][f"{a}_sampled"].items() if k != "scored"}
+                         for a in ("sft", "adpo")}, "rescored": p["rescored"],
                       **{f"{a}_{m}": p["results"][a][m] for a in arms for m in hc_keys + ("hardcoded_samples",)},
                       "sft_per_family": p["results"]["sft"]["per_family"],
                       "adpo_per_family": p["results"]["adpo"]["per_family"],

@@ -26,6 +26,7 @@ Run: python -m benchmarks.sandbox [--no-before] [--smoke]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -35,7 +36,7 @@ import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 from benchmarks.harness import add_smoke, table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
@@ -113,26 +114,74 @@ def score_honest(limit: int | None = None) -> dict[str, float]:
     return {name: s.score for (name, *_), s in zip(items, scores)}
 
 
-def measure_before(sizes: dict[str, int], n_latency: int, honest_limit: int | None = None) -> tuple[list[dict], dict]:
-    """The bwrap arms at BASELINE_REV: its miles_core from git, this file's measurement, a subprocess."""
+@contextlib.contextmanager
+def miles_core_at(rev: str) -> Iterator[str]:
+    """A folder holding ``rev``'s ``miles_core`` (from this repository's git history), for a
+    subprocess to import instead of this checkout's."""
     with tempfile.TemporaryDirectory(prefix="miles-sandbox-before-") as d:
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", BASELINE_REV, "miles_core"],
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "miles_core"],
                                  capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", d], input=archive, check=True)
-        code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
-                "from benchmarks.sandbox import measure_modes, score_honest\n"
-                "import miles_core; assert miles_core.__file__.startswith(sys.argv[1])\n"
-                "rows = measure_modes(['bwrap', 'bwrap_shared'], 'before: ', json.loads(sys.argv[3]), int(sys.argv[4]))\n"
-                "print('ROWS ' + json.dumps(rows))\n"
-                "print('HONEST ' + json.dumps(score_honest(json.loads(sys.argv[5]))))")
-        res = subprocess.run([sys.executable, "-c", code, d, str(ROOT), json.dumps(sizes), str(n_latency),
-                              json.dumps(honest_limit)], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ""})
-    sys.stdout.write("".join(line + "\n" for line in res.stdout.splitlines() if not line.startswith(("ROWS ", "HONEST "))))
+        yield d
+
+
+def _run_at(rev: str, code: str, *args: str) -> dict[str, Any]:
+    """Run ``code`` (it imports ``benchmarks`` from here, ``miles_core`` at ``rev``, and prints
+    ``TAG json`` lines) in a subprocess -> {TAG: value}; its other output is passed through."""
+    with miles_core_at(rev) as d:
+        prelude = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[2]]\n"
+                   "import miles_core; assert miles_core.__file__.startswith(sys.argv[1])\n")
+        res = subprocess.run([sys.executable, "-c", prelude + code, d, str(ROOT), *args], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": ""})
+    tagged = {}
+    for line in res.stdout.splitlines():
+        tag, _, body = line.partition(" ")
+        if tag.isupper() and body.startswith(("[", "{")):
+            tagged[tag] = json.loads(body)
+        else:
+            print(line)
     if res.returncode != 0:
-        raise RuntimeError(f"the {BASELINE_REV} arms failed: {res.stderr[-1500:]}")
-    tagged = {line.split(" ", 1)[0]: json.loads(line.split(" ", 1)[1]) for line in res.stdout.splitlines()
-              if line.startswith(("ROWS ", "HONEST "))}
+        raise RuntimeError(f"the {rev} arms failed: {res.stderr[-1500:]}")
+    return tagged
+
+
+def measure_before(sizes: dict[str, int], n_latency: int, honest_limit: int | None = None) -> tuple[list[dict], dict]:
+    """The bwrap arms at BASELINE_REV: its miles_core from git, this file's measurement, a subprocess."""
+    code = ("from benchmarks.sandbox import measure_modes, score_honest\n"
+            "print('ROWS ' + json.dumps(measure_modes(['bwrap', 'bwrap_shared'], 'before: ', json.loads(sys.argv[3]), "
+            "int(sys.argv[4]))))\n"
+            "print('HONEST ' + json.dumps(score_honest(json.loads(sys.argv[5]))))")
+    tagged = _run_at(BASELINE_REV, code, json.dumps(sizes), str(n_latency), json.dumps(honest_limit))
     return tagged["ROWS"], tagged["HONEST"]
+
+
+def score_now(completions: Sequence[str], answers: Sequence[str]) -> list[float | None]:
+    """Each completion's code-reward score against its answer (``rewards/code.py::score_completions``,
+    bwrap_shared, no result cache), with the ``miles_core`` this interpreter imports."""
+    from miles_core.rewards.code import score_completions
+
+    with SandboxPool(usable_cpus(), SandboxLimits(), isolation="bwrap_shared", cache_size=0) as pool:
+        return [None if s is None else s.score for s in score_completions(list(completions), list(answers), pool=pool)]
+
+
+def scores_before(completions: Sequence[str], answers: Sequence[str]) -> list[float | None]:
+    """:func:`score_now` with BASELINE_REV's harness: what the same completions scored before the change."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump([list(completions), list(answers)], f)
+        f.flush()
+        code = ("from benchmarks.sandbox import score_now\n"
+                "c, a = json.load(open(sys.argv[3]))\nprint('SCORES ' + json.dumps(score_now(c, a)))")
+        return _run_at(BASELINE_REV, code, f.name)["SCORES"]
+
+
+def rescored(completions: Sequence[str], answers: Sequence[str]) -> dict[str, Any]:
+    """The same completions scored now and at BASELINE_REV: how many scored differently, and how."""
+    now, before = score_now(completions, answers), scores_before(completions, answers)
+    diff = [(b, n) for b, n in zip(before, now) if b != n]
+    return {"completions": len(now), "changed": len(diff), "rev": BASELINE_REV,
+            "zero_to_one": sum(1 for b, n in diff if not b and n == 1.0),
+            "one_to_zero": sum(1 for b, n in diff if b == 1.0 and not n),
+            "ones_now": sum(1 for n in now if n == 1.0), "ones_before": sum(1 for b in before if b == 1.0)}
 
 
 def baseline_present() -> bool:
