@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
            # ADPO ran (completions sampled and scored in the sandbox, time spent) and both arms were scored
            # on held-out functions; pass rates may be 0 but must be there
            positive=["num_heldout_tasks", "completions_scored", "reward_seconds", "adpo_seconds", "seconds"],
-           present=["sft_pass1", "adpo_pass1", "paired_sign_test_p", "hardcoding.*.visible_pass",
+           present=["sft_pass1", "adpo_pass1", "paired_sign_test_p", "rescored", "hardcoding.*.visible_pass",
                     "hardcoding.*.hardcoded_rate", "val_pass1.sft", "val_pass1.adpo",
                     f"sampled_t1_pass_at_{PASS_K}.*.pass@{PASS_K}", "sequential_decoding_pass1.adpo"])
 
