@@ -14,7 +14,7 @@ from miles_core.algo.update import update_policy
 from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.algo.draws import Draws, minibatches, trajectory_keys
 from miles_core.algo.rows import build_rows
-from miles_core.learner.shares import agree, first_reader, my_share, owned_rows
+from miles_core.learner.shares import agree, first_reader, my_share, owned_groups, owned_rows
 from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import add_lora
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
@@ -70,6 +70,24 @@ def test_ranks_own_equal_blocks_of_whole_groups_and_read_only_the_batches_they_t
     assert [int(owned_rows(0, 8, 1, 2, World(r, 5)).sum()) for r in range(5)] == [2, 2, 2, 2, 0]
     with pytest.raises(ValueError, match="train.group_size=3"):
         owned_rows(0, 8, 1, 3, World(0, 2))
+
+
+def test_share_closed_forms_equal_the_row_by_row_deal() -> None:
+    """my_share, first_reader and owned_groups in closed form against their definitions through
+    owned_rows (which batches hold a row the rank owns; the lowest such rank), over every small
+    shape, uneven and short ones included."""
+    for batches in range(1, 8):
+        for n, group in ((2, 1), (2, 2), (4, 2), (6, 3), (8, 2), (12, 4)):
+            for d in range(1, 8):
+                owned = {r: [owned_rows(j, n, batches, group, World(r, d)) for j in range(batches)] for r in range(d)}
+                for r in range(d):
+                    world = World(r, d)
+                    assert my_share(batches, n, group, world) == [j for j in range(batches) if owned[r][j].any()]
+                    groups = sorted({(j * n + i) // group for j in range(batches) for i in range(n) if owned[r][j][i]})
+                    assert list(owned_groups(batches, n, group, world)) == groups
+                    for j in range(batches):
+                        lowest = min((q for q in range(d) if owned[q][j].any()), default=None)
+                        assert first_reader(j, n, batches, group, world) == (lowest == r), (batches, n, group, d, r, j)
 
 
 def test_agree_in_one_process_returns_the_verdicts_in_order() -> None:

@@ -41,14 +41,29 @@ def owned_rows(j: int, n: int, batches: int, group: int, world: World) -> Tensor
     return g * world.size // units == world.rank
 
 
+def owned_groups(batches: int, n: int, group: int, world: World) -> range:
+    """The groups this rank owns, [ceil(r U / D), ceil((r + 1) U / D)): the g with g D // U == r,
+    as :func:`owned_rows` deals them (U = B n / G groups)."""
+    if n % group:
+        raise ValueError(f"a sampler batch of {n} rows is not whole groups of train.group_size={group}")
+    units = batches * n // group
+    return range(-(-world.rank * units // world.size), -(-(world.rank + 1) * units // world.size))
+
+
 def my_share(batches: int, n: int, group: int, world: World) -> list[int]:
-    """The sampler batches (positions 0..batches-1) this rank reads: those holding a row it owns."""
-    return [j for j in range(batches) if bool(owned_rows(j, n, batches, group, world).any())]
+    """The sampler batches (positions 0..batches-1) this rank reads: those holding a row it owns
+    (closed form: the batches its groups fall in, O(share) whatever B and D)."""
+    own = owned_groups(batches, n, group, world)
+    if not own:
+        return []
+    return list(range(own.start * group // n, ((own.stop - 1) * group) // n + 1))
 
 
 def first_reader(j: int, n: int, batches: int, group: int, world: World) -> bool:
-    """Whether this rank is the lowest one reading batch ``j`` (it alone quarantines a corrupt one)."""
-    return all(not owned_rows(j, n, batches, group, World(r, world.size)).any() for r in range(world.rank))
+    """Whether this rank is the lowest one reading batch ``j`` (it alone quarantines a corrupt one):
+    the owner of the batch's first group, since ranks own groups in order (O(1))."""
+    units = batches * n // group
+    return (j * n // group) * world.size // units == world.rank
 
 
 def held_rows(bid: str, j: int, batch: Batch, batches: int, group: int, world: World) -> tuple[Batch, Tensor]:
@@ -69,4 +84,8 @@ def agree(n: int, mine: dict[int, Verdict], world: World) -> list[Verdict]:
         return [v for _, v in sorted(mine.items())]
     gathered: list[Any] = [None] * world.size
     dist.all_gather_object(gathered, mine)
-    return [next(g[j] for g in gathered if j in g) for j in range(n)]
+    merged: dict[int, Verdict] = {}
+    for share in gathered:  # O(B + D): each rank read about B / D + 1 batches
+        for j, v in share.items():
+            merged.setdefault(j, v)
+    return [merged[j] for j in range(n)]
