@@ -123,7 +123,6 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
              rescore_before: bool = True) -> dict:
     from miles_core.config import load_recipe
     from miles_core.models.base import load_checkpoint
-    from miles_core.rewards.code import code_tests_reward
     from miles_core.rewards.pool import shared_pool
     from miles_core.data.registry import build_task
     from miles_core.learner.baseline import continue_sft
@@ -140,15 +139,16 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
 
     with local_run(cfg, ckpt) as run:  # the run `miles train` trains, on a local store
         learner = run.learner
-        reward_seconds, statuses, curve = [0.0], Counter(), []
+        reward_seconds, statuses, curve, last_stats = [0.0], Counter(), [], [{"zero_reasons": []}]
 
         recipe_reward = learner.reward_fn  # train.reward (code_tests or code_pass: both run code_tests)
 
-        def timed_reward(prompts, completions, **meta):  # the Learner's own reward, timed and its reasons kept
+        def timed_reward(prompts, completions, **meta):  # the Learner's own reward, timed and its stats counted
             t = time.perf_counter()
             out = recipe_reward(prompts, completions, **meta)
             reward_seconds[0] += time.perf_counter() - t
-            statuses.update(code_tests_reward.last_stats["status_counts"])
+            statuses.update(out.stats["status_counts"])
+            last_stats[0] = out.stats
             return out
         learner.reward_fn = timed_reward
         t1, n = time.perf_counter(), 0
@@ -162,7 +162,7 @@ def run_seed(seed: int, overrides: list[str], out: str, control: bool = False, c
                 full = float((batch.reward >= 1).float().mean())
                 curve.append({"iteration": it + 1, "reward": r, "solved": full})
                 print(f"[seed {seed}] adpo it {it + 1} reward {r:.3f} solved {full:.3f} clip {st.get('clip_frac', 0):.3f} "
-                      f"zero-reasons {code_tests_reward.last_stats['zero_reasons'][:2]}", flush=True)
+                      f"zero-reasons {last_stats[0]['zero_reasons'][:2]}", flush=True)
         adpo_seconds = time.perf_counter() - t1
         results["adpo"] = code_eval(learner.model, learner.tok, cfg, data)
         results["adpo_sequential"] = code_eval(learner.model, learner.tok, cfg, data, steps=seq)

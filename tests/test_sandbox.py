@@ -407,8 +407,8 @@ def test_code_reward_is_registered_and_reports_reasons() -> None:
     ans = _answer([(0, 0), (3, 9)])
     out = fn(["0,1,4"] * 4, ["x*x", "x**2", "x*4", "__import__('socket')"], answer=[ans, ans, ans, "not json"])
     assert out == [1.0, 1.0, 0.5, None]
-    stats = code_tests_reward.last_stats
-    assert stats["status_counts"] == {"ok": 3, "unscorable": 1}
+    assert out.stats["status_counts"] == {"ok": 3, "unscorable": 1}  # returned with the scores
+    assert not hasattr(code_tests_reward, "last_stats")  # and kept nowhere between calls
     combo = get_reward("code_tests:1.0")(["p"], ["x*x"], answer=[ans])
     assert combo == [1.0]
 

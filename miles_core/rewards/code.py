@@ -4,8 +4,9 @@ The contract is TRL's ``fn(prompts, completions, **meta) -> list[float | None]``
 each completion arrive in ``meta["answer"]`` as the JSON written by
 :func:`miles_core.data.code.encode_answer` (rollout passes ``Problem.answer`` through). Reward =
 fraction of tests passed; a crash, timeout, limit breach or policy refusal scores 0, and
-:func:`score_completions` returns the reason with every score (the reward function keeps the
-last batch's reasons in ``code_tests_reward.last_stats`` so trainers can log them).
+:func:`score_completions` returns the reason with every score, and the reward functions return
+their scores as :class:`RewardScores`: a plain list, as TRL's rewards return, with the batch's
+counts per status and commonest reasons for a zero beside them (``.stats``), for a trainer to log.
 
 :class:`miles_core.rewards.pool.SandboxPool` runs the completions inside the kernel boundary of
 :mod:`miles_core.rewards.isolation`. Expected outputs never leave this process: the sandbox gets
@@ -149,6 +150,15 @@ def score_completions(completions: Sequence[Any], answers: Sequence[Any], pool: 
     return submit_scores(completions, answers, pool, isolation).result()
 
 
+class RewardScores(list):
+    """A reward's scores, a list as every reward returns, with ``stats`` (:func:`summarize`) of the
+    batch they score: returned with the scores, never kept anywhere in between calls."""
+
+    def __init__(self, scores: Sequence[float | None], stats: dict[str, Any]) -> None:
+        super().__init__(scores)
+        self.stats = stats
+
+
 def summarize(scores: Sequence[Score | None]) -> dict[str, Any]:
     """Counts per run status and the most common reasons for a zero score (for logs and stats)."""
     zero = Counter(s.reason for s in scores if s is not None and s.score == 0.0)
@@ -157,25 +167,23 @@ def summarize(scores: Sequence[Score | None]) -> dict[str, Any]:
 
 
 def code_tests_reward(prompts: Sequence[str], completions: Sequence[Any], answer: Sequence[Any] | None = None,
-                      isolation: Mode = "bwrap", **_: Any) -> list[float | None]:
+                      isolation: Mode = "bwrap", **_: Any) -> RewardScores:
     """Fraction of hidden tests passed (executed in the sandbox of ``isolation``: the default, a
-    sandbox per run, unless the caller's recipe says otherwise); 0 with a logged reason on any failure."""
+    sandbox per run, unless the caller's recipe says otherwise); 0 with a reason on any failure
+    (``.stats`` of the result)."""
     if answer is None:
         raise ValueError("code_tests reward: needs meta 'answer' (the JSON tests of each completion)")
     scores = score_completions(completions, answer, isolation=isolation)
-    code_tests_reward.last_stats = summarize(scores)  # type: ignore[attr-defined]
-    log.debug("code_tests: %s", code_tests_reward.last_stats)  # type: ignore[attr-defined]
-    return [None if s is None else s.score for s in scores]
-
-
-code_tests_reward.last_stats = {}  # type: ignore[attr-defined]
+    stats = summarize(scores)
+    log.debug("code_tests: %s", stats)
+    return RewardScores([None if s is None else s.score for s in scores], stats)
 
 
 def code_pass_reward(prompts: Sequence[str], completions: Sequence[Any], answer: Sequence[Any] | None = None,
-                     isolation: Mode = "bwrap", **_: Any) -> list[float | None]:
+                     isolation: Mode = "bwrap", **_: Any) -> RewardScores:
     """1.0 when the completion passes *every* hidden test, else 0: pass@1's own criterion. Unlike
     ``code_tests`` it gives no credit to a program that is right on some inputs only (e.g. the right
     constant with the wrong shape), which an RL policy can otherwise settle for. Reasons and stats
-    as ``code_tests`` (``code_tests_reward.last_stats``)."""
-    return [None if v is None else float(v >= 1.0)
-            for v in code_tests_reward(prompts, completions, answer=answer, isolation=isolation)]
+    as ``code_tests``."""
+    fractions = code_tests_reward(prompts, completions, answer=answer, isolation=isolation)
+    return RewardScores([None if v is None else float(v >= 1.0) for v in fractions], fractions.stats)

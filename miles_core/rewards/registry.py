@@ -71,8 +71,10 @@ def unregister_reward(name: str) -> None:
 
 def call_reward(fn: Callable[..., Sequence[float | None]], prompts: Sequence[str], completions: Sequence[Any],
                 **columns: Any) -> list[float | None]:
-    """``fn`` called as TRL calls a reward: keywords only, one list per column."""
-    return list(fn(prompts=prompts, completions=completions, **columns))
+    """``fn`` called as TRL calls a reward: keywords only, one list per column. A list comes back
+    as it is (a reward's own list type keeps what it carries: the code rewards' ``stats``)."""
+    out = fn(prompts=prompts, completions=completions, **columns)
+    return out if isinstance(out, list) else list(out)
 
 
 def combined_reward(weights: dict[str, float]) -> RewardFn:
