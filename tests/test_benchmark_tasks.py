@@ -150,7 +150,8 @@ def test_mbpp_rl_prompts_hide_the_tests_they_are_scored_on(files: dict) -> None:
     and fails the hidden one; the reference solution passes both."""
     from miles_core.data.codesets import PROTOCOLS, parse_mbpp, parse_mbpp_hidden
     from miles_core.rewards.code import score_completions
-    from miles_core.rewards.pool import SandboxLimits, SandboxPool
+    from miles_core.rewards.jobs import SandboxLimits
+    from miles_core.rewards.pool import SandboxPool
 
     row = {"text": "Write a function to add two numbers.", "code": "def add(a, b):\r\n  return a + b",
            "task_id": 700, "test_setup_code": "",

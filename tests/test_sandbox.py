@@ -22,7 +22,8 @@ from miles_core.data.code import encode_answer
 from miles_core.rewards import get_reward
 from miles_core.rewards import isolation as iso_mod
 from miles_core.rewards.code import code_tests_reward, score_completions
-from miles_core.rewards.pool import ExecResult, Job, SandboxLimits, SandboxPool
+from miles_core.rewards.jobs import ExecResult, Job, SandboxLimits
+from miles_core.rewards.pool import SandboxPool
 from miles_core.rewards.isolation import IsolationUnavailable
 
 SECRET = 73914263  # the hidden expected output: only a leak (or a lucky guess) could score

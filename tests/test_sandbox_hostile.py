@@ -21,7 +21,8 @@ from miles_core.data.code import encode_answer
 from miles_core.data import codesets
 from miles_core.data.codesets import program
 from miles_core.rewards.code import MAX_COMPLETION_CHARS, score_completions
-from miles_core.rewards.pool import ExecResult, Job, SandboxLimits, SandboxPool
+from miles_core.rewards.jobs import ExecResult, Job, SandboxLimits
+from miles_core.rewards.pool import SandboxPool
 from miles_core.rewards.reports import json_depth
 
 LIMITS = SandboxLimits(timeout_s=3.0, cpu_s=1, memory_mb=256, tmpfs_mb=8)

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
+from miles_core.rewards.jobs import Job, SandboxLimits
+from miles_core.rewards.pool import SandboxPool
 
 LIMITS = SandboxLimits(timeout_s=3.0, cpu_s=1, memory_mb=256, tmpfs_mb=8)
 

@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
+from miles_core.rewards.jobs import Job, SandboxLimits
+from miles_core.rewards.pool import SandboxPool
 
 LIMITS = SandboxLimits(timeout_s=5.0, cpu_s=2, memory_mb=256, tmpfs_mb=8)
 

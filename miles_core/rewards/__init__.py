@@ -8,7 +8,8 @@ miles_core/data/answers.py."""
 from miles_core.data.answers import answers_match, extract_answer, normalize_number, reference_answer
 from miles_core.rewards.code import Score, code_tests_reward, score_completions
 from miles_core.rewards.math import format_reward, is_worked_solution, math_exact_reward
-from miles_core.rewards.pool import SandboxLimits, SandboxPool
+from miles_core.rewards.jobs import SandboxLimits
+from miles_core.rewards.pool import SandboxPool
 from miles_core.rewards.registry import REWARDS, combined_reward, get_reward, register_reward, reward_for_recipe
 
 __all__ = [

@@ -24,7 +24,8 @@ from typing import Any, Sequence
 
 from miles_core.data.code import decode_answer
 from miles_core.data.codesets import program
-from miles_core.rewards.pool import ExecResult, Job, Mode, SandboxPool, shared_pool
+from miles_core.rewards.jobs import ExecResult, Job
+from miles_core.rewards.pool import Mode, SandboxPool, shared_pool
 
 log = logging.getLogger("miles.rewards.code")
 MAX_COMPLETION_CHARS = 20_000

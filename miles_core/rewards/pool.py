@@ -23,62 +23,16 @@ import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from miles_core.rewards.image import copy_args
+from miles_core.rewards.jobs import ExecResult, Job, SandboxLimits, job_message
 from miles_core.rewards.isolation import MODES, USERNS_HINT, IsolationUnavailable, Mode, filter_rules, prepare
 from miles_core.rewards.reports import interpret, parse_report
 from miles_core.rewards.sandbox import read_frame, send_frame
 
 log = logging.getLogger("miles.rewards.sandbox")
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    timeout_s: float = 2.0          # wall clock per run (sleeping or blocked code)
-    cpu_s: int = 1                  # RLIMIT_CPU seconds (busy loops)
-    memory_mb: int = 256            # RLIMIT_AS
-    output_bytes: int = 1 << 20     # RLIMIT_FSIZE: stdout/stderr and any file written
-    open_files: int = 32            # RLIMIT_NOFILE
-    result_bytes: int = 1 << 20     # cap on the result message read back
-    tmpfs_mb: int = 64              # size of the run's /tmp, its only writable place (bwrap)
-
-    def __post_init__(self) -> None:
-        for name, low in (("timeout_s", 0.05), ("cpu_s", 1), ("memory_mb", 64), ("output_bytes", 1024),
-                          ("open_files", 8), ("result_bytes", 1024), ("tmpfs_mb", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < low:
-                raise ValueError(f"SandboxLimits.{name}: need a number >= {low}, got {value!r}")
-        if not isinstance(self.cpu_s, int):
-            raise ValueError(f"SandboxLimits.cpu_s: need whole seconds (RLIMIT_CPU), got {self.cpu_s!r}")
-
-
-@dataclass(frozen=True)
-class Job:
-    """``source``: an expression (body of ``def entry(params)``) or a module defining ``entry``."""
-
-    source: str
-    inputs: Sequence[Sequence[Any]]   # one argument list per test call
-    entry: str = "f"
-    params: str = "x"
-    kind: str = "auto"                # "expression" | "module" | "auto" (expression if it parses as one)
-    #                                   | "tests": run ``tests`` against ``entry`` (sandbox_tests.py)
-    tests: Sequence[str] = ()         # tests: trusted snippets, each passing unless it raises
-    setup: str = ""                   # tests: trusted code the tester runs first (helpers, imports)
-
-
-@dataclass
-class ExecResult:
-    """How one run ended. ``status`` is "ok" or a failure kind; ``reason`` says why in words."""
-
-    status: str
-    reason: str
-    outputs: list[Any] = field(default_factory=list)        # per input; None where the call raised
-    errors: list[str | None] = field(default_factory=list)  # per input; "raised TypeError" where it raised
-    seconds: float = 0.0
-    pid: int = 0
-    output_tail: str = ""                                    # last bytes of stdout/stderr
 
 
 class SandboxPool:
@@ -140,7 +94,7 @@ class SandboxPool:
         w = None
         try:
             w = self._spawn()
-            res = self._run_in(w, _job_message(Job("x + 1", [[1]]), 0), once=not shared)
+            res = self._run_in(w, job_message(Job("x + 1", [[1]]), 0), once=not shared)
         except RuntimeError as e:
             res = ExecResult("worker_error", str(e))
         ok = res.status == "ok" and res.outputs == [2]
@@ -257,7 +211,7 @@ class SandboxPool:
         """
         if self.closed:
             raise RuntimeError("SandboxPool.submit: the pool is closed")
-        msgs = [_job_message(j, k) for k, j in enumerate(jobs)]
+        msgs = [job_message(j, k) for k, j in enumerate(jobs)]
         fut: Future = Future()
         results: list[Any] = [None] * len(msgs)
         groups: dict[str, list[int]] = {}
@@ -393,29 +347,6 @@ _NOT_CACHED = frozenset({"timeout", "worker_error", "setup_failed"})
 
 _SHARED: dict[tuple[int, str], SandboxPool] = {}
 _SHARED_LOCK = threading.Lock()
-
-
-def _job_message(job: Job, k: int) -> dict:
-    if not isinstance(job, Job) or not isinstance(job.source, str):
-        raise TypeError(f"SandboxPool: jobs[{k}] must be a Job with a str source, got {type(job).__name__}")
-    if job.kind not in ("expression", "module", "auto", "tests"):
-        raise ValueError(f"SandboxPool: jobs[{k}].kind must be 'expression', 'module', 'auto' or 'tests', "
-                         f"got {job.kind!r}")
-    if job.kind == "tests":
-        if not job.tests or not all(isinstance(t, str) for t in job.tests) or not isinstance(job.setup, str):
-            raise ValueError(f"SandboxPool: jobs[{k}] of kind 'tests' needs tests (non-empty list of str) "
-                             "and a str setup")
-        return {"source": job.source, "inputs": [], "entry": job.entry, "params": job.params, "kind": "module",
-                "tests": list(job.tests), "setup": job.setup, "run": "tests"}
-    if not job.entry.isidentifier():
-        raise ValueError(f"SandboxPool: jobs[{k}].entry must be an identifier, got {job.entry!r}")
-    msg = {"source": job.source, "inputs": [list(a) for a in job.inputs], "entry": job.entry, "params": job.params,
-           "kind": job.kind}
-    try:
-        json.loads(json.dumps(msg["inputs"]))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"SandboxPool: jobs[{k}].inputs must be JSON values ({e})") from None
-    return msg
 
 
 @contextlib.contextmanager

@@ -16,7 +16,7 @@ from miles_core.rewards import sandbox
 from miles_core.rewards.sandbox_tests import PROGRAM_ENDS
 
 if TYPE_CHECKING:
-    from miles_core.rewards.pool import SandboxLimits
+    from miles_core.rewards.jobs import SandboxLimits
 
 # What a run may report about itself: how a program ends, "ok", or the tester's "setup_error" (the
 # benchmark's own setup code raised). It cannot claim a failure of the harness (setup_failed,
