@@ -39,8 +39,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 from benchmarks.harness import add_smoke, table, usable_cpus, write_result
-from miles_core.rewards.jobs import Job, SandboxLimits
-from miles_core.rewards.pool import SandboxPool
+# through pool.py, where BASELINE_REV also has them: this module runs against both versions
+from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
 BASELINE_REV = "d03d5ab"  # the last commit before private file copies (image.py), the output FIFO, the one value encoder
 ROOT = Path(__file__).resolve().parents[1]
