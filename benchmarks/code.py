@@ -12,7 +12,7 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      per arm and seed, the fraction passing every visible example (the outputs the prompt shows)
      and the hard-coding rate: the fraction passing those but failing a hidden input, i.e. fitting
      the prompt without being the function (code_eval's ``hardcoding``, scored in the sandbox).
-Beside them, what the harness change of issue 68 did to these scores: every held-out completion of
+Beside them, what the sandbox change since BASELINE_REV did to these scores: every held-out completion of
 both arms (greedy and the T = 1 samples) is scored again with the sandbox of
 ``benchmarks/sandbox.py::BASELINE_REV`` (its ``miles_core`` from git, in a subprocess), and the run
 reports how many scored differently and which way (skipped in ``--smoke`` where a shallow clone

@@ -61,7 +61,7 @@ def test_smoke(name: str, tmp_path: Path, monkeypatch) -> None:
 
 
 class _PlainWrapper(torch.nn.Module):
-    """benchmarks/rollout.py's timing wrapper as it was when issue 73 found it: a plain module, so
+    """benchmarks/rollout.py's timing wrapper as it once was: a plain module, so
     the sampler saw the default capabilities and never called its window."""
 
     def __init__(self, model, width: int, block: int, blocks: int) -> None:
@@ -80,7 +80,7 @@ class _PlainWrapper(torch.nn.Module):
 @pytest.mark.bench
 @pytest.mark.parametrize("bypass", ["plain_wrapper", "capabilities_lost"])
 def test_rollout_fails_when_its_wrapper_bypasses_the_engine(bypass: str, monkeypatch, tmp_path: Path) -> None:
-    """The failure issue 73 found: a timing wrapper the sampler does not see as the model must fail
+    """A timing wrapper the sampler does not see as the model must fail
     the run, not publish a speedup. A plain module's window is never called (0 calls: measured
     nothing); a wrapper without the model's capabilities is refused a cache by the sampler."""
     import benchmarks.rollout as rollout

@@ -109,7 +109,7 @@ def test_locks_watches_and_cache_advice_are_refused_by_the_kernel(bare: SandboxP
 
 
 def test_a_secret_cannot_cross_jobs_through_locks_or_the_cache(bare: SandboxPool) -> None:
-    """Issue 68's channel, end to end: job A tries to leave one bit by locking or evicting a file
+    """A cross-job channel, end to end: job A tries to leave one bit by locking or evicting a file
     both jobs can open; job B, on the same worker and on the other, reads what it can see."""
     leave = ("import fcntl, os, sys\ndef f(bit):\n    fd = os.open(sys.executable, os.O_RDONLY)\n"
              "    for call in (lambda: fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB),\n"

@@ -1,4 +1,4 @@
-"""An honest corpus (issue 68): >= 200 correct solutions in varied styles, scored 1.0 in both modes.
+"""An honest corpus: >= 200 correct solutions in varied styles, scored 1.0 in both modes.
 
 Each of the tasks below is solved several ways (plain loops, comprehensions and functional
 tools, recursion and memoization, classes, dataclasses, NamedTuples and Enums, generators, the

@@ -1,4 +1,4 @@
-"""Honest, correct solutions score 1.0 (issue 68): each case below passes as a plain Python process
+"""Honest, correct solutions score 1.0: each case below passes as a plain Python process
 and failed under the harness before; here it runs through the code reward exactly as training
 scores it (a benchmark-tests answer, the two-process harness, default limits), in both modes.
 CI runs this file as root and as an ordinary user (.ci/sandbox-unprivileged)."""

@@ -8,7 +8,7 @@ checkpoint does not list. A batch is *consumed* (updated on), *dropped* (staler 
 Why a class rather than the lists alone: the learner asks "is this batch handled?" and "what are
 the run's totals?" on every poll. Kept as running sets and sums, both cost O(1) per question and
 O(1) per new entry, whatever the run's age (over a day at 4,096 GPUs the lists reach ~600k
-entries; rebuilding the set and the totals on each poll took 0.4 s and 0.26 s there: issue 70).
+entries; rebuilding the set and the totals on each poll would take 0.4 s and 0.26 s there).
 The checkpoint holds the lists (:meth:`Ledger.state`), in the form earlier checkpoints hold, so
 they load unchanged.
 """

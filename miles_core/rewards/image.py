@@ -5,7 +5,7 @@ every sandbox, and every sandbox with the next. A run can evict pages of a share
 (``posix_fadvise``, ``madvise(MADV_PAGEOUT)`` on a library only sandboxes map) and a later job can
 tell which pages are cached (``preadv2(RWF_NOWAIT)``, ``mincore``, or only the time of a read of a
 rarely read file); it can hold ``flock``/``fcntl`` locks on the host's inodes, or watch them with
-inotify. Issue 68's audit passed answers between jobs, and from one job to the next, that way.
+inotify. A completion can pass answers between jobs, and from one job to the next, that way.
 
 So nothing a run reads is a host file: as it starts, bwrap copies (``--file``) the interpreter, the
 shared objects it loads, the allowed extension modules and one uncompressed zip of the compiled
