@@ -106,13 +106,11 @@ def score_honest(limit: int | None = None) -> dict[str, float]:
     """Each honest item's score through the code reward (bwrap_shared), with the ``miles_core`` this
     interpreter imports: what a harness change does to correct code."""
     from miles_core.data import codesets
-    from miles_core.rewards.code import score_completions
 
     items = honest_items(limit)
-    with SandboxPool(usable_cpus(), SandboxLimits(), isolation="bwrap_shared", cache_size=0) as pool:
-        scores = score_completions([c for _, c, _, _ in items],
-                                   [codesets.tests_answer(e, [t], setup="", prefix="") for _, _, e, t in items], pool=pool)
-    return {name: s.score for (name, *_), s in zip(items, scores)}
+    scores = score_now([c for _, c, _, _ in items],
+                       [codesets.tests_answer(e, [t], setup="", prefix="") for _, _, e, t in items])
+    return {name: score for (name, *_), score in zip(items, scores)}
 
 
 @contextlib.contextmanager

@@ -96,11 +96,11 @@ class ReaderTrace:
         bounds = [*self.phases, ("", len(self.path))]
         per_phase = {name: {"modules": len(set(self.path[a:b])), "returns": _returns(self.path[a:b])}
                      for (name, a), (_, b) in zip(bounds, bounds[1:])}
-        recipe_seq = [c[0] for i, c in enumerate(self.recipe_calls) if i == 0 or self.recipe_calls[i - 1][0] != c[0]]
+        recipe_modules = sorted({c[0] for c in self.recipe_calls})
         return {"modules": sorted(set(self.path)), "module_count": len(set(self.path)), "path": self.path,
                 "phases": per_phase,
                 "returns_to_a_module_left": returns, "functions_read": len(self.seen),
-                "recipe_modules": sorted(set(recipe_seq)), "recipe_module_count": len(set(recipe_seq)),
+                "recipe_modules": recipe_modules, "recipe_module_count": len(recipe_modules),
                 "recipe_calls": [f"{m}.{f}({', '.join(got)})" for m, f, got in self.recipe_calls]}
 
 
