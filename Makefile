@@ -46,17 +46,17 @@ demo: install
 	$(BIN)/miles demo $(DEMO_ARGS)
 
 test: install
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) tests
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) tests benchmarks/tests
 
 # The unit lane: tests not marked e2e, slow or gpu (markers in pyproject.toml: flows with Prefect and
 # MLflow, the CLI and the demo, deployments, async processes, family training, fresh interpreters).
 test-fast: install
-	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) -m "not e2e and not slow and not gpu" tests
+	$(BIN)/python -m pytest $(XDIST) $(PYTEST_ARGS) -m "not e2e and not slow and not gpu" tests benchmarks/tests
 
 bench: install
 	@if [ -z "$(BENCH)" ]; then \
 		echo "usage: make bench BENCH=NAME; available:"; \
-		ls benchmarks/*.py 2>/dev/null | xargs -n1 basename | sed -e 's/\.py$$//' -e '/^__/d' -e 's/^/  /'; \
+		ls benchmarks/*.py benchmarks/*/*.py 2>/dev/null | grep -v /tests/ | xargs -n1 basename | sed -e 's/\.py$$//' -e '/^__/d' -e '/^harness$$/d' -e 's/^/  /' | sort; \
 		exit 2; \
 	fi
 	$(BIN)/python -m benchmarks.$(BENCH)

@@ -1,14 +1,25 @@
-"""Benchmarks: each runs as ``python -m benchmarks.NAME``, prints a table and writes
-``benchmarks/results/NAME.json`` (results are outputs, never committed); each has ``--smoke``, which
-tests/test_bench_smoke.py runs in CI. The modules in ``HELPERS`` are not benchmarks but pieces
-benchmarks share."""
+"""Benchmarks, in folders by the question they answer (README.md here is the index):
+
+* ``learn/``: does training raise pass@1, and by how much against the field's other estimators;
+* ``speed/``: what one rollout, update, sandboxed job or component costs on this machine;
+* ``scale/``: what a run at cluster shape achieves (the scale model, emulated runs, chaos);
+* ``eval/``: whether Miles' scoring agrees with the datasets' own harnesses.
+
+Each runs as ``python -m benchmarks.NAME`` (the folders are on this package's search path, so a
+module's name does not say its folder, and a benchmark can move between folders without renaming a
+command), prints a table, writes ``benchmarks/results/NAME.json`` (outputs, never committed) and has
+``--smoke``, which benchmarks/tests/test_smoke.py runs in CI. ``harness`` is what the benchmarks
+share; the modules in ``HELPERS`` are pieces one benchmark family shares, not benchmarks. Fixtures
+and references that tests use too live in ``tools/``: nothing in ``tests/`` imports this package."""
+
+from pathlib import Path
+
+FOLDERS = ("learn", "speed", "scale", "eval")
+__path__ += [str(Path(__file__).parent / folder) for folder in FOLDERS]
 
 HELPERS = {
     "harness": "arguments, SFT checkpoints, seeds in processes, paired tests, result files",
-    "llada_reference": "LLaDA's generate and SDAR's block decoder written out, to time and check against",
-    "loopback_s3": "moto's S3 server on 127.0.0.1 for runs whose store should be S3",
     "real_model_decode": "real_model's decoding measurements (latency, NSD FLOPs, the AR original)",
-    "sample_files": "small files in each benchmark dataset's public format",
     "sim": "the discrete-event model scale_model runs",
     "standin": "emulate's calibrated compute stand-in process (python -m benchmarks.standin sampler|learner)",
 }

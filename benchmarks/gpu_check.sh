@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared check for a lent GPU (issue 28): python -m benchmarks.gpu_check, one JSON.
+# The prepared check for a lent GPU: python -m benchmarks.gpu_check, one JSON.
 # Random-init models at LLaDA-8B's and SDAR-4B's shapes in bf16, built on the device (nothing is
 # downloaded): rollout tokens/s at batch 1 and 64, the LLaDA-style reference against Miles
 # (NSD + KV cache), and one ADPO update (64 x 256 tokens, LoRA r=64): seconds and peak memory.

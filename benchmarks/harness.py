@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 RESULTS = Path(__file__).parent / "results"
 
-# The asynchronous benchmark's settings (benchmarks/async_vs_sync.py explains each); components.py
+# The asynchronous benchmark's settings (benchmarks/learn/async_vs_sync.py explains each); components.py
 # measures the parts of that same run.
 ASYNC_OVERRIDES = ["async_rl.num_samplers=1", "async_rl.batches_per_sampler=150",
                    "async_rl.shared_budget=true", "async_rl.learner_samples=true", "async_rl.sync_dtype=bfloat16",
@@ -45,7 +45,7 @@ SPEED_SIZE = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers":
 
 def add_smoke(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """``--smoke``: seconds at tiny sizes through the same code path, writing ``NAME_smoke.json``
-    (tests/test_bench_smoke.py runs every benchmark this way in CI)."""
+    (benchmarks/tests/test_smoke.py runs every benchmark this way in CI)."""
     ap.add_argument("--smoke", action="store_true",
                     help="seconds at tiny sizes on the same code path (CI); writes NAME_smoke.json")
     return ap

@@ -4,9 +4,9 @@
 * ``reference/recipe.md``: every recipe field, its type, default and bounds, from the dataclasses
   (``miles_core/config/``: bounds are declared beside each field with ``bounded``), with the
   comment written beside it in the source;
-* ``concepts/store.md``, ``concepts/sandbox-invariants.md``, ``reference/architecture.md``: the
-  repository's own pages (storage/SCHEMA.md, infra/sandbox.md, ARCHITECTURE.md), so one text
-  serves the code and the site.
+* ``concepts/store.md``, ``concepts/sandbox-invariants.md``, ``reference/architecture.md``,
+  ``reference/benchmarks.md``: the repository's own pages (storage/SCHEMA.md, infra/sandbox.md,
+  ARCHITECTURE.md, benchmarks/README.md), so one text serves the code and the site.
 
 Links from those pages to repository files become code spans (they are not pages of the site).
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ("reference/cli.md", "reference/recipe.md", "concepts/store.md", "concepts/sandbox-invariants.md",
-             "reference/architecture.md")
+             "reference/architecture.md", "reference/benchmarks.md")
 
 
 def repo_links_to_code(text: str) -> str:
@@ -130,7 +130,8 @@ def on_pre_build(config: Any, **_: Any) -> None:
     pages = {"reference/cli.md": cli_page(), "reference/recipe.md": recipe_page(),
              "concepts/store.md": copied("miles_core/storage/SCHEMA.md"),
              "concepts/sandbox-invariants.md": copied("infra/sandbox.md"),
-             "reference/architecture.md": copied("ARCHITECTURE.md")}
+             "reference/architecture.md": copied("ARCHITECTURE.md"),
+             "reference/benchmarks.md": copied("benchmarks/README.md")}
     for rel, text in pages.items():
         (docs / rel).parent.mkdir(parents=True, exist_ok=True)
         (docs / rel).write_text(text)

@@ -21,7 +21,7 @@ from typing import Any
 from miles import reaper
 from miles.console import log_to_file, prefect_defaults
 
-# The demo: the `arith` recipe at the sizes benchmarks/learning.py measured (SFT to 4000 steps keeping
+# The demo: the `arith` recipe at the sizes benchmarks/learn/learning.py measured (SFT to 4000 steps keeping
 # its best-validation weights, then 300 ADPO iterations), evaluated on 1000 held-out problems so a
 # paired sign test can tell a gain of a few points from noise. About 8 minutes on two idle CPU cores.
 DEMO_RECIPE = "arith"

@@ -421,20 +421,6 @@ def test_restarted_learner_numbers_its_own_batches_after_the_ones_it_claimed(tmp
         SamplerWorker(run, "learner", 0, str(tmp_path / "s"))
 
 
-def test_the_gpu_checks_async_at_scale_path_runs_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
-    """``benchmarks/gpu_check.sh --async-8b`` (the lent GPU's second command): a checkpoint written
-    in LLaDA's published layout, then async vs sync through benchmarks.async_vs_sync on it. Its code
-    path runs here at toy sizes, so it cannot rot unseen."""
-    from benchmarks.gpu_check import main
-
-    out = main(["--cpu", "--async-8b", "--out", str(tmp_path / "gpu_check.json"), "--workdir", str(tmp_path / "w")])
-    saved = json.loads((tmp_path / "gpu_check_async.json").read_text())
-    assert saved["completions_consumed_async"] == saved["completions"] == 3 * 8   # toy: 3 batches of 2 x 4
-    assert out["dropped_batches"] == 0 and out["max_staleness_seen"] <= out["staleness_bound"]
-    assert json.loads((tmp_path / "w" / "llada_8b" / "config.json").read_text())["model_type"] == "llada"
-    assert "model.backend=hf" in out["overrides"] and out["sync_seconds"] > 0 and out["async_seconds"] > 0
-
-
 def test_miles_stop_ends_samplers_and_learner_cleanly_and_the_run_resumes(tmp_path: Path, base_dir: Path,
                                                                             capsys: pytest.CaptureFixture) -> None:
     """`miles stop RUN` writes control/STOP: a sampler commits nothing more and the learner exits

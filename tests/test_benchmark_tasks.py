@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.sample_files import corrupt_completion, gold_completion, write_samples
+from tools.sample_files import corrupt_completion, gold_completion, write_samples
 from miles_core.config import ConfigError, load_recipe
 from miles_core.data.filetask import PARSERS, FileTask, prompt_key
 from miles_core.data.public import DataFileError, load_file
@@ -111,16 +111,6 @@ def test_presets_are_recorded_in_the_eval_config(files: dict) -> None:
     assert p.recipe_overrides() == ["eval.seed=3", "eval.preset=d1"]
 
 
-def test_benchmark_tasks_is_all_ok_and_the_checkers_agree_where_they_should(tmp_path: Path) -> None:
-    from benchmarks.tasks import agreement, task_rows
-
-    rows = task_rows(tmp_path)
-    assert [r["name"] for r in rows if not r["ok"]] == []
-    agree = agreement(300)
-    assert agree["n"] >= 300 and agree["ours_correct"] == 1.0 and agree["agree_where_not_on_purpose"] == 1.0
-    assert agree["by_template"]["last_of_two_boxes"]["alone_correct"] < 1.0  # the documented difference
-
-
 @pytest.mark.parametrize("name", ["gsm8k", "math", "countdown_d1", "sudoku", "mbpp"])
 def test_recipes_pair_a_train_source_with_a_test_source(name: str) -> None:
     cfg = load_recipe(name)
@@ -132,7 +122,7 @@ def test_recipes_pair_a_train_source_with_a_test_source(name: str) -> None:
 def test_math_reads_its_published_folder_of_one_json_per_problem(tmp_path: Path) -> None:
     import json
 
-    from benchmarks.sample_files import MATH_TRAIN
+    from tools.sample_files import MATH_TRAIN
 
     for i, row in enumerate(MATH_TRAIN):
         d = tmp_path / "MATH" / "train" / row["type"].lower()

@@ -352,7 +352,7 @@ def test_an_unwritable_store_or_run_folder_is_refused_before_any_flow_starts(fla
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    from benchmarks.sample_files import write_samples
+    from tools.sample_files import write_samples
 
     return write_samples(tmp_path_factory.mktemp("bench"))
 

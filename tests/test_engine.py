@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks.llada_reference import logp_gap, replay_decisions
+from tools.llada_reference import logp_gap, replay_decisions
 from miles_core.algo.rows import score_rows
 from miles_core.algo.update import as_draws
 from miles_core.config import ConfigError, SamplerConfig
@@ -393,25 +393,6 @@ def test_scoring_at_committed_positions_equals_scoring_the_whole_completion(mode
     torch.testing.assert_close(lp[commit], full.logp[commit], atol=1e-5, rtol=0)
     torch.testing.assert_close(ent[commit], full.entropy[commit], atol=1e-4, rtol=1e-4)
     assert (lp[~commit] == 0).all()
-
-
-def test_the_gpu_check_runs_at_toy_sizes_on_the_cpu(tmp_path: Path) -> None:
-    """benchmarks/gpu_check.py is the script a lent GPU runs once: its code path runs here, at its
-    smoke sizes (batch 2, 8 tokens a completion; --cpu is the same path at toy sizes)."""
-    import json
-
-    from benchmarks.gpu_check import main
-
-    out = main(["--smoke", "--out", str(tmp_path / "gpu_check.json")])
-    assert json.loads((tmp_path / "gpu_check.json").read_text())["models"].keys() == \
-        {"llada_8b", "sdar_4b", "diffusion_gemma_5b"}
-    assert out["models"]["diffusion_gemma_5b"]["update"]["rows"] == 2 * 7   # 8 steps: 7 carry actions
-    for entry in (out["models"]["llada_8b"], out["models"]["sdar_4b"]):
-        assert [r["batch"] for r in entry["rollouts"]] == [1, 2]
-        assert all(r["miles_tokens_per_s"] > 0 and r["reference_steps_timed"] > 0 for r in entry["rollouts"])
-    rows = out["models"]["llada_8b"]["update"]["rows"]
-    ckpt = out["models"]["llada_8b"]["update_checkpointed"]
-    assert rows > 0 and ckpt["rows"] == rows and ckpt["checkpointed_layers"] == 2    # the toy's two decoder layers
 
 
 def test_a_bf16_base_samples_and_trains_with_fp32_adapters(tmp_path: Path) -> None:

@@ -25,6 +25,8 @@ RULES: dict[str, frozenset[str]] = {
     "tracking": frozenset({"tasks", "flows", "miles"}),
     "tasks": frozenset({"flows", "miles"}),
     "flows": frozenset({"torch", "miles"}),
+    "tests": frozenset({"benchmarks"}),
+    "tools": frozenset({"benchmarks"}),
 }
 
 
@@ -89,6 +91,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
 
 
 # A tree shaped like the repo whose every layer breaks the contract in a different way.
+# The packages every tree needs (import-linter refuses a contract file naming a missing root).
+ROOTS = {"tests/conftest.py": "", "tools/__init__.py": ""}
 VIOLATING_TREE = {
     "miles/__init__.py": "",
     "miles_core/__init__.py": "",
@@ -102,6 +106,8 @@ VIOLATING_TREE = {
     "tasks/run.py": "import torch\nimport prefect\n",
     "flows/__init__.py": "",
     "flows/train.py": "import torch.nn\nfrom tasks import run\n",
+    "tests/test_speed.py": "def test_it():\n    from benchmarks.rollout import main\n",
+    "tools/__init__.py": "",
 }
 
 
@@ -135,11 +141,11 @@ def test_repo_ast_scan_is_clean(package: str) -> None:
 
 
 def test_repo_import_linter_contracts_kept() -> None:
-    for package in ("miles_core", "tracking", "tasks", "flows", "miles"):
+    for package in ("miles_core", "tracking", "tasks", "flows", "miles", "tools"):
         assert (REPO / package / "__init__.py").exists(), f"{package}/__init__.py missing: import-linter needs a package"
     result = lint_imports(REPO)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 5 kept, 0 broken" in result.stdout, result.stdout
+    assert "Contracts: 6 kept, 0 broken" in result.stdout, result.stdout
 
 
 # ----------------------------------------------------------------------------- the checkers can fail
@@ -153,6 +159,8 @@ def test_ast_scan_flags_synthetic_violations(tmp_path: Path) -> None:
     assert flows == {("flows/train.py", "torch.nn")}
     tracking = {(str(v.path), v.module) for v in scan(tmp_path / "tracking", RULES["tracking"])}
     assert tracking == {("tracking/runs.py", "tasks")}
+    tests = {(str(v.path), v.module) for v in scan(tmp_path / "tests", RULES["tests"])}
+    assert tests == {("tests/test_speed.py", "benchmarks.rollout")}
 
 
 def test_ast_scan_ignores_relative_and_allowed_imports(tmp_path: Path) -> None:
@@ -165,7 +173,8 @@ def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
     _write(tmp_path, {**LAYER_TREE, **VIOLATING_TREE})
     result = lint_imports(tmp_path)
     assert result.returncode != 0, result.stdout + result.stderr
-    assert "Contracts: 1 kept, 4 broken" in result.stdout, result.stdout
+    assert "Contracts: 1 kept, 5 broken" in result.stdout, result.stdout
+    assert "tests.test_speed -> benchmarks" in result.stdout  # the library's tests reaching a benchmark
     assert "miles_core.algo -> prefect" in result.stdout
     assert "flows.train -> torch" in result.stdout
     assert "tracking.runs -> tasks.run" in result.stdout  # a lower package importing a higher one
@@ -173,12 +182,12 @@ def test_import_linter_flags_synthetic_violations(tmp_path: Path) -> None:
 
 def test_import_linter_layers_contract_fails_on_a_tree_that_breaks_the_floors(tmp_path: Path) -> None:
     assert layer_names()[-1] == ["types", "config", "tokenizer", "allocator"] and len(layer_names()) == 8
-    _write(tmp_path, {**LAYER_TREE, "tracking/__init__.py": "", "tasks/__init__.py": "", "flows/__init__.py": "",
+    _write(tmp_path, {**LAYER_TREE, **ROOTS, "tracking/__init__.py": "", "tasks/__init__.py": "", "flows/__init__.py": "",
                       "miles/__init__.py": ""})
     result = lint_imports(tmp_path)
     out = result.stdout
     assert result.returncode != 0, out + result.stderr
-    assert "Contracts: 4 kept, 1 broken" in out, out
+    assert "Contracts: 5 kept, 1 broken" in out, out
     assert "miles_core.config -> miles_core.learner" in out  # a bottom floor importing a runtime
     assert "miles_core.samplers -> miles_core.data" in out  # siblings on one floor are independent
     assert "miles_core.storage -> miles_core.algo" in out
@@ -198,11 +207,12 @@ def test_import_linter_models_contract_fails_on_a_circle_inside_models(tmp_path:
     }
     _write(tmp_path, {**LAYER_TREE, "miles_core/config.py": "", "miles_core/samplers.py": "",
                       "miles_core/storage.py": "import miles_core.types\n", **circle,
-                      "tracking/__init__.py": "", "tasks/__init__.py": "", "flows/__init__.py": "", "miles/__init__.py": ""})
+                      "tracking/__init__.py": "", "tasks/__init__.py": "", "flows/__init__.py": "", "miles/__init__.py": "",
+                      **ROOTS})
     result = lint_imports(tmp_path)
     out = result.stdout
     assert result.returncode != 0, out + result.stderr
-    assert "Contracts: 4 kept, 1 broken" in out, out
+    assert "Contracts: 5 kept, 1 broken" in out, out
     assert "miles_core.models.hf -> miles_core.models.base" in out  # a backend importing the loading API
     assert "miles_core.models.llama -> miles_core.models.lora" in out  # a backend importing LoRA
     assert "miles_core.models.diffusion_gemma -> miles_core.models.hf" in out  # one backend another

@@ -41,7 +41,7 @@ def _free_port() -> int:
 
 
 def test_s3_outage_on_loopback_recovers_within_the_retry_budget(monkeypatch: pytest.MonkeyPatch) -> None:
-    from benchmarks.loopback_s3 import start_loopback_s3
+    from tools.loopback_s3 import start_loopback_s3
 
     port = _free_port()
     server, env = start_loopback_s3("miles-outage", port)

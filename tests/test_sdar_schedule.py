@@ -21,7 +21,7 @@ from miles_core.models.window import (Capabilities, KVCache, Out, Span, WindowDe
                                       select_out)
 from miles_core.samplers.sampler import sample, static_counts, transfer_counts
 from miles_core.tokenizer import CharTokenizer
-from benchmarks.llada_reference import reference_generate
+from tools.llada_reference import reference_generate
 
 TOK = CharTokenizer()
 BLOCK = 4
@@ -88,7 +88,7 @@ def test_transfer_counts_keep_the_full_blocks_schedule_until_the_masks_run_out(s
 def test_greedy_output_equals_sdars_decoder_with_prompts_ending_mid_block(per_block: int) -> None:
     """Prompts ending at every offset into a 4-token block, decoded in one batch (left-padded), at
     ``per_block`` steps per block: each row's completion and NFE equal the reference decoder's
-    (SDAR's rule, benchmarks/llada_reference.py) run on that prompt alone. At 2 steps per block
+    (SDAR's rule, tools/llada_reference.py) run on that prompt alone. At 2 steps per block
     a prompt of length 6 leaves 2 masks in its first block (and its last): SDAR commits both in one
     step, spreading them would commit one a step, and the outputs differ."""
     model = hashed_model()

@@ -2,8 +2,9 @@
 
 An estimator (miles_core/algo/estimators/NAME.py) declares what its rows are; the knobs of those
 rows are its settings, one frozen dataclass per estimator, named by what each knob counts there
-(d1's mask draws, SPG's copies, ESPO's coupled pairs, EBPO's timesteps). The estimator names its
-class (``Estimator.settings``) and :func:`~miles_core.algo.estimators.register_estimator` checks
+(d1's mask draws, SPG's copies, ESPO's coupled pairs, EBPO's timesteps); ``draws_field`` names
+the one that counts the masks drawn per trajectory (a class without it draws none), which a
+comparison at equal update cost sets. The estimator names its class (``Estimator.settings``) and :func:`~miles_core.algo.estimators.register_estimator` checks
 the two agree, so each knob has one owner.
 
 Why the classes sit here, below the algorithms, and not in each estimator's module: a recipe is
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from miles_core.config.schema import CUSTOM, ConfigError, Need, Section, bounded, build, did_you_mean
 
@@ -26,6 +27,8 @@ from miles_core.config.schema import CUSTOM, ConfigError, Need, Section, bounded
 @dataclass(frozen=True)
 class AdpoSettings(Section):
     """``adpo``: rows are the recorded denoising steps (algo/estimators/adpo.py)."""
+
+    draws_field: ClassVar[str | None] = None  # no masks drawn: its rows are the recorded steps
 
     step_fraction: float = bounded(0.5, 1e-09, 1.0)          # rho: rows per trajectory = ceil(rho K), the update's forwards
     step_cover: bool = True             # the rows partition all K steps (every token scored); False: a random rho of the steps
@@ -42,6 +45,7 @@ class AdpoSettings(Section):
 @dataclass(frozen=True)
 class MeanFieldSettings(Section):
     """``meanfield`` (d1): every token scored in one pass of the fully masked completion."""
+    draws_field: ClassVar[str] = "mask_draws"  # the field that counts the masks drawn per trajectory
 
     mask_draws: int = bounded(1, 1, 64)               # Monte-Carlo prompt-mask draws per trajectory, each a row of weight 1/n
     prompt_mask_prob: float = bounded(0.15, 0.0, 1.0)  # fraction of prompt tokens masked in each draw
@@ -55,6 +59,7 @@ class Wd1Settings(MeanFieldSettings):
 @dataclass(frozen=True)
 class CoupledSettings(Section):
     """``coupled``: a random mask and its complement, both scored (algo/estimators/coupled.py)."""
+    draws_field: ClassVar[str] = "mask_draws"
 
     mask_draws: int = bounded(1, 1, 64)               # coupled mask pairs per trajectory, each pair of weight 1/n
 
@@ -62,6 +67,7 @@ class CoupledSettings(Section):
 @dataclass(frozen=True)
 class SpgSettings(Section):
     """``spg``: SPG's sandwiched bounds over block-wise masked copies (algo/estimators/spg.py)."""
+    draws_field: ClassVar[str] = "copies"
 
     copies: int = bounded(1, 1, 64)                   # J: masked copies per trajectory
     mask_block: int = bounded(0, 0)                   # block length of the block-wise masks (0: the completion is one block)
@@ -73,6 +79,7 @@ class SpgSettings(Section):
 @dataclass(frozen=True)
 class EspoSettings(Section):
     """``espo``: a sequence-level ratio from a stratified ELBO (algo/estimators/espo.py)."""
+    draws_field: ClassVar[str] = "pairs"
 
     pairs: int = bounded(1, 1, 64)                    # coupled mask pairs per trajectory
 
@@ -80,6 +87,7 @@ class EspoSettings(Section):
 @dataclass(frozen=True)
 class EbpoSettings(Section):
     """``ebpo``: a sequence ratio from an ELBO over block noise (algo/estimators/ebpo.py)."""
+    draws_field: ClassVar[str] = "timesteps"
 
     timesteps: int = bounded(1, 1, 64)                # N: noise levels drawn per trajectory
     mask_block: int = bounded(0, 0)                   # block length of the block-wise masks (0: the completion is one block)

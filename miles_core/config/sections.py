@@ -244,7 +244,7 @@ class AsyncSettings(Section):
     checkpoint_every: int = bounded(1, 1)           # learner checkpoint to the store every N updates (and on stop)
     poll_interval: float = bounded(0.05, 1e-06, 3600.0)         # seconds between store polls while waiting
     # each empty poll multiplies the wait by poll_backoff, up to poll_max_interval (1.0: no back-off).
-    # At thousands of samplers the polls are the store's load (benchmarks/scale_model.py).
+    # At thousands of samplers the polls are the store's load (benchmarks/scale/scale_model.py).
     poll_backoff: float = bounded(1.0, 1.0, 10.0)
     poll_max_interval: float = bounded(1.0, 1e-06, 3600.0)
     sampler_threads: int = bounded(1, 1, 1024)            # torch threads per sampler process

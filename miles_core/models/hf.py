@@ -267,7 +267,7 @@ def init_tiny(family: str, out_dir: str | Path, seed: int = 0, size: dict[str, A
               dtype: torch.dtype = torch.float32) -> Path:
     """Write a tiny random-init checkpoint in ``family``'s published layout: its config.json field
     names, its safetensors tensor names, and a tokenizer with its special tokens at their ids.
-    ``size`` overrides the tiny dimensions (native config field names; benchmarks/rollout.py, and
+    ``size`` overrides the tiny dimensions (native config field names; benchmarks/speed/rollout.py, and
     the GPU check's LLaDA-8B shape, written in ``dtype`` bfloat16 as the published weights are)."""
     if family not in VOCAB:
         raise ConfigError(f"--family: {family!r} has no tiny layout; one of {', '.join(VOCAB)}")

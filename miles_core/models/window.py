@@ -13,7 +13,7 @@ Caches (Fast-dLLM, Wu et al. 2025, arXiv:2505.22618, ``llada/generate.py``):
 In a bidirectional model both are approximations (cached keys are not refreshed as later tokens
 are revealed); in a block-causal one (SDAR) the prefix is exact when blocks align. The sampler
 records the log-probs of the distribution it actually sampled from, cached or not, and the learner
-scores without a cache: the importance weight corrects the gap (benchmarks/rollout.py measures it).
+scores without a cache: the importance weight corrects the gap (benchmarks/speed/rollout.py measures it).
 
 Every backend class is a :class:`WindowDenoiser` (tiny, the Llama, the published families, remote
 code): it implements ``window(ids, mask, query, out, cache, keep)`` and states its

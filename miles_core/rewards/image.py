@@ -15,7 +15,7 @@ a sandbox has no swap to page to), they are never cold, and their inodes die wit
 run can neither change nor observe their cache state, and a lock or a watch on them reaches no other
 sandbox (stage one refuses locks and watches anyway: isolation.py). bwrap reads each host file whole,
 the same way at every start, so a run has no say in the host's cache either. Cost: about 20 MB
-copied per sandbox start (benchmarks/sandbox.py measures it).
+copied per sandbox start (benchmarks/speed/sandbox.py measures it).
 
 The standard library goes in as ``pythonXY.zip`` at the path the interpreter already searches
 first (``sys.path[0]`` under ``-I``), compiled by the sandbox interpreter itself; what it leaves

@@ -28,7 +28,7 @@ invocation that starts a fresh interpreter (the worker of sandbox.py, which fork
 about 45 ms of copies, interpreter and namespace start-up per run); ``bwrap_shared`` keeps one
 sandbox per pool worker and forks each run inside it (its runs share the worker's namespaces and
 copies, one at a time, and the worker wipes the tmpfs between them), several times faster. Both are the kernel boundary
-above; benchmarks/sandbox.py measures both.
+above; benchmarks/speed/sandbox.py measures both.
 
 Why these tools: bubblewrap (Debian ``bubblewrap``) is the well-kept setuid-free sandbox behind
 Flatpak, and libseccomp's Python bindings (Debian ``python3-seccomp``) compile the filter to BPF

@@ -7,7 +7,7 @@ Two steps, each done by what is good at it:
    GSM8K's ``#### X``, else the last number. math-verify alone, given the whole completion, takes
    every boxed expression it finds (``\\boxed{1} ... \\boxed{2}`` parses as the set {1, 2}) and
    can pick up a number from the reasoning; the last box is the convention of MATH's own grader
-   and d1's MATH500 eval, so the two differ on purpose there (benchmarks/tasks.py counts how often).
+   and d1's MATH500 eval, so the two differ on purpose there (benchmarks/eval/tasks.py counts how often).
 2. **Whether that answer equals the gold one** is math-verify's job: ``\\frac`` vs ``\\dfrac`` vs
    0.5, ``\\sqrt{8}`` vs ``2\\sqrt{2}``, intervals, sets, tuples, units, percentages, thousands
    separators, ``x = 3`` vs 3. The span is wrapped in ``$...$`` (math-verify only reads LaTeX
@@ -116,7 +116,7 @@ def check_answer(text: str, gold: str) -> bool:
 
 def math_verify_alone(text: str, gold: str) -> bool:
     """math-verify's verdict on the whole completion, with its default extraction (the comparison
-    benchmarks/tasks.py reports; not a reward)."""
+    benchmarks/eval/tasks.py reports; not a reward)."""
     if not _tame(gold) or not _tame(text, 5000):
         return False
     mv = _mv()

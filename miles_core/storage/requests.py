@@ -82,7 +82,7 @@ class RequestCounter:
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Attribute the requests sent inside the block to protocol step ``name``, once per entry:
-        :meth:`phases` then says what each step costs on the wire (benchmarks/sim.py models the
+        :meth:`phases` then says what each step costs on the wire (benchmarks/scale/sim.py models the
         store with these per-step costs)."""
         before = self.total()
         try:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from benchmarks.estimators import DRAWS_FIELD
 from miles_core.config import SETTINGS, UpdateConfig
 
 
@@ -23,6 +22,7 @@ def update_and_own(estimator: str = "adpo", draws: int | None = None, where_decl
         raise TypeError(f"neither UpdateConfig nor {cls.__name__} has {sorted(unknown)}")
     own = {k: v for k, v in fields.items() if k in own_names}
     own.update({k: v for k, v in (where_declared or {}).items() if k in own_names})
-    if draws is not None and estimator in DRAWS_FIELD:
-        own[DRAWS_FIELD[estimator]] = draws
+    draws_field = getattr(cls, "draws_field", None)  # the field counting its mask draws (none for adpo)
+    if draws is not None and draws_field is not None:
+        own[draws_field] = draws
     return UpdateConfig(estimator=estimator, **{k: v for k, v in fields.items() if k in engine}), cls(**own)

@@ -5,7 +5,7 @@ Models, random-init in bf16 directly on the device (nothing is downloaded):
 * LLaDA-8B's shape (32 layers, hidden 4096, 32 heads, MLP 12288, vocab 126,464), bidirectional;
 * SDAR-4B's shape (36 layers, hidden 2560, 32 heads / 8 KV heads, head 128, MLP 9728, vocab
   151,936), block-causal with blocks of 4.
-For each, at batch 1 and ``--batch``: the LLaDA-style reference (benchmarks/rollout.py: a full
+For each, at batch 1 and ``--batch``: the LLaDA-style reference (benchmarks/speed/rollout.py: a full
 forward and the whole sequence's logits every step, timed over its first steps, each of which costs
 the same) against Miles' sampler (NSD + dual cache for LLaDA, NSD + prefix cache for SDAR, where
 block-causal attention makes it exact in principle when the prefix ends on a model block boundary),
@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.harness import add_smoke, check_measured, synthetic_batch, write_result
-from benchmarks.llada_reference import reference_generate
+from tools.llada_reference import reference_generate
 from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.models.families import SPECS
 from miles_core.models.hf import HFDiffusion, native_classes, tiny_tokenizer
@@ -250,7 +250,7 @@ def async_at_scale(device: torch.device, toy: bool, out: Path, workdir: Path) ->
            "--workdir", str(workdir / "run"), "--out", str(out.resolve())]
     cmd += [a for kv in settings for a in ("--set", kv)]
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[1])
+    subprocess.run(cmd, check=True, cwd=Path(__file__).resolve().parents[2])
     result = {**json.loads(out.read_text()), "checkpoint_write_s": write_s, "command": " ".join(cmd[2:])}
     out.write_text(json.dumps(result, indent=2))
     print(f"wrote {out}")

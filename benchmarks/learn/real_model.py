@@ -54,7 +54,7 @@ FULL = {"adapt_steps": 80, "adapt_batch": 16, "adapt_checks": 4, "val": 64, "tes
         "prompts_per_iter": 4, "group_size": 8, "latency_prompts": 32, "countdown_test": 250}
 QUICK = {"adapt_steps": 40, "adapt_batch": 8, "adapt_checks": 2, "val": 32, "test": 64, "adpo_iters": 6,
          "prompts_per_iter": 4, "group_size": 4, "latency_prompts": 8, "countdown_test": 48}
-# --smoke: seconds on a tiny GGUF (tests/test_real_model_bench.py), every stage on the same path.
+# --smoke: seconds on a tiny GGUF (benchmarks/tests/test_real_model.py), every stage on the same path.
 SMOKE = {"adapt_steps": 2, "adapt_batch": 2, "adapt_checks": 1, "val": 4, "test": 4, "adpo_iters": 1,
          "prompts_per_iter": 2, "group_size": 2, "latency_prompts": 2, "countdown_test": 4}
 # The block-causal adaptation arm's attention blocks (SDAR-style, models import --block-size).

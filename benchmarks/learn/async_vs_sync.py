@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
     subprocess.run([sys.executable, "-c", "import sys; from benchmarks.async_vs_sync import sync_arm; "
                     "sync_arm(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])",
                     json.dumps(cfg.to_dict()), base, str(cores), str(work / "sync_adapter")],
-                   check=True, cwd=Path(__file__).resolve().parents[1])
+                   check=True, cwd=Path(__file__).resolve().parents[2])
     sync_seconds = time.perf_counter() - t0
     timing = json.loads((work / "sync_adapter" / "timing.json").read_text())
     print(f"sync: {sync_seconds:.1f}s (rollout {timing['rollout_s']:.1f}s, update {timing['update_s']:.1f}s)", flush=True)
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     env: dict[str, str] = {}
     run_uri = str(work / "async_run")
     if args.s3:
-        from benchmarks.loopback_s3 import start_loopback_s3
+        from tools.loopback_s3 import start_loopback_s3
 
         server, env = start_loopback_s3("miles-bench")
         run_uri = "s3://miles-bench/async_run"

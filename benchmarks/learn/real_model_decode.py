@@ -1,7 +1,7 @@
 """benchmarks.real_model's decoding measurements: the AR original through transformers' own
 ``generate``, Miles' decoder against it at batch 1 and 16, and NSD's FLOPs against static.
 
-Kept apart from the protocol (benchmarks/real_model.py) so each file reads on its own; every
+Kept apart from the protocol (benchmarks/learn/real_model.py) so each file reads on its own; every
 function here runs on the user's path (``sample_for``, ``run_eval``) or on transformers' own.
 """
 

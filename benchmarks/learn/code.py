@@ -14,7 +14,7 @@ Per seed (each seed in its own process, one torch thread, so two seeds use the t
      the prompt without being the function (code_eval's ``hardcoding``, scored in the sandbox).
 Beside them, what the sandbox change since BASELINE_REV did to these scores: every held-out completion of
 both arms (greedy and the T = 1 samples) is scored again with the sandbox of
-``benchmarks/sandbox.py::BASELINE_REV`` (its ``miles_core`` from git, in a subprocess), and the run
+``benchmarks/speed/sandbox.py::BASELINE_REV`` (its ``miles_core`` from git, in a subprocess), and the run
 reports how many scored differently and which way (skipped in ``--smoke`` where a shallow clone
 lacks that commit).
 ``--sft-continued`` adds a control: SFT continued on the labelled data for the wall-clock ADPO took
@@ -25,7 +25,7 @@ them instead of training again (benchmarks/harness.py's ``sft_checkpoint``).
 ``--smoke`` (CI): seed 0 alone, through the same steps at toy sizes (SMOKE_OVERRIDES: a few SFT
 steps, 2 ADPO iterations of 2 x 2 completions, 8 held-out functions): seconds, and no figure.
 Writes benchmarks/results/code.json. Run: python -m benchmarks.code [--seeds 0 1] [--set KEY=VALUE] [--checkpoint DIR] [--smoke]
-Every measured setting, and why the SFT baseline's length and machine matter: benchmarks/CODE.md.
+Every measured setting, and why the SFT baseline's length and machine matter: docs/results/code-log.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Predict Miles' asynchronous efficiency from 8 to 4,096 GPUs with the discrete-event model
-(benchmarks/sim.py), every cost that grows with the cluster charged, and validate it out of
+(benchmarks/scale/sim.py), every cost that grows with the cluster charged, and validate it out of
 sample on the emulated runs.
 
 Run: python -m benchmarks.host_costs && python -m benchmarks.emulate && python -m benchmarks.scale_model [--smoke]
@@ -14,7 +14,7 @@ Inputs. ``llada_8b``: the gsm8k recipe at LLaDA-8B's shape (16 prompts x 6 compl
 tokens, 256-token prompts, 128 steps, ADPO on a quarter of the steps, 4 minibatches, LoRA r=64 on
 every projection) costed by FLOPs at an assumed 35% of an H200's 989 dense bf16 TFLOP/s:
 derived, not measured (no H200 was lent). Charged from measurements on this machine class
-(benchmarks/host_costs.py, required): each rank's host work per update as a function of its share
+(benchmarks/speed/host_costs.py, required): each rank's host work per update as a function of its share
 and B, rank 0's publish and checkpoint, a sampler's adapter load and Parquet write. Stated
 assumptions: rollout times lognormal (CV 0.3) with a heavy tail (2% of rollouts take 3x), each
 rank's optimizer-step time spread 1% (identical GPUs on identical shapes; the slowest of D sets
@@ -32,7 +32,7 @@ steady efficiency (after the pipeline fills), the efficiency over a whole run of
 mean of ``--seeds`` simulations with their range, and its first bottleneck.
 Efficiency = completions/s / (N x one GPU's synchronous completions/s).
 
-Validation. The emulated runs (benchmarks/emulate.py): the model's inputs that this 2-core machine
+Validation. The emulated runs (benchmarks/scale/emulate.py): the model's inputs that this 2-core machine
 changes with the process count (measured rollout and update seconds, host seconds, start-up)
 are fitted on the 4- and 16-process runs only, linearly in the process count, and the 64-process
 run is predicted from the fit: out of sample, error with its sign.
@@ -98,7 +98,7 @@ def llada_8b() -> Params:
 
 
 def charge_host(p: Params, costs: dict[str, Any]) -> Params:
-    """``p`` with the measured host seconds (benchmarks/host_costs.py) of its shape: the busiest
+    """``p`` with the measured host seconds (benchmarks/speed/host_costs.py) of its shape: the busiest
     rank's per update (its share, B, the batches it reads) plus rank 0's publish and checkpoint,
     and a sampler's per batch."""
     b, n, d, g = p.batches_per_update, p.completions_per_batch, p.learner_ranks, p.group_size

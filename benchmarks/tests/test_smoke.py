@@ -4,7 +4,7 @@ checks its own invariants before writing: ``benchmarks/harness.py::check_measure
 ``benchmarks/`` that is neither a benchmark with a smoke mode nor a listed helper fails here, and a
 benchmark whose measurement is bypassed fails its own run (the rollout wrapper case below).
 
-The lane alone: ``pytest -m bench tests/test_bench_smoke.py``."""
+The lane alone: ``pytest -m bench benchmarks/tests/test_smoke.py``."""
 
 from __future__ import annotations
 
@@ -16,22 +16,33 @@ from pathlib import Path
 import pytest
 import torch
 
+import benchmarks
 from benchmarks import HELPERS
 
-ROOT = Path(__file__).resolve().parents[1]
-MODULES = sorted(p.stem for p in (ROOT / "benchmarks").glob("*.py") if p.stem != "__init__")
+ROOT = Path(__file__).resolve().parents[2]
+# every module on the package's search path (benchmarks/ and its folders): name -> file
+FILES = {p.stem: p for folder in benchmarks.__path__ for p in Path(folder).glob("*.py") if p.stem != "__init__"}
+MODULES = sorted(FILES)
 BENCHMARKS = [m for m in MODULES if m not in HELPERS]
 # Benchmarks whose smoke run is a test of its own, with more checks (so the lane runs it once).
-OWN_TEST = {"real_model": "tests/test_real_model_bench.py"}
+OWN_TEST = {"real_model": "benchmarks/tests/test_real_model.py"}
+
+
+def test_module_names_are_unique_across_the_folders() -> None:
+    """Two folders holding one name would make ``python -m benchmarks.NAME`` run whichever folder
+    comes first on the search path."""
+    stems = [p.stem for folder in benchmarks.__path__ for p in Path(folder).glob("*.py") if p.stem != "__init__"]
+    assert len(stems) == len(set(stems)), sorted(s for s in set(stems) if stems.count(s) > 1)
 
 
 def test_every_module_is_a_benchmark_with_a_smoke_mode_or_a_helper() -> None:
     assert set(HELPERS) <= set(MODULES), sorted(set(HELPERS) - set(MODULES))
     for name in BENCHMARKS:
-        src = (ROOT / "benchmarks" / f"{name}.py").read_text()
-        assert 'if __name__ == "__main__"' in src, f"benchmarks/{name}.py runs as nothing: a benchmark or a HELPERS entry"
-        assert "add_smoke(" in src or "bench_args(" in src, f"benchmarks/{name}.py has no --smoke (harness.add_smoke)"
-        assert "def main(argv: list[str] | None = None)" in src, f"benchmarks/{name}.py: main must take argv"
+        rel = FILES[name].relative_to(ROOT)
+        src = FILES[name].read_text()
+        assert 'if __name__ == "__main__"' in src, f"{rel} runs as nothing: a benchmark or a HELPERS entry"
+        assert "add_smoke(" in src or "bench_args(" in src, f"{rel} has no --smoke (harness.add_smoke)"
+        assert "def main(argv: list[str] | None = None)" in src, f"{rel}: main must take argv"
     for name, test in OWN_TEST.items():
         assert "--smoke" in (ROOT / test).read_text() and "pytest.mark.bench" in (ROOT / test).read_text(), test
 
@@ -61,7 +72,7 @@ def test_smoke(name: str, tmp_path: Path, monkeypatch) -> None:
 
 
 class _PlainWrapper(torch.nn.Module):
-    """benchmarks/rollout.py's timing wrapper as it once was: a plain module, so
+    """benchmarks/speed/rollout.py's timing wrapper as it once was: a plain module, so
     the sampler saw the default capabilities and never called its window."""
 
     def __init__(self, model, width: int, block: int, blocks: int) -> None:

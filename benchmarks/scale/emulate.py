@@ -1,7 +1,7 @@
 """An asynchronous run at cluster shape on this machine: the real sampler and learner code, real
 processes, the real store protocol on a real S3 server (SeaweedFS) and real torch.distributed
 collectives (gloo), with the model's compute replaced by a calibrated stand-in
-(benchmarks/standin.py: LLaDA-8B's rollout and update times and adapter bytes x ``SCALE``).
+(benchmarks/scale/standin.py: LLaDA-8B's rollout and update times and adapter bytes x ``SCALE``).
 
     python -m benchmarks.emulate [--processes 4 16 64] [--batches 4] [--chaos] [--smoke]
 
@@ -14,7 +14,7 @@ learner and sampler idle, dropped batches, the largest staleness, and store requ
 committed batch (every process's S3 requests, counted by botocore). ``--chaos`` SIGKILLs three
 random samplers (restarted) and one learner rank (torchrun restarts the group) mid-run, then checks
 that every batch was consumed exactly once within the staleness bound.
-Writes benchmarks/results/emulate.json; benchmarks/scale_model.py validates against it.
+Writes benchmarks/results/emulate.json; benchmarks/scale/scale_model.py validates against it.
 ``--smoke``: one run of 2 processes (1 sampler, 1 learner rank), 5 batches, LLaDA-8B's seconds x 0.002
 and bytes x 1e-4 (emulate_smoke.json).
 """
@@ -41,7 +41,7 @@ from miles_core.asyncrl.launch import WarmProcess
 from miles_core.asyncrl.launch import summarize as run_summary
 from miles_core.config import load_recipe
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STALENESS = 6
 MAX_SAMPLER_RESTARTS = 5  # chaos kills a sampler once; one that keeps exiting is broken, not unlucky
 OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=4", "train.group_size=2", "sampler.steps=4",
@@ -82,7 +82,7 @@ def _kill_group(agent: subprocess.Popen) -> None:
 
 
 def stand_in(cfg: Any, scale: float = SCALE, bytes_scale: float | None = None) -> dict[str, Any]:
-    """The stand-in's settings for the emulation recipe's batches (benchmarks/standin.py)."""
+    """The stand-in's settings for the emulation recipe's batches (benchmarks/scale/standin.py)."""
     c = cfg.train.prompts_per_iter * cfg.train.group_size
     return {**settings(c, cfg.sampler.steps, cfg.estimators.adpo.step_fraction, scale, cfg.update.num_minibatches, bytes_scale),
             "lora_r": cfg.lora.r}
@@ -97,7 +97,7 @@ def cpu_times() -> tuple[float, float]:
 
 def trained_bytes(cfg: Any, base: Path) -> float:
     """float32 gradient bytes each optimizer step all-reduces: the tiny model's own LoRA (the
-    stand-in's ballast is not trained, benchmarks/standin.py says why)."""
+    stand-in's ballast is not trained, benchmarks/scale/standin.py says why)."""
     from miles_core.models.base import load_base
     from miles_core.models.lora import add_lora_from
 
@@ -135,7 +135,7 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
     probe = load_recipe("tiny", OVERRIDES)
     c = probe.train.prompts_per_iter * probe.train.group_size
     st = json.loads(os.environ["MILES_STANDIN"])
-    # weak scaling, as at 4,096 GPUs (benchmarks/scale_model.py): the global batch that admits the
+    # weak scaling, as at 4,096 GPUs (benchmarks/scale/scale_model.py): the global batch that admits the
     # balanced split's samplers, lowered by at most 10% so the ranks' shares are equal
     balanced = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS, procs)
     pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS,
@@ -199,7 +199,7 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
 def wire_costs(samp: list[dict], lead: dict, others: list[dict]) -> dict[str, float]:
     """S3 requests per protocol step as the run's processes counted them on the wire (the status
     files of the samplers, rank 0 and the other ranks: ``request_steps``, storage/requests.py):
-    what benchmarks/sim.py charges each step."""
+    what benchmarks/scale/sim.py charges each step."""
 
     def per(docs: list[dict], step: str, times_key: str | None = None) -> float:
         n = sum(d.get("request_steps", {}).get(step, {}).get("requests", 0) for d in docs)

@@ -12,7 +12,7 @@ from tests.test_importer import write_tiny_gguf
 
 
 @pytest.mark.e2e
-@pytest.mark.bench  # this is benchmarks.real_model's smoke run in the lane (tests/test_bench_smoke.py)
+@pytest.mark.bench  # this is benchmarks.real_model's smoke run in the lane (benchmarks/tests/test_smoke.py)
 def test_every_stage_runs_and_reruns_from_cache(tmp_path, capsys, monkeypatch) -> None:
     from benchmarks.real_model import main
 

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from benchmarks.harness import (bench_args, checkpoint_path, finish, local_run, over_seeds, paired, problems_needed,
                                 sft_checkpoint, workdir)
+from miles_core.config import SETTINGS
 
 ESTIMATORS = ("adpo", "adpo_sampled", "tracerl", "meanfield", "wd1", "coupled", "spg", "espo", "ebpo")
 TRACERL_MERGE = 2  # TraceRL's shrinkage s (it merges s = 8 of 128 steps; the arith recipe samples 8 steps)
@@ -54,9 +55,8 @@ ADPO_DESIGNS = {"adpo_sampled": ["estimators.adpo.step_fraction=0.75", "estimato
 EBPO_BLOCK = 8
 ARM_SETTINGS = {"ebpo": [f"estimators.ebpo.mask_block={EBPO_BLOCK}"]}
 ONE_PASS = ("meanfield", "wd1", "coupled", "spg", "espo", "ebpo")  # the arms whose mask draws are matched
-# each one-pass estimator's count of masks per trajectory, in its own settings (config/estimators.py)
-DRAWS_FIELD = {"meanfield": "mask_draws", "wd1": "mask_draws", "coupled": "mask_draws", "spg": "copies",
-               "espo": "pairs", "ebpo": "timesteps"}
+# each one-pass estimator's count of masks per trajectory, as its settings class names it (config/estimators.py)
+DRAWS_FIELD = {name: SETTINGS[name].draws_field for name in ONE_PASS}
 # 1700 held-out problems (the test bucket holds 1742 distinct ones; the first 500 are the recipe's own):
 # with 4 seeds, enough for the paired sign test to see 1.5 points (see ``power`` in the output)
 DEFAULT_OVERRIDES: list[str] = ["sft.steps=6000", "train.iterations=300", "task.num_test=1700",

@@ -22,9 +22,9 @@ What it models, and how each part maps to the code:
 * **Polling** every ``poll_s``, growing by ``poll_backoff`` per empty poll up to ``poll_max_s``
   (``async_rl.poll_backoff`` / ``poll_max_interval``).
 
-The building blocks are checked against closed forms (tests/test_scale_model.py: an M/M/1 queue,
-a pipeline without contention) before any prediction is read; benchmarks/emulate.py's runs of the
-real code validate the whole. benchmarks/scale_model.py runs it.
+The building blocks are checked against closed forms (benchmarks/tests/test_scale_model.py: an M/M/1 queue,
+a pipeline without contention) before any prediction is read; benchmarks/scale/emulate.py's runs of the
+real code validate the whole. benchmarks/scale/scale_model.py runs it.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class Params:
     # host seconds beyond compute and the store's own time, as a run measured them: a sampler's per
     # batch (loading the new adapter, writing Parquet), the learner's per update (reading and
     # agreeing on its share, saving the adapter); ~0 next to LLaDA-8B's minutes, seconds when 64
-    # emulated processes share 2 cores (benchmarks/emulate.py)
+    # emulated processes share 2 cores (benchmarks/scale/emulate.py)
     sampler_host_s: float = 0.0
     learner_host_s: float = 0.0
     learner_start_s: float = 0.0       # until the learner publishes version 0 (loading, rendezvous)
@@ -361,7 +361,7 @@ def simulate(p: Params, horizon_s: float = 1e7, warmup_s: float = 0.0) -> dict[s
                                   (learner_util, "learner ingest (updates + reads)"),
                                   (sampler_compute, "sampler rollouts")])
     steady = steady_rate(run.consumed_at, warmup_s, wall)
-    # what benchmarks/emulate.py measures: the rate from the second update on, whatever its time
+    # what benchmarks/scale/emulate.py measures: the rate from the second update on, whatever its time
     after_two = steady_rate(run.consumed_at[1:], float("-inf"), wall)
     return {"seconds": wall, "completions_per_s": run.consumed * p.completions_per_batch / wall if wall else 0.0,
             "steady_completions_per_s": steady, "after_two_updates_completions_per_s": after_two,

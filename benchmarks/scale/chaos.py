@@ -23,7 +23,7 @@ import time
 from unittest import mock
 
 from benchmarks.harness import bench_args, sft_checkpoint, table, usable_cpus, workdir, write_result
-from benchmarks.loopback_s3 import start_loopback_s3
+from tools.loopback_s3 import start_loopback_s3
 
 DEFAULT_OVERRIDES = ["async_rl.num_samplers=2", "async_rl.batches_per_sampler=15",
                      "async_rl.checkpoint_every=2", "async_rl.max_staleness=3", "sft.steps=300",

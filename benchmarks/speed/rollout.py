@@ -42,7 +42,7 @@ from miles_core.rewards.registry import get_reward
 from miles_core.samplers.hostreads import HostReads
 from miles_core.samplers.sampler import sample
 from miles_core.models.window import Capabilities, WindowDenoiser, attention_grid, capabilities
-from benchmarks.llada_reference import logp_gap, reference_generate
+from tools.llada_reference import logp_gap, reference_generate
 
 class StopTiming(Exception):
     pass

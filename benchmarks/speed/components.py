@@ -1,4 +1,4 @@
-"""What each part of an asynchronous run costs on this machine: the inputs of benchmarks/scale_model.py.
+"""What each part of an asynchronous run costs on this machine: the inputs of benchmarks/scale/scale_model.py.
 
     python -m benchmarks.components [--reps 30] [--smoke]
 
@@ -6,7 +6,7 @@ Measured with the real code paths, on the ``arith`` recipe with the async benchm
 (benchmarks/harness.py ASYNC_OVERRIDES: LoRA r=4 on q/v, bf16 adapter sync), one torch
 thread (what an async worker gets): a rollout + reward of one batch (``algo/rl.py::sample_batch``),
 one ADPO update of it (``Learner.update``; random-init weights, so rewards are set to one winner
-per group, as benchmarks/scaling.py does, and every row carries signal), and the store operations, against a local folder and
+per group, as benchmarks/scale/scaling.py does, and every row carries signal), and the store operations, against a local folder and
 against the loopback S3 server (moto): the Parquet batch write (data + commit marker) and read,
 the commit-marker check, a shared-budget claim (exclusive create), a listing of committed batches,
 and adapter publish and fetch. Medians over ``--reps``. Writes benchmarks/results/components.json
@@ -25,7 +25,7 @@ from typing import Any, Callable
 from unittest import mock
 
 from benchmarks.harness import ASYNC_OVERRIDES, add_smoke, table, write_result
-from benchmarks.loopback_s3 import start_loopback_s3
+from tools.loopback_s3 import start_loopback_s3
 
 
 def _median(fn: Callable[[int], Any], reps: int) -> float:

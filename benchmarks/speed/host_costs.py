@@ -38,7 +38,7 @@ from typing import Any, Callable, Sequence
 
 from benchmarks.harness import bench_args, check_measured, finish
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # (B sampler batches, D ranks, n completions per batch, G group size); K steps, L and P tokens fixed below
 POINTS = {
     "emulated 64 procs": (64, 27, 64, 8),
@@ -179,7 +179,7 @@ def rank0_and_sampler(lora_params: int = LORA_PARAMS) -> dict[str, float]:
 
 def fit(points: list[dict]) -> dict[str, float]:
     """Least squares host_s = a + b x trajectories + c x B + d x batches read over the ``after``
-    measurements: the per-rank host seconds as a function of the shape (benchmarks/scale_model.py)."""
+    measurements: the per-rank host seconds as a function of the shape (benchmarks/scale/scale_model.py)."""
     import numpy as np
 
     after = [p for p in points if p["mode"] == "after"]

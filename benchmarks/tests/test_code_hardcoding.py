@@ -1,4 +1,4 @@
-"""The code benchmark's hard-coding rate (benchmarks/code.py ``hardcoding``): a completion that fits
+"""The code benchmark's hard-coding rate (benchmarks/learn/code.py ``hardcoding``): a completion that fits
 the outputs the prompt shows without being the function must be told apart, in the real sandbox,
 from the function itself and from a plain wrong answer, since RL is paid for whatever the reward
 cannot tell from a solution."""

@@ -48,7 +48,7 @@ from pathlib import Path
 
 from benchmarks.harness import add_smoke, table, usable_cpus, write_result
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECIPE = "llama_tiny"
 # --smoke: every phase once, at the smallest shapes that still train rows on both ranks
 SMOKE = {"hidden": 32, "layers": 1, "heads": 2, "lora_r": 2, "prompts": 1, "group": 2, "steps": 2, "row_chunk": 8,

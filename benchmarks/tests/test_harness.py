@@ -113,8 +113,8 @@ def test_pool_workers_end_when_their_benchmark_is_killed(tmp_path: Path) -> None
     import time
 
     code = ("import os, sys; sys.path.insert(0, os.getcwd()); from benchmarks.harness import over_seeds; "
-            "from tests.test_bench_harness import _sleep; over_seeds(_sleep, [1, 2])")
-    parent = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[1])
+            "from benchmarks.tests.test_harness import _sleep; over_seeds(_sleep, [1, 2])")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parents[2])
 
     def children() -> list[int]:
         out = subprocess.run(["pgrep", "-P", str(parent.pid)], capture_output=True, text=True).stdout

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from benchmarks.harness import add_smoke, table, write_result
-from benchmarks.sample_files import corrupt_completion, gold_completion, write_samples
+from tools.sample_files import corrupt_completion, gold_completion, write_samples
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task, check_reward
 from miles_core.rewards.pool import shared_pools_closed_after

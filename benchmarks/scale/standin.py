@@ -1,4 +1,4 @@
-"""The calibrated compute stand-in of benchmarks/emulate.py: the real sampler and learner processes
+"""The calibrated compute stand-in of benchmarks/scale/emulate.py: the real sampler and learner processes
 (``python -m miles_core.asyncrl``) with the model's compute replaced by waits that last what
 LLaDA-8B's would, scaled down by one stated constant.
 
@@ -10,7 +10,7 @@ share of LLaDA-8B's rollout time, a chunk of scored update rows the update's sha
 forward, two thirds in the backward); and (2) a ``ballast`` projection no forward uses, whose
 LoRA factors make the adapter as large as LLaDA-8B's r=64 adapter, published and fetched by
 every sampler, so the store's transfers are real too. Times and bytes are LLaDA-8B's
-(benchmarks/scale_model.py::llada_8b) times ``SCALE``; the settings travel in the environment
+(benchmarks/scale/scale_model.py::llada_8b) times ``SCALE``; the settings travel in the environment
 (``MILES_STANDIN``, JSON), which emulate.py sets.
 
 The waits are the device's time, not added to the host's: a pass lasts max(host work, its wait)

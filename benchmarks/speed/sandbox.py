@@ -43,7 +43,7 @@ from benchmarks.harness import add_smoke, table, usable_cpus, write_result
 from miles_core.rewards.pool import Job, SandboxLimits, SandboxPool
 
 BASELINE_REV = "d03d5ab"  # the last commit before private file copies (image.py), the output FIFO, the one value encoder
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHECK = "def check(candidate):\n    assert candidate(1) == {a}\n    assert candidate(2) == {b}\n" \
         "    assert candidate(-3) == {c}\ncheck(f)\n"
 

@@ -3,7 +3,7 @@ log-prob gap between what Miles' sampler records and what the learner scores.
 
 The engine tests check Miles' sampler decision by decision against the reference rule
 (``replay_decisions``; token for token where no near-tie can decide, tests/test_sdar_schedule.py), and
-benchmarks/rollout.py and benchmarks/gpu_check.py time it against the same reference. It is an
+benchmarks/speed/rollout.py and benchmarks/speed/gpu_check.py time it against the same reference. It is an
 independent reimplementation kept for those comparisons, not product code, so it lives with the
 tests; the benchmarks import it from here.
 """

