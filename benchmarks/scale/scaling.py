@@ -144,7 +144,7 @@ def learner_rank(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     from miles_core.config import load_recipe
-    from miles_core.parallel import World, close_world, init_world
+    from miles_core.parallel import close_world, init_world
     from miles_core.learner.policy import Learner
     from miles_core.learner.shares import owned_rows
     from miles_core.storage import TrajectoryStore
@@ -190,7 +190,6 @@ def make_learner_store(base: str, work: Path, a: argparse.Namespace) -> str:
     from miles_core.config import load_recipe
     from miles_core.data.registry import build_task
     from miles_core.learner.policy import Learner
-    from miles_core.learner.shares import owned_rows
     from miles_core.storage import TrajectoryStore
 
     cfg = load_recipe(RECIPE, _overrides(a))

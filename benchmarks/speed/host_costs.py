@@ -104,9 +104,7 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
     t["agree"] = time.perf_counter() - t0
     del verdicts
     if mode == "before":  # the whole global batch on this rank: its share real, the rest as built from metadata
-        t0 = time.perf_counter()
-        others = [_batch(n, group, j) for j in range(B) if j not in read]
-        t_make = time.perf_counter() - t0
+        others = [_batch(n, group, j) for j in range(B) if j not in read]  # built outside the timer
         t0 = time.perf_counter()
         meta = [{"prompt_lens": [len(p) for p in b.prompt_ids], "step_map": b.step_map, "nfe": b.nfe,
                  "group_id": b.group_id, "policy_version": b.policy_version, "reward": b.reward,
