@@ -12,7 +12,8 @@ from miles_core.algo.update import as_draws
 from miles_core.algo.advantages import group_advantages, zero_variance_groups
 from miles_core.algo.loss import TokenRatioLoss
 from miles_core.algo.schedule import lr_factor
-from miles_core.algo.rows import build_rows, score_rows
+from miles_core.algo.rows import score_rows
+from miles_core.algo.step_choice import build_rows
 from miles_core.config import SamplerConfig
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
 from miles_core.samplers.sampler import nsd_commit, sample, static_counts, topk_commit

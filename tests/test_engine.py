@@ -256,7 +256,8 @@ def test_a_cache_on_a_model_without_one_is_refused() -> None:
 
 
 def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> None:
-    from miles_core.algo.rows import RecordedStep, build_rows, row_inputs
+    from miles_core.algo.rows import RecordedStep, row_inputs
+    from miles_core.algo.step_choice import build_rows
     from miles_core.types import TrajectoryBatch
 
     step_map = torch.tensor([[0, 1, 2, 3, 4, 0], [1, 0, 1, 2, 0, 2]])       # K = 5 and 3 steps
@@ -274,7 +275,8 @@ def test_step_merge_rows_group_s_consecutive_steps_at_the_first_ones_state() -> 
 
 
 def test_a_merged_row_is_scored_against_the_proximal_policy_not_the_recorded_mu(models: dict) -> None:
-    from miles_core.algo.rows import MaskedStepRows, RecordedStep, build_rows
+    from miles_core.algo.rows import MaskedStepRows, RecordedStep
+    from miles_core.algo.step_choice import build_rows
 
     model, tok = models["tiny"]
     batch = sample(model, tok, prompts_for(tok, 2, 6), NSD, 16, torch.Generator().manual_seed(0))
@@ -287,7 +289,8 @@ def test_a_merged_row_is_scored_against_the_proximal_policy_not_the_recorded_mu(
 def test_covering_rows_partition_every_step_into_near_equal_runs() -> None:
     """rho = 0.5: K = 5 -> 3 runs (2, 2, 1 in some order), K = 3 -> 2 runs, K = 4 -> 2 runs of 2;
     every committed token scored once, a one-step run exact (its recorded mu), a longer one not."""
-    from miles_core.algo.rows import RecordedStep, build_rows, row_inputs
+    from miles_core.algo.rows import RecordedStep, row_inputs
+    from miles_core.algo.step_choice import build_rows
     from miles_core.types import TrajectoryBatch
 
     step_map = torch.tensor([[0, 1, 2, 3, 4, 0], [1, 0, 1, 2, 0, 2], [3, 2, 1, 0, 3, 1]])   # K = 5, 3, 4
@@ -319,7 +322,7 @@ def test_covering_rows_partition_every_step_into_near_equal_runs() -> None:
 
 
 def test_covering_rows_at_rho_one_are_every_step_exactly(models: dict) -> None:
-    from miles_core.algo.rows import build_rows
+    from miles_core.algo.step_choice import build_rows
 
     model, tok = models["tiny"]
     batch = sample(model, tok, prompts_for(tok, 3, 5), NSD, 16, torch.Generator().manual_seed(0))

@@ -386,7 +386,8 @@ def test_model_path_may_be_an_s3_uri_never_the_hub(ckpts: dict[str, Path], s3_en
 def test_samplers_record_steps_that_scoring_reproduces(ckpts: dict[str, Path], family: str, kind: str) -> None:
     """Block-wise static and NSD sampling on every family: every position committed once, and the
     learner's scoring of each recorded step reproduces the stored behaviour log-prob exactly."""
-    from miles_core.algo.rows import build_rows, score_rows
+    from miles_core.algo.rows import score_rows
+    from miles_core.algo.step_choice import build_rows
     from miles_core.config import SamplerConfig
     from miles_core.samplers.sampler import sample
 

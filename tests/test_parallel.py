@@ -13,7 +13,7 @@ from miles_core.algo.advantages import group_advantages
 from miles_core.algo.update import update_policy
 from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.algo.draws import Draws, minibatches, trajectory_keys
-from miles_core.algo.rows import build_rows
+from miles_core.algo.step_choice import build_rows
 from miles_core.learner.shares import agree, first_reader, my_share, owned_groups, owned_rows
 from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import add_lora

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from miles_core.algo.advantages import group_advantages
-from miles_core.algo.rows import (MaskedStepRows, RecordedStep, Rows, inclusion_probs, step_uncertainty,
-                                  uncertainty_rows)
+from miles_core.algo.rows import MaskedStepRows, RecordedStep, Rows
+from miles_core.algo.step_choice import inclusion_probs, step_uncertainty, uncertainty_rows
 from miles_core.algo.update import update_policy, as_draws, update_on_rows
 from miles_core.config import AdpoSettings, ConfigError, UpdateConfig, load_recipe
 from miles_core.tokenizer import CharTokenizer

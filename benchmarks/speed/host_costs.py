@@ -8,7 +8,7 @@ synthetic batches of the real shape: n completions of L tokens committed over K 
 of P tokens): read its share from a local store (Parquet), agree on verdicts (its own pickled,
 the D ranks' unpickled, as ``all_gather_object`` does), cut its rows out of the batches it read
 and key them, the collapse guard's health, the estimator's rows (ADPO covering a quarter of the
-steps, algo/rows.py), the minibatch deal (algo/draws.py), the chunk plan's row costs and the
+steps, algo/step_choice.py), the minibatch deal (algo/draws.py), the chunk plan's row costs and the
 behaviour log-prob gather (algo/update.py). ``after``: the rank's own share (learner/shares.py);
 ``before``: every trajectory of the global batch, as a rank did when each built the whole batch
 (the same functions over all B n trajectories, plus the metadata it then exchanged, pickled and

@@ -24,7 +24,7 @@ rising in how uncertain the behaviour policy was about the tokens it committed t
 1 - mu), rho K_b rows expected, each reweighted by 1 / its probability so the objective stays the
 full one (Horvitz-Thompson); ``step_floor`` is the least probability of any step. NSD's
 saving in the update: a step where every committed token was near-certain has a near-zero
-gradient, so its forward is better spent on a step with a real choice (algo/rows.py).
+gradient, so its forward is better spent on a step with a real choice (algo/step_choice.py).
 
 ``step_merge`` = s > 1 fixes the run length at s and scores a random rho of the runs
 (reweighted), as TraceRL does; ``step_cover`` is then not read.
@@ -44,7 +44,8 @@ from typing import Any
 from miles_core.algo.draws import Draws
 from miles_core.algo.estimators import Estimator, register_estimator
 from miles_core.algo.renoise_rows import RenoiseStepRows, renoise_rows
-from miles_core.algo.rows import MaskedStepRows, RecordedStep, Rows, build_rows, uncertainty_rows
+from miles_core.algo.rows import MaskedStepRows, RecordedStep, Rows
+from miles_core.algo.step_choice import build_rows, uncertainty_rows
 from miles_core.config import AdpoSettings
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import RenoiseBatch, TrajectoryBatch
