@@ -116,7 +116,6 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
         local = TrajectoryBatch.concat(list(read.values()) + others)
         keys = torch.cat([trajectory_keys(f"b{j:05d}", n) for j in range(B)])
         t["share"] = time.perf_counter() - t0
-        del t_make
     else:
         t0 = time.perf_counter()
         held = [held_rows(f"b{j:05d}", j, b, B, group, world) for j, b in read.items()]
