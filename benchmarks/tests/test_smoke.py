@@ -4,7 +4,7 @@ checks its own invariants before writing: ``benchmarks/harness.py::check_measure
 ``benchmarks/`` that is neither a benchmark with a smoke mode nor a listed helper fails here, and a
 benchmark whose measurement is bypassed fails its own run (the rollout wrapper case below).
 
-The lane alone: ``pytest -m bench benchmarks/tests/test_smoke.py``."""
+The lane alone, on two workers as make test runs it: ``pytest -m bench -n 2 --dist loadfile benchmarks/tests``."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ MODULES = sorted(FILES)
 BENCHMARKS = [m for m in MODULES if m not in HELPERS]
 # Benchmarks whose smoke run is a test of its own, with more checks (so the lane runs it once).
 OWN_TEST = {"real_model": "benchmarks/tests/test_real_model.py"}
+# The lane in two files, so two pytest workers (make test's --dist loadfile) run it side by side:
+# the learning benchmarks in test_smoke_learn.py, the rest here (about half the seconds each).
+LEARN = sorted(p.stem for p in (ROOT / "benchmarks" / "learn").glob("*.py")
+               if p.stem in BENCHMARKS and p.stem not in OWN_TEST)
+OTHERS = [m for m in BENCHMARKS if m not in OWN_TEST and m not in LEARN]
 
 
 def test_module_names_are_unique_across_the_folders() -> None:
@@ -47,10 +52,7 @@ def test_every_module_is_a_benchmark_with_a_smoke_mode_or_a_helper() -> None:
         assert "--smoke" in (ROOT / test).read_text() and "pytest.mark.bench" in (ROOT / test).read_text(), test
 
 
-@pytest.mark.e2e
-@pytest.mark.bench
-@pytest.mark.parametrize("name", [m for m in BENCHMARKS if m not in OWN_TEST])
-def test_smoke(name: str, tmp_path: Path, monkeypatch) -> None:
+def run_smoke(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``main(["--smoke", ...])`` in this process (what ``python -m benchmarks.NAME --smoke`` runs;
     in-process so the lane pays the imports once: 27 fresh interpreters would spend ~2 minutes
     importing torch and transformers alone)."""
@@ -69,6 +71,13 @@ def test_smoke(name: str, tmp_path: Path, monkeypatch) -> None:
     assert written, f"benchmarks.{name} --smoke wrote no *_smoke.json"
     for path in written:
         assert json.loads(path.read_text()).get("smoke") is True, path
+
+
+@pytest.mark.e2e
+@pytest.mark.bench
+@pytest.mark.parametrize("name", OTHERS)
+def test_smoke(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    run_smoke(name, tmp_path, monkeypatch)
 
 
 class _PlainWrapper(torch.nn.Module):
@@ -107,3 +116,8 @@ def test_rollout_fails_when_its_wrapper_bypasses_the_engine(bypass: str, monkeyp
     with pytest.raises(MeasuredNothing if bypass == "plain_wrapper" else ConfigError):
         rollout.main(["--smoke"])
     assert not list(tmp_path.glob("*.json"))
+
+
+def test_the_two_halves_of_the_lane_run_every_benchmark_once() -> None:
+    assert sorted(LEARN + OTHERS + list(OWN_TEST)) == BENCHMARKS and not set(LEARN) & set(OTHERS)
+    assert "estimators" in LEARN and "emulate" in OTHERS
