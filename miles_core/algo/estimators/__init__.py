@@ -15,18 +15,22 @@ from __future__ import annotations
 
 from typing import Any, Callable, ClassVar, TypeVar
 
-from torch import Tensor
+from torch import Tensor, nn
 
 from miles_core.algo.draws import Draws
 from miles_core.algo.loss import TokenRatioLoss
 from miles_core.algo.rows import Rows, RowScorer
 from miles_core.config import BUILTIN_ESTIMATORS, ConfigError, UpdateConfig, register_settings, unregister_settings
+from miles_core.config.schema import Section
 from miles_core.tokenizer import CharTokenizer
+from miles_core.types import Batch
 
-# (batch, its estimator's settings, epochs, tok, temperature, draws, model) -> the rows of the batch
-# and their scorer; every random draw comes from ``draws``' per-trajectory generators
-# (algo/draws.py), so a rank holding a share of the batch builds exactly its trajectories' rows
-RowBuilder = Callable[[Any, Any, int, CharTokenizer, float, Draws, Any], tuple[Rows, RowScorer]]
+# (batch of the builder's kind, its estimator's settings, epochs, tok, temperature, draws, model or
+# None) -> the rows of the batch and their scorer; every random draw comes from ``draws``'
+# per-trajectory generators (algo/draws.py), so a rank holding a share of the batch builds exactly
+# its trajectories' rows. A builder takes its own batch class (TrajectoryBatch, RenoiseBatch) and
+# settings class; the registry calls it only with those.
+RowBuilder = Callable[[Batch, Section, int, CharTokenizer, float, Draws, nn.Module | None], tuple[Rows, RowScorer]]
 
 
 class Estimator:
@@ -47,12 +51,12 @@ class Estimator:
         its importance weight capped at ``update.is_cap``, by default."""
         return TokenRatioLoss(cfg.clip_eps, cfg.is_cap, cfg.kl_coef, cfg.entropy_floor, cfg.entropy_coef)
 
-    def advantages(self, adv: Tensor, batch: Any) -> Tensor:
+    def advantages(self, adv: Tensor, batch: Batch) -> Tensor:
         """[B] what the loss weights each kept trajectory by, from its advantage [B]: itself by default."""
         return adv
 
-    def rows(self, batch: Any, own: Any, epochs: int, tok: CharTokenizer, temperature: float,
-             draws: Draws, model: Any = None) -> tuple[Rows, RowScorer]:
+    def rows(self, batch: Batch, own: Section, epochs: int, tok: CharTokenizer, temperature: float,
+             draws: Draws, model: nn.Module | None = None) -> tuple[Rows, RowScorer]:
         """The rows of ``batch`` and their scorer, by the batch's kind; a kind this estimator has no
         rows for fails naming both (a renoising chain has no masked states to score an ELBO on)."""
         builders = self.row_builders()
