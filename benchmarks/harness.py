@@ -15,12 +15,14 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import multiprocessing as mp
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -226,6 +228,16 @@ def evaluate_adapter(cfg, base: str | Path, adapter: str | Path) -> tuple[float,
 
 
 # ---- results ------------------------------------------------------------------------------------
+
+def seaweed() -> Any:
+    """``infra/s3server.py`` (not a package: the operators' launcher of a local SeaweedFS), loaded as a
+    module: ``seaweed().start(folder)`` runs a real S3 server for a benchmark's store."""
+    spec = importlib.util.spec_from_file_location("miles_s3server", Path(__file__).resolve().parents[1] / "infra" / "s3server.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
 
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity mask (taskset, a cgroup's cpuset), not every CPU

@@ -65,13 +65,39 @@ def test_the_learner_still_drops_what_admission_let_go_stale(tmp_path: Path, bas
     sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
     sampler.sync_adapter()
     for seq in range(5):
-        sampler.run_store.trajectories.write_batch(sampler.make_batch(seq), batch_id(seq, "w0"))
+        sampler.batches.commit(sampler.make_batch(seq), batch_id(seq, "w0"))
     out = learner.run()
     consumed, dropped = learner.ledger.consumed, learner.ledger.dropped
     assert [e["staleness"] for e in consumed] == [0, 1]
     assert [e["id"] for e in dropped] == [batch_id(s, "w0") for s in (2, 3, 4)]
     assert all(e["staleness"] > 1 for e in dropped)
     assert out["max_staleness_seen"] <= out["staleness_bound"] == 1 and out["dropped"] == 3 and out["done"]
+
+
+def test_the_learner_reads_the_inbox_and_lists_the_markers_only_when_stuck(tmp_path: Path, base_dir: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The learner finds batches through the inbox, whatever the store holds; a batch committed
+    but never announced (its writer died in between) is found by one listing of the markers once
+    the learner is stuck waiting, and every taken batch leaves the inbox at the checkpoint."""
+    import miles_core.asyncrl.learner as learner_module
+    from miles_core.storage import TrajectoryStore
+
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=4", "async_rl.max_staleness=8")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
+    sampler.sync_adapter()
+    for seq in range(4):
+        sampler.batches.commit(sampler.make_batch(seq), batch_id(seq, "w0"))
+    store = learner.rs.trajectories
+    store.retire([batch_id(3, "w0")])  # as if its writer died between its commit and its announcement
+    listings: list[int] = []
+    real = TrajectoryStore.list_batches
+    monkeypatch.setattr(TrajectoryStore, "list_batches", lambda self: listings.append(1) or real(self))
+    monkeypatch.setattr(learner_module, "UNANNOUNCED_SCAN_S", 0.0)
+    out = learner.run()
+    assert out["done"] and out["consumed"] + out["dropped"] == 4
+    assert listings == [1]  # the one scan, after batches 0-2 were taken and nothing more came
+    assert store.list_inbox() == [] and len(store.list_batches()) == 4
 
 
 def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path: Path, base_dir: Path) -> None:
@@ -86,7 +112,7 @@ def test_every_batch_consumed_exactly_once_and_hot_swap_keeps_the_base(tmp_path:
             s.sync_adapter()
             b = s.make_batch(seq)
             b.reward = torch.arange(len(b), dtype=torch.float32) % 2  # signal in every group, whatever the toy model says
-            s.run_store.trajectories.write_batch(assign_advantages(b), batch_id(seq, s.worker))
+            s.batches.commit(assign_advantages(b), batch_id(seq, s.worker))
             s.stats["next_seq"] = seq + 1
         learner.max_updates = len(learner.ledger.consumed) + 2
         learner.run()
@@ -115,7 +141,7 @@ def test_importance_weights_are_one_on_policy(tmp_path: Path, base_dir: Path) ->
     from miles_core.algo.rl import assign_advantages
 
     assign_advantages(batch)
-    sampler.run_store.trajectories.write_batch(batch, "000000-w0")
+    sampler.batches.commit(batch, "000000-w0")
     stored = learner.rs.trajectories.read_batch("000000-w0")
     assert torch.equal(stored.logp, batch.logp)  # behaviour log-probs survive storage bit-exactly
     stats = learner.learner.update(stored)

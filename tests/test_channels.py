@@ -10,7 +10,7 @@ import torch
 from test_storage import make_batch
 
 from miles_core.config import load_recipe
-from miles_core.learner.channels import BatchChannel, PolicyChannel, admits
+from miles_core.learner.channels import BatchChannel, PolicyChannel, admits, uses_inbox
 from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import add_lora, adapter_tensors, save_adapter
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
@@ -58,3 +58,24 @@ def test_the_policy_channel_publishes_and_loads_a_version_in_place(tmp_path: Pat
     ch.publish(tmp_path / "v2", 2)
     with pytest.raises(ValueError, match="adapter v2 does not fit this model: unexpected keys"):
         ch.load_into(sampler, 2, tmp_path / "v2-fetched")
+
+
+def test_an_inbox_channel_announces_each_commit_and_lists_only_what_is_not_retired(tmp_path: Path) -> None:
+    """A run created with the inbox: every commit is announced (a second commit of the same id
+    announces again, repairing an announcement its first writer never made), the learner's listing
+    is the inbox, and retiring takes batches out of it without touching their markers or data. A
+    run without it (an older run.json) is listed by its markers."""
+    cfg = load_recipe("tiny", [])
+    rs = RunStore(str(tmp_path / "run"))
+    ch = BatchChannel(rs, cfg, inbox=True)
+    for i in range(3):
+        assert ch.commit(make_batch(seed=i), f"00000{i}-w0")
+    assert ch.waiting() == rs.trajectories.list_inbox() == ["000000-w0", "000001-w0", "000002-w0"]
+    rs.trajectories.retire(["000000-w0", "000001-w0", "gone-already"])
+    assert ch.waiting() == ["000002-w0"] and len(rs.trajectories.list_batches()) == 3
+    rs.trajectories.retire(["000002-w0"])
+    assert not ch.commit(make_batch(seed=7), "000002-w0") and ch.waiting() == ["000002-w0"]
+    assert rs.trajectories.read_batch("000000-w0") is not None  # retired, still readable
+    legacy = BatchChannel(rs, cfg)
+    assert legacy.waiting() == rs.trajectories.list_batches()
+    assert uses_inbox({"protocol": {"inbox": True}}) and not uses_inbox({"cfg": {}})

@@ -70,7 +70,7 @@ def committed_run(tmp: Path, base: Path, batches: int, *overrides: str) -> str:
     for seq in range(batches):
         b = sampler.make_batch(seq)
         b.reward = torch.arange(len(b), dtype=torch.float32) % 2
-        sampler.run_store.trajectories.write_batch(assign_advantages(b), batch_id(seq, "w0"))
+        sampler.batches.commit(assign_advantages(b), batch_id(seq, "w0"))
     return run
 
 

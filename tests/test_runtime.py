@@ -51,6 +51,7 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
         rs = RunStore(store)
         ledger = rs.load_checkpoint()["ledger"]
         assert [e["id"] for e in ledger["consumed"]] == [f"{i:06d}-learner" for i in range(3)]
+        assert rs.trajectories.list_inbox() == []  # each batch retired from the inbox at its update's checkpoint
         finals.append(rs.adapters.fetch(3, tmp_path / name / "final"))
         assert not rs.exists("rollouts")  # one store folder of batches: what was sampled is what is consumed
     a, b = (Path(d, "adapter_model.safetensors").read_bytes() for d in finals)

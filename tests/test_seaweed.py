@@ -211,6 +211,26 @@ def test_request_counter_on_one_write_and_one_read(seaweed_server: Any) -> None:
     assert counter.snapshot() == {"ListObjectsV2": 1}
 
 
+def test_the_inbox_on_a_real_server_costs_what_is_in_flight(seaweed_server: Any) -> None:
+    """On SeaweedFS: an announcement is one PUT, listing the inbox one LIST whatever the store
+    holds, and retiring 1,200 batches two bulk deletes (1,000 keys each at most); the markers stay."""
+    store = TrajectoryStore(seaweed_server.fresh_root(), seaweed_server.storage_options)
+    counter = RequestCounter()
+    counter.attach(store.fs)
+    ids = [f"{i:06d}-w0" for i in range(1200)]
+    for bid in ids:
+        store.announce(bid)
+        store.fs.pipe_file(store.marker_path(bid), b"{}")  # markers alone: what list_batches sees
+    assert store.list_inbox() == ids and store.list_batches() == ids
+    counter.reset()
+    store.retire(ids[:-3])
+    assert counter.snapshot() == {"DeleteObjects": 2}
+    counter.reset()
+    assert store.list_inbox() == ids[-3:]
+    assert counter.snapshot() == {"ListObjectsV2": 1}
+    assert len(store.list_batches()) == 1200
+
+
 def test_request_counter_ignores_local_folders(tmp_path: Path) -> None:
     store = TrajectoryStore(tmp_path / "store")
     counter = RequestCounter()

@@ -21,7 +21,6 @@ and bytes x 1e-4 (emulate_smoke.json).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -35,7 +34,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from benchmarks.harness import MeasuredNothing, bench_args, finish, usable_cpus
+from benchmarks.harness import MeasuredNothing, bench_args, finish, seaweed, usable_cpus
 from benchmarks.standin import SCALE, settings
 from miles_core.asyncrl.launch import WarmProcess
 from miles_core.asyncrl.launch import summarize as run_summary
@@ -53,14 +52,6 @@ OVERRIDES = ["task.completion_len=16", "train.prompts_per_iter=4", "train.group_
 # --smoke: one small run on the same path in seconds; 5 updates, so two count as steady (summarize)
 SMOKE = {"processes": [2], "batches": 5, "scale": 0.002, "bytes_scale": 1e-4, "chaos": False}
 SMOKE_STORE_PROBES = 3
-
-
-def _seaweed() -> Any:
-    spec = importlib.util.spec_from_file_location("miles_s3server", REPO / "infra" / "s3server.py")
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
 
 
 def _children(pid: int) -> list[int]:
@@ -301,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     base = init_checkpoint(work / "base", seed=0)
     probe = load_recipe("tiny", OVERRIDES)
     standin = json.dumps({**stand_in(probe, args.scale, args.bytes_scale), "allreduce_bytes": trained_bytes(probe, base)})
-    server = _seaweed().start(work / "s3", bucket="miles")
+    server = seaweed().start(work / "s3", bucket="miles")
     # the environment, fork server and launcher context this run sets, restored after (main runs in tests too)
     environ = mock.patch.dict(os.environ, {
         "MILES_S3_ENDPOINT_URL": server.endpoint_url, "AWS_ACCESS_KEY_ID": server.key,

@@ -47,10 +47,14 @@ S3_GET_PER_PREFIX = 5500.0
 # is several requests: s3fs asks a HEAD before each GET, an exclusive create looks first, an
 # adapter is three files, its manifest, its marker and LATEST.
 # A sampler's start: the spec and the base; a poll: control/STOP and adapters/LATEST; a learner
-# poll: the commits listing and control/STOP; a read: a batch's marker and data.
-WIRE = {"sampler_start": 12.54, "poll": 3.0, "claim": 2.0, "sync": 6.0, "commit": 3.0, "sampler_status": 1.0,
+# poll: the inbox listing and control/STOP; a read: a batch's marker and data. Since those runs a
+# commit also announces the batch (one PUT: commit 3 -> 4) and a checkpoint retires the inbox's
+# taken batches (its listing and a bulk delete per 1,000: checkpoint 2 -> 4), as counted on
+# SeaweedFS by tests/test_seaweed.py; the learner's poll lists the inbox, so it costs the same at
+# any run age (it listed every commit marker before: benchmarks/scale/run_age.py).
+WIRE = {"sampler_start": 12.54, "poll": 3.0, "claim": 2.0, "sync": 6.0, "commit": 4.0, "sampler_status": 1.0,
         "learner_start": 24.0, "rank_start": 12.0, "learner_poll": 2.6, "read": 3.98, "publish": 12.0,
-        "checkpoint": 2.0, "learner_status": 1.0}
+        "checkpoint": 4.0, "learner_status": 1.0}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,10 @@ from miles_core.parallel import World
 from miles_core.storage.run import RunStore
 
 log = logging.getLogger(__name__)
+# How long a learner waits with nothing new before it lists every commit marker for batches that
+# were committed but never announced (AsyncLearner._unannounced): that listing's cost grows with the
+# run's age, so it is paid only when the run is stuck, never while batches arrive.
+UNANNOUNCED_SCAN_S = 60.0
 
 
 class AsyncLearner(LearnerRun):
@@ -47,6 +51,7 @@ class AsyncLearner(LearnerRun):
                          total_updates=-(-cfg.async_rl.num_samplers * cfg.async_rl.batches_per_sampler
                                          // cfg.batches_per_update()), world=world)  # the last may be short
         self.max_updates = max_updates  # stop after this many updates in this process (tests, chaos)
+        self._stuck: tuple[int, float] | None = None  # (batches waiting, since when): _unannounced
         self._init_self_sampling()
         self.requests_at_start = self.rs.requests.total()  # the spec, the base, checkpoint and adapter checks
 
@@ -141,16 +146,39 @@ class AsyncLearner(LearnerRun):
         if stop or (self.max_updates is not None and self._updates_here >= self.max_updates):
             return "stop", None
         with rs.requests.phase("list"):
-            listed = rs.retry(rs.trajectories.list_batches, "listing trajectories")
+            listed = self.batches.waiting()
         pending = [b for b in listed if b not in ledger]
         need = min(self.cfg.batches_per_update(), self.expected - len(ledger))  # the last may be short (drops)
+        if len(pending) < need and self.batches.inbox:
+            pending = sorted({*pending, *self._unannounced(len(pending))})
         if len(pending) >= need:
+            self._stuck = None
             return "update", pending[:need]
         if self.sample_self():
             return "sampled", None
         t0 = time.perf_counter()
         time.sleep(next(waits))
         return "waited", time.perf_counter() - t0
+
+    def _unannounced(self, pending: int) -> list[str]:
+        """Committed batches that never reached the inbox (a writer that died between its commit
+        and its announcement, and was not restarted to announce it again), announced now. It takes
+        a full listing of the commit markers, whose cost grows with the run's age, so only once the
+        learner has waited :data:`UNANNOUNCED_SCAN_S` seconds with ``pending`` batches and nothing
+        new (then again every as many seconds): never while batches keep arriving."""
+        now = time.monotonic()
+        if self._stuck is None or self._stuck[0] != pending:
+            self._stuck = (pending, now)
+            return []
+        if now - self._stuck[1] < UNANNOUNCED_SCAN_S:
+            return []
+        self._stuck = (pending, now)
+        rs = self.rs
+        with rs.requests.phase("scan"):
+            missing = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories") if b not in self.ledger]
+            for b in missing:
+                rs.retry(lambda: rs.trajectories.announce(b), f"announcing batch {b}")
+        return missing
 
     def run(self) -> dict[str, Any]:
         a, rs, world = self.cfg.async_rl, self.rs, self.world

@@ -36,7 +36,7 @@ from miles_core.algo.rl import batch_id, rollout_stats, sample_batch
 from miles_core.allocator import apply_heap_setting
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
-from miles_core.learner.channels import BatchChannel, PolicyChannel, poll_intervals
+from miles_core.learner.channels import BatchChannel, PolicyChannel, poll_intervals, uses_inbox
 from miles_core.learner.policy import build_policy
 from miles_core.rewards.registry import reward_for_recipe
 from miles_core.storage.run import RunStore
@@ -55,7 +55,8 @@ class SamplerWorker:
         spec = self.run_store.read_spec()
         self.cfg = load_recipe(spec["cfg"])
         self.run_store.retry_budget_s = self.cfg.async_rl.retry_budget_s
-        self.batches, self.policy = BatchChannel(self.run_store, self.cfg), PolicyChannel(self.run_store)
+        self.batches = BatchChannel(self.run_store, self.cfg, inbox=uses_inbox(spec))
+        self.policy = PolicyChannel(self.run_store)
         torch.set_num_threads(self.cfg.async_rl.sampler_threads)
         apply_heap_setting(self.cfg.async_rl.retain_heap_mb)  # a sampler only samples: else every step faults in fresh pages
         if self.cfg.async_rl.sampler_nice > 0:  # samplers and learner share cores: let the learner go first

@@ -101,26 +101,42 @@ class SlotClaims:
 class BatchChannel:
     """Trajectories from the samplers to the learner (module docstring), for the run in ``rs``
     with the recipe ``cfg``: B sampler batches per update (``async_rl.global_batch``), the
-    staleness bound S (``async_rl.max_staleness``), a budget of ``num_samplers x batches_per_sampler``."""
+    staleness bound S (``async_rl.max_staleness``), a budget of ``num_samplers x batches_per_sampler``.
+    ``inbox``: the run announces each commit in the trajectory store's inbox, which the learner
+    lists instead of every commit marker (a run created with it says so in ``run.json``:
+    :func:`uses_inbox`; older runs are listed as before)."""
 
-    def __init__(self, rs: RunStore, cfg: RecipeConfig) -> None:
+    def __init__(self, rs: RunStore, cfg: RecipeConfig, inbox: bool = False) -> None:
         a = cfg.async_rl
         self.rs, self.per_update, self.bound = rs, cfg.batches_per_update(), cfg.async_rl.max_staleness
         self.claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
+        self.inbox = inbox
 
     def admits(self, slot: int, version: int) -> bool:
         """:func:`admits` with this run's B and S."""
         return admits(slot, version, self.per_update, self.bound)
 
     def commit(self, batch: Batch, bid: str) -> bool:
-        """Commit ``batch`` as ``bid`` -> False when an earlier attempt's commit landed (the
-        stored one counts: batch ids are deterministic, so it is the same batch)."""
+        """Commit ``batch`` as ``bid``, then announce it -> False when an earlier attempt's commit
+        landed (the stored one counts: batch ids are deterministic, so it is the same batch; it is
+        announced again, in case that attempt died between its commit and its announcement)."""
         rs = self.rs
         try:
             rs.retry(lambda: rs.trajectories.write_batch(batch, batch_id=bid), f"committing batch {bid}")
-            return True
+            fresh = True
         except BatchExistsError:
-            return False
+            fresh = False
+        if self.inbox:
+            rs.retry(lambda: rs.trajectories.announce(bid), f"announcing batch {bid}")
+        return fresh
+
+    def waiting(self) -> list[str]:
+        """The committed batch ids the learner may not have taken yet, sorted: the inbox (what is in
+        flight), or, in a run without one, every commit marker."""
+        rs = self.rs
+        if self.inbox:
+            return rs.retry(rs.trajectories.list_inbox, "listing the inbox")
+        return rs.retry(rs.trajectories.list_batches, "listing trajectories")
 
     def verdict(self, batch: Batch, version: int) -> Verdict:
         """The learner's verdict at ``version`` on a committed batch: fresh (with the version that
@@ -128,6 +144,11 @@ class BatchChannel:
         behaviour = int(batch.policy_version.min())
         staleness = version - behaviour
         return Verdict.dropped(staleness) if staleness > self.bound else Verdict.fresh(behaviour)
+
+
+def uses_inbox(spec: dict[str, Any]) -> bool:
+    """Whether the run whose ``run.json`` is ``spec`` announces its commits (storage/run.py::prepare_run)."""
+    return bool(spec.get("protocol", {}).get("inbox", False))
 
 
 class PolicyChannel:

@@ -36,7 +36,7 @@ from miles_core.algo.rl import batch_id
 from miles_core.algo.update import global_counts
 from miles_core.config import RecipeConfig, load_recipe
 from miles_core.data.registry import TaskData, build_task
-from miles_core.learner.channels import BatchChannel, PolicyChannel
+from miles_core.learner.channels import BatchChannel, PolicyChannel, uses_inbox
 from miles_core.learner.policy import Learner
 from miles_core.learner.ledger import Ledger, Verdict
 from miles_core.learner.shares import agree, first_reader, held_rows, my_share
@@ -78,7 +78,8 @@ class LearnerRun:
         self.checkpoint_every = checkpoint_every or self.cfg.async_rl.checkpoint_every
         self.learner = Learner(self.cfg, self.rs.fetch_base(self.cache),
                                total_updates=total_updates, world=self.world)
-        self.batches, self.policy = BatchChannel(self.rs, self.cfg), PolicyChannel(self.rs)  # learner/channels.py
+        self.batches = BatchChannel(self.rs, self.cfg, inbox=uses_inbox(spec))  # learner/channels.py
+        self.policy = PolicyChannel(self.rs)
         self.ledger = Ledger()
         self.history: list[dict[str, Any]] = []
         self.totals: dict[str, Any] = {"idle_s": 0.0, "wall_s": 0.0, "fill_s": 0.0, "resumes": 0, "version_skips": 0}
@@ -117,6 +118,11 @@ class LearnerRun:
                 "totals": self.totals, "version": self.learner.version}
         with self.rs.requests.phase("checkpoint"):
             self.rs.save_checkpoint(blob, self.learner.version)
+        if self.batches.inbox:  # every batch the ledger lists is in the checkpoint just saved
+            rs = self.rs
+            with rs.requests.phase("retire"):
+                taken = [b for b in self.batches.waiting() if b in self.ledger]
+                rs.retry(lambda: rs.trajectories.retire(taken), "retiring taken batches from the inbox")
 
     def publish(self) -> None:
         """Upload the current adapter as version ``learner.version`` (idempotent on resume)."""

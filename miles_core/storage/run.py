@@ -244,7 +244,9 @@ def prepare_run(run_uri: str, cfg: RecipeConfig, base_dir: str | os.PathLike[str
     if not (Path(base_dir) / "config.json").exists():
         raise FileNotFoundError(f"base checkpoint {base_dir} is not a Miles checkpoint folder (no config.json)")
     rs = RunStore(run_uri, storage_options, cfg.async_rl.retry_budget_s)
+    # protocol: what the run's processes agree on beyond the recipe; "inbox": commits are announced
+    # (learner/channels.py::BatchChannel). A run re-opened keeps the protocol it was created with.
     spec = rs.write_spec({"cfg": cfg.to_dict(), "base_source": str(Path(base_dir).resolve()),
-                          "created_unix": time.time()}, resumable)
+                          "created_unix": time.time(), "protocol": {"inbox": True}}, resumable)
     rs.upload_base(base_dir)
     return spec

@@ -77,6 +77,7 @@ class TrajectoryStore:
 
     Layout: ``batches/{id}/{writer token}.parquet`` (data, one object per writer),
     ``commits/{id}.json`` (marker, written last, naming the data object that counts),
+    ``inbox/{id}`` (an empty object per committed batch its reader has not yet retired),
     ``quarantine/{id}/`` (corrupt batches moved aside with ``reason.json``).
     """
 
@@ -143,6 +144,45 @@ class TrajectoryStore:
         """Committed batch ids, sorted (ids from :func:`new_batch_id` sort by creation time)."""
         names = U.list_names(self.fs, U.join(self.root, "commits"))
         return sorted(n[: -len(".json")] for n in names if n.endswith(".json") and not n.startswith(".tmp-"))
+
+    # ------------------------------------------------------------------ the inbox
+    # Listing commits/ costs one request per 1,000 markers, so a reader polling it pays for every
+    # batch the run ever committed (over a day at 4,096 GPUs, ~600 requests a poll). The inbox holds
+    # only what its reader has not retired: a writer announces a batch after its commit, the reader
+    # retires the batches its checkpoint records as taken, so a listing costs what is in flight.
+
+    def inbox_path(self, batch_id: str) -> str:
+        return U.join(self.root, "inbox", batch_id)
+
+    def announce(self, batch_id: str) -> None:
+        """Put committed batch ``batch_id`` in the inbox (idempotent: a retried or resumed writer
+        announces again). Call it after the commit, so the inbox names no uncommitted batch."""
+        self._check_id(batch_id)
+        U.write_bytes_atomic(self.fs, self.inbox_path(batch_id), b"")
+
+    def list_inbox(self) -> list[str]:
+        """Announced batch ids not yet retired, sorted like :meth:`list_batches`."""
+        names = U.list_names(self.fs, U.join(self.root, "inbox"))
+        return sorted(n for n in names if _ID_RE.match(n) and not n.startswith(".tmp-"))
+
+    def retire(self, batch_ids: list[str]) -> None:
+        """Take ``batch_ids`` out of the inbox (one bulk delete per 1,000 on S3; gone ones ignored).
+        Their data and markers stay: retiring is the reader's bookkeeping, not a deletion."""
+        paths = [self.inbox_path(b) for b in batch_ids]
+        if not paths:
+            return
+        if U.is_local(self.fs):
+            for path in paths:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+            return
+        try:
+            self.fs.rm(paths)
+        except FileNotFoundError:
+            pass
+        U.refresh(self.fs, U.join(self.root, "inbox"))
 
     def commit_info(self, batch_id: str) -> dict[str, Any]:
         """The commit marker (rows, sha256, policy version range ...) without reading the data."""
