@@ -24,6 +24,7 @@ from miles_core.storage.run import RunSpecMismatch, RunStore
 from miles_core.asyncrl.learner import AsyncLearner
 from miles_core.asyncrl.sampler import SamplerWorker, batch_id
 from miles_core.learner.channels import admits
+from miles_core.learner.ledger import stored_state
 from miles_core.config import ConfigError, load_recipe
 from miles_core.models.base import load_checkpoint
 from miles_core.models.lora import load_adapter
@@ -274,7 +275,7 @@ def test_sigkill_during_batch_write_and_mid_update_loses_and_duplicates_nothing(
     # 2. learner killed after its second update, before that update's checkpoint
     run_until_paused(command("learner", run, cache_dir=tmp_path / "lc"), tmp_path, "checkpoint")
     ckpt = rs.load_checkpoint()
-    assert [e["id"] for e in ckpt["ledger"]["consumed"]] == [first]  # the killed update left no trace
+    assert [e["id"] for e in stored_state(rs, ckpt["ledger"])["consumed"]] == [first]  # the killed update left no trace
     subprocess.run(command("learner", run, cache_dir=tmp_path / "lc"), env=local_env(), check=True,
                    capture_output=True, timeout=300)
     hist = rs.read_json("learner", "history.json")

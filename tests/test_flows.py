@@ -133,7 +133,9 @@ def test_batches_committed_and_adapters_published(trained: TrainedProject) -> No
     assert scored.list_batches() == ids and not rs.exists("rollouts")
     assert meta["consumed"] == ids  # each batch used exactly once
     ckpt = rs.load_checkpoint()  # the ledger inside the learner checkpoint is the source of truth
-    assert [e["id"] for e in ckpt["ledger"]["consumed"]] == ids and ckpt["version"] == 2
+    from miles_core.learner.ledger import stored_state
+
+    assert [e["id"] for e in stored_state(rs, ckpt["ledger"])["consumed"]] == ids and ckpt["version"] == 2
     for bid, version in zip(ids, (0, 1)):
         batch = scored.read_batch(bid)
         assert len(batch) == 4 * 4 and not batch.reward.isnan().any()

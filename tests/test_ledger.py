@@ -78,3 +78,39 @@ def test_verdicts_are_typed_values_that_compare_and_pickle() -> None:
     v = Verdict.fresh(3)
     assert v.kind == "fresh" and v.version == 3 and pickle.loads(pickle.dumps(v)) == v
     assert Verdict.dropped(7) != Verdict.dropped(6) and Verdict.quarantined("bad").reason == "bad"
+
+
+def test_each_checkpoint_writes_what_changed_and_a_resume_reads_the_parts_back(tmp_path) -> None:
+    """A checkpoint names the ledger's parts and writes one more holding only the entries since
+    the one before, so what it pickles does not grow with the run; the parts read back make the
+    same ledger, a checkpoint with nothing new writes no part, and the lists of a checkpoint
+    written before parts go whole into the first part after it."""
+    import pickle
+
+    from miles_core.learner.ledger import load, save_part, stored_state
+    from miles_core.storage.run import RunStore
+
+    rs, full = RunStore(str(tmp_path / "run")), _random_ledger(3, 900)
+    live, parts, blob_sizes, part_sizes = Ledger(), [], [], []
+    state = full.state()
+    for cut in range(0, 900, 100):  # nine checkpoints, 100 more batches before each
+        chunk = Ledger({k: [e for e in v if int(e["id"].split("-")[0]) < cut + 100] for k, v in state.items()})
+        for kind in ("consumed", "dropped", "quarantined"):
+            for e in getattr(chunk, kind)[len(getattr(live, kind)):]:
+                live._add(kind, dict(e))
+        parts = save_part(rs, live, parts, version=cut)
+        live.mark_saved()
+        blob_sizes.append(len(pickle.dumps({"parts": parts})))
+        part_sizes.append(len(rs.fs.cat_file(rs.path("learner", "ledger", parts[-1]))))
+    assert len(parts) == 9 and max(blob_sizes) - min(blob_sizes) < 200  # nine names, not 900 entries
+    assert max(part_sizes) < 2 * min(part_sizes)                         # each part holds ~100 entries
+    assert save_part(rs, live, parts, version=900) == parts              # nothing new: no part
+    back, named = load(rs, {"parts": parts})
+    assert back.state() == state and named == parts and stored_state(rs, {"parts": parts}) == state
+    legacy, none = load(rs, state)                                       # a checkpoint from before parts
+    assert none == [] and legacy.state() == state
+    first = save_part(rs, legacy, [], version=901)
+    assert stored_state(rs, {"parts": first}) == state
+    rs.fs.rm_file(rs.path("learner", "ledger", parts[4]))
+    with pytest.raises(FileNotFoundError, match="ledger part"):
+        load(rs, {"parts": parts})

@@ -12,6 +12,7 @@ from conftest import train_tiny_base
 
 from miles_core.config import ConfigError, load_recipe
 from miles_core.data.registry import build_task
+from miles_core.learner.ledger import stored_state
 from miles_core.learner.run_folder import open_step_run, pointed_recipe, start_step_run
 from miles_core.storage.run import RunStore
 from tasks import training
@@ -49,7 +50,7 @@ def test_sync_resume_is_bit_identical_and_consumes_each_batch_once(tmp_path: Pat
                 last = iterate(lr, its)
         assert last["version"] == 3 and last["iteration"] == 3 and last["stats"]["rows"] > 0  # the resumed update ran
         rs = RunStore(store)
-        ledger = rs.load_checkpoint()["ledger"]
+        ledger = stored_state(rs, rs.load_checkpoint()["ledger"])
         assert [e["id"] for e in ledger["consumed"]] == [f"{i:06d}-learner" for i in range(3)]
         assert rs.trajectories.list_inbox() == []  # each batch retired from the inbox at its update's checkpoint
         finals.append(rs.adapters.fetch(3, tmp_path / name / "final"))
@@ -212,5 +213,5 @@ def test_a_sync_resume_past_a_damaged_checkpoint_redoes_only_the_lost_update(tmp
         last = iterate(lr, range(2, 3))
     assert last["iteration"] == 3
     ckpt = RunStore(store).load_checkpoint()
-    assert [e["id"] for e in ckpt["ledger"]["consumed"]] == [f"{i:06d}-learner" for i in range(3)]
+    assert [e["id"] for e in stored_state(RunStore(store), ckpt["ledger"])["consumed"]] == [f"{i:06d}-learner" for i in range(3)]
     assert ckpt["totals"]["checkpoint_fallbacks"][0]["used"] == "v000002.pt"

@@ -36,11 +36,12 @@ SMOKE = {"kills": 2, "min_gap": 0.5, "max_gap": 1.0}
 
 
 def audit(run_uri: str, expected: int) -> dict:
+    from miles_core.learner.ledger import stored_state
     from miles_core.storage.run import RunStore
 
     rs = RunStore(run_uri)
     committed = set(rs.trajectories.list_batches()) | set(rs.trajectories.list_quarantined())
-    ledger = rs.load_checkpoint()["ledger"]
+    ledger = stored_state(rs, rs.load_checkpoint()["ledger"])
     consumed = [e["id"] for e in ledger["consumed"]]
     accounted = set(consumed) | {e["id"] for e in ledger["dropped"]} | {e["id"] for e in ledger["quarantined"]}
     status = rs.read_json("learner", "status.json") or {}

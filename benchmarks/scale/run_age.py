@@ -28,7 +28,7 @@ from benchmarks.harness import add_smoke, finish, seaweed
 from miles_core.algo.rl import batch_id
 from miles_core.config import load_recipe
 from miles_core.learner.channels import BatchChannel
-from miles_core.learner.ledger import Ledger
+from miles_core.learner.ledger import Ledger, save_part
 from miles_core.storage.requests import RequestCounter
 from miles_core.storage.run import RunStore
 
@@ -81,16 +81,24 @@ def measure(rs: RunStore, sizes: list[int], in_flight: int, reps: int) -> list[d
             retire_one_checkpoint()
             retire.append((time.perf_counter() - t0, sum(counter.snapshot().values())))
             store.fs.pipe({store.inbox_path(b): b"" for b in taken})
-        ledger = Ledger()
+        ledger, parts = Ledger(), [f"{k:06d}-v{k:06d}.json" for k in range((n - in_flight) // in_flight)]
         for i, b in enumerate(ids):
             ledger.consume(b, policy_version=i // 8, learner_version=i // 8 + 1, rows=8, update=i // 8 + 1, staleness=0)
+            if i == n - in_flight - 1:
+                ledger.mark_saved()  # the checkpoints before hold all but the newest in-flight batches
         t0 = time.perf_counter()
-        blob = pickle.dumps(ledger.state())
+        blob = pickle.dumps(ledger.state())  # what a checkpoint pickled before the ledger's parts
         pickle_s = time.perf_counter() - t0
+        counter.reset()
+        t0 = time.perf_counter()
+        named = save_part(rs, ledger, parts, version=n)  # what it writes now: one part, and the parts' names
+        now_bytes = len(pickle.dumps({"parts": named}))
+        part_s, part_req = time.perf_counter() - t0, sum(counter.snapshot().values())
         rows.append({"batches": n, "markers_s": markers_s, "markers_requests": markers_req,
                      "inbox_s": inbox_s, "inbox_requests": inbox_req, "in_flight": len(waiting),
                      "retire_s": statistics.median(r[0] for r in retire), "retire_requests": max(r[1] for r in retire),
-                     "retired_per_checkpoint": len(taken), "ledger_pickle_s": pickle_s, "ledger_bytes": len(blob)})
+                     "retired_per_checkpoint": len(taken), "ledger_pickle_s": pickle_s, "ledger_bytes": len(blob),
+                     "ledger_part_s": part_s, "ledger_part_requests": part_req, "ledger_names_bytes": now_bytes})
         print(f"{n} batches: markers {markers_s:.3f} s ({markers_req} requests), inbox {inbox_s:.3f} s "
               f"({inbox_req} requests)", flush=True)
     return rows
@@ -117,11 +125,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload = {"rows": rows, "store": "seaweedfs", "workers": WORKERS, "reps": reps, "smoke": args.smoke,
                "markers_growth": last["markers_s"] / first["markers_s"], "inbox_growth": last["inbox_s"] / first["inbox_s"]}
     table = [[r["batches"], r["markers_s"], r["markers_requests"], r["inbox_s"], r["inbox_requests"], r["retire_s"],
-              r["retire_requests"], r["ledger_pickle_s"], f"{r['ledger_bytes'] / 2**20:.1f}"] for r in rows]
+              r["retire_requests"], r["ledger_pickle_s"], f"{r['ledger_bytes'] / 2**20:.1f}", r["ledger_part_s"],
+              f"{r['ledger_names_bytes'] / 2**10:.1f}"] for r in rows]
     finish("run_age", payload, table, ["batches", "list markers s", "requests", "inbox s", "requests", "retire s",
-                                       "requests", "ledger pickle s", "ledger MiB"], args.out,
+                                       "requests", "whole ledger pickle s", "MiB", "its part s", "names KiB"], args.out,
            positive=["rows.*.markers_s", "rows.*.inbox_s", "rows.*.markers_requests", "rows.*.inbox_requests",
-                     "rows.*.retire_requests"])
+                     "rows.*.retire_requests", "rows.*.ledger_part_requests"])
     return payload
 
 

@@ -38,6 +38,7 @@ from miles_core.config import RecipeConfig, load_recipe
 from miles_core.data.registry import TaskData, build_task
 from miles_core.learner.channels import BatchChannel, PolicyChannel, uses_inbox
 from miles_core.learner.policy import Learner
+from miles_core.learner import ledger as ledger_parts
 from miles_core.learner.ledger import Ledger, Verdict
 from miles_core.learner.shares import agree, first_reader, held_rows, my_share
 from miles_core.parallel import World
@@ -81,12 +82,14 @@ class LearnerRun:
         self.batches = BatchChannel(self.rs, self.cfg, inbox=uses_inbox(spec))  # learner/channels.py
         self.policy = PolicyChannel(self.rs)
         self.ledger = Ledger()
+        self._ledger_parts: list[str] = []  # the ledger parts the last checkpoint names (learner/ledger.py)
         self.history: list[dict[str, Any]] = []
         self.totals: dict[str, Any] = {"idle_s": 0.0, "wall_s": 0.0, "fill_s": 0.0, "resumes": 0, "version_skips": 0}
         ckpt = self.rs.load_checkpoint()
         if ckpt is not None:
             self.learner.load_state(ckpt["learner"])
-            self.ledger, self.history, self.totals = Ledger(ckpt["ledger"]), ckpt["history"], ckpt["totals"]
+            self.ledger, self._ledger_parts = ledger_parts.load(self.rs, ckpt["ledger"])
+            self.history, self.totals = ckpt["history"], ckpt["totals"]
             self.totals["resumes"] += 1
             if "fallback" in ckpt:  # the newest was damaged: storage/run.py::load_checkpoint said which it used
                 self.totals["checkpoint_fallbacks"] = [*self.totals.get("checkpoint_fallbacks", []), ckpt["fallback"]]
@@ -114,10 +117,13 @@ class LearnerRun:
         state = self.learner.state()  # sharded: gathered on every rank (a collective)
         if not self.world.is_main:
             return
-        blob = {"learner": state, "ledger": self.ledger.state(), "history": self.history,
-                "totals": self.totals, "version": self.learner.version}
         with self.rs.requests.phase("checkpoint"):
+            parts = ledger_parts.save_part(self.rs, self.ledger, self._ledger_parts, self.learner.version)
+            blob = {"learner": state, "ledger": {"parts": parts}, "history": self.history,
+                    "totals": self.totals, "version": self.learner.version}
             self.rs.save_checkpoint(blob, self.learner.version)
+        self._ledger_parts = parts
+        self.ledger.mark_saved()
         if self.batches.inbox:  # every batch the ledger lists is in the checkpoint just saved
             rs = self.rs
             with rs.requests.phase("retire"):
