@@ -102,7 +102,7 @@ def charge_host(p: Params, costs: dict[str, Any]) -> Params:
     rank's per update (its share, B, the batches it reads) plus rank 0's publish and checkpoint,
     and a sampler's per batch."""
     b, n, d, g = p.batches_per_update, p.completions_per_batch, p.learner_ranks, p.group_size
-    rank = host_seconds(costs["fit"], largest_share(b, n, d, g), b, max(shares(b, n, d, g)))
+    rank = host_seconds(costs["fit"], largest_share(b, n, d, g), b, max(shares(b, n, d, g)), d)
     extra = costs["rank0_and_sampler"]
     return replace(p, learner_host_s=rank + extra["rank0_per_update_s"], sampler_host_s=extra["sampler_per_batch_s"])
 

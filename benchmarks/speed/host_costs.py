@@ -5,15 +5,17 @@ Run: python -m benchmarks.host_costs [--points NAME ...] [--smoke]
 
 A learner rank's update, before the device computes anything (the code the rank runs, on
 synthetic batches of the real shape: n completions of L tokens committed over K steps, prompts
-of P tokens): read its share from a local store (Parquet), agree on verdicts (its own pickled,
-the D ranks' unpickled, as ``all_gather_object`` does), cut its rows out of the batches it read
+of P tokens): plan its share (``my_share``, ``first_reader``), read it from a local store
+(Parquet), agree on verdicts (the real ``agree``, the collective's receiving side stood in for:
+every rank's verdicts on its share, unpickled), cut its rows out of the batches it read
 and key them, the collapse guard's health, the estimator's rows (ADPO covering a quarter of the
 steps, algo/step_choice.py), the minibatch deal (algo/draws.py), the chunk plan's row costs and the
 behaviour log-prob gather (algo/update.py). ``after``: the rank's own share (learner/shares.py);
 ``before``: every trajectory of the global batch, as a rank did when each built the whole batch
 (the same functions over all B n trajectories, plus the metadata it then exchanged, pickled and
 unpickled: per row the prompt length, step map, group, version, reward, advantage, NFE and text).
-Rank 0 also publishes the adapter every update and checkpoints every ``checkpoint_every``
+Each point is measured on the first rank and on the last (the update waits for the slower; the
+fit is of the slower, with a term in D). Rank 0 also publishes the adapter every update and checkpoints every ``checkpoint_every``
 (LLaDA-8B's r = 64 LoRA, saved as the learner saves them); a sampler loads each new adapter and
 writes its batch. Each (point, mode) runs in a fresh process, so its peak memory is its own
 (``ru_maxrss`` above the process after imports). Seconds depend on this machine's CPU: the
@@ -42,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 # (B sampler batches, D ranks, n completions per batch, G group size); K steps, L and P tokens fixed below
 POINTS = {
     "emulated 64 procs": (64, 27, 64, 8),
+    "4,096 GPUs, today's weak batch": (1260, 2016, 96, 6),
     "4,096 GPUs, old weak batch": (1171, 1755, 64, 8),
     "4,096 GPUs, fixed 4,096": (64, 256, 64, 8),
     # the sweep the fit is made on: share sizes 8 .. 384 trajectories, B from 4 to 512
@@ -70,15 +73,36 @@ def _batch(n: int, group: int, seed: int) -> Any:
     return b
 
 
-def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
-    """The busiest rank's host seconds per phase and peak bytes, in this (fresh) process."""
+def _gathered_as(D: int, B: int, n: int, group: int) -> Callable[[list, Any], None]:
+    """``torch.distributed.all_gather_object`` as rank r of D sees it: every rank's verdicts on the
+    batches it read (``my_share``), pickled on their side (outside the timer), unpickled on this one."""
+    from miles_core.learner.ledger import Verdict
+    from miles_core.learner.shares import my_share
+    from miles_core.parallel import World
+
+    sent = [pickle.dumps({j: Verdict.fresh(0) for j in my_share(B, n, group, World(r, D))}) for r in range(D)]
+
+    def all_gather_object(out: list, obj: Any) -> None:
+        for r, blob in enumerate(sent):
+            out[r] = pickle.loads(blob)
+    return all_gather_object
+
+
+def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[str, Any]:
+    """Rank ``rank``'s host seconds per phase and peak bytes, in this (fresh) process: the calls
+    ``LearnerRun._read_share`` makes (its share, whether it reads each batch first, the verdicts
+    agreed over D ranks, its rows cut and keyed), then the update's host work."""
+    import types
+
     import torch
 
     from miles_core.algo.draws import Draws, minibatches, trajectory_keys
     from miles_core.algo.estimators import get_estimator
     from miles_core.algo.guard import batch_health
     from miles_core.config import AdpoSettings, UpdateConfig
-    from miles_core.learner.shares import held_rows, my_share
+    from miles_core.learner import shares
+    from miles_core.learner.ledger import Verdict
+    from miles_core.learner.shares import agree, first_reader, held_rows, my_share
     from miles_core.parallel import World
     from miles_core.storage import TrajectoryStore
     from miles_core.tokenizer import CharTokenizer
@@ -86,9 +110,13 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
 
     torch.set_num_threads(1)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    world = World(0, D)  # rank 0 holds the most groups (ceil shares come first)
-    share = my_share(B, n, group, world)
+    world = World(rank, D)
+    gather = _gathered_as(D, B, n, group) if D > 1 and mode == "after" else None
     t: dict[str, float] = {}
+    t0 = time.perf_counter()
+    share = my_share(B, n, group, world)
+    first = [j for j in share if first_reader(j, n, B, group, world)]  # the batches it would quarantine
+    t["share_plan"] = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         store = TrajectoryStore(tmp)
         for j in share:  # committed by the samplers: not this rank's time
@@ -97,12 +125,20 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
         read = {j: store.read_batch(f"b{j:05d}") for j in share}
         t["read"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    mine = pickle.dumps({j: ("fresh", 0) for j in share})
-    per_rank = max(1, B // D + 1)
-    gathered = [pickle.dumps({j: ("fresh", 0) for j in range(r * per_rank, (r + 1) * per_rank)}) for r in range(D)]
-    verdicts = [pickle.loads(g) for g in gathered] + [pickle.loads(mine)]
+    if mode == "after":  # the real agree; the collective's receiving side stood in for (_gathered_as)
+        real = shares.dist
+        if gather is not None:
+            shares.dist = types.SimpleNamespace(all_gather_object=gather)
+        try:
+            verdicts: Any = agree(B, {j: Verdict.fresh(0) for j in read}, world)
+        finally:
+            shares.dist = real
+    else:  # the design before: verdicts as tuples, each rank's pickled, all unpickled
+        per_rank = max(1, B // D + 1)
+        gathered = [pickle.dumps({j: ("fresh", 0) for j in range(r * per_rank, (r + 1) * per_rank)}) for r in range(D)]
+        verdicts = [pickle.loads(g) for g in gathered]
     t["agree"] = time.perf_counter() - t0
-    del verdicts
+    del verdicts, first
     if mode == "before":  # the whole global batch on this rank: its share real, the rest as built from metadata
         others = [_batch(n, group, j) for j in range(B) if j not in read]  # built outside the timer
         t0 = time.perf_counter()
@@ -137,7 +173,7 @@ def one(B: int, D: int, n: int, group: int, mode: str) -> dict[str, Any]:
     mu = scorer.behaviour(rows.traj, rows.step)
     t["plan"] = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss
-    return {"B": B, "D": D, "n": n, "group": group, "mode": mode, "trajectories": len(local),
+    return {"B": B, "D": D, "n": n, "group": group, "mode": mode, "rank": rank, "trajectories": len(local),
             "rows": int(rows.traj.numel()), "batches_read": len(share), "behaviour_bytes": mu.numel() * 4,
             "phases": t, "host_s": sum(t.values()), "peak_bytes": peak}
 
@@ -174,29 +210,42 @@ def rank0_and_sampler(lora_params: int = LORA_PARAMS) -> dict[str, float]:
             "sampler_write_s": write, "sampler_per_batch_s": fetch + write, "adapter_bytes": 2 * lora_params}
 
 
+def slowest(points: list[dict]) -> list[dict]:
+    """Per (point, mode), the measurement of its slowest rank (the update waits for it)."""
+    out: dict[tuple[str, str], dict] = {}
+    for p in points:
+        key = (p["point"], p["mode"])
+        if key not in out or p["host_s"] > out[key]["host_s"]:
+            out[key] = p
+    return list(out.values())
+
+
 def fit(points: list[dict]) -> dict[str, float]:
-    """Least squares host_s = a + b x trajectories + c x B + d x batches read over the ``after``
-    measurements: the per-rank host seconds as a function of the shape (benchmarks/scale/scale_model.py)."""
+    """Least squares host_s = a + b x trajectories + c x B + d x batches read + e x D over the
+    slowest rank's ``after`` measurements: the per-rank host seconds as a function of the shape
+    (benchmarks/scale/scale_model.py). D counts: every rank unpickles every rank's verdicts."""
     import numpy as np
 
-    after = [p for p in points if p["mode"] == "after"]
-    x = np.array([[1.0, p["trajectories"], p["B"], p["batches_read"]] for p in after])
+    after = [p for p in slowest(points) if p["mode"] == "after"]
+    x = np.array([[1.0, p["trajectories"], p["B"], p["batches_read"], p["D"]] for p in after])
     y = np.array([p["host_s"] for p in after])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
     coef = np.maximum(coef, 0.0)  # a negative cost is noise: clipped at 0
     pred = x @ coef
     return {"const_s": float(coef[0]), "per_trajectory_s": float(coef[1]), "per_batch_in_update_s": float(coef[2]),
-            "per_batch_read_s": float(coef[3]), "max_rel_error": float(np.max(np.abs(pred - y) / y))}
+            "per_batch_read_s": float(coef[3]), "per_rank_s": float(coef[4]),
+            "max_rel_error": float(np.max(np.abs(pred - y) / y))}
 
 
-def host_seconds(model: dict[str, float], trajectories: float, batches: float, read: float) -> float:
-    """One rank's host seconds per update from :func:`fit`'s coefficients."""
+def host_seconds(model: dict[str, float], trajectories: float, batches: float, read: float, ranks: float = 1.0) -> float:
+    """One rank's host seconds per update from :func:`fit`'s coefficients (a fit made before the
+    D term has none)."""
     return (model["const_s"] + model["per_trajectory_s"] * trajectories + model["per_batch_in_update_s"] * batches
-            + model["per_batch_read_s"] * read)
+            + model["per_batch_read_s"] * read + model.get("per_rank_s", 0.0) * ranks)
 
 
 def in_fresh_process(job: Sequence[Any]) -> dict[str, Any]:
-    """:func:`one` for ``job`` (B, D, n, G, mode) in a fresh interpreter, so its peak memory is its own."""
+    """:func:`one` for ``job`` (B, D, n, G, mode, rank) in a fresh interpreter, so its peak memory is its own."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.host_costs", "--one", json.dumps(list(job))], cwd=REPO,
                          capture_output=True, text=True)
     if out.returncode:
@@ -211,10 +260,12 @@ def measure(points: dict[str, tuple[int, int, int, int]], before: Sequence[str],
     mode); scale_model's --smoke passes :func:`one` itself (same code, its peak memory then not its own)."""
     measured = []
     for name, shape in points.items():
-        for mode in (["before"] if name in before else []) + ["after"]:
-            measured.append({"point": name, **run([*shape, mode])})
+        last = shape[1] - 1  # the last rank as well as the first: the update waits for the slowest
+        jobs = ([("before", 0)] if name in before else []) + [("after", 0)] + ([("after", last)] if last else [])
+        for mode, rank in jobs:
+            measured.append({"point": name, **run([*shape, mode, rank])})
             m = measured[-1]
-            print(f"  {name} {mode}: {m['host_s']:.3f} s, {m['peak_bytes'] / 2**20:.0f} MiB", flush=True)
+            print(f"  {name} {mode} rank {rank}: {m['host_s']:.3f} s, {m['peak_bytes'] / 2**20:.0f} MiB", flush=True)
     extra = rank0_and_sampler(lora_params)
     # what must be measured: every (point, mode)'s seconds and work, and rank 0's and the sampler's
     check_measured("host_costs", {"points": {f"{m['point']} ({m['mode']})": m for m in measured},
@@ -243,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         points, before, lora = {name: POINTS[name] for name in args.points}, args.before, LORA_PARAMS
     result = measure(points, before, lora)
     measured, extra, model = result["points"], result["rank0_and_sampler"], result["fit"]
-    rows = [[m["point"], m["B"], m["D"], m["mode"], m["trajectories"], m["batches_read"], f"{m['host_s']:.3f}",
+    rows = [[m["point"], m["B"], m["D"], m["mode"], m["rank"], m["trajectories"], m["batches_read"], f"{m['host_s']:.3f}",
              f"{m['peak_bytes'] / 2**20:.0f}", " ".join(f"{k} {v:.3f}" for k, v in m["phases"].items())]
             for m in measured]
     print(f"rank 0 adds per update: publish {extra['publish_s']:.2f} s + checkpoint {extra['checkpoint_s']:.2f} s / "
@@ -251,11 +302,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{extra['sampler_write_s']:.3f} s")
     print(f"fit: {model}")
     finish("host_costs", {**result, "smoke": args.smoke, "seconds": time.perf_counter() - t0}, rows,
-           ["point", "B", "D", "mode", "traj", "read", "host s", "peak MiB", "phases (s)"], out=args.out,
+           ["point", "B", "D", "mode", "rank", "traj", "read", "host s", "peak MiB", "phases (s)"], out=args.out,
            positive=["seconds", "rank0_and_sampler.rank0_per_update_s", "rank0_and_sampler.sampler_per_batch_s",
                      "rank0_and_sampler.adapter_bytes"],
            present=["fit.const_s", "fit.per_trajectory_s", "fit.per_batch_in_update_s", "fit.per_batch_read_s",
-                    "points"])
+                    "fit.per_rank_s", "points"])
 
 
 if __name__ == "__main__":
