@@ -14,8 +14,9 @@ behaviour log-prob gather (algo/update.py). ``after``: the rank's own share (lea
 ``before``: every trajectory of the global batch, as a rank did when each built the whole batch
 (the same functions over all B n trajectories, plus the metadata it then exchanged, pickled and
 unpickled: per row the prompt length, step map, group, version, reward, advantage, NFE and text).
-Each point is measured on the first rank and on the last (the update waits for the slower; the
-fit is of the slower, with a term in D). Rank 0 also publishes the adapter every update and checkpoints every ``checkpoint_every``
+Each point is measured on rank 0 (which also publishes) and on the rank with the most batches
+to read and groups to hold (``busiest_rank``: the update waits for the slower; the fit is of the
+slower, with a term in D). Rank 0 also publishes the adapter every update and checkpoints every ``checkpoint_every``
 (LLaDA-8B's r = 64 LoRA, saved as the learner saves them); a sampler loads each new adapter and
 writes its batch. Each (point, mode) runs in a fresh process, so its peak memory is its own
 (``ru_maxrss`` above the process after imports). Seconds depend on this machine's CPU: the
@@ -244,6 +245,16 @@ def host_seconds(model: dict[str, float], trajectories: float, batches: float, r
             + model["per_batch_read_s"] * read + model.get("per_rank_s", 0.0) * ranks)
 
 
+def busiest_rank(B: int, D: int, n: int, group: int) -> int:
+    """The rank with the most sampler batches to read, then the most groups (closed forms, O(D)):
+    a rank whose groups straddle a batch boundary reads two batches where its neighbours read one."""
+    from miles_core.learner.shares import my_share, owned_groups
+    from miles_core.parallel import World
+
+    return max(range(D), key=lambda r: (len(my_share(B, n, group, World(r, D))),
+                                        len(owned_groups(B, n, group, World(r, D))), -r))
+
+
 def in_fresh_process(job: Sequence[Any]) -> dict[str, Any]:
     """:func:`one` for ``job`` (B, D, n, G, mode, rank) in a fresh interpreter, so its peak memory is its own."""
     out = subprocess.run([sys.executable, "-m", "benchmarks.host_costs", "--one", json.dumps(list(job))], cwd=REPO,
@@ -260,8 +271,8 @@ def measure(points: dict[str, tuple[int, int, int, int]], before: Sequence[str],
     mode); scale_model's --smoke passes :func:`one` itself (same code, its peak memory then not its own)."""
     measured = []
     for name, shape in points.items():
-        last = shape[1] - 1  # the last rank as well as the first: the update waits for the slowest
-        jobs = ([("before", 0)] if name in before else []) + [("after", 0)] + ([("after", last)] if last else [])
+        busy = busiest_rank(*shape)  # besides rank 0, which publishes: the update waits for the slowest
+        jobs = ([("before", 0)] if name in before else []) + [("after", 0)] + ([("after", busy)] if busy else [])
         for mode, rank in jobs:
             measured.append({"point": name, **run([*shape, mode, rank])})
             m = measured[-1]
