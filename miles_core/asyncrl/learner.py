@@ -150,7 +150,7 @@ class AsyncLearner(LearnerRun):
         pending = [b for b in listed if b not in ledger]
         need = min(self.cfg.batches_per_update(), self.expected - len(ledger))  # the last may be short (drops)
         if len(pending) < need and self.batches.inbox:
-            pending = sorted({*pending, *self._unannounced(len(pending))})
+            pending = sorted({*pending, *self._unannounced(pending)})
         if len(pending) >= need:
             self._stuck = None
             return "update", pending[:need]
@@ -160,22 +160,24 @@ class AsyncLearner(LearnerRun):
         time.sleep(next(waits))
         return "waited", time.perf_counter() - t0
 
-    def _unannounced(self, pending: int) -> list[str]:
+    def _unannounced(self, pending: list[str]) -> list[str]:
         """Committed batches that never reached the inbox (a writer that died between its commit
         and its announcement, and was not restarted to announce it again), announced now. It takes
         a full listing of the commit markers, whose cost grows with the run's age, so only once the
-        learner has waited :data:`UNANNOUNCED_SCAN_S` seconds with ``pending`` batches and nothing
-        new (then again every as many seconds): never while batches keep arriving."""
+        learner has waited :data:`UNANNOUNCED_SCAN_S` seconds with the ``pending`` batches (those
+        the inbox holds) and nothing new (then again every as many seconds): never while batches
+        keep arriving. Only what the inbox lacks is announced."""
         now = time.monotonic()
-        if self._stuck is None or self._stuck[0] != pending:
-            self._stuck = (pending, now)
+        if self._stuck is None or self._stuck[0] != len(pending):
+            self._stuck = (len(pending), now)
             return []
         if now - self._stuck[1] < UNANNOUNCED_SCAN_S:
             return []
-        self._stuck = (pending, now)
-        rs = self.rs
+        self._stuck = (len(pending), now)
+        rs, known = self.rs, set(pending)
         with rs.requests.phase("scan"):
-            missing = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories") if b not in self.ledger]
+            missing = [b for b in rs.retry(rs.trajectories.list_batches, "listing trajectories")
+                       if b not in self.ledger and b not in known]
             for b in missing:
                 rs.retry(lambda: rs.trajectories.announce(b), f"announcing batch {b}")
         return missing
