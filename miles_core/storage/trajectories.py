@@ -163,7 +163,7 @@ class TrajectoryStore:
     def list_inbox(self) -> list[str]:
         """Announced batch ids not yet retired, sorted like :meth:`list_batches`."""
         names = U.list_names(self.fs, U.join(self.root, "inbox"))
-        return sorted(n for n in names if _ID_RE.match(n) and not n.startswith(".tmp-"))
+        return sorted(n for n in names if _ID_RE.match(n))  # a local temp file (.tmp-...) is no id
 
     def retire(self, batch_ids: list[str]) -> None:
         """Take ``batch_ids`` out of the inbox (one bulk delete per 1,000 on S3; gone ones ignored).
