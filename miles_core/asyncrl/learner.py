@@ -150,7 +150,7 @@ class AsyncLearner(LearnerRun):
         pending = [b for b in listed if b not in ledger]
         need = min(self.cfg.batches_per_update(), self.expected - len(ledger))  # the last may be short (drops)
         if len(pending) < need and self.batches.inbox:
-            pending = sorted({*pending, *self._unannounced(pending)})
+            pending = sorted(pending + self._unannounced(pending))  # the scan returns none of pending
         if len(pending) >= need:
             self._stuck = None
             return "update", pending[:need]
