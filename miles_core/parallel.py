@@ -34,9 +34,11 @@ checkpoint resumes under either (:func:`shard_like`).
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -53,6 +55,17 @@ class World:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     local_rank: int = 0
     sharded: bool = False  # FSDP2 holds the model's parameters (shard_model): collectives on every pass
+    # seconds this rank spent in its collectives: what it waited for the others, beside its own work
+    # (learner/shares.py::RankSpeeds subtracts it to measure how fast this rank computes)
+    waited_s: float = 0.0
+
+    @contextmanager
+    def _collective(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.waited_s += time.perf_counter() - t0
 
     @property
     def is_main(self) -> bool:
@@ -63,8 +76,9 @@ class World:
         if self.size == 1:
             return t
         buf = t.detach().to(self.device, torch.float64 if t.dtype == torch.float64 else torch.float32)
-        dist.all_reduce(buf, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
-        t.copy_(buf.to(t.device, t.dtype))
+        with self._collective():
+            dist.all_reduce(buf, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+            t.copy_(buf.to(t.device, t.dtype))
         return t
 
     def sync_grads(self, params: list[torch.nn.Parameter]) -> None:
@@ -78,8 +92,9 @@ class World:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(self.device, torch.float32)
                           for p in params]
                          + [torch.tensor([float(p.grad is not None) for p in params], device=self.device)])
-        dist.all_reduce(flat)
-        touched = flat[-len(params):].tolist()  # one device->host copy, not one per parameter
+        with self._collective():
+            dist.all_reduce(flat)
+            touched = flat[-len(params):].tolist()  # one device->host copy, not one per parameter
         off = 0
         for p, hit in zip(params, touched):
             n = p.numel()
@@ -109,6 +124,15 @@ class World:
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in rank order."""
+        if self.size == 1:
+            return [obj]
+        gathered: list[Any] = [None] * self.size
+        with self._collective():
+            dist.all_gather_object(gathered, obj)
+        return gathered
 
     def barrier(self) -> None:
         if self.size > 1:

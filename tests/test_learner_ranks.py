@@ -118,16 +118,19 @@ def torchrun(run: str, tmp: Path, nproc: int, *extra: str, restarts: int = 0,
     return subprocess.Popen(cmd, cwd=ROOT, env=full, stdout=open(tmp / "torchrun.log", "wb"), stderr=subprocess.STDOUT)
 
 
-@pytest.mark.parametrize("ranks,batches,groups", [(2, 3, 3), (3, 5, 2), (3, 1, 2)])
+@pytest.mark.parametrize("ranks,batches,groups,speeds", [(2, 3, 3, ""), (3, 5, 2, ""), (3, 1, 2, ""),
+                                                         (3, 5, 2, "1,3.5,0.6")])
 def test_each_rank_updating_on_its_own_share_makes_the_one_process_update(ranks: int, batches: int,
-                                                                           groups: int) -> None:
+                                                                           groups: int, speeds: str) -> None:
     """D gloo ranks, each building rows for and scoring only the trajectories it holds (uneven
     shares of whole groups, a group without advantage among them), make one process's update of
     the whole global batch for adpo (covering rows), espo (counts stratified over a group) and wd1
     (weights softmaxed over a group); no rank passes another's trajectories to the row builder. With
-    fewer groups than ranks (a run's short last update) a rank holding none joins with no rows."""
+    fewer groups than ranks (a run's short last update) a rank holding none joins with no rows.
+    Dealt by uneven speeds (async_rl.deal=speed) the blocks follow them and the update is the same."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
-           str(ranks), str(ROOT / "tests" / "helpers" / "shares_update.py"), str(batches), str(groups)]
+           str(ranks), str(ROOT / "tests" / "helpers" / "shares_update.py"), str(batches), str(groups),
+           *([speeds] if speeds else [])]
     out = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
@@ -142,6 +145,8 @@ def test_each_rank_updating_on_its_own_share_makes_the_one_process_update(ranks:
     assert sum(h for _, _, h in built) == total and len({h for _, _, h in built}) > 1  # a partition, uneven
     assert all(b <= h < total for _, b, h in built) and sum(b for _, b, _ in built) > 0  # its own only
     assert batches * groups >= ranks or built[-1][1:] == (0, 0)  # the rank with no group built nothing
+    if speeds:  # 10 groups dealt 1 : 3.5 : 0.6 (learner/shares.py::cuts): 2, 7, 1
+        assert [h for _, _, h in built] == [8, 28, 4]
 
 
 def test_a_global_batch_read_in_shares_by_two_ranks_is_the_one_process_update(tmp_path: Path, base_dir: Path) -> None:
@@ -225,6 +230,50 @@ def test_fsdp_ranks_publish_and_resume_the_one_process_updates(tmp_path: Path, b
         for k in a:
             torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
     assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)       # v3 moved: not two zero LoRAs
+
+
+# Rank 1 works 0.05 s per trajectory more after each update (a slower GPU), and every rank records
+# how many trajectories it updated on.
+SLOW = textwrap.dedent("""
+    import os, sys, time
+    import miles_core.learner.policy as P
+    real, rank = P.Learner.update, os.environ["RANK"]
+    def update(self, batch, world=None, keys=None):
+        out = real(self, batch, world=world, keys=keys)
+        if rank == "1":
+            time.sleep(0.05 * len(batch))
+        with open(os.environ["MILES_TEST_FLAG"] + f".rows{rank}", "a") as f:
+            f.write(f"{len(batch)}\\n")
+        return out
+    P.Learner.update = update
+    from miles_core.asyncrl.__main__ import main
+    sys.exit(main(sys.argv[1:]))
+""")
+
+
+def test_a_rank_measured_slower_is_dealt_fewer_rows_and_the_updates_stay_the_one_process_updates(
+        tmp_path: Path, base_dir: Path) -> None:
+    """async_rl.deal=speed with rank 1 slowed down: the first update is dealt equally, the next ones
+    give rank 1 fewer trajectories (its measured speed), and the adapters published are one
+    process's, update after update."""
+    over = ("async_rl.global_batch=32", "async_rl.checkpoint_every=1", "async_rl.deal=speed")  # one process: no deal
+    run = committed_run(tmp_path / "one", base_dir, 12, *over)            # 3 updates of 4 batches (8 groups)
+    two = tmp_path / "two" / "run"
+    shutil.copytree(run, two)
+    single = AsyncLearner(run, str(tmp_path / "one" / "lc")).run()
+    assert single["done"] and single["updates"] == 3
+    proc = torchrun(str(two), tmp_path / "two", 2, harness=SLOW)
+    assert finish(proc, tmp_path / "two" / "torchrun.log", 300) == 0, (tmp_path / "two" / "torchrun.log").read_text()[-4000:]
+    rows = [[int(x) for x in (tmp_path / "two" / f"flag.rows{r}").read_text().split()] for r in (0, 1)]
+    assert rows[0][0] == rows[1][0] == 16                                 # nothing measured yet: equal blocks
+    assert all(a > b > 0 for a, b in zip(rows[0][1:], rows[1][1:])) and len(rows[0]) == 3, rows
+    assert all(a + b == 32 for a, b in zip(*rows))
+    for v in (1, 2, 3):
+        a = load_file(str(RunStore(run).adapters.fetch(v, tmp_path / f"a{v}") / "adapter_model.safetensors"))
+        b = load_file(str(RunStore(str(two)).adapters.fetch(v, tmp_path / f"b{v}") / "adapter_model.safetensors"))
+        for k in a:
+            torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    assert any(a[k].abs().sum() > 0 for k in a if "lora_B" in k)
 
 
 @pytest.mark.parametrize("minibatches,kl", [(1, 0.0), (2, 0.1)])

@@ -6,6 +6,8 @@ tests/test_learner_ranks.py."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ from miles_core.algo.update import update_policy
 from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.algo.draws import Draws, minibatches, trajectory_keys
 from miles_core.algo.step_choice import build_rows
-from miles_core.learner.shares import agree, first_reader, my_share, owned_groups, owned_rows
+from miles_core.learner.shares import RankSpeeds, agree, cuts, first_reader, my_share, owned_groups, owned_rows
 from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import add_lora
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
@@ -88,6 +90,47 @@ def test_share_closed_forms_equal_the_row_by_row_deal() -> None:
                     for j in range(batches):
                         lowest = min((q for q in range(d) if owned[q][j].any()), default=None)
                         assert first_reader(j, n, batches, group, world) == (lowest == r), (batches, n, group, d, r, j)
+
+
+def test_a_deal_by_speed_makes_the_slowest_rank_as_quick_as_whole_groups_allow() -> None:
+    # 13 groups at speeds 1 : 3 : 1.2, each to whoever finishes it first: 2, 8, 3 groups, times
+    # 2, 2.67, 2.5 (3, 7, 3 would take 3)
+    assert cuts(13, 3, [1.0, 3.0, 1.2]) == [0, 2, 10, 13]
+    assert cuts(10, 3) == cuts(10, 3, [2.0] * 3) == [0, 4, 7, 10]  # equal speeds: the equal blocks
+    assert cuts(5, 3, [0.01, 100.0, 0.01]) == [0, 1, 4, 5]      # far slower ranks keep a group: still measured
+    assert cuts(2, 3, [1.0, 2.0, 3.0]) == cuts(2, 3) == [0, 1, 2, 2]  # fewer groups than ranks: as dealt equally
+    with pytest.raises(ValueError, match="3 positive numbers"):
+        cuts(10, 3, [1.0, 0.0, 1.0])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(150):  # against every composition with a group each: none has a quicker slowest rank
+        d, units = int(torch.randint(1, 5, (1,), generator=gen)), int(torch.randint(0, 13, (1,), generator=gen))
+        sp = (torch.rand(d, generator=gen) * 4 + 0.05).tolist()
+        c = cuts(units, d, sp)
+        assert c[0] == 0 and c[-1] == units and all(a <= b for a, b in zip(c, c[1:]))
+        if units < d:
+            continue
+        blocks = [c[r + 1] - c[r] for r in range(d)]
+        best = min(max(b / s for b, s in zip(comp, sp))
+                   for comp in itertools.product(range(1, units + 1), repeat=d) if sum(comp) == units)
+        assert min(blocks) >= 1 and max(b / s for b, s in zip(blocks, sp)) <= best + 1e-12, (units, sp, blocks)
+    for batches, n, group, d in ((7, 4, 2, 3), (5, 8, 4, 4), (3, 6, 3, 5)):
+        sp = [0.5 + r for r in range(d)]
+        owned = [torch.cat([owned_rows(j, n, batches, group, World(r, d), sp) for j in range(batches)]) for r in range(d)]
+        assert bool(sum(o.int() for o in owned).eq(1).all())  # every row owned once
+        for r in range(d):
+            world = World(r, d)
+            assert my_share(batches, n, group, world, sp) == [j for j in range(batches) if owned[r][j * n:(j + 1) * n].any()]
+            for j in range(batches):
+                lowest = min((q for q in range(d) if owned[q][j * n:(j + 1) * n].any()), default=None)
+                assert first_reader(j, n, batches, group, world, sp) == (lowest == r)
+
+
+def test_rank_speeds_are_work_rates_smoothed_and_kept_for_a_rank_without_rows() -> None:
+    speeds = RankSpeeds(keep=0.5)
+    assert speeds.observe(World(), 0, 1.0) is None                    # nothing measured: equal blocks
+    assert speeds.observe(World(), 30, 2.0) == [15.0]                 # 30 trajectories in 2 s of its own work
+    assert speeds.observe(World(), 10, 2.0) == [0.5 * 15.0 + 0.5 * 5.0]
+    assert speeds.observe(World(), 0, 0.0) == [10.0]                  # no rows this update: the old figure
 
 
 def test_agree_in_one_process_returns_the_verdicts_in_order() -> None:

@@ -17,15 +17,18 @@ derived, not measured (no H200 was lent). Charged from measurements on this mach
 (benchmarks/speed/host_costs.py, required): each rank's host work per update as a function of its share
 and B, rank 0's publish and checkpoint, a sampler's adapter load and Parquet write. Stated
 assumptions: rollout times lognormal (CV 0.3) with a heavy tail (2% of rollouts take 3x), each
-rank's optimizer-step time spread 1% (identical GPUs on identical shapes; the slowest of D sets
-the pace and placement leaves the learner that margin; 0 to 5% printed beside), 60 s of
-rendezvous and loading
+rank's optimizer-step time varying 1% from step to step (the slowest of D sets each step's pace)
+and each GPU persistently slower or faster by a 5% spread (same-model GPUs in large clusters
+differ by several percent: Sinha et al., SC22), the rows dealt by the ranks' measured speeds
+(``async_rl.deal = "speed"``; 1%, 2%, 5% and 8% spreads, dealt evenly or by speed, printed
+beside), 60 s of rendezvous and loading
 before version 0 and the 16 GB base read by every process from the store, S3's documented
 3,500 PUT and 5,500 GET per second per prefix (all keys on one prefix), 20 ms per request,
 90 MB/s per connection, 40 GB/s all-reduce bus bandwidth per rank, polls backing off x2 to 5 s.
 
 Curves. *Weak* scaling: the global batch grows with the cluster, 32 completions per GPU up to a
-cap of 131,072 (the optimiser changes with the cluster: fewer, larger updates); *strong*
+cap of 131,072 (the optimiser changes with the cluster: fewer, larger updates); the same capped
+at 16,384 completions (a GRPO/DAPO-sized batch: from 512 GPUs on, a fixed batch); *strong*
 scaling: a fixed global batch of 4,608 completions (48 sampler batches). Each point gives the
 steady efficiency (after the pipeline fills), the efficiency over a whole run of ``--hours``
 (start-up and fill included, the steady rate extrapolated beyond the simulated window), each the
@@ -61,11 +64,13 @@ H200_FLOPS, MFU = 989e12, 0.35
 # one S3 connection ~90 MB/s; Miles moves large objects over S3_CONNECTIONS (storage/uri.py)
 REAL_S3 = dict(store_latency_s=0.020, store_bytes_s=90e6 * S3_CONNECTIONS, link_bytes_s=40e9, link_latency_s=10e-6)
 WEAK_PER_GPU, WEAK_CAP = 32, 131_072   # completions per update per GPU, and the cap
+CAPPED = 16_384                        # the weak curve again, its global batch capped at a GRPO/DAPO size
 ROUND_DOWN = 0.1                       # weak: placement may lower the batch 10% so the ranks' shares are equal
 # what each stated assumption costs at 4,096 GPUs (weak): the model with one input changed
-VARIANTS = {"as stated": {}, "rank spread 0": {"rank_cv": 0.0}, "rank spread 2%": {"rank_cv": 0.02},
-            "rank spread 5%": {"rank_cv": 0.05}, "no heavy tail": {"rollout_tail_p": 0.0},
-            "a store that never queues": {"put_rate": 1e9, "get_rate": 1e9}}
+VARIANTS = {"as stated": {}, "no rank spread": {"rank_cv": 0.0, "rank_spread": 0.0},
+            **{f"spread {x:.0%}, {deal}": {"rank_spread": x, "deal": deal}
+               for x in (0.01, 0.02, 0.05, 0.08) for deal in ("even", "speed")},
+            "no heavy tail": {"rollout_tail_p": 0.0}, "a store that never queues": {"put_rate": 1e9, "get_rate": 1e9}}
 STRONG_BATCH = 4_608                   # completions per update (48 sampler batches of 96)
 SEED_CLAIM = 0.946
 SMOKE = {"rollouts": 4, "seeds": 2}    # --smoke: short horizons (20 updates still), at SMOKE_GPUS
@@ -93,6 +98,7 @@ def llada_8b() -> Params:
     return Params(rollout_s=rollout, update_s=update, completions_per_batch=per, group_size=6, minibatches=minibatches,
                   adapter_bytes=2 * lora, allreduce_bytes=4 * lora, batch_bytes=per * 768 * 10,
                   checkpoint_bytes=12 * lora, rollout_cv=0.3, rollout_tail_p=0.02, rollout_tail_x=3.0, rank_cv=0.01,
+                  rank_spread=0.05, deal="speed",
                   base_bytes=16e9, learner_start_s=60.0, max_staleness=6, checkpoint_every=10, poll_s=0.05,
                   poll_backoff=2.0, poll_max_s=5.0, learner_samples=False, shared_budget=False, **REAL_S3)
 
@@ -115,10 +121,17 @@ def configure(base: Params, gpus: int, completions: int, costs: dict[str, Any],
     n = base.completions_per_batch
     b = max(1, completions // n)
     pl = place(gpus, base.rollout_s / n, base.update_s / n, base.max_staleness, b, n // base.group_size, round_down,
-               base.rank_cv)
+               placement_cv(base))
     p = replace(base, samplers=pl.samplers, learner_ranks=pl.learner_ranks, batches=10**9,
                 batches_per_update=pl.batches_per_update)
     return charge_host(p, costs), pl
+
+
+def placement_cv(p: Params) -> float:
+    """The spread placement is told to leave room for: the step-to-step one, and with an even deal
+    the GPUs' own (the slowest GPU then sets every update's pace); dealt by speed, the update
+    waits for the mean speed, so only the step-to-step spread."""
+    return p.rank_cv if p.deal == "speed" else (p.rank_cv ** 2 + p.rank_spread ** 2) ** 0.5
 
 
 def one_gpu(p: Params) -> float:
@@ -154,12 +167,14 @@ def simulate_seeds(p: Params, horizon: float, warm: float, seeds: int, hours: fl
 
 def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: float,
           seeds: int, sizes: tuple[int, ...] = GPUS) -> list[dict[str, Any]]:
-    """Weak or strong scaling over ``sizes`` (:data:`GPUS`): per point the split, the global batch,
-    steady and whole-run efficiency (mean over ``seeds``), the first bottleneck."""
+    """Weak ("weak", "weak_capped" at :data:`CAPPED`) or strong scaling over ``sizes``
+    (:data:`GPUS`): per point the split, the global batch, steady and whole-run efficiency (mean
+    over ``seeds``), the first bottleneck."""
     out = []
     for gpus in sizes:
-        completions = min(WEAK_PER_GPU * gpus, WEAK_CAP) if kind == "weak" else STRONG_BATCH
-        p, pl = configure(base, gpus, completions, costs, ROUND_DOWN if kind == "weak" else 0.0)
+        cap = {"weak": WEAK_CAP, "weak_capped": CAPPED}.get(kind)
+        completions = min(WEAK_PER_GPU * gpus, cap) if cap else STRONG_BATCH
+        p, pl = configure(base, gpus, completions, costs, ROUND_DOWN if cap else 0.0)
         warm = 8 * p.rollout_s + p.learner_start_s
         # enough rollouts for 20 updates at least, however few samplers fill one global batch
         span = max(rollouts, 20 * p.batches_per_update // max(min(p.samplers, pl.admitted), 1))
@@ -298,9 +313,13 @@ def main(argv: list[str] | None = None) -> None:
     sizes = SMOKE_GPUS if args.smoke else GPUS
     costs, source = host_costs(args.smoke)
     base = llada_8b()
-    curves = {kind: curve(kind, base, costs, args.rollouts, args.hours, args.seeds, sizes) for kind in ("weak", "strong")}
+    curves = {kind: curve(kind, base, costs, args.rollouts, args.hours, args.seeds, sizes)
+              for kind in ("weak", "weak_capped", "strong")}
+    titles = {"weak": f"weak scaling ({WEAK_PER_GPU} completions per GPU, cap {WEAK_CAP:,})",
+              "weak_capped": f"weak scaling capped ({WEAK_PER_GPU} completions per GPU, cap {CAPPED:,})",
+              "strong": f"strong scaling (global batch {STRONG_BATCH:,})"}
     for kind, pts in curves.items():
-        print(f"\n{kind} scaling ({'32 completions per GPU, cap 131,072' if kind == 'weak' else 'global batch 4,608'})")
+        print(f"\n{titles[kind]}")
         print(table([[pt["gpus"], f"{pt['samplers']}:{pt['learner_ranks']}", pt["global_batch"],
                       f"{pt['learner_host_s']:.2f}", f"{pt['steady']:.3f}",
                       f"{pt['steady_range'][0]:.3f}-{pt['steady_range'][1]:.3f}", f"{pt['whole_run']:.3f}",
@@ -324,20 +343,25 @@ def main(argv: list[str] | None = None) -> None:
         print("\nno emulated runs validated against" + (" (--smoke reads no results)" if args.smoke else
                                                           " in benchmarks/results/ (run python -m benchmarks.emulate)"))
     top = curves["weak"][-1]
-    drop = below(curves["strong"])
-    print(f"\nweak scaling at {top['gpus']:,} GPUs (llada_8b, global batch {top['global_batch']:,}): steady "
-          f"{top['steady']:.3f}, whole {args.hours:g} h run {top['whole_run']:.3f} (seed's claim at 4,096: {SEED_CLAIM})")
-    print("strong scaling (4,608 completions): " + (f"below 0.9 from {drop['gpus']} GPUs ({drop['steady']:.3f}, "
-                                                    f"{drop['bottleneck']}; the batch admits {drop['admitted_samplers']} "
-                                                    "samplers)" if drop else f"never below 0.9 up to {sizes[-1]:,} GPUs"))
+    drops = {kind: below(pts) for kind, pts in curves.items()}
+    print(f"\nweak scaling at {top['gpus']:,} GPUs (llada_8b, global batch {top['global_batch']:,}, GPUs spread "
+          f"{base.rank_spread:.0%}, dealt by {base.deal}): steady {top['steady']:.3f}, whole {args.hours:g} h run "
+          f"{top['whole_run']:.3f} (seed's claim at 4,096: {SEED_CLAIM})")
+    for kind, drop in drops.items():
+        print(f"{titles[kind]}: " + (f"below 0.9 from {drop['gpus']} GPUs ({drop['steady']:.3f}, {drop['bottleneck']}; "
+                                     f"the batch admits {drop['admitted_samplers']} samplers)" if drop
+                                     else f"never below 0.9 up to {sizes[-1]:,} GPUs"))
+    drop = drops["strong"]
     # every simulated point and variant must have consumed updates at a positive rate (lists: checked keyed)
     path = write_result("scale_model", {
-        "weak": curves["weak"], "strong": curves["strong"], "validation": val, "sensitivity_4096": sens,
+        **curves, "validation": val, "sensitivity_4096": sens,
         "strong_below_0_9_at": drop["gpus"] if drop else None,
+        "below_0_9_at": {kind: d["gpus"] if d else None for kind, d in drops.items()},
         "inputs": {"llada_8b": {**base.__dict__, "source": f"FLOPs at {MFU:.0%} of {H200_FLOPS / 1e12:.0f} TFLOP/s"},
                    "host_costs": costs["fit"], "rank0_and_sampler": costs["rank0_and_sampler"],
                    "host_costs_source": source, "gpus": list(sizes),
-                   "weak": {"per_gpu": WEAK_PER_GPU, "cap": WEAK_CAP}, "strong": STRONG_BATCH, "hours": args.hours,
+                   "weak": {"per_gpu": WEAK_PER_GPU, "cap": WEAK_CAP, "capped": CAPPED}, "strong": STRONG_BATCH,
+                   "hours": args.hours,
                    "admitting_batch_4096": admitting_batch(top["samplers"], base.max_staleness)},
         "seed_claim_4096": SEED_CLAIM, "settings": vars(args), "smoke": args.smoke}, args.out,
         positive=["inputs.llada_8b.rollout_s", "inputs.llada_8b.update_s", "inputs.rank0_and_sampler.rank0_per_update_s",

@@ -73,6 +73,11 @@ class Params:
     min_update_s: float = 0.0          # floor per update however many ranks share it (kernel launches, ...)
     group_size: int = 1                # completions per prompt: ranks hold whole groups (learner/shares.py)
     rank_cv: float = 0.0               # spread of one rank's optimizer-step time: the slowest of D sets the pace
+    # each rank's own persistent slowness (a GPU slower all run long: Sinha et al., SC22), a
+    # normal CV drawn once per rank; and how rows are dealt: "even" blocks (the slowest GPU sets
+    # the pace) or "speed" (async_rl.deal: blocks in proportion to the measured speeds)
+    rank_spread: float = 0.0
+    deal: str = "even"
     minibatches: int = 1               # optimizer steps per update, each all-reducing the gradient
     allreduce_bytes: float = 0.0       # gradient bytes all-reduced per optimizer step (the adapter's)
     base_bytes: float = 0.0            # what every process reads from the store at start (the base)
@@ -201,13 +206,36 @@ def largest_share(batches: int, n: int, d: int, group: int = 1) -> int:
     return -(-units // d) * group
 
 
-def update_time(p: Params, batches: int = 1, rng: random.Random | None = None) -> float:
+def rank_slowness(p: Params, rng: random.Random) -> list[float]:
+    """[D] each rank's persistent time factor (normal, CV ``rank_spread``, floored at half the mean)."""
+    return [max(1.0 + p.rank_spread * rng.gauss(0.0, 1.0), 0.5) if p.rank_spread > 0 else 1.0
+            for _ in range(p.learner_ranks)]
+
+
+def paced_rows(p: Params, batches: int, slowness: list[float] | None = None) -> float:
+    """Rows the update's pace is set by: the busiest rank's share times its slowness (whole groups,
+    dealt as learner/shares.py::cuts deals them: equal blocks, or by speed, 1 / slowness, as the
+    learner measures it)."""
+    from miles_core.learner.shares import cuts
+
+    n, d, g = p.completions_per_batch, p.learner_ranks, p.group_size
+    if d <= 1:
+        return batches * n * (slowness[0] if slowness else 1.0)
+    if not slowness or all(x == 1.0 for x in slowness):
+        return largest_share(batches, n, d, g)
+    c = cuts(batches * n // g, d, [1.0 / x for x in slowness] if p.deal == "speed" else None)
+    return max((c[r + 1] - c[r]) * g * slowness[r] for r in range(d))
+
+
+def update_time(p: Params, batches: int = 1, rng: random.Random | None = None,
+                slowness: list[float] | None = None) -> float:
     """One update of ``batches`` batches split over the ranks in whole groups (the busiest rank's
-    share sets the pace), plus ``minibatches`` gradient all-reduces. With ``rng`` and ``rank_cv``,
-    each rank's time varies (normal, that CV) and the slowest of the D sets the pace: the max of D
-    normals is drawn as Phi^-1(u^(1/D))."""
+    share, times its persistent ``slowness``, sets the pace: :func:`paced_rows`), plus
+    ``minibatches`` gradient all-reduces. With ``rng`` and ``rank_cv``, each rank's time varies
+    (normal, that CV) and the slowest of the D sets the pace: the max of D normals is drawn as
+    Phi^-1(u^(1/D))."""
     n = p.completions_per_batch
-    rows = largest_share(batches, n, p.learner_ranks, p.group_size) if p.learner_ranks > 1 else batches * n
+    rows = paced_rows(p, batches, slowness)
     compute, step = 0.0, rows * p.update_s / n / p.minibatches
     for _ in range(p.minibatches):  # each optimizer step waits for the slowest rank, then all-reduces
         slowest = 1.0
@@ -283,6 +311,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
               for _ in range(p.learner_ranks - 1)]
     yield from store.request("get", "base", p.base_bytes + p.adapter_bytes, n=w["learner_start"])
     yield simpy.AllOf(env, others)
+    slowness = rank_slowness(p, rng)
     run.version = 0
     interval = p.poll_s
     while run.consumed + run.dropped < p.batches:
@@ -325,7 +354,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
             continue
         run.staleness.extend(fresh)
         t1 = env.now
-        yield env.timeout(update_time(p, len(fresh), rng))
+        yield env.timeout(update_time(p, len(fresh), rng, slowness))
         run.learner_compute_s += env.now - t1
         run.version += 1
         before = run.version - 1

@@ -74,18 +74,17 @@ def _batch(n: int, group: int, seed: int) -> Any:
     return b
 
 
-def _gathered_as(D: int, B: int, n: int, group: int) -> Callable[[list, Any], None]:
-    """``torch.distributed.all_gather_object`` as rank r of D sees it: every rank's verdicts on the
-    batches it read (``my_share``), pickled on their side (outside the timer), unpickled on this one."""
+def _gathered_as(D: int, B: int, n: int, group: int) -> Callable[[Any], list]:
+    """``World.all_gather_object`` as rank r of D sees it: every rank's verdicts on the batches it
+    read (``my_share``), pickled on their side (outside the timer), unpickled on this one."""
     from miles_core.learner.ledger import Verdict
     from miles_core.learner.shares import my_share
     from miles_core.parallel import World
 
     sent = [pickle.dumps({j: Verdict.fresh(0) for j in my_share(B, n, group, World(r, D))}) for r in range(D)]
 
-    def all_gather_object(out: list, obj: Any) -> None:
-        for r, blob in enumerate(sent):
-            out[r] = pickle.loads(blob)
+    def all_gather_object(obj: Any) -> list:
+        return [pickle.loads(blob) for blob in sent]
     return all_gather_object
 
 
@@ -93,7 +92,6 @@ def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[st
     """Rank ``rank``'s host seconds per phase and peak bytes, in this (fresh) process: the calls
     ``LearnerRun._read_share`` makes (its share, whether it reads each batch first, the verdicts
     agreed over D ranks, its rows cut and keyed), then the update's host work."""
-    import types
 
     import torch
 
@@ -101,7 +99,6 @@ def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[st
     from miles_core.algo.estimators import get_estimator
     from miles_core.algo.guard import batch_health
     from miles_core.config import AdpoSettings, UpdateConfig
-    from miles_core.learner import shares
     from miles_core.learner.ledger import Verdict
     from miles_core.learner.shares import agree, first_reader, held_rows, my_share
     from miles_core.parallel import World
@@ -127,13 +124,9 @@ def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[st
         t["read"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     if mode == "after":  # the real agree; the collective's receiving side stood in for (_gathered_as)
-        real = shares.dist
         if gather is not None:
-            shares.dist = types.SimpleNamespace(all_gather_object=gather)
-        try:
-            verdicts: Any = agree(B, {j: Verdict.fresh(0) for j in read}, world)
-        finally:
-            shares.dist = real
+            world.all_gather_object = gather  # type: ignore[method-assign]
+        verdicts: Any = agree(B, {j: Verdict.fresh(0) for j in read}, world)
     else:  # the design before: verdicts as tuples, each rank's pickled, all unpickled
         per_rank = max(1, B // D + 1)
         gathered = [pickle.dumps({j: ("fresh", 0) for j in range(r * per_rank, (r + 1) * per_rank)}) for r in range(D)]

@@ -5,11 +5,12 @@ a pipeline whose time is fill + n x the slowest stage, and the ring all-reduce i
 from __future__ import annotations
 
 import random
+import statistics
 
 import pytest
 import simpy
 
-from benchmarks.sim import Params, Store, allreduce_s, simulate, update_time
+from benchmarks.sim import Params, Store, allreduce_s, paced_rows, rank_slowness, simulate, update_time
 
 FAST_STORE = dict(store_latency_s=0.0, store_bytes_s=1e18, put_rate=1e12, get_rate=1e12, poll_s=1e-5)
 
@@ -144,6 +145,22 @@ def test_the_slowest_rank_sets_the_pace_as_the_expected_maximum_of_normals() -> 
     mean = sum(update_time(p, 1, rng) for _ in range(2000)) / 2000
     assert mean == pytest.approx(0.1 * straggler(64, 0.05), rel=0.01)   # 1 row each: 0.1 s, x the slowest
     assert update_time(p) == pytest.approx(0.1)                        # no rng: the mean rank
+
+
+def test_a_persistently_slow_gpu_sets_an_even_deals_pace_and_not_a_deal_by_speed() -> None:
+    """12 batches of 12 rows in groups of 3 (48 groups) over 4 ranks, rank 2 taking 1.25x: dealt
+    evenly it carries 12 groups at 1.25 (the pace, 45 rows' time against 36); dealt by speed
+    (learner/shares.py::cuts) it gets 10, the others 13, 13, 12: the busiest 39 rows' time."""
+    slow = [1.0, 1.0, 1.25, 1.0]
+    even, speed = Params(learner_ranks=4, completions_per_batch=12, group_size=3), \
+        Params(learner_ranks=4, completions_per_batch=12, group_size=3, deal="speed")
+    assert paced_rows(even, 12) == paced_rows(even, 12, [1.0] * 4) == 36
+    assert paced_rows(even, 12, slow) == pytest.approx(45.0)
+    assert paced_rows(speed, 12, slow) == pytest.approx(39.0)
+    p = Params(learner_ranks=64, rank_spread=0.05)
+    draws = rank_slowness(p, random.Random(0))
+    assert len(draws) == 64 and 0.03 < statistics.pstdev(draws) < 0.07 and min(draws) >= 0.5
+    assert rank_slowness(Params(learner_ranks=8), random.Random(0)) == [1.0] * 8
 
 
 def test_whole_run_efficiency_counts_the_start_and_extrapolates_the_steady_rate() -> None:

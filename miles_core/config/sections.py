@@ -255,6 +255,9 @@ class AsyncSettings(Section):
     sync_dtype: Literal["float32", "bfloat16", "float16"] = "float32"  # adapter tensors as published to samplers
     learner_threads: int = bounded(1, 1, 1024)            # torch threads of the learner process
     fsdp: bool = False                  # learner ranks shard base and adapter (FSDP2) instead of each holding it whole
+    # how a global batch is dealt to the learner ranks: equal blocks, or blocks in proportion to each
+    # rank's measured speed so a slow GPU does not set the pace (learner/shares.py::RankSpeeds)
+    deal: Literal["even", "speed"] = "even"
     # freed heap a worker keeps mapped for reuse (glibc mallopt; miles_core/allocator.py); 0: glibc's default
     retain_heap_mb: int = bounded(1024, 0, 2047)
     retry_budget_s: float = bounded(60.0, 0.0)        # storage errors are retried with backoff for this long
@@ -262,6 +265,9 @@ class AsyncSettings(Section):
     def check(self, need: Need) -> None:
         need(self.shared_budget or not self.learner_samples, "learner_samples",
              "needs shared_budget=true (the learner claims slots of the shared sample budget)")
+        need(not (self.fsdp and self.deal == "speed"), "deal",
+             "'speed' cannot be combined with fsdp=true (FSDP pads every rank to the busiest one's passes, "
+             "so a smaller share would not finish sooner)")
         need(not (self.fsdp and self.learner_samples), "fsdp",
              "cannot be combined with learner_samples=true (rank 0 alone would sample through a model "
              "whose every forward is a collective of all ranks)")

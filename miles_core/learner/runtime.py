@@ -40,7 +40,7 @@ from miles_core.learner.channels import BatchChannel, PolicyChannel, uses_inbox
 from miles_core.learner.policy import Learner
 from miles_core.learner import ledger as ledger_parts
 from miles_core.learner.ledger import Ledger, Verdict
-from miles_core.learner.shares import agree, first_reader, held_rows, my_share
+from miles_core.learner.shares import RankSpeeds, agree, first_reader, held_rows, my_share
 from miles_core.parallel import World
 from miles_core.storage import CorruptBatchError
 from miles_core.types import Batch, TrajectoryBatch
@@ -49,7 +49,7 @@ from miles_core.storage.run import RunStore, changed_settings
 log = logging.getLogger(__name__)
 # Settings that may change when a run is resumed (its length, evaluation, threads); anything else
 # would silently change the experiment, so it is refused.
-RESUMABLE = ("train.iterations", "train.eval_every", "eval.", "torch_threads", "async_rl.fsdp")
+RESUMABLE = ("train.iterations", "train.eval_every", "eval.", "torch_threads", "async_rl.fsdp", "async_rl.deal")
 HISTORY_KEYS = ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows", "rolled_back",
                 "guard_skipped", "guard_rollbacks")
 
@@ -81,6 +81,8 @@ class LearnerRun:
                                total_updates=total_updates, world=self.world)
         self.batches = BatchChannel(self.rs, self.cfg, inbox=uses_inbox(spec))  # learner/channels.py
         self.policy = PolicyChannel(self.rs)
+        # async_rl.deal = "speed": each global batch dealt by the ranks' measured speeds (learner/shares.py)
+        self.speeds = RankSpeeds() if self.world.size > 1 and self.cfg.async_rl.deal == "speed" else None
         self.ledger = Ledger()
         self._ledger_parts: list[str] = []  # the ledger parts the last checkpoint names (learner/ledger.py)
         self.history: list[dict[str, Any]] = []
@@ -195,9 +197,9 @@ class LearnerRun:
         world, m = self.world, len(bids)
         group = self.cfg.train.group_size
         n = self.cfg.train.prompts_per_iter * group  # rows of a sampler batch
-        multi = world.size > 1
-        share = my_share(m, n, group, world) if multi else range(m)
-        judged = {j: self._judge(bids[j], first_reader(j, n, m, group, world)) for j in share}
+        multi, speeds = world.size > 1, self.speeds.speeds if self.speeds else None
+        share = my_share(m, n, group, world, speeds) if multi else range(m)
+        judged = {j: self._judge(bids[j], first_reader(j, n, m, group, world, speeds)) for j in share}
         verdicts = agree(m, {j: v for j, (v, _) in judged.items()}, world)
         fresh: list[tuple[str, int, int]] = []
         parts: list[Batch] = []                 # this rank's rows of each fresh batch it read
@@ -216,7 +218,7 @@ class LearnerRun:
             if multi and len(batch) != n:
                 raise ValueError(f"batch {bid} has {len(batch)} rows; the ranks split sampler batches of "
                                  f"{n} (train.prompts_per_iter x train.group_size)")
-            part, part_keys = held_rows(bid, j, batch, m, group, world)
+            part, part_keys = held_rows(bid, j, batch, m, group, world, speeds)
             parts.append(part)
             keys.append(part_keys)
         rows: Batch = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts) if parts
@@ -237,9 +239,11 @@ class LearnerRun:
             return ("dropped" if len(self.ledger.dropped) > dropped_before else "quarantined"), {}
         version_before = self.learner.version
         staleness = version_before - min(v for _, v, _ in fresh)
-        t0 = time.perf_counter()
+        t0, waited = time.perf_counter(), self.world.waited_s
         stats = self.learner.update(batch, world=world, keys=keys)
         t1 = time.perf_counter()
+        if self.speeds is not None:  # its own work: the update less its waits in collectives
+            self.speeds.observe(self.world, len(batch), t1 - t0 - (self.world.waited_s - waited))
         stats.update(staleness=float(staleness), seconds=t1 - t0, batches=float(len(fresh)),
                      tokens_per_s=stats.get("tokens", 0.0) / max(t1 - t0, 1e-9))
         update = len(self.history) + 1

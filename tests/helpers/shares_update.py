@@ -3,7 +3,8 @@ its own share only (learner/shares.py::owned_rows: whole groups, uneven when D d
 them), against one process updating on the whole batch, for several estimators. Rank 0 prints
 one ``estimator=... max_abs_diff=... moved=...`` line each, and every rank prints how many
 trajectories it passed to the row builder (``built=rank:count``), which must be its share.
-Args: D-independent sizes: sampler batches B, groups per batch."""
+Args: D-independent sizes: sampler batches B, groups per batch; optionally the ranks' speeds,
+comma-separated (``async_rl.deal = "speed"``: blocks in proportion to them)."""
 
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ from miles_core.types import TrajectoryBatch  # noqa: E402
 
 world = init_world("gloo")
 B, groups, G = int(sys.argv[1]), int(sys.argv[2]), 4
+speeds = [float(x) for x in sys.argv[3].split(",")] if len(sys.argv) > 3 else None
 n = groups * G
 texts = ["1+2", "3*45", "7-1", "12+9", "8*8", "5-3"]
 
@@ -66,11 +68,11 @@ for estimator in ("adpo", "espo", "wd1"):
         return {name: v.detach().clone() for name, v in model.state_dict().items() if "lora_" in name}
 
     built.clear()
-    shares = update([owned_rows(j, n, B, G, world) for j in range(B)])
+    shares = update([owned_rows(j, n, B, G, world, speeds) for j in range(B)])
     mine_built = sum(built)
     one = update(None)
     if estimator == "adpo":
-        held = sum(int(owned_rows(j, n, B, G, world).sum()) for j in range(B))
+        held = sum(int(owned_rows(j, n, B, G, world, speeds).sum()) for j in range(B))
         print(f"built={world.rank}:{mine_built}:{held}\n", end="", flush=True)  # one write: ranks share stdout, unbuffered under PYTHONUNBUFFERED
     if world.rank == 0:
         diff = max(float((one[k] - shares[k]).abs().max()) for k in one)
