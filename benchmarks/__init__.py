@@ -21,5 +21,6 @@ HELPERS = {
     "harness": "arguments, SFT checkpoints, seeds in processes, paired tests, result files",
     "real_model_decode": "real_model's decoding measurements (latency, NSD FLOPs, the AR original)",
     "sim": "the discrete-event model scale_model runs",
+    "model_fit": "scale_model against the emulated runs: calibration, out-of-sample and straggler predictions",
     "standin": "emulate's calibrated compute stand-in process (python -m benchmarks.standin sampler|learner)",
 }

@@ -4,6 +4,8 @@ collectives (gloo), with the model's compute replaced by a calibrated stand-in
 (benchmarks/scale/standin.py: LLaDA-8B's rollout and update times and adapter bytes x ``SCALE``).
 
     python -m benchmarks.emulate [--processes 4 16 64] [--batches 4] [--chaos] [--smoke]
+    python -m benchmarks.emulate --processes 16 --slow-rank 1.1 --deal speed   # one GPU 10% slower
+
 
 Per size P: placement.py splits P into samplers and learner ranks from the stand-in's seconds per
 completion (LLaDA-8B's ratio) and sizes the global batch; samplers are forked from this process
@@ -13,7 +15,10 @@ after the first two updates, over the stand-in's ideal N x completions / (rollou
 learner and sampler idle, dropped batches, the largest staleness, and store requests per
 committed batch (every process's S3 requests, counted by botocore). ``--chaos`` SIGKILLs three
 random samplers (restarted) and one learner rank (torchrun restarts the group) mid-run, then checks
-that every batch was consumed exactly once within the staleness bound.
+that every batch was consumed exactly once within the staleness bound. ``--slow-rank X`` makes
+the last learner rank X times slower all run long, ``--rank-spread CV`` each rank slower or faster
+by a normal draw of that CV (seeded by the process count, so two runs compare like with like);
+``--deal`` sets ``async_rl.deal`` (even blocks, or dealt by the ranks' measured speed).
 Writes benchmarks/results/emulate.json; benchmarks/scale/scale_model.py validates against it.
 ``--smoke``: one run of 2 processes (1 sampler, 1 learner rank), 5 batches, LLaDA-8B's seconds x 0.002
 and bytes x 1e-4 (emulate_smoke.json).
@@ -118,7 +123,17 @@ def measure_store(server: Any, n: int = 30) -> dict[str, float]:
     return {"store_latency_s": latency, "store_bytes_s": bw, "store_rate": 1e6, "batch_bytes": 30e3}
 
 
-def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos: bool) -> dict[str, Any]:
+def slowness(ranks: int, spread: float, slow_rank: float, seed: int) -> list[float]:
+    """[D] each learner rank's persistent time factor: normal draws of CV ``spread`` (floored at
+    half), the last rank times ``slow_rank``."""
+    rng = random.Random(seed)
+    out = [max(1.0 + spread * rng.gauss(0.0, 1.0), 0.5) if spread > 0 else 1.0 for _ in range(ranks)]
+    out[-1] *= slow_rank
+    return out
+
+
+def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos: bool, deal: str = "even",
+            spread: float = 0.0, slow_rank: float = 1.0) -> dict[str, Any]:
     from miles_core.asyncrl.launch import command
     from miles_core.asyncrl.placement import admitting_batch, place
     from miles_core.storage.run import RunStore, prepare_run
@@ -131,8 +146,9 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
     balanced = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS, procs)
     pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS,
                admitting_batch(balanced.samplers, STALENESS), probe.train.prompts_per_iter, 0.1)
-    cfg = load_recipe("tiny", [*OVERRIDES, f"async_rl.num_samplers={pl.samplers}",
+    cfg = load_recipe("tiny", [*OVERRIDES, f"async_rl.num_samplers={pl.samplers}", f"async_rl.deal={deal}",
                                f"async_rl.batches_per_sampler={batches}", f"async_rl.global_batch={pl.batches_per_update * c}"])
+    st = {**st, "rank_slowness": slowness(pl.learner_ranks, spread, slow_rank, procs)}
     run = f"s3://{server.bucket}/emulate/{procs}-{int(time.time())}"
     prepare_run(run, cfg, base)
     # lazy gloo connections: a group of dozens of ranks restarted on 2 busy cores timed out building
@@ -184,7 +200,8 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
     for p in samplers.values():
         p.wait(60)
     return {**summarize(rs, cfg, pl, st, c, procs, killed, t0), "scale": st["scale"],
-            "cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1.0)}
+            "cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1.0), "deal": deal, "rank_spread": spread,
+            "slow_rank": slow_rank, "rank_slowness": st["rank_slowness"]}
 
 
 def wire_costs(samp: list[dict], lead: dict, others: list[dict]) -> dict[str, float]:
@@ -277,6 +294,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--processes", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--batches", type=int, default=4, help="batches per sampler (each a stand-in rollout)")
     ap.add_argument("--chaos", action="store_true", help="SIGKILL 3 samplers and 1 learner rank in the largest run")
+    ap.add_argument("--deal", choices=["even", "speed"], default="even", help="async_rl.deal of the runs")
+    ap.add_argument("--rank-spread", type=float, default=0.0, help="each learner rank's persistent slowness, a normal CV")
+    ap.add_argument("--slow-rank", type=float, default=1.0, help="the last learner rank this many times slower")
     ap.add_argument("--scale", type=float, default=SCALE, help="LLaDA-8B's seconds and bytes times this")
     ap.add_argument("--bytes-scale", type=float, default=None,
                     help="LLaDA-8B's bytes times this instead (default: --scale): 64 processes at --scale 0.5 hold "
@@ -310,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
         for procs in args.processes:
             chaos = args.chaos and procs == max(args.processes)
             print(f"emulating {procs} processes{' with chaos' if chaos else ''} ...", flush=True)
-            runs.append({**one_run(procs, args.batches, server, work, base, chaos), **store_cost})
+            runs.append({**one_run(procs, args.batches, server, work, base, chaos, args.deal, args.rank_spread,
+                                   args.slow_rank), **store_cost})
             r = runs[-1]
             print(f"  {r['samplers']}:{r['learner_ranks']} B={r['batches_per_update']} eff {r['efficiency']:.3f} "
                   f"req/batch {r['requests_per_batch']:.1f} dropped {r['dropped']}", flush=True)

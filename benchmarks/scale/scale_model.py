@@ -50,11 +50,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from benchmarks.harness import RESULTS, add_smoke, table, write_result
 from benchmarks.host_costs import LORA_PARAMS, SMOKE_LORA, SMOKE_POINTS, host_seconds, measure, one
+from benchmarks.model_fit import PREDICTIONS, checked, predict, straggler_configs, validation
 from benchmarks.sim import Params, largest_share, shares, simulate
 from miles_core.asyncrl.placement import Placement, admitting_batch, place
 from miles_core.storage.uri import S3_CONNECTIONS
@@ -189,73 +192,6 @@ def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: 
     return out
 
 
-# ---------------------------------------------------------------------------------- validation
-CALIBRATED = ("measured_rollout_s", "measured_update_s", "learner_host_s", "sampler_host_s", "learner_start_s",
-              "startup_poll_interval_s")
-
-
-def startup_poll_interval(run: dict) -> float:
-    """The mean interval of a run's samplers' polls for version 0 (their requests during start-up)."""
-    return run["learner_start_s"] / run["startup_polls"] if run.get("startup_polls") else 0.0
-
-
-def emulated_params(run: dict) -> Params:
-    """The model of one emulated run from its (measured or fitted) costs, split, global batch,
-    budget and the store latency that run measured on SeaweedFS."""
-    return Params(samplers=run["samplers"], learner_ranks=run["learner_ranks"], batches=run["batches"],
-                  completions_per_batch=run["completions_per_batch"], group_size=run.get("group_size", 1),
-                  minibatches=run.get("minibatches", 1), rollout_s=run["measured_rollout_s"], rollout_cv=0.05,
-                  update_s=run["measured_update_s"],
-                  allreduce_bytes=run["allreduce_bytes"], link_bytes_s=run["link_bytes_s"], link_latency_s=2e-4,
-                  adapter_bytes=run["adapter_bytes"], batch_bytes=run["batch_bytes"], checkpoint_every=1,
-                  store_latency_s=run["store_latency_s"], store_bytes_s=run["store_bytes_s"],
-                  put_rate=run["store_rate"], get_rate=run["store_rate"], poll_s=run["poll_s"],
-                  poll_backoff=run["poll_backoff"], poll_max_s=run["poll_max_s"], max_staleness=run["max_staleness"],
-                  learner_samples=False, shared_budget=False, batches_per_update=run["batches_per_update"],
-                  sampler_host_s=run.get("sampler_host_s", 0.0), learner_host_s=run.get("learner_host_s", 0.0),
-                  learner_start_s=run.get("learner_start_s", 0.0),
-                  startup_poll_s=run.get("startup_poll_interval_s", startup_poll_interval(run)),
-                  **({"wire": run["wire"]} if "wire" in run else {}))
-
-
-def calibrate(runs: list[dict], at: int) -> dict:
-    """``at`` processes' inputs from the calibration ``runs``: each of :data:`CALIBRATED` a line
-    in the process count through them (the last run's value when only one), the wire costs their
-    mean; the run's own split, batch and budget are the design's, not fitted."""
-    runs = [{**r, "startup_poll_interval_s": startup_poll_interval(r)} for r in runs]
-    xs = [r["processes"] for r in runs]
-    fitted: dict[str, Any] = {}
-    for key in CALIBRATED:
-        ys = [r.get(key, 0.0) for r in runs]
-        if len(runs) >= 2 and xs[-1] != xs[0]:
-            slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
-            fitted[key] = max(ys[0] + slope * (at - xs[0]), 0.0)
-        else:
-            fitted[key] = ys[-1]
-    wires = [r["wire"] for r in runs if "wire" in r]
-    if wires:
-        fitted["wire"] = {k: sum(w[k] for w in wires) / len(wires) for k in wires[0]}
-    return fitted
-
-
-def validation(runs: list[dict], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict[str, Any]]:
-    """Every emulated run (emulate.json's ``runs``) predicted: from a fit on ``calibrate_on`` (out
-    of sample for the others)."""
-    cal = [r for r in runs if r["processes"] in calibrate_on]
-    out: list[dict[str, Any]] = []
-    for run in runs:
-        sample = "in sample" if run["processes"] in calibrate_on else "out of sample"
-        r = simulate(emulated_params({**run, **calibrate(cal, run["processes"])}))
-        pred = r["after_two_updates_completions_per_s"] / run["ideal_completions_per_s"]  # as emulate.py measures
-        name = f"emulated, {run['processes']} processes ({sample})"
-        out.append({"run": name, "metric": "efficiency", "predicted": pred, "measured": run["efficiency"],
-                    "error": pred / run["efficiency"] - 1, "out_of_sample": sample == "out of sample"})
-        out.append({"run": name, "metric": "requests per batch", "predicted": r["requests_per_batch"],
-                    "measured": run["requests_per_batch"], "error": r["requests_per_batch"] / run["requests_per_batch"] - 1,
-                    "out_of_sample": sample == "out of sample"})
-    return out
-
-
 def sensitivity(base: Params, costs: dict[str, Any], rollouts: int, hours: float, seeds: int,
                 gpus: int = GPUS[-1]) -> list[dict[str, Any]]:
     """Weak scaling at ``gpus`` (4,096) with one stated assumption changed at a time (:data:`VARIANTS`;
@@ -307,7 +243,23 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hours", type=float, default=24.0, help="the whole run's length")
     ap.add_argument("--seeds", type=int, default=3, help="simulations per point (efficiency averaged)")
     ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/NAME.json)")
+    ap.add_argument("--predict", default=None, metavar="FILE", nargs="?", const=str(PREDICTIONS),
+                    help="only write the straggler runs' predictions (from emulate.json's plain runs) to FILE, "
+                         "before those runs")
     args = ap.parse_args(argv)
+    if args.predict:
+        plain = (_load("emulate") or {}).get("runs", [])
+        if not plain:
+            raise SystemExit("benchmarks/results/emulate.json is missing: run python -m benchmarks.emulate first")
+        preds = predict(plain, straggler_configs())
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+        Path(args.predict).write_text(json.dumps({"commit": commit, "calibrated_on": [4, 16], "predictions": preds},
+                                                 indent=1) + "\n")
+        print(table([[p["processes"], p["slow_rank"], p["rank_spread"], p["deal"], f"{p['predicted']:.3f}",
+                      f"{p['plain_measured']:.3f}"] for p in preds],
+                    ["procs", "slow rank", "spread", "deal", "predicted", "plain run measured"]))
+        print(f"wrote {args.predict}")
+        return
     if args.smoke:
         vars(args).update(SMOKE)
     sizes = SMOKE_GPUS if args.smoke else GPUS
@@ -342,6 +294,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("\nno emulated runs validated against" + (" (--smoke reads no results)" if args.smoke else
                                                           " in benchmarks/results/ (run python -m benchmarks.emulate)"))
+    straggle = checked(json.loads(PREDICTIONS.read_text())["predictions"], (_load("emulate_stragglers") or {}).get("runs", [])) \
+        if PREDICTIONS.exists() and not args.smoke else []
+    if straggle:
+        print("\nstraggler runs, predicted before they ran (" + str(PREDICTIONS.relative_to(PREDICTIONS.parents[3])) + ")")
+        print(table([[p["processes"], p["slow_rank"], p["rank_spread"], p["deal"], f"{p['predicted']:.3f}",
+                      f"{p['measured']:.3f}", f"{100 * p['error']:+.1f}%"] for p in straggle],
+                    ["procs", "slow rank", "spread", "deal", "predicted", "measured", "error"]))
     top = curves["weak"][-1]
     drops = {kind: below(pts) for kind, pts in curves.items()}
     print(f"\nweak scaling at {top['gpus']:,} GPUs (llada_8b, global batch {top['global_batch']:,}, GPUs spread "
@@ -354,7 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     drop = drops["strong"]
     # every simulated point and variant must have consumed updates at a positive rate (lists: checked keyed)
     path = write_result("scale_model", {
-        **curves, "validation": val, "sensitivity_4096": sens,
+        **curves, "validation": val, "stragglers": straggle, "sensitivity_4096": sens,
         "strong_below_0_9_at": drop["gpus"] if drop else None,
         "below_0_9_at": {kind: d["gpus"] if d else None for kind, d in drops.items()},
         "inputs": {"llada_8b": {**base.__dict__, "source": f"FLOPs at {MFU:.0%} of {H200_FLOPS / 1e12:.0f} TFLOP/s"},

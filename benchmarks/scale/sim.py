@@ -78,6 +78,7 @@ class Params:
     # the pace) or "speed" (async_rl.deal: blocks in proportion to the measured speeds)
     rank_spread: float = 0.0
     deal: str = "even"
+    rank_slowness: tuple[float, ...] = ()  # each rank's factor as given (an emulated run's), instead of drawn
     minibatches: int = 1               # optimizer steps per update, each all-reducing the gradient
     allreduce_bytes: float = 0.0       # gradient bytes all-reduced per optimizer step (the adapter's)
     base_bytes: float = 0.0            # what every process reads from the store at start (the base)
@@ -207,7 +208,10 @@ def largest_share(batches: int, n: int, d: int, group: int = 1) -> int:
 
 
 def rank_slowness(p: Params, rng: random.Random) -> list[float]:
-    """[D] each rank's persistent time factor (normal, CV ``rank_spread``, floored at half the mean)."""
+    """[D] each rank's persistent time factor: ``rank_slowness`` when given, else normal draws of
+    CV ``rank_spread`` floored at half the mean (benchmarks/scale/emulate.py::slowness draws alike)."""
+    if p.rank_slowness:
+        return list(p.rank_slowness)
     return [max(1.0 + p.rank_spread * rng.gauss(0.0, 1.0), 0.5) if p.rank_spread > 0 else 1.0
             for _ in range(p.learner_ranks)]
 

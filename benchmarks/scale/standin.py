@@ -98,13 +98,21 @@ class _Wait:
         return out
 
 
+def rank_factor(cfg: dict[str, Any]) -> float:
+    """This learner rank's persistent slowness (``rank_slowness``, one per rank, emulate.py's
+    ``--slow-rank`` / ``--rank-spread``: a GPU slower than the others all run long); 1 without."""
+    slow = cfg.get("rank_slowness") or []
+    rank = int(os.environ.get("RANK", "0"))
+    return float(slow[rank]) if rank < len(slow) else 1.0
+
+
 def fit(model: nn.Module, cfg: dict[str, Any], learner: bool = False) -> nn.Module:
     """Add the ballast projection (its LoRA carries the adapter's bytes) and the waits (a
-    learner's passes are rows, a sampler's are sampling steps)."""
+    learner's passes are rows, at this rank's slowness; a sampler's are sampling steps)."""
     ballast_out = max(1, int(cfg["adapter_bytes"] / 2 / cfg["lora_r"]))  # bf16 B factor [out, r]
     model.ballast = nn.Linear(1, ballast_out, bias=False)
     nn.init.zeros_(model.ballast.weight)
-    wait = _Wait(cfg["step_s"], cfg["row_fwd_s"], learner)
+    wait = _Wait(cfg["step_s"], cfg["row_fwd_s"] * (rank_factor(cfg) if learner else 1.0), learner)
     model.blocks[0].register_forward_pre_hook(wait.start)
     model.blocks[0].register_forward_hook(wait.first_out)
     model.blocks[-1].register_forward_hook(wait)

@@ -178,7 +178,7 @@ def test_whole_run_efficiency_counts_the_start_and_extrapolates_the_steady_rate(
 def test_validation_calibrates_on_the_small_runs_and_extrapolates_to_the_large_one() -> None:
     """The 64-process prediction takes nothing from the 64-process run: each contended cost is
     the line through the 4- and 16-process runs, the wire costs their mean."""
-    from benchmarks.scale_model import CALIBRATED, calibrate
+    from benchmarks.model_fit import CALIBRATED, calibrate
 
     runs = [{"processes": 4, **{k: 1.0 for k in CALIBRATED}, "startup_polls": 1.0, "wire": {"poll": 2.0}},
             {"processes": 16, **{k: 2.0 for k in CALIBRATED}, "startup_polls": 1.0, "wire": {"poll": 4.0}}]
@@ -187,6 +187,30 @@ def test_validation_calibrates_on_the_small_runs_and_extrapolates_to_the_large_o
     falling = [{**runs[0], "learner_host_s": 2.0}, {**runs[1], "learner_host_s": 1.0}]  # noqa: E501
     assert calibrate(falling, 64)["learner_host_s"] == 0.0  # a line below zero is clipped, never negative
     assert calibrate(runs[:1], 64)["measured_update_s"] == 1.0  # one run: its own value
+
+
+def test_straggler_predictions_charge_the_slow_rank_and_a_deal_by_speed_recovers() -> None:
+    """A learner-bound emulated shape (4 ranks, 12 groups each): one rank 1.5x slower lowers the
+    predicted efficiency dealt evenly, dealt by speed much less; checked() pairs each prediction
+    with its run and gives the error with its sign."""
+    from benchmarks.model_fit import CALIBRATED, checked, predict
+
+    def run(procs: int) -> dict:
+        return {"processes": procs, "samplers": procs - 4, "learner_ranks": 4, "batches": 30 * (procs - 4), "completions_per_batch": 8,
+                "group_size": 2, "minibatches": 1, **{k: 0.0 for k in CALIBRATED}, "measured_rollout_s": 1.0,
+                "measured_update_s": 1.6, "allreduce_bytes": 0.0, "link_bytes_s": 1e9, "adapter_bytes": 1.0,
+                "batch_bytes": 1.0, "store_latency_s": 0.0, "store_bytes_s": 1e12, "store_rate": 1e9, "poll_s": 0.01,
+                "poll_backoff": 1.0, "poll_max_s": 0.01, "max_staleness": 4, "batches_per_update": 12,
+                "ideal_completions_per_s": 10.0, "efficiency": 0.5, "startup_polls": 0}
+    plain = [run(4 + 4), run(16)]
+    configs = [{"processes": 16, "slow_rank": x, "rank_spread": 0.0, "deal": d} for x in (1.0, 1.5) for d in ("even", "speed")]
+    pred = {(c["slow_rank"], c["deal"]): c["predicted"] for c in predict(plain, configs)}
+    assert pred[1.0, "even"] == pytest.approx(pred[1.0, "speed"], rel=1e-9)          # equal speeds: the same deal
+    # learner-bound: evenly the pace is 1/1.5 of plain; by speed 48 groups go 13, 13, 13, 9: 12 / 13.5 of plain
+    assert pred[1.5, "even"] == pytest.approx(pred[1.0, "even"] / 1.5, rel=0.02)
+    assert pred[1.5, "speed"] == pytest.approx(pred[1.0, "even"] * 12 / 13.5, rel=0.02)
+    done = checked(predict(plain, configs[3:]), [{**configs[3], "efficiency": 0.5}, {**configs[2], "efficiency": 9.0}])
+    assert len(done) == 1 and done[0]["error"] == pytest.approx(done[0]["predicted"] / 0.5 - 1)
 
 
 def test_steady_rate_does_not_move_with_where_the_horizon_ends_in_the_update_cycle() -> None:

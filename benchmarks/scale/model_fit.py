@@ -1,0 +1,121 @@
+"""The scale model against the emulated runs (benchmarks/scale/emulate.py): its inputs that this
+2-core machine changes with the process count fitted on the small runs, the larger run predicted
+out of sample, and the straggler runs predicted before they ran (``python -m
+benchmarks.scale_model --predict`` writes :data:`PREDICTIONS`, committed before those runs).
+benchmarks/scale/scale_model.py reports them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from benchmarks.sim import Params, simulate
+
+# the model's predictions for straggler_configs(), written by --predict before those runs (committed)
+PREDICTIONS = Path(__file__).resolve().parents[2] / "docs" / "results" / "records" / "predictions-stragglers.json"
+
+CALIBRATED = ("measured_rollout_s", "measured_update_s", "learner_host_s", "sampler_host_s", "learner_start_s",
+              "startup_poll_interval_s")
+
+
+def startup_poll_interval(run: dict) -> float:
+    """The mean interval of a run's samplers' polls for version 0 (their requests during start-up)."""
+    return run["learner_start_s"] / run["startup_polls"] if run.get("startup_polls") else 0.0
+
+
+def emulated_params(run: dict) -> Params:
+    """The model of one emulated run from its (measured or fitted) costs, split, global batch,
+    budget and the store latency that run measured on SeaweedFS."""
+    return Params(samplers=run["samplers"], learner_ranks=run["learner_ranks"], batches=run["batches"],
+                  completions_per_batch=run["completions_per_batch"], group_size=run.get("group_size", 1),
+                  minibatches=run.get("minibatches", 1), rollout_s=run["measured_rollout_s"], rollout_cv=0.05,
+                  update_s=run["measured_update_s"],
+                  allreduce_bytes=run["allreduce_bytes"], link_bytes_s=run["link_bytes_s"], link_latency_s=2e-4,
+                  adapter_bytes=run["adapter_bytes"], batch_bytes=run["batch_bytes"], checkpoint_every=1,
+                  store_latency_s=run["store_latency_s"], store_bytes_s=run["store_bytes_s"],
+                  put_rate=run["store_rate"], get_rate=run["store_rate"], poll_s=run["poll_s"],
+                  poll_backoff=run["poll_backoff"], poll_max_s=run["poll_max_s"], max_staleness=run["max_staleness"],
+                  learner_samples=False, shared_budget=False, batches_per_update=run["batches_per_update"],
+                  sampler_host_s=run.get("sampler_host_s", 0.0), learner_host_s=run.get("learner_host_s", 0.0),
+                  learner_start_s=run.get("learner_start_s", 0.0), deal=run.get("deal", "even"),
+                  rank_slowness=tuple(run.get("rank_slowness", ())),
+                  startup_poll_s=run.get("startup_poll_interval_s", startup_poll_interval(run)),
+                  **({"wire": run["wire"]} if "wire" in run else {}))
+
+
+def calibrate(runs: list[dict], at: int) -> dict:
+    """``at`` processes' inputs from the calibration ``runs``: each of :data:`CALIBRATED` a line
+    in the process count through them (the last run's value when only one), the wire costs their
+    mean; the run's own split, batch and budget are the design's, not fitted."""
+    runs = [{**r, "startup_poll_interval_s": startup_poll_interval(r)} for r in runs]
+    xs = [r["processes"] for r in runs]
+    fitted: dict[str, Any] = {}
+    for key in CALIBRATED:
+        ys = [r.get(key, 0.0) for r in runs]
+        if len(runs) >= 2 and xs[-1] != xs[0]:
+            slope = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+            fitted[key] = max(ys[0] + slope * (at - xs[0]), 0.0)
+        else:
+            fitted[key] = ys[-1]
+    wires = [r["wire"] for r in runs if "wire" in r]
+    if wires:
+        fitted["wire"] = {k: sum(w[k] for w in wires) / len(wires) for k in wires[0]}
+    return fitted
+
+
+def validation(runs: list[dict], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict[str, Any]]:
+    """Every emulated run (emulate.json's ``runs``) predicted: from a fit on ``calibrate_on`` (out
+    of sample for the others)."""
+    cal = [r for r in runs if r["processes"] in calibrate_on]
+    out: list[dict[str, Any]] = []
+    for run in runs:
+        sample = "in sample" if run["processes"] in calibrate_on else "out of sample"
+        r = simulate(emulated_params({**run, **calibrate(cal, run["processes"])}))
+        pred = r["after_two_updates_completions_per_s"] / run["ideal_completions_per_s"]  # as emulate.py measures
+        name = f"emulated, {run['processes']} processes ({sample})"
+        out.append({"run": name, "metric": "efficiency", "predicted": pred, "measured": run["efficiency"],
+                    "error": pred / run["efficiency"] - 1, "out_of_sample": sample == "out of sample"})
+        out.append({"run": name, "metric": "requests per batch", "predicted": r["requests_per_batch"],
+                    "measured": run["requests_per_batch"], "error": r["requests_per_batch"] / run["requests_per_batch"] - 1,
+                    "out_of_sample": sample == "out of sample"})
+    return out
+
+
+def straggler_configs() -> list[dict[str, Any]]:
+    """The emulated configurations whose efficiency the model predicts before they run: 16
+    processes with one learner rank 10% slower, and with every rank's speed spread 5%, each dealt
+    evenly and by speed (``python -m benchmarks.emulate --processes 16 --slow-rank 1.1 --deal speed``)."""
+    return [{"processes": 16, "slow_rank": slow, "rank_spread": spread, "deal": deal}
+            for slow, spread in ((1.1, 0.0), (1.0, 0.05)) for deal in ("even", "speed")]
+
+
+def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict]:
+    """Each configuration's efficiency as emulate.py measures it, from the model calibrated on the
+    plain runs of ``calibrate_on`` processes: the run of its size gives the split, the batch and
+    the ideal (placement decides them, not the slowness), emulate.py's seeded draw the ranks'
+    slowness."""
+    from benchmarks.emulate import slowness
+
+    plain = [r for r in runs if r.get("slow_rank", 1.0) == 1.0 and not r.get("rank_spread") and r.get("deal", "even") == "even"]
+    cal = [r for r in plain if r["processes"] in calibrate_on]
+    out = []
+    for c in configs:
+        like = next(r for r in plain if r["processes"] == c["processes"])
+        slow = slowness(like["learner_ranks"], c["rank_spread"], c["slow_rank"], c["processes"])
+        r = simulate(emulated_params({**like, **calibrate(cal, c["processes"]), "deal": c["deal"], "rank_slowness": slow}))
+        out.append({**c, "predicted": r["after_two_updates_completions_per_s"] / like["ideal_completions_per_s"],
+                    "plain_measured": like["efficiency"], "learner_ranks": like["learner_ranks"],
+                    "groups_per_rank": like["batches_per_update"] * like["completions_per_batch"]
+                    / like.get("group_size", 1) / like["learner_ranks"]})
+    return out
+
+
+def checked(predictions: list[dict], runs: list[dict]) -> list[dict[str, Any]]:
+    """Predictions written before their runs against the emulated runs that match them, error with sign."""
+    key = ("processes", "slow_rank", "rank_spread", "deal")
+    out = []
+    for pr in predictions:
+        run = next((r for r in runs if all(r.get(k) == pr[k] for k in key)), None)
+        if run is not None:
+            out.append({**pr, "measured": run["efficiency"], "error": pr["predicted"] / run["efficiency"] - 1})
+    return out
