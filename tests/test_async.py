@@ -359,6 +359,27 @@ def test_learner_samples_instead_of_waiting_within_the_shared_budget(tmp_path: P
     assert out["idle_s"] == 0.0 and out["self_sample_s"] > 0
 
 
+def test_a_self_sampling_learner_reserves_no_stripe_so_a_samplers_slots_stay_dense(tmp_path: Path,
+                                                                                      base_dir: Path) -> None:
+    """With async_rl.learner_samples one sampler's batches take slots 0, 1, 2, 3 (not every other
+    slot, 0, 2, ..., which version v admits only up to S + v: the learner then had to sample half
+    the budget itself before the sampler could go on); an idle learner takes the lowest free slot."""
+    run, _ = make_run(tmp_path, base_dir, "async_rl.batches_per_sampler=5", "async_rl.shared_budget=true",
+                      "async_rl.learner_samples=true", "async_rl.max_staleness=8")
+    rs = RunStore(run)
+    from miles_core.storage import uri as U
+
+    folder = rs.path("samplers", "claims")
+    U.create_exclusive(rs.fs, U.join(folder, "slot-000004"), U.dumps({"batch": "placeholder"}))  # the last slot taken
+    learner = AsyncLearner(run, str(tmp_path / "lc"))
+    assert SamplerWorker(run, "w0", 0, str(tmp_path / "s0")).run()["committed"] == 4
+    claims = {name: U.read_json(rs.fs, U.join(folder, name))["batch"] for name in sorted(U.list_names(rs.fs, folder))}
+    assert claims == {**{f"slot-{k:06d}": batch_id(k, "w0") for k in range(4)}, "slot-000004": "placeholder"}
+    rs.fs.rm(U.join(folder, "slot-000001"))                     # a free slot below the others
+    assert learner.sample_self() is True and learner._next_seq == 1  # the learner takes it: the lowest free
+    assert U.read_json(rs.fs, U.join(folder, "slot-000001"))["batch"] == batch_id(0, "learner")
+
+
 def test_a_sampler_starts_only_the_slots_the_learners_version_admits(tmp_path: Path, base_dir: Path) -> None:
     """AReaL's rule k < (S + v + 1) B: with B = 2 sampler batches per update and S = 0, version 0
     admits slots 0-1 only; each update admits two more, so every batch is used at staleness 0 and

@@ -4,7 +4,7 @@ collectives (gloo), with the model's compute replaced by a calibrated stand-in
 (benchmarks/scale/standin.py: LLaDA-8B's rollout and update times and adapter bytes x ``SCALE``).
 
     python -m benchmarks.emulate [--processes 4 16 64] [--batches 4] [--chaos] [--smoke]
-    python -m benchmarks.emulate --processes 16 --slow-rank 1.1 --deal speed   # one GPU 10% slower
+    python -m benchmarks.emulate --processes 16 --prompts 32 --slow-rank 1.1 --deal speed   # one GPU 10% slower
 
 
 Per size P: placement.py splits P into samplers and learner ranks from the stand-in's seconds per
@@ -18,7 +18,8 @@ random samplers (restarted) and one learner rank (torchrun restarts the group) m
 that every batch was consumed exactly once within the staleness bound. ``--slow-rank X`` makes
 the last learner rank X times slower all run long, ``--rank-spread CV`` each rank slower or faster
 by a normal draw of that CV (seeded by the process count, so two runs compare like with like);
-``--deal`` sets ``async_rl.deal`` (even blocks, or dealt by the ranks' measured speed).
+``--deal`` sets ``async_rl.deal`` (even blocks, or dealt by the ranks' measured speed);
+``--rollout-tail P:X`` makes a share P of the rollouts take X times as long (drawn per batch).
 Writes benchmarks/results/emulate.json; benchmarks/scale/scale_model.py validates against it.
 ``--smoke``: one run of 2 processes (1 sampler, 1 learner rank), 5 batches, LLaDA-8B's seconds x 0.002
 and bytes x 1e-4 (emulate_smoke.json).
@@ -133,12 +134,12 @@ def slowness(ranks: int, spread: float, slow_rank: float, seed: int) -> list[flo
 
 
 def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos: bool, deal: str = "even",
-            spread: float = 0.0, slow_rank: float = 1.0) -> dict[str, Any]:
+            spread: float = 0.0, slow_rank: float = 1.0, prompts: int = 4) -> dict[str, Any]:
     from miles_core.asyncrl.launch import command
     from miles_core.asyncrl.placement import admitting_batch, place
     from miles_core.storage.run import RunStore, prepare_run
 
-    probe = load_recipe("tiny", OVERRIDES)
+    probe = load_recipe("tiny", [*OVERRIDES, f"train.prompts_per_iter={prompts}"])
     c = probe.train.prompts_per_iter * probe.train.group_size
     st = json.loads(os.environ["MILES_STANDIN"])
     # weak scaling, as at 4,096 GPUs (benchmarks/scale/scale_model.py): the global batch that admits the
@@ -146,7 +147,8 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
     balanced = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS, procs)
     pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS,
                admitting_batch(balanced.samplers, STALENESS), probe.train.prompts_per_iter, 0.1)
-    cfg = load_recipe("tiny", [*OVERRIDES, f"async_rl.num_samplers={pl.samplers}", f"async_rl.deal={deal}",
+    cfg = load_recipe("tiny", [*OVERRIDES, f"train.prompts_per_iter={prompts}", f"async_rl.num_samplers={pl.samplers}",
+                               f"async_rl.deal={deal}",
                                f"async_rl.batches_per_sampler={batches}", f"async_rl.global_batch={pl.batches_per_update * c}"])
     st = {**st, "rank_slowness": slowness(pl.learner_ranks, spread, slow_rank, procs)}
     run = f"s3://{server.bucket}/emulate/{procs}-{int(time.time())}"
@@ -201,7 +203,7 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
         p.wait(60)
     return {**summarize(rs, cfg, pl, st, c, procs, killed, t0), "scale": st["scale"],
             "cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1.0), "deal": deal, "rank_spread": spread,
-            "slow_rank": slow_rank, "rank_slowness": st["rank_slowness"]}
+            "slow_rank": slow_rank, "rank_slowness": st["rank_slowness"], "rollout_tail": list(st["rollout_tail"])}
 
 
 def wire_costs(samp: list[dict], lead: dict, others: list[dict]) -> dict[str, float]:
@@ -297,6 +299,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deal", choices=["even", "speed"], default="even", help="async_rl.deal of the runs")
     ap.add_argument("--rank-spread", type=float, default=0.0, help="each learner rank's persistent slowness, a normal CV")
     ap.add_argument("--slow-rank", type=float, default=1.0, help="the last learner rank this many times slower")
+    ap.add_argument("--prompts", type=int, default=4,
+                    help="prompts per sampler batch (groups of 2): a rank's share is B x prompts / D groups, and a "
+                         "deal by speed moves whole groups")
+    ap.add_argument("--rollout-tail", default="0:1", metavar="P:X",
+                    help="a share P of the rollouts takes X times as long (the scale model assumes 0.02:3)")
     ap.add_argument("--scale", type=float, default=SCALE, help="LLaDA-8B's seconds and bytes times this")
     ap.add_argument("--bytes-scale", type=float, default=None,
                     help="LLaDA-8B's bytes times this instead (default: --scale): 64 processes at --scale 0.5 hold "
@@ -310,8 +317,10 @@ def main(argv: list[str] | None = None) -> None:
     from miles_core.models.tiny import init_checkpoint
 
     base = init_checkpoint(work / "base", seed=0)
-    probe = load_recipe("tiny", OVERRIDES)
-    standin = json.dumps({**stand_in(probe, args.scale, args.bytes_scale), "allreduce_bytes": trained_bytes(probe, base)})
+    probe = load_recipe("tiny", [*OVERRIDES, f"train.prompts_per_iter={args.prompts}"])
+    tail = tuple(float(v) for v in args.rollout_tail.split(":"))
+    standin = json.dumps({**stand_in(probe, args.scale, args.bytes_scale), "allreduce_bytes": trained_bytes(probe, base),
+                          "rollout_tail": tail})
     server = seaweed().start(work / "s3", bucket="miles")
     # the environment, fork server and launcher context this run sets, restored after (main runs in tests too)
     environ = mock.patch.dict(os.environ, {
@@ -331,7 +340,7 @@ def main(argv: list[str] | None = None) -> None:
             chaos = args.chaos and procs == max(args.processes)
             print(f"emulating {procs} processes{' with chaos' if chaos else ''} ...", flush=True)
             runs.append({**one_run(procs, args.batches, server, work, base, chaos, args.deal, args.rank_spread,
-                                   args.slow_rank), **store_cost})
+                                   args.slow_rank, args.prompts), **store_cost})
             r = runs[-1]
             print(f"  {r['samplers']}:{r['learner_ranks']} B={r['batches_per_update']} eff {r['efficiency']:.3f} "
                   f"req/batch {r['requests_per_batch']:.1f} dropped {r['dropped']}", flush=True)

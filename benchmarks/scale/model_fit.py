@@ -29,6 +29,7 @@ def emulated_params(run: dict) -> Params:
     return Params(samplers=run["samplers"], learner_ranks=run["learner_ranks"], batches=run["batches"],
                   completions_per_batch=run["completions_per_batch"], group_size=run.get("group_size", 1),
                   minibatches=run.get("minibatches", 1), rollout_s=run["measured_rollout_s"], rollout_cv=0.05,
+                  rollout_tail_p=run.get("rollout_tail", (0.0, 1.0))[0], rollout_tail_x=run.get("rollout_tail", (0.0, 1.0))[1],
                   update_s=run["measured_update_s"],
                   allreduce_bytes=run["allreduce_bytes"], link_bytes_s=run["link_bytes_s"], link_latency_s=2e-4,
                   adapter_bytes=run["adapter_bytes"], batch_bytes=run["batch_bytes"], checkpoint_every=1,
@@ -81,28 +82,39 @@ def validation(runs: list[dict], calibrate_on: tuple[int, ...] = (4, 16)) -> lis
     return out
 
 
-def straggler_configs() -> list[dict[str, Any]]:
+def straggler_configs(prompts: int = 32) -> list[dict[str, Any]]:
     """The emulated configurations whose efficiency the model predicts before they run: 16
     processes with one learner rank 10% slower, and with every rank's speed spread 5%, each dealt
-    evenly and by speed (``python -m benchmarks.emulate --processes 16 --slow-rank 1.1 --deal speed``)."""
-    return [{"processes": 16, "slow_rank": slow, "rank_spread": spread, "deal": deal}
-            for slow, spread in ((1.1, 0.0), (1.0, 0.05)) for deal in ("even", "speed")]
+    evenly and by speed; and the spread dealt by speed with a tenth of the rollouts taking 3x
+    (``python -m benchmarks.emulate --processes 16 --prompts 32 --rank-spread 0.05 --rollout-tail
+    0.1:3 --deal speed``). ``prompts`` per sampler batch: 32 make 16 groups a rank at 16 processes
+    (the 4,096-GPU shape has 10), so a deal by speed has groups to move."""
+    plain = (0.0, 1.0)
+    out = [{"processes": 16, "prompts": prompts, "slow_rank": slow, "rank_spread": spread, "rollout_tail": plain,
+            "deal": deal} for slow, spread in ((1.1, 0.0), (1.0, 0.05)) for deal in ("even", "speed")]
+    return out + [{"processes": 16, "prompts": prompts, "slow_rank": 1.0, "rank_spread": 0.05, "rollout_tail": (0.1, 3.0),
+                   "deal": "speed"}]
 
 
 def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict]:
     """Each configuration's efficiency as emulate.py measures it, from the model calibrated on the
     plain runs of ``calibrate_on`` processes: the run of its size gives the split, the batch and
     the ideal (placement decides them, not the slowness), emulate.py's seeded draw the ranks'
-    slowness."""
+    slowness; a tail lengthens the plain runs' mean rollout by 1 + P (X - 1)."""
     from benchmarks.emulate import slowness
 
-    plain = [r for r in runs if r.get("slow_rank", 1.0) == 1.0 and not r.get("rank_spread") and r.get("deal", "even") == "even"]
-    cal = [r for r in plain if r["processes"] in calibrate_on]
+    plain = [r for r in runs if r.get("slow_rank", 1.0) == 1.0 and not r.get("rank_spread") and r.get("deal", "even") == "even"
+             and tuple(r.get("rollout_tail", (0.0, 1.0)))[0] == 0.0]
     out = []
     for c in configs:
-        like = next(r for r in plain if r["processes"] == c["processes"])
+        size = [r for r in plain if r["completions_per_batch"] == 2 * c.get("prompts", 4)]  # groups of 2 (emulate.py)
+        cal = [r for r in size if r["processes"] in calibrate_on]
+        like = next(r for r in size if r["processes"] == c["processes"])
         slow = slowness(like["learner_ranks"], c["rank_spread"], c["slow_rank"], c["processes"])
-        r = simulate(emulated_params({**like, **calibrate(cal, c["processes"]), "deal": c["deal"], "rank_slowness": slow}))
+        fit = calibrate(cal, c["processes"])
+        p, x = c.get("rollout_tail", (0.0, 1.0))
+        fit["measured_rollout_s"] *= 1 + p * (x - 1)
+        r = simulate(emulated_params({**like, **fit, "deal": c["deal"], "rank_slowness": slow, "rollout_tail": (p, x)}))
         out.append({**c, "predicted": r["after_two_updates_completions_per_s"] / like["ideal_completions_per_s"],
                     "plain_measured": like["efficiency"], "learner_ranks": like["learner_ranks"],
                     "groups_per_rank": like["batches_per_update"] * like["completions_per_batch"]
@@ -115,7 +127,9 @@ def checked(predictions: list[dict], runs: list[dict]) -> list[dict[str, Any]]:
     key = ("processes", "slow_rank", "rank_spread", "deal")
     out = []
     for pr in predictions:
-        run = next((r for r in runs if all(r.get(k) == pr[k] for k in key)), None)
+        run = next((r for r in runs if all(r.get(k) == pr[k] for k in key)
+                    and r["completions_per_batch"] == 2 * pr.get("prompts", 4)
+                    and list(r.get("rollout_tail", (0.0, 1.0))) == list(pr.get("rollout_tail", (0.0, 1.0)))), None)
         if run is not None:
             out.append({**pr, "measured": run["efficiency"], "error": pr["predicted"] / run["efficiency"] - 1})
     return out

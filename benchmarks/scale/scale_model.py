@@ -85,6 +85,16 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def emulated_runs() -> list[dict]:
+    """Every emulated run in benchmarks/results/emulate*.json (``emulate --out``: the plain runs,
+    their 32-prompt baselines, the straggler runs), smoke runs left out."""
+    runs = []
+    for path in sorted(RESULTS.glob("emulate*.json")):
+        doc = json.loads(path.read_text())
+        runs += [] if doc.get("smoke") else [{**r, "source": path.name} for r in doc.get("runs", [])]
+    return runs
+
+
 def update_passes(minibatches: int) -> float:
     """Forwards per scored row in an update: forward and backward (3), plus a no-grad forward for
     the proximal policy for every row outside the first minibatch (algo/update.py::proximal_logprobs;
@@ -248,16 +258,16 @@ def main(argv: list[str] | None = None) -> None:
                          "before those runs")
     args = ap.parse_args(argv)
     if args.predict:
-        plain = (_load("emulate") or {}).get("runs", [])
+        plain = emulated_runs()
         if not plain:
             raise SystemExit("benchmarks/results/emulate.json is missing: run python -m benchmarks.emulate first")
         preds = predict(plain, straggler_configs())
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         Path(args.predict).write_text(json.dumps({"commit": commit, "calibrated_on": [4, 16], "predictions": preds},
                                                  indent=1) + "\n")
-        print(table([[p["processes"], p["slow_rank"], p["rank_spread"], p["deal"], f"{p['predicted']:.3f}",
-                      f"{p['plain_measured']:.3f}"] for p in preds],
-                    ["procs", "slow rank", "spread", "deal", "predicted", "plain run measured"]))
+        print(table([[p["processes"], p["slow_rank"], p["rank_spread"], "{}:{}".format(*p["rollout_tail"]), p["deal"],
+                      f"{p['predicted']:.3f}", f"{p['plain_measured']:.3f}"] for p in preds],
+                    ["procs", "slow rank", "spread", "tail P:X", "deal", "predicted", "plain run measured"]))
         print(f"wrote {args.predict}")
         return
     if args.smoke:
@@ -294,13 +304,13 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("\nno emulated runs validated against" + (" (--smoke reads no results)" if args.smoke else
                                                           " in benchmarks/results/ (run python -m benchmarks.emulate)"))
-    straggle = checked(json.loads(PREDICTIONS.read_text())["predictions"], (_load("emulate_stragglers") or {}).get("runs", [])) \
+    straggle = checked(json.loads(PREDICTIONS.read_text())["predictions"], emulated_runs()) \
         if PREDICTIONS.exists() and not args.smoke else []
     if straggle:
         print("\nstraggler runs, predicted before they ran (" + str(PREDICTIONS.relative_to(PREDICTIONS.parents[3])) + ")")
-        print(table([[p["processes"], p["slow_rank"], p["rank_spread"], p["deal"], f"{p['predicted']:.3f}",
-                      f"{p['measured']:.3f}", f"{100 * p['error']:+.1f}%"] for p in straggle],
-                    ["procs", "slow rank", "spread", "deal", "predicted", "measured", "error"]))
+        print(table([[p["processes"], p["slow_rank"], p["rank_spread"], "{}:{}".format(*p["rollout_tail"]), p["deal"],
+                      f"{p['predicted']:.3f}", f"{p['measured']:.3f}", f"{100 * p['error']:+.1f}%"] for p in straggle],
+                    ["procs", "slow rank", "spread", "tail P:X", "deal", "predicted", "measured", "error"]))
     top = curves["weak"][-1]
     drops = {kind: below(pts) for kind, pts in curves.items()}
     print(f"\nweak scaling at {top['gpus']:,} GPUs (llada_8b, global batch {top['global_batch']:,}, GPUs spread "

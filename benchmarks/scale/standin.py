@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 import time
 from typing import Any
@@ -62,6 +63,19 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(left)
 
 
+class _Tail:
+    """A heavy-tailed rollout (emulate.py's ``--rollout-tail P:X``, the scale model's
+    ``rollout_tail_p``/``_x``): batch ``seq`` of ``worker`` takes X times as long with probability
+    P, drawn from (worker, seq) so a retried batch takes as long again."""
+
+    factor = 1.0
+
+    @classmethod
+    def draw(cls, cfg: dict[str, Any], worker: str, seq: int) -> None:
+        p, x = cfg.get("rollout_tail", (0.0, 1.0))
+        cls.factor = x if p > 0 and random.Random(f"{worker}-{seq}").random() < p else 1.0
+
+
 class _Wait:
     """Hooks on the first and last blocks (every pass runs both, whichever logits it then
     computes). In a sampler a pass is a sampling step, which ends ``step_s`` after its first
@@ -85,7 +99,7 @@ class _Wait:
     def __call__(self, module: nn.Module, args: Any, out: Any) -> Any:
         h = out[0] if isinstance(out, tuple) else out  # [R, T, d]
         if not self.learner:
-            _sleep_until(self.t0 + self.step_s)
+            _sleep_until(self.t0 + self.step_s * _Tail.factor)
             return out
         rows = h.shape[0]
         _sleep_until(self.t0 + rows * self.row_fwd_s)
@@ -149,6 +163,12 @@ def install() -> None:
         return _ballast_frozen(model), tok
     build_policy.standin = True  # type: ignore[attr-defined]
     policy_mod.build_policy = sampler_mod.build_policy = build_policy
+    make_batch = sampler_mod.SamplerWorker.make_batch
+
+    def tailed(self: Any, seq: int) -> Any:
+        _Tail.draw(cfg, self.worker, seq)
+        return make_batch(self, seq)
+    sampler_mod.SamplerWorker.make_batch = tailed  # type: ignore[method-assign]
 
 
 if os.environ.get("MILES_STANDIN_INSTALL") == "1":  # emulate.py's forkserver: every forked sampler has it

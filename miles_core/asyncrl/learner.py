@@ -80,12 +80,11 @@ class AsyncLearner(LearnerRun):
         if self._redo:
             bid, slot = self._redo[0]
         else:
-            stripe = a.num_samplers + 1
-            prefer = a.num_samplers + stripe * self._next_seq  # its own stripe: worker index num_samplers
-            if not self.batches.admits(prefer, self.learner.version):
-                return False
+            # no stripe of its own: the lowest free slot (one listing, made only while it would
+            # idle), so the samplers' stripes stay dense and admission, which counts slots, is
+            # not held back by slots reserved for a learner that samples only when nothing waits
             bid = batch_id(self._next_seq, SELF)
-            got = self.claims.claim(bid, prefer=prefer)
+            got = self.claims.claim(bid)
             if got is None:
                 self.claims = None  # every slot is taken: from now on only wait for the samplers' batches
                 return False

@@ -155,7 +155,7 @@ class SamplerWorker:
                 return self._finish(stopped=True)
         self.stats["requests_at_start"] = req.total()  # the spec, the base, the wait for version 0
         seq = int(self.stats["next_seq"])
-        stripe = a.num_samplers + int(a.learner_samples)  # the learner samples as worker num_samplers
+        stripe = a.num_samplers  # a self-sampling learner takes the lowest free slot, no stripe of its own
         claims = self.batches.claims
         mine = claims.own(self.worker) if a.shared_budget else {}
         while a.shared_budget or seq < a.batches_per_sampler:
