@@ -4,7 +4,8 @@ checks its own invariants before writing: ``benchmarks/harness.py::check_measure
 ``benchmarks/`` that is neither a benchmark with a smoke mode nor a listed helper fails here, and a
 benchmark whose measurement is bypassed fails its own run (the rollout wrapper case below).
 
-The lane alone, on two workers as make test runs it: ``pytest -m bench -n 2 --dist loadfile benchmarks/tests``."""
+The lane alone: ``pytest -m bench -n 3 --dist loadfile benchmarks/tests`` (three files of smoke runs
+side by side; their processes mostly wait, so three workers share two cores)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,11 @@ MODULES = sorted(FILES)
 BENCHMARKS = [m for m in MODULES if m not in HELPERS]
 # Benchmarks whose smoke run is a test of its own, with more checks (so the lane runs it once).
 OWN_TEST = {"real_model": "benchmarks/tests/test_real_model.py"}
-# The lane in two files, so two pytest workers (make test's --dist loadfile) run it side by side:
-# the learning benchmarks in test_smoke_learn.py, the rest here (about half the seconds each).
-LEARN = sorted(p.stem for p in (ROOT / "benchmarks" / "learn").glob("*.py")
-               if p.stem in BENCHMARKS and p.stem not in OWN_TEST)
-OTHERS = [m for m in BENCHMARKS if m not in OWN_TEST and m not in LEARN]
+# The lane in three files, so pytest workers (--dist loadfile) run them side by side: the learning
+# benchmarks in test_smoke_learn.py, the scale ones in test_smoke_scale.py, the rest here.
+LEARN, SCALE = (sorted(p.stem for p in (ROOT / "benchmarks" / folder).glob("*.py")
+                       if p.stem in BENCHMARKS and p.stem not in OWN_TEST) for folder in ("learn", "scale"))
+OTHERS = [m for m in BENCHMARKS if m not in OWN_TEST and m not in LEARN and m not in SCALE]
 
 
 def test_module_names_are_unique_across_the_folders() -> None:
@@ -118,6 +119,7 @@ def test_rollout_fails_when_its_wrapper_bypasses_the_engine(bypass: str, monkeyp
     assert not list(tmp_path.glob("*.json"))
 
 
-def test_the_two_halves_of_the_lane_run_every_benchmark_once() -> None:
-    assert sorted(LEARN + OTHERS + list(OWN_TEST)) == BENCHMARKS and not set(LEARN) & set(OTHERS)
-    assert "estimators" in LEARN and "emulate" in OTHERS
+def test_the_three_parts_of_the_lane_run_every_benchmark_once() -> None:
+    assert sorted(LEARN + SCALE + OTHERS + list(OWN_TEST)) == BENCHMARKS
+    assert len(set(LEARN) | set(SCALE) | set(OTHERS)) == len(LEARN) + len(SCALE) + len(OTHERS)
+    assert "estimators" in LEARN and "emulate" in SCALE and "rollout" in OTHERS

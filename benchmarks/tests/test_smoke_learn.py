@@ -1,5 +1,5 @@
-"""The learning benchmarks' smoke runs: the other half of the lane of test_smoke.py (which lists
-every benchmark and checks each has a smoke mode), in a file of its own so a second pytest worker
+"""The learning benchmarks' smoke runs: a third of the lane of test_smoke.py (which lists
+every benchmark and checks each has a smoke mode), in a file of its own so another pytest worker
 runs it beside the first."""
 
 from __future__ import annotations
