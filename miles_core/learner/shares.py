@@ -14,7 +14,7 @@ algo/guard.py). So a rank's host work and memory per update follow its share (B 
 not B, and the D ranks together still make one process's update of the whole batch.
 
 The blocks are equal unless the ranks' speeds are given (``async_rl.deal = "speed"``,
-:class:`RankSpeeds`): then rank r owns a block in proportion to its measured rows per second, so a
+:class:`RankSpeeds`): then rank r owns a block sized by its measured trajectories per second, so a
 rank that runs slower (same-model GPUs differ by several percent: Sinha et al., SC22, "Not All
 GPUs Are Created Equal") gets fewer rows and the update waits for the mean speed, not the
 slowest. Which rank holds a row changes only where the update's sums are added up, so the update
