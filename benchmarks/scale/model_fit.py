@@ -82,6 +82,12 @@ def validation(runs: list[dict], calibrate_on: tuple[int, ...] = (4, 16)) -> lis
     return out
 
 
+def is_plain(run: dict[str, Any]) -> bool:
+    """An emulated run of equal ranks dealt evenly, without a rollout tail (what calibrates)."""
+    return (run.get("slow_rank", 1.0) == 1.0 and not run.get("rank_spread") and run.get("deal", "even") == "even"
+            and tuple(run.get("rollout_tail", (0.0, 1.0)))[0] == 0.0)
+
+
 def straggler_configs(prompts: int = 32) -> list[dict[str, Any]]:
     """The emulated configurations whose efficiency the model predicts before they run: 16
     processes with one learner rank 10% slower, and with every rank's speed spread 5%, each dealt
@@ -103,8 +109,7 @@ def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple
     slowness; a tail lengthens the plain runs' mean rollout by 1 + P (X - 1)."""
     from benchmarks.emulate import slowness
 
-    plain = [r for r in runs if r.get("slow_rank", 1.0) == 1.0 and not r.get("rank_spread") and r.get("deal", "even") == "even"
-             and tuple(r.get("rollout_tail", (0.0, 1.0)))[0] == 0.0]
+    plain = [r for r in runs if is_plain(r)]
     out = []
     for c in configs:
         size = [r for r in plain if r["completions_per_batch"] == 2 * c.get("prompts", 4)]  # groups of 2 (emulate.py)

@@ -57,7 +57,7 @@ from typing import Any
 
 from benchmarks.harness import RESULTS, add_smoke, table, write_result
 from benchmarks.host_costs import LORA_PARAMS, SMOKE_LORA, SMOKE_POINTS, host_seconds, measure, one
-from benchmarks.model_fit import PREDICTIONS, checked, predict, straggler_configs, validation
+from benchmarks.model_fit import PREDICTIONS, checked, is_plain, predict, straggler_configs, validation
 from benchmarks.sim import Params, largest_share, shares, simulate
 from miles_core.asyncrl.placement import Placement, admitting_batch, place
 from miles_core.storage.uri import S3_CONNECTIONS
@@ -85,11 +85,12 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def emulated_runs() -> list[dict]:
-    """Every emulated run in benchmarks/results/emulate*.json (``emulate --out``: the plain runs,
-    their 32-prompt baselines, the straggler runs), smoke runs left out."""
+def emulated_runs(folder: Path = RESULTS) -> list[dict]:
+    """Every emulated run in ``folder``'s emulate*.json (``emulate --out``: the plain runs, their
+    32-prompt baselines, the straggler runs; docs/results/records/ holds the ones the published
+    validation rests on), smoke runs left out."""
     runs = []
-    for path in sorted(RESULTS.glob("emulate*.json")):
+    for path in sorted(Path(folder).glob("emulate*.json")):
         doc = json.loads(path.read_text())
         runs += [] if doc.get("smoke") else [{**r, "source": path.name} for r in doc.get("runs", [])]
     return runs
@@ -253,12 +254,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hours", type=float, default=24.0, help="the whole run's length")
     ap.add_argument("--seeds", type=int, default=3, help="simulations per point (efficiency averaged)")
     ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/NAME.json)")
+    ap.add_argument("--runs-from", default=str(RESULTS), metavar="DIR",
+                    help="the emulated runs to validate against: emulate*.json in DIR (docs/results/records: the "
+                         "committed ones the published validation rests on)")
     ap.add_argument("--predict", default=None, metavar="FILE", nargs="?", const=str(PREDICTIONS),
                     help="only write the straggler runs' predictions (from emulate.json's plain runs) to FILE, "
                          "before those runs")
     args = ap.parse_args(argv)
     if args.predict:
-        plain = emulated_runs()
+        plain = emulated_runs(Path(args.runs_from))
         if not plain:
             raise SystemExit("benchmarks/results/emulate.json is missing: run python -m benchmarks.emulate first")
         preds = predict(plain, straggler_configs())
@@ -296,7 +300,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"{s['steady_range'][0]:.3f}-{s['steady_range'][1]:.3f}", f"{s['whole_run']:.3f}", s["dropped"],
                   s["bottleneck"]] for s in sens],
                 ["variant", "S:D", "global batch", "steady", "seeds' range", f"{args.hours:g} h", "dropped", "bottleneck"]))
-    val = [] if args.smoke else validation((_load("emulate") or {}).get("runs", []))
+    runs = [] if args.smoke else emulated_runs(Path(args.runs_from))
+    val = validation([r for r in runs if is_plain(r) and r["completions_per_batch"] == 8])  # emulate's defaults
     if val:
         print()
         print(table([[v["run"], v["metric"], f"{v['predicted']:.3f}", f"{v['measured']:.3f}", f"{100 * v['error']:+.1f}%"]
@@ -304,8 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("\nno emulated runs validated against" + (" (--smoke reads no results)" if args.smoke else
                                                           " in benchmarks/results/ (run python -m benchmarks.emulate)"))
-    straggle = checked(json.loads(PREDICTIONS.read_text())["predictions"], emulated_runs()) \
-        if PREDICTIONS.exists() and not args.smoke else []
+    straggle = checked(json.loads(PREDICTIONS.read_text())["predictions"], runs) if PREDICTIONS.exists() else []
     if straggle:
         print("\nstraggler runs, predicted before they ran (" + str(PREDICTIONS.relative_to(PREDICTIONS.parents[3])) + ")")
         print(table([[p["processes"], p["slow_rank"], p["rank_spread"], "{}:{}".format(*p["rollout_tail"]), p["deal"],
