@@ -12,7 +12,8 @@ What it models, and how each part maps to the code:
   batches; with fewer than B waiting it samples a batch itself (``learner_samples``) or sleeps a
   poll interval (with back-off); else the ranks read their shares of the B oldest in parallel (a
   GET of the marker and of the data each), drop any older than ``max_staleness`` versions, update
-  (B x ``update_s`` / D plus a ring all-reduce of the adapter's gradient), PUT a checkpoint every
+  (the busiest rank's share of B x ``update_s``, times its persistent slowness, dealt evenly or by
+  speed as ``learner/shares.py::cuts`` deals it, plus a ring all-reduce of the adapter's gradient), PUT a checkpoint every
   ``checkpoint_every`` updates, publish the adapter (PUT files, PUT ``LATEST``) and PUT status.json.
 * **The store as a service** (:class:`Store`): every request waits for a rate slot of its prefix
   and class, then takes a latency plus its bytes over the per-connection bandwidth. Rate limits are
