@@ -6,7 +6,6 @@ collectives (gloo), with the model's compute replaced by a calibrated stand-in
     python -m benchmarks.emulate [--processes 4 16 64] [--batches 4] [--chaos] [--smoke]
     python -m benchmarks.emulate --processes 16 --prompts 32 --slow-rank 1.1 --deal speed   # one GPU 10% slower
 
-
 Per size P: placement.py splits P into samplers and learner ranks from the stand-in's seconds per
 completion (LLaDA-8B's ratio) and sizes the global batch; samplers are forked from this process
 (the stand-in installed, torch imported once: copy-on-write keeps 64 processes in 24 GiB), the
