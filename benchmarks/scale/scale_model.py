@@ -38,7 +38,10 @@ Efficiency = completions/s / (N x one GPU's synchronous completions/s).
 Validation. The emulated runs (benchmarks/scale/emulate.py): the model's inputs that this 2-core machine
 changes with the process count (measured rollout and update seconds, host seconds, start-up)
 are fitted on the 4- and 16-process runs only, linearly in the process count, and the 64-process
-run is predicted from the fit: out of sample, error with its sign.
+run is predicted from the fit: out of sample, error with its sign. The straggler runs (a slow rank,
+a spread, a rollout tail; benchmarks/scale/model_fit.py::straggler_configs) are predicted by
+``--predict`` before they run (the file is committed), then checked against them. ``--runs-from
+docs/results/records`` validates against the committed runs instead of benchmarks/results.
 Writes benchmarks/results/scale_model.json.
 
 ``--smoke``: the same curves at 8 and 64 GPUs, sensitivity at 64, short horizons, two seeds; its
