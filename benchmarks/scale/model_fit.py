@@ -82,6 +82,15 @@ def validation(runs: list[dict], calibrate_on: tuple[int, ...] = (4, 16)) -> lis
     return out
 
 
+def tail_share(samplers: int, per_sampler: int, p: float) -> float:
+    """The share of an emulated run's rollouts its seeded draw puts in the tail (standin.in_tail:
+    known before the run; 2 of 32 where 0.1 was asked, in the run of 6364dbd)."""
+    from benchmarks.standin import in_tail
+
+    n = samplers * per_sampler
+    return sum(in_tail(f"w{i}", seq, p) for i in range(samplers) for seq in range(per_sampler)) / n if n else 0.0
+
+
 def is_plain(run: dict[str, Any]) -> bool:
     """An emulated run of equal ranks dealt evenly, without a rollout tail (what calibrates)."""
     return (run.get("slow_rank", 1.0) == 1.0 and not run.get("rank_spread") and run.get("deal", "even") == "even"
@@ -105,8 +114,9 @@ def straggler_configs(prompts: int = 32) -> list[dict[str, Any]]:
 def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict]:
     """Each configuration's efficiency as emulate.py measures it, from the model calibrated on the
     plain runs of ``calibrate_on`` processes: the run of its size gives the split, the batch and
-    the ideal (placement decides them, not the slowness), emulate.py's seeded draw the ranks'
-    slowness; a tail lengthens the plain runs' mean rollout by 1 + P (X - 1)."""
+    the ideal (placement decides them, not the slowness), emulate.py's seeded draws the ranks'
+    slowness and which rollouts are in the tail (:func:`tail_share`), which lengthens the plain
+    runs' mean rollout by 1 + share (X - 1)."""
     from benchmarks.emulate import slowness
 
     plain = [r for r in runs if is_plain(r)]
@@ -118,9 +128,11 @@ def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple
         slow = slowness(like["learner_ranks"], c["rank_spread"], c["slow_rank"], c["processes"])
         fit = calibrate(cal, c["processes"])
         p, x = c.get("rollout_tail", (0.0, 1.0))
-        fit["measured_rollout_s"] *= 1 + p * (x - 1)
-        r = simulate(emulated_params({**like, **fit, "deal": c["deal"], "rank_slowness": slow, "rollout_tail": (p, x)}))
+        share = tail_share(like["samplers"], like["batches"] // like["samplers"], p)
+        fit["measured_rollout_s"] *= 1 + share * (x - 1)
+        r = simulate(emulated_params({**like, **fit, "deal": c["deal"], "rank_slowness": slow, "rollout_tail": (share, x)}))
         out.append({**c, "predicted": r["after_two_updates_completions_per_s"] / like["ideal_completions_per_s"],
+                    "tail_share": share,
                     "plain_measured": like["efficiency"], "learner_ranks": like["learner_ranks"],
                     "groups_per_rank": like["batches_per_update"] * like["completions_per_batch"]
                     / like.get("group_size", 1) / like["learner_ranks"]})

@@ -63,17 +63,22 @@ def _sleep_until(deadline: float) -> None:
         time.sleep(left)
 
 
+def in_tail(worker: str, seq: int, p: float) -> bool:
+    """Whether batch ``seq`` of ``worker`` is a tail rollout (probability ``p``, drawn from
+    (worker, seq): a retried batch takes as long again, and a prediction can know the draws)."""
+    return p > 0 and random.Random(f"{worker}-{seq}").random() < p
+
+
 class _Tail:
     """A heavy-tailed rollout (emulate.py's ``--rollout-tail P:X``, the scale model's
-    ``rollout_tail_p``/``_x``): batch ``seq`` of ``worker`` takes X times as long with probability
-    P, drawn from (worker, seq) so a retried batch takes as long again."""
+    ``rollout_tail_p``/``_x``): a batch :func:`in_tail` takes X times as long."""
 
     factor = 1.0
 
     @classmethod
     def draw(cls, cfg: dict[str, Any], worker: str, seq: int) -> None:
         p, x = cfg.get("rollout_tail", (0.0, 1.0))
-        cls.factor = x if p > 0 and random.Random(f"{worker}-{seq}").random() < p else 1.0
+        cls.factor = x if in_tail(worker, seq, p) else 1.0
 
 
 class _Wait:

@@ -209,6 +209,11 @@ def test_straggler_predictions_charge_the_slow_rank_and_a_deal_by_speed_recovers
     # learner-bound: evenly the pace is 1/1.5 of plain; by speed 48 groups go 13, 13, 13, 9: 12 / 13.5 of plain
     assert pred[1.5, "even"] == pytest.approx(pred[1.0, "even"] / 1.5, rel=0.02)
     assert pred[1.5, "speed"] == pytest.approx(pred[1.0, "even"] * 12 / 13.5, rel=0.02)
+    from benchmarks.model_fit import tail_share
+    from benchmarks.standin import in_tail
+
+    assert tail_share(8, 4, 0.1) == 2 / 32 == sum(in_tail(f"w{i}", s, 0.1) for i in range(8) for s in range(4)) / 32
+    assert tail_share(8, 4, 0.0) == 0.0 and tail_share(8, 4, 1.0) == 1.0
     done = checked(predict(plain, configs[3:]), [{**configs[3], "efficiency": 0.5, "completions_per_batch": 8},
                                                   {**configs[2], "efficiency": 9.0, "completions_per_batch": 8}])
     assert len(done) == 1 and done[0]["error"] == pytest.approx(done[0]["predicted"] / 0.5 - 1)
