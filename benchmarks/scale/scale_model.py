@@ -61,7 +61,8 @@ from typing import Any
 from benchmarks.harness import RESULTS, add_smoke, table, write_result
 from benchmarks.host_costs import LORA_PARAMS, SMOKE_LORA, SMOKE_POINTS, host_seconds, measure, one
 from benchmarks.model_fit import PREDICTIONS, checked, is_plain, predict, straggler_configs, validation
-from benchmarks.sim import Params, largest_share, shares, simulate
+from benchmarks.sim import Params, simulate
+from benchmarks.update_pace import largest_share, shares
 from miles_core.asyncrl.placement import Placement, admitting_batch, place
 from miles_core.storage.uri import S3_CONNECTIONS
 

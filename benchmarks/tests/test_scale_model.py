@@ -10,7 +10,8 @@ import statistics
 import pytest
 import simpy
 
-from benchmarks.sim import Params, Store, allreduce_s, paced_rows, rank_slowness, simulate, update_time
+from benchmarks.sim import Params, Store, simulate
+from benchmarks.update_pace import allreduce_s, paced_rows, rank_slowness, update_time
 
 FAST_STORE = dict(store_latency_s=0.0, store_bytes_s=1e18, put_rate=1e12, get_rate=1e12, poll_s=1e-5)
 
@@ -120,7 +121,7 @@ def test_poll_back_off_in_the_async_workers() -> None:
                                                (2, 8, 5, 2), (7, 3, 4, 3), (13, 6, 9, 6)])
 def test_shares_match_the_learner_ranks_reads(batches: int, n: int, d: int, group: int) -> None:
     # the model's closed form against learner/shares.py::my_share and owned_rows, rank by rank
-    from benchmarks.sim import largest_share, shares
+    from benchmarks.update_pace import largest_share, shares
     from miles_core.learner.shares import my_share, owned_rows
     from miles_core.parallel import World
 
@@ -132,7 +133,7 @@ def test_shares_match_the_learner_ranks_reads(batches: int, n: int, d: int, grou
 def test_the_slowest_rank_sets_the_pace_as_the_expected_maximum_of_normals() -> None:
     """placement's straggler factor (Blom's E[max of D normals]) against Monte Carlo, and the
     model's per-step draw of the slowest rank against the same expectation."""
-    from benchmarks.sim import update_time
+    from benchmarks.update_pace import update_time
     from miles_core.asyncrl.placement import straggler
 
     rng = random.Random(0)
