@@ -41,6 +41,7 @@ from unittest import mock
 
 from benchmarks.harness import MeasuredNothing, bench_args, finish, seaweed, usable_cpus
 from benchmarks.standin import SCALE, settings
+from benchmarks.update_pace import draw_slowness
 from miles_core.asyncrl.launch import WarmProcess
 from miles_core.asyncrl.launch import summarize as run_summary
 from miles_core.config import load_recipe
@@ -124,10 +125,9 @@ def measure_store(server: Any, n: int = 30) -> dict[str, float]:
 
 
 def slowness(ranks: int, spread: float, slow_rank: float, seed: int) -> list[float]:
-    """[D] each learner rank's persistent time factor: normal draws of CV ``spread`` (floored at
-    half), the last rank times ``slow_rank``."""
-    rng = random.Random(seed)
-    out = [max(1.0 + spread * rng.gauss(0.0, 1.0), 0.5) if spread > 0 else 1.0 for _ in range(ranks)]
+    """[D] each learner rank's persistent time factor: the scale model's draw of CV ``spread``
+    (update_pace.draw_slowness, seeded), the last rank times ``slow_rank``."""
+    out = draw_slowness(ranks, spread, random.Random(seed))
     out[-1] *= slow_rank
     return out
 

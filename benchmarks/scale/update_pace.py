@@ -39,13 +39,19 @@ def largest_share(batches: int, n: int, d: int, group: int = 1) -> int:
     return -(-units // d) * group
 
 
+def draw_slowness(ranks: int, spread: float, rng: random.Random) -> list[float]:
+    """[D] persistent time factors: normal draws of CV ``spread`` floored at half the mean (all
+    1 without a spread, drawing nothing). The model's ranks and emulate.py's stand-in ranks both
+    draw them here."""
+    return [max(1.0 + spread * rng.gauss(0.0, 1.0), 0.5) if spread > 0 else 1.0 for _ in range(ranks)]
+
+
 def rank_slowness(p: Params, rng: random.Random) -> list[float]:
-    """[D] each rank's persistent time factor: ``rank_slowness`` when given, else normal draws of
-    CV ``rank_spread`` floored at half the mean (benchmarks/scale/emulate.py::slowness draws alike)."""
+    """[D] each rank's persistent time factor: ``rank_slowness`` when given, else
+    :func:`draw_slowness` of CV ``rank_spread``."""
     if p.rank_slowness:
         return list(p.rank_slowness)
-    return [max(1.0 + p.rank_spread * rng.gauss(0.0, 1.0), 0.5) if p.rank_spread > 0 else 1.0
-            for _ in range(p.learner_ranks)]
+    return draw_slowness(p.learner_ranks, p.rank_spread, rng)
 
 
 def paced_rows(p: Params, batches: int, slowness: list[float] | None = None) -> float:
