@@ -262,13 +262,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="the emulated runs to validate against: emulate*.json in DIR (docs/results/records: the "
                          "committed ones the published validation rests on)")
     ap.add_argument("--predict", default=None, metavar="FILE", nargs="?", const=str(PREDICTIONS),
-                    help="only write the straggler runs' predictions (from emulate.json's plain runs) to FILE, "
-                         "before those runs")
+                    help="only write the straggler runs' predictions (from the plain emulated runs in --runs-from) "
+                         "to FILE, before those runs")
     args = ap.parse_args(argv)
     if args.predict:
         plain = emulated_runs(Path(args.runs_from))
         if not plain:
-            raise SystemExit("benchmarks/results/emulate.json is missing: run python -m benchmarks.emulate first")
+            raise SystemExit(f"no emulated runs in {args.runs_from}: run python -m benchmarks.emulate (and its "
+                             "--prompts 32 runs, model_fit.straggler_configs) first")
         preds = predict(plain, straggler_configs())
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         Path(args.predict).write_text(json.dumps({"commit": commit, "calibrated_on": [4, 16], "predictions": preds},
