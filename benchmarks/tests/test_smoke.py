@@ -74,11 +74,19 @@ def run_smoke(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
         assert json.loads(path.read_text()).get("smoke") is True, path
 
 
-@pytest.mark.e2e
-@pytest.mark.bench
-@pytest.mark.parametrize("name", OTHERS)
-def test_smoke(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_smoke(name, tmp_path, monkeypatch)
+def lane(names: list[str]):
+    """The smoke test of ``names``, one parametrized case each: this file's, test_smoke_learn.py's
+    and test_smoke_scale.py's (three files so --dist loadfile puts them on three workers)."""
+
+    @pytest.mark.e2e
+    @pytest.mark.bench
+    @pytest.mark.parametrize("name", names)
+    def test_smoke(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        run_smoke(name, tmp_path, monkeypatch)
+    return test_smoke
+
+
+test_smoke = lane(OTHERS)
 
 
 class _PlainWrapper(torch.nn.Module):

@@ -4,15 +4,6 @@ runs it beside the first."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from benchmarks.tests.test_smoke import LEARN, lane
 
-import pytest
-
-from benchmarks.tests.test_smoke import LEARN, run_smoke
-
-
-@pytest.mark.e2e
-@pytest.mark.bench
-@pytest.mark.parametrize("name", LEARN)
-def test_smoke(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    run_smoke(name, tmp_path, monkeypatch)
+test_smoke = lane(LEARN)
