@@ -38,9 +38,13 @@ class TrajectoryBatch:
       logp            [B, L] float  behaviour log-prob of the committed token at its step
       nfe             [B]    long   denoiser calls spent on this sequence
       group_id        [B]    long   rows with equal group_id share a prompt (GRPO group)
-      policy_version  [B]    long   adapter version that sampled the row
+      policy_version  [B]    long   adapter version of the row's first step (with in-flight refresh,
+                                    its oldest; else the version of every step)
       reward          [B]    float  NaN where not scored yet (or reward fn returned None)
       advantage       [B]    float  NaN where not computed yet
+      step_version    [B, L] long   adapter version of the step that committed each position, when
+                                    the sampler refreshed its adapter mid-rollout; None: every
+                                    position's is ``policy_version`` (``versions()`` gives either)
     """
 
     kind: ClassVar[str] = "masked"   # what estimators build rows for and the store's layout is picked by: masked-diffusion steps
@@ -58,9 +62,13 @@ class TrajectoryBatch:
     meta: list[dict[str, Any]] = field(default_factory=list)
     sampler_hash: str = ""
     created_at: float = field(default_factory=time.time)
+    step_version: Tensor | None = None
 
     def __post_init__(self) -> None:
         b = len(self.prompt_ids)
+        if self.step_version is not None and self.step_version.shape != self.completion_ids.shape:
+            raise ValueError(f"TrajectoryBatch.step_version: expected shape {tuple(self.completion_ids.shape)}, "
+                             f"got {tuple(self.step_version.shape)}")
         for name in ("completion_ids", "step_map", "logp"):
             t = getattr(self, name)
             if t.dim() != 2 or t.shape[0] != b:
@@ -80,6 +88,13 @@ class TrajectoryBatch:
     def num_steps(self) -> Tensor:
         """[B] number of denoising steps each sequence took (max step index + 1)."""
         return self.step_map.max(dim=1).values + 1
+
+    def versions(self) -> Tensor:
+        """[B, L] the adapter version of the step that committed each position (``step_version``,
+        or each row's ``policy_version`` when the sampler never refreshed mid-rollout)."""
+        if self.step_version is not None:
+            return self.step_version
+        return self.policy_version[:, None].expand(self.completion_ids.shape)
 
     def select(self, idx: Tensor | list[int]) -> "TrajectoryBatch":
         """Row subset (used to drop zero-variance groups or stale rows)."""
@@ -101,6 +116,7 @@ class TrajectoryBatch:
             meta=[self.meta[i] for i in il] if self.meta else [],
             sampler_hash=self.sampler_hash,
             created_at=self.created_at,
+            step_version=self.step_version[idx_t] if self.step_version is not None else None,
         )
 
     @staticmethod
@@ -135,6 +151,8 @@ class TrajectoryBatch:
             meta=[m for b in batches for m in b.meta],
             sampler_hash=batches[0].sampler_hash,
             created_at=min(b.created_at for b in batches),
+            step_version=(torch.cat([b.versions() for b in batches])
+                          if any(b.step_version is not None for b in batches) else None),
         )
 
 
@@ -210,6 +228,10 @@ class RenoiseBatch:
     def nfe(self) -> Tensor:
         return self.num_steps
 
+    def versions(self) -> Tensor:
+        """[B, L] each output position's adapter version: the row's (a renoising chain never refreshes mid-chain)."""
+        return self.policy_version[:, None].expand(self.completion_ids.shape)
+
     def select(self, idx: Tensor | list[int]) -> "RenoiseBatch":
         i = torch.as_tensor(idx, dtype=torch.long)
         il = i.tolist()
@@ -264,6 +286,10 @@ class Batch(Protocol):
     def completion_len(self) -> int: ...
 
     def select(self, idx: Tensor | list[int]) -> "Batch": ...
+
+    def versions(self) -> Tensor:
+        """[B, L] the adapter version behind each completion position (the step that decided it)."""
+        ...
 
     @staticmethod
     def concat(batches: list[Any]) -> "Batch": ...

@@ -24,8 +24,9 @@ def test_the_batch_channel_admits_judges_and_commits_once(tmp_path: Path) -> Non
     for v in (0, 3):  # slot k starts only while k < (S + v + 1) B
         assert ch.admits((2 + v + 1) * b - 1, v) and not ch.admits((2 + v + 1) * b, v)
     assert admits(9, 1, 3, 2) and not admits(12, 1, 3, 2)
-    batch = make_batch(version=3)  # rows sampled by versions 3 and 2: its oldest counts
-    assert ch.verdict(batch, 4) == Verdict.fresh(2) and ch.verdict(batch, 5) == Verdict.dropped(3)
+    batch = make_batch(version=3)  # rows sampled by versions 3 and 2: fresh while its newest is within S
+    assert ch.verdict(batch, 4) == Verdict.fresh(2) and ch.verdict(batch, 5) == Verdict.fresh(2)
+    assert ch.verdict(batch, 6) == Verdict.dropped(4)  # the staleness of its oldest rows
     assert ch.commit(batch, "000000-w0") and not ch.commit(make_batch(seed=1), "000000-w0")
     assert ch.rs.trajectories.list_batches() == ["000000-w0"]
     stored = ch.rs.trajectories.read_batch("000000-w0")

@@ -79,6 +79,10 @@ class CopyScorer:
     def behaviour(self, traj: Tensor, step: Tensor) -> None:
         return None  # scored outside any recorded state: no behaviour policy, the ratio is against prox
 
+    def versions(self, traj: Tensor, step: Tensor) -> Tensor:
+        """A row scores copies of the whole completion: as old as its trajectory's oldest step."""
+        return self.batch.policy_version[traj]
+
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor:
         """[R] positions a row's J forwards hold (sequence plus half the completion's logits each)."""
         forwards = self.forwards_per_mask * self.comp_masks.shape[1]

@@ -16,6 +16,7 @@ from miles_core.config import RecipeConfig, RenoiseConfig, SamplerConfig
 from miles_core.data.registry import TaskData
 from miles_core.rewards.registry import call_reward
 from miles_core.samplers.registry import sample_for
+from miles_core.samplers.sampler import Refresh
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import Batch, RenoiseBatch, TrajectoryBatch
 
@@ -25,15 +26,16 @@ RewardFn = Callable[..., list]
 def rollout(model, tok: CharTokenizer, prompts: Sequence[str], answers: Sequence[str], cfg: SamplerConfig,
             completion_len: int, group_size: int, generator: torch.Generator, policy_version: int = 0,
             group_offset: int = 0, threshold: float | None = None,
-            renoise: RenoiseConfig | None = None) -> TrajectoryBatch | RenoiseBatch:
+            renoise: RenoiseConfig | None = None, refresh: Refresh | None = None) -> TrajectoryBatch | RenoiseBatch:
     """Sample ``group_size`` completions per prompt; rows of one prompt share a group id. The
     model's family picks the sampler (samplers/registry.py): a renoising one (DiffusionGemma)
-    samples with ``renoise`` (the recipe's ``renoise`` section), the masked ones with ``cfg``."""
+    samples with ``renoise`` (the recipe's ``renoise`` section), the masked ones with ``cfg``;
+    ``refresh``: a newer adapter may be swapped in between steps (samplers/sampler.py)."""
     model.eval()
     ids = [tok.encode_prompt(p) for p in prompts for _ in range(group_size)]
     gid = torch.arange(len(prompts)).repeat_interleave(group_size) + group_offset
     batch: TrajectoryBatch | RenoiseBatch = sample_for(model, tok, ids, cfg, completion_len, generator, gid,
-                                                       policy_version, threshold, renoise)
+                                                       policy_version, threshold, renoise, refresh)
     batch.meta = [{"answer": a} for a in answers for _ in range(group_size)]
     return batch
 
@@ -95,13 +97,15 @@ def _seed(*parts: object) -> int:
 
 
 def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: RewardFn | None, worker: str, index: int,
-                 seq: int, version: int) -> Batch:
+                 seq: int, version: int, refresh: Refresh | None = None) -> Batch:
     """Batch ``seq`` of ``worker``: prompts and noise seeded from (run seed, worker, seq), so a
     restarted sampler redoes the batch it lost with the same prompts and noise (with the adapter
     version it holds then). Used by samplers and by a learner that samples while it would
     otherwise wait (``async_rl.learner_samples``), and by the synchronous flow (worker "learner",
     ``reward_fn`` None: the raw batch, scored by its own task). NSD's threshold follows the
-    recipe's schedule by the policy ``version`` sampling (``sampler.threshold_start``)."""
+    recipe's schedule by the policy ``version`` sampling (``sampler.threshold_start``); ``refresh``:
+    a sampler's in-flight refresh (``async_rl.refresh_every``), which may swap newer adapters in
+    between steps (the batch's ``step_version`` then says which step took which)."""
     rng = random.Random(_seed(cfg.train.seed, worker, seq, "prompts"))
     gen = torch.Generator().manual_seed(_seed(cfg.train.seed, worker, seq, "noise"))
     problems = data.draw_rl(rng, cfg.train.prompts_per_iter)
@@ -111,7 +115,8 @@ def sample_batch(cfg: RecipeConfig, model, tok, data: TaskData, reward_fn: Rewar
     offset = (seq * stride + index) * cfg.train.prompts_per_iter
     batch = rollout(model, tok, [p.prompt for p in problems], [p.answer for p in problems], cfg.sampler,
                     cfg.task.completion_len, cfg.train.group_size, gen, version, group_offset=offset,
-                    threshold=cfg.sampler.threshold_at(version, cfg.train.iterations), renoise=cfg.renoise)
+                    threshold=cfg.sampler.threshold_at(version, cfg.train.iterations), renoise=cfg.renoise,
+                    refresh=refresh)
     if reward_fn is None:
         return batch
     score_rewards(batch, reward_fn)

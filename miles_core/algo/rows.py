@@ -59,6 +59,10 @@ class RowView(Protocol):
         """The sampling policy's log-probs [R, L]; None: rows are on-policy (mu = pi_prox)."""
         ...
 
+    def versions(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        """[R] the oldest adapter version behind what each row scores (its staleness is that one's)."""
+        ...
+
 
 class RowScorer(Protocol):
     """What the update engine (algo/update.py) needs from one kind of recorded trajectory:
@@ -88,6 +92,11 @@ class RowScorer(Protocol):
         NaN where a row has no recorded mu for a token (the engine uses pi_prox there)."""
         ...
 
+    def versions(self, traj: Tensor, step: Tensor) -> Tensor:
+        """[R] the oldest adapter version behind each row's scored tokens: the update gives no
+        weight to rows older than the staleness bound (a step-level age under in-flight refresh)."""
+        ...
+
 
 class FixedRows:
     """The :class:`RowScorer` members of a scorer whose rows are the same in every epoch and that
@@ -100,6 +109,10 @@ class FixedRows:
 
     def row_cost(self, traj: Tensor, step: Tensor, head: float) -> Tensor | None:
         return None
+
+    def versions(self, traj: Tensor, step: Tensor) -> Tensor:
+        """A trajectory's rows are as old as it is (these samplers never refresh mid-chain)."""
+        return self.batch.policy_version[traj]
 
 
 class NoRows(FixedRows):
@@ -115,6 +128,9 @@ class NoRows(FixedRows):
 
     def behaviour(self, traj: Tensor, step: Tensor) -> None:
         return None
+
+    def versions(self, traj: Tensor, step: Tensor) -> Tensor:
+        return torch.zeros(0, dtype=torch.long)
 
 
 def no_rows() -> Rows:
@@ -157,6 +173,11 @@ class RecordedStep:
         first, end = self.span(traj, step)
         return batch.logp[traj].masked_fill((end - first > 1)[:, None], float("nan"))
 
+    def versions(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        """[R] the version of the oldest step a row spans: a recorded step is as old as the
+        adapter that took it (in-flight refresh: ``TrajectoryBatch.step_version``)."""
+        return _oldest(batch, traj, step_commits(batch.step_map[traj], *self.span(traj, step)))
+
 
 class FullyMasked:
     """A row is the whole completion masked, every token scored in one pass (d1's mean-field row)."""
@@ -172,6 +193,10 @@ class FullyMasked:
 
     def behaviour(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> None:
         return None  # outside any recorded state: no behaviour policy, the ratio is against prox
+
+    def versions(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        """The whole completion is scored: as old as the trajectory's oldest step."""
+        return batch.policy_version[traj]
 
 
 class MaskedCopy:
@@ -192,6 +217,17 @@ class MaskedCopy:
 
     def behaviour(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> None:
         return None  # outside any recorded state: no behaviour policy, the ratio is against prox
+
+    def versions(self, batch: TrajectoryBatch, traj: Tensor, step: Tensor) -> Tensor:
+        """The whole completion is scored: as old as the trajectory's oldest step."""
+        return batch.policy_version[traj]
+
+
+def _oldest(batch: TrajectoryBatch, traj: Tensor, scored: Tensor) -> Tensor:
+    """[R] the oldest version among each row's ``scored`` [R, L] positions (a row scoring none: its
+    trajectory's ``policy_version``)."""
+    v = batch.versions()[traj].masked_fill(~scored, torch.iinfo(torch.long).max).min(1).values
+    return torch.where(scored.any(1), v, batch.policy_version[traj])
 
 
 def row_inputs(batch: TrajectoryBatch, traj: Tensor, step: Tensor, tok: CharTokenizer, view: RowView,
@@ -301,3 +337,6 @@ class MaskedStepRows:
 
     def behaviour(self, traj: Tensor, step: Tensor) -> Tensor | None:
         return self.view.behaviour(self.batch, traj, step)
+
+    def versions(self, traj: Tensor, step: Tensor) -> Tensor:
+        return self.view.versions(self.batch, traj, step)

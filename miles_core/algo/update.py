@@ -272,7 +272,7 @@ def global_counts(world: World | None, *counts: float) -> list[float]:
 def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, cfg: UpdateConfig,
                   tok: CharTokenizer, temperature: float, draws: Draws | torch.Generator,
                   scheduler: Any = None, world: World | None = None, version: int | None = None,
-                  own: Any = None) -> dict[str, float]:
+                  own: Any = None, oldest: int | None = None) -> dict[str, float]:
     """One policy update on a masked-diffusion ``batch``: rows of the trajectories with a non-zero
     advantage, their loss normaliser, then the engine. A renoising batch (DiffusionGemma) has its
     own rows (:func:`~miles_core.algo.renoise_rows.renoise_rows`, built by the estimators that
@@ -281,6 +281,9 @@ def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, cf
     caller holding one whole batch). ``version``: the policy version the model holds; the
     trajectories it sampled (``batch.policy_version``) have pi_prox = their recorded mu. ``own``:
     the estimator's settings (the recipe's ``estimators[cfg.estimator]``; None: its defaults).
+    ``oldest``: rows whose scored tokens were sampled by an adapter older than this version are not
+    drawn (the staleness bound, counted per step: with in-flight refresh a trajectory's early steps
+    can be older than its late ones; ``stale_rows`` counts them).
 
     ``world`` (data parallel): ``batch`` is this rank's share (whole groups, learner/shares.py);
     what the update needs of the whole global batch is two counts (kept trajectories, all
@@ -298,8 +301,15 @@ def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, cf
         rows, scorer = estimator.rows(sub, own, cfg.epochs, tok, temperature, draws.select(keep), model)
     else:  # no kept trajectory here (maybe on other ranks): this rank joins the collectives with no rows
         rows, scorer = no_rows(), NoRows(batch.completion_len)
-    kept, total, n_rows = global_counts(world, keep.numel(), len(batch), rows.traj.numel())
-    stats: dict[str, float] = {"rows": 0.0, "trajectories": kept, "skipped_trajectories": total - kept}
+    stale = 0
+    if oldest is not None and rows.traj.numel():
+        live = scorer.versions(rows.traj, rows.step) >= oldest                    # [R]
+        stale = int((~live).sum())
+        if stale:
+            rows = Rows(rows.traj[live], rows.step[live], rows.weight[live], rows.bounds)
+    kept, total, n_rows, stale_all = global_counts(world, keep.numel(), len(batch), rows.traj.numel(), stale)
+    stats: dict[str, float] = {"rows": 0.0, "trajectories": kept, "skipped_trajectories": total - kept,
+                               "stale_rows": stale_all}
     if n_rows == 0:  # no kept trajectory, or renoising rows that all stopped after one step
         return stats
     pad = None

@@ -6,7 +6,8 @@ The loop, per batch:
     wait until the learner's version v admits it: k < (S + v + 1) x B (learner/channels.py), reading
         only ``adapters/LATEST`` (and ``control/STOP``) per poll, with back-off
     load the newest published adapter if it changed (LoRA tensors only: the base stays put)
-    sample prompts_per_iter prompts x G completions, score rewards, group advantages
+    sample prompts_per_iter prompts x G completions, score rewards, group advantages (with
+        ``async_rl.refresh_every``, newer adapters swapped in between steps: asyncrl/refresh.py)
     commit the batch as ``{seq:06d}-{worker}`` tagged with the adapter version that sampled it
 
 Why admission instead of dropping stale batches at the learner: a finished rollout dropped for
@@ -34,6 +35,7 @@ import torch
 
 from miles_core.algo.rl import batch_id, rollout_stats, sample_batch
 from miles_core.allocator import apply_heap_setting
+from miles_core.asyncrl.refresh import InFlightRefresh
 from miles_core.config import load_recipe
 from miles_core.data.registry import build_task
 from miles_core.learner.channels import BatchChannel, PolicyChannel, poll_intervals, uses_inbox
@@ -75,6 +77,7 @@ class SamplerWorker:
         self.data = build_task(self.cfg)
         self.reward_fn = reward_for_recipe(self.cfg)
         self.version: int | None = None
+        self.span = 0  # versions the last rollout advanced by (in-flight refresh; admission reads it)
         self._latest: int | None = None  # the version the last admission poll read
         prev = self.run_store.read_json("samplers", f"{worker}.json") or {}
         self.stats: dict[str, Any] = {"worker": worker, "committed": prev.get("committed", 0),
@@ -118,9 +121,10 @@ class SamplerWorker:
         return self._latest
 
     def admitted(self, slot: int) -> bool:
-        """Whether the learner's version now admits batch slot ``slot`` (``BatchChannel.admits``)."""
+        """Whether the learner's version now admits batch slot ``slot`` (``BatchChannel.admits``;
+        with in-flight refresh, by the versions the previous rollout advanced by)."""
         v = self.learner_version()
-        return v is not None and self.batches.admits(slot, v)
+        return v is not None and self.batches.admits(slot, v, self.span)
 
     def _wait(self, cond, poll: float, key: str = "wait_s") -> bool:
         """Sleep until ``cond()``, each empty poll waiting ``async_rl.poll_backoff`` times longer (up
@@ -141,9 +145,23 @@ class SamplerWorker:
 
     # ------------------------------------------------------------------ one batch
     def make_batch(self, seq: int):
-        """Sample and score batch ``seq`` with the resident adapter (deterministic in run seed, worker, seq)."""
-        return sample_batch(self.cfg, self.model, self.tok, self.data, self.reward_fn, self.worker, self.index, seq,
-                            int(self.version or 0))
+        """Sample and score batch ``seq`` with the resident adapter (prompts and noise deterministic
+        in run seed, worker, seq); with ``async_rl.refresh_every``, newer adapters are swapped in
+        between its steps as they are published (asyncrl/refresh.py)."""
+        a = self.cfg.async_rl
+        if not a.refresh_every:
+            return sample_batch(self.cfg, self.model, self.tok, self.data, self.reward_fn, self.worker, self.index,
+                                seq, int(self.version or 0))
+        with InFlightRefresh(self.policy, self.model, int(self.version or 0), a.refresh_every, self.cache,
+                             (a.poll_interval, a.poll_backoff, a.poll_max_interval)) as refresh:
+            batch = sample_batch(self.cfg, self.model, self.tok, self.data, self.reward_fn, self.worker, self.index,
+                                 seq, int(self.version or 0), refresh=refresh)
+        self.version, self.span = refresh.version, refresh.span
+        st = self.stats
+        st["refreshes"] = st.get("refreshes", 0) + refresh.swaps
+        st["sync_bytes"] += refresh.fetched_bytes
+        st["refresh_lag_s"] = (st.get("refresh_lag_s", []) + refresh.lag_s)[-200:]
+        return batch
 
     def run(self) -> dict[str, Any]:
         a = self.cfg.async_rl

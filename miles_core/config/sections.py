@@ -258,6 +258,10 @@ class AsyncSettings(Section):
     # how a global batch is dealt to the learner ranks: equal blocks, or blocks in proportion to each
     # rank's measured speed so a slow GPU does not set the pace (learner/shares.py::RankSpeeds)
     deal: Literal["even", "speed"] = "even"
+    # in-flight policy refresh: a sampler fetches a newer adapter in the background while it samples
+    # and swaps it in at the next step boundary, every refresh_every-th denoising step (0: a rollout
+    # keeps the adapter it started with); each step records its version (asyncrl/refresh.py)
+    refresh_every: int = bounded(0, 0, 1 << 20)
     # freed heap a worker keeps mapped for reuse (glibc mallopt; miles_core/allocator.py); 0: glibc's default
     retain_heap_mb: int = bounded(1024, 0, 2047)
     retry_budget_s: float = bounded(60.0, 0.0)        # storage errors are retried with backoff for this long

@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
-from torch import nn
+from torch import Tensor, nn
 
 from miles_core.config import RecipeConfig
 from miles_core.learner.ledger import Verdict
@@ -33,13 +33,19 @@ from miles_core.storage.run import RunStore
 from miles_core.types import Batch
 
 
-def admits(slot: int, version: int, per_update: int, staleness: int) -> bool:
+def admits(slot: int, version: int, per_update: int, staleness: int, span: int = 0) -> bool:
     """Whether batch slot ``slot`` may start while the learner is at ``version``: AReaL's capacity
     rule (areal/infra/staleness_manager.py: capacity = (S + v + 1) B - (accepted + running)), with
     slots numbered in the order they are taken. Update u consumes slots [uB, (u+1)B), so a slot
     admitted at version v >= slot // B - S is at most S versions stale when it is used (unless
-    it is much slower than the batches around it; the learner's verdict stays as the guard)."""
-    return slot < (staleness + version + 1) * per_update
+    it is much slower than the batches around it; the learner's verdict stays as the guard).
+
+    ``span``: with in-flight refresh (``async_rl.refresh_every``) the rollout's last steps sample
+    with adapters published while it runs, ``span`` versions newer than the first (what the
+    sampler's previous rollout advanced by). Admission then bounds the staleness of the rollout's
+    newest step, v + span >= slot // B - S: the rollout may start ``span`` versions earlier, and
+    its early steps that end up more than S versions old are not learned from (``stale_rows``)."""
+    return slot < (staleness + version + span + 1) * per_update
 
 
 def poll_intervals(first: float, backoff: float, cap: float) -> Iterator[float]:
@@ -112,9 +118,9 @@ class BatchChannel:
         self.claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
         self.inbox = inbox
 
-    def admits(self, slot: int, version: int) -> bool:
+    def admits(self, slot: int, version: int, span: int = 0) -> bool:
         """:func:`admits` with this run's B and S."""
-        return admits(slot, version, self.per_update, self.bound)
+        return admits(slot, version, self.per_update, self.bound, span)
 
     def commit(self, batch: Batch, bid: str) -> bool:
         """Commit ``batch`` as ``bid``, then announce it -> False when an earlier attempt's commit
@@ -139,11 +145,16 @@ class BatchChannel:
         return rs.retry(rs.trajectories.list_batches, "listing trajectories")
 
     def verdict(self, batch: Batch, version: int) -> Verdict:
-        """The learner's verdict at ``version`` on a committed batch: fresh (with the version that
-        sampled it), or dropped (with its staleness) when that is more than S versions ago."""
-        behaviour = int(batch.policy_version.min())
-        staleness = version - behaviour
-        return Verdict.dropped(staleness) if staleness > self.bound else Verdict.fresh(behaviour)
+        """The learner's verdict at ``version`` on a committed batch: fresh (with the version of its
+        oldest step), or dropped (with that staleness) when even its newest step is more than S
+        versions old. Staleness is a step's: a batch sampled with in-flight refresh keeps the
+        steps newer adapters took, and the update gives no weight to those older than S
+        (``Learner.update``); without refresh every step of a batch is its one version."""
+        oldest = int(batch.policy_version.min())
+        newest = int(batch.versions().max()) if len(batch) else oldest
+        if version - newest > self.bound:
+            return Verdict.dropped(version - oldest)
+        return Verdict.fresh(oldest)
 
 
 def uses_inbox(spec: dict[str, Any]) -> bool:
@@ -177,11 +188,22 @@ class PolicyChannel:
         """Fetch ``version`` into the folder ``dest`` and copy its LoRA tensors into the peft
         ``model`` in place -> its manifest (files with their bytes, the publisher's metadata).
         An adapter whose tensors do not fit the model is an error naming them."""
+        state, manifest = self.fetch(version, dest)
+        self.apply(model, version, state)
+        return manifest
+
+    def fetch(self, version: int, dest: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+        """Fetch ``version`` into the folder ``dest`` -> its LoRA tensors (in memory, as published)
+        and its manifest; the model is not touched (an in-flight refresh fetches while it samples)."""
         rs = self.rs
         manifest = rs.retry(lambda: rs.adapters.manifest(version), f"reading adapter v{version} manifest")
         rs.retry(lambda: rs.adapters.fetch(version, dest, manifest), f"fetching adapter v{version}")
-        state = load_file(str(dest / ADAPTER_WEIGHTS))
+        return load_file(str(dest / ADAPTER_WEIGHTS)), manifest
+
+    @staticmethod
+    def apply(model: nn.Module, version: int, state: dict[str, Tensor]) -> None:
+        """Copy the fetched LoRA tensors ``state`` of ``version`` into the peft ``model`` in place; an
+        adapter whose tensors do not fit the model is an error naming them."""
         result = set_peft_model_state_dict(model, native_adapter_state(model.get_base_model(), state))
         if result.unexpected_keys:
             raise ValueError(f"adapter v{version} does not fit this model: unexpected keys {result.unexpected_keys[:3]}")
-        return manifest

@@ -101,7 +101,9 @@ class Learner:
         Raises CollapseError when rolling back no longer helps. ``keys`` [B]: each trajectory's
         name for its random draws (algo/draws.py; default its position). ``world``: data-parallel
         ranks (torchrun), ``batch`` being this rank's share of the global batch and ``keys`` its
-        trajectories' keys (learner/shares.py); the guard sees the whole batch's health on every rank."""
+        trajectories' keys (learner/shares.py); the guard sees the whole batch's health on every rank.
+        Steps sampled more than ``async_rl.max_staleness`` versions ago are not learned from (a
+        batch sampled with in-flight refresh can hold such steps beside fresh ones)."""
         self.guard_event = ""
         if self.guard is not None:
             h = batch_health(batch, world)
@@ -121,7 +123,8 @@ class Learner:
             self.guard.accept(h)
         draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys)
         stats = update_policy(self.model, self.opt, batch, self.cfg.update, self.tok, self.cfg.sampler.temperature,
-                              draws, self.sched, world, self.version, self.cfg.own())
+                              draws, self.sched, world, self.version, self.cfg.own(),
+                              oldest=self.version - self.cfg.async_rl.max_staleness)
         self.version += 1
         if self.guard is not None:
             self.guard.offer(self.version, self._policy_state)

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 # would silently change the experiment, so it is refused.
 RESUMABLE = ("train.iterations", "train.eval_every", "eval.", "torch_threads", "async_rl.fsdp", "async_rl.deal")
 HISTORY_KEYS = ("loss", "clip_frac", "approx_kl", "iw_mean", "iw_max", "entropy", "rows", "rolled_back",
-                "guard_skipped", "guard_rollbacks")
+                "guard_skipped", "guard_rollbacks", "stale_rows")
 
 
 class LearnerRun:
@@ -250,9 +250,13 @@ class LearnerRun:
         for bid, v, rows in fresh:
             self.ledger.consume(bid, policy_version=v, learner_version=self.learner.version, rows=rows, update=update,
                                 staleness=version_before - v)
-        reward_sum, count = global_counts(world, float(torch.nan_to_num(batch.reward, nan=0.0).sum()), len(batch))
+        # a step's age: versions between the adapter that took it and the one this update started from
+        ages = (version_before - batch.versions()).double()                       # [B, L]
+        reward_sum, count, age_sum, positions = global_counts(
+            world, float(torch.nan_to_num(batch.reward, nan=0.0).sum()), len(batch), float(ages.sum()), ages.numel())
+        stats["step_age"] = age_sum / max(positions, 1.0)
         self.history.append({"update": update, "version": self.learner.version, "batches": len(fresh), "at": time.time(),
-                             "staleness": staleness, "reward_mean": reward_sum / max(count, 1.0),
+                             "staleness": staleness, "step_age": stats["step_age"], "reward_mean": reward_sum / max(count, 1.0),
                              "read_s": t0 - t_read, "update_s": t1 - t0, "guard_event": self.learner.guard_event,
                              **{k: float(v) for k, v in stats.items() if k in HISTORY_KEYS}})
         self._since_ckpt += 1

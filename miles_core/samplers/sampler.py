@@ -22,9 +22,18 @@ position to decide).
 log-probs are those of the distribution actually sampled from. ``sampler.eos_stop``: a row whose
 finished blocks contain EOS skips its later blocks, filled with EOS and marked ``step_map = -1``
 (never revealed in a recorded state, never scored: no denoiser saw them).
+
+``refresh`` (in-flight policy refresh, PipelineRL's in-flight weight updates at a denoising step's
+grain): between two forwards the sampler asks it whether a newer adapter is in memory; it swaps
+the LoRA tensors in place and the next step samples with them. Each step's log-probs are those of
+the adapter that took it, and ``step_version`` records which, so nothing is recomputed: the learner
+weighs each recorded step by its own behaviour log-prob as it always does. A KV cache holds keys
+and values of the older weights, so a swap drops it (the next forward is a block's first pass).
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -34,6 +43,15 @@ from miles_core.models.window import KVCache, attention_grid, logit_shift, model
 from miles_core.samplers.step import left_pad, step_from_logits
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
+
+
+class Refresh(Protocol):
+    """In-flight refresh (module docstring): called between two denoiser forwards of a rollout,
+    ``forwards`` of them done so far; swaps a newer adapter into the model in place and returns
+    its version, or returns None to keep sampling with the loaded one."""
+
+    def __call__(self, forwards: int) -> int | None:
+        ...
 
 
 def block_ranges(length: int, block_size: int) -> list[tuple[int, int]]:
@@ -154,8 +172,10 @@ def block_logits(model, x: Tensor, attn: Tensor, lo: int, hi: int, mode: str, ca
 @torch.no_grad()
 def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerConfig, completion_len: int,
            generator: torch.Generator, group_id: Tensor | None = None, policy_version: int = 0,
-           threshold: float | None = None) -> TrajectoryBatch:
-    """Sample completions for ``prompt_ids`` and record each trajectory (step_map, logp, NFE)."""
+           threshold: float | None = None, refresh: Refresh | None = None) -> TrajectoryBatch:
+    """Sample completions for ``prompt_ids`` and record each trajectory (step_map, logp, NFE);
+    ``policy_version`` is the loaded adapter's, ``refresh`` may swap a newer one in between steps
+    (module docstring: then ``step_version`` records each position's)."""
     dev = model_device(model)
     gen = device_generator(generator, dev)
     b, length = len(prompt_ids), completion_len
@@ -166,6 +186,8 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
     step_map = torch.full((b, length), -1, dtype=torch.long, device=dev)
     logp = torch.zeros(b, length, device=dev)
     nfe = torch.zeros(b, dtype=torch.long, device=dev)
+    version, forwards = policy_version, 0
+    step_version = torch.full((b, length), policy_version, dtype=torch.long, device=dev)  # [B, L]
     grid = attention_grid(model)  # block-causal: decode on its attention blocks (0 = "the model's")
     if grid and cfg.block_size not in (0, grid):
         raise ConfigError(f"sampler.block_size={cfg.block_size}: this model is block-causal with attention blocks of "
@@ -203,6 +225,10 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
         cache: KVCache | None = None
         j = 0
         while True:
+            newer = refresh(forwards) if refresh is not None and forwards else None
+            if newer is not None:  # the next step samples with the newer adapter: older keys/values go
+                version, cache = newer, None
+            forwards += 1
             xs = x[rows]                                                             # [A, T]
             logits, cache = block_logits(model, xs, attn[rows], a, e, cfg.cache, cache)   # [A, Lb, V]
             out = step_from_logits(logits, temperature=cfg.temperature, forbidden=tok.forbidden_ids,
@@ -217,6 +243,8 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
             x[rows, a:e] = torch.where(commit, out.tokens, xs[:, a:e])
             step_map[rows, lo:hi] = torch.where(commit, nfe[rows, None], step_map[rows, lo:hi])
             logp[rows, lo:hi] = torch.where(commit, out.logp, logp[rows, lo:hi])
+            if version != policy_version:
+                step_version[rows, lo:hi] = step_version[rows, lo:hi].masked_fill(commit, version)
             nfe[rows] += eligible.any(1).long()
             j += 1
             if cfg.kind == "static":
@@ -243,4 +271,5 @@ def sample(model, tok: CharTokenizer, prompt_ids: list[list[int]], cfg: SamplerC
         policy_version=torch.full((b,), policy_version, dtype=torch.long),
         prompts=[tok.decode(p) for p in prompt_ids], completions=[tok.decode(c.tolist()) for c in completion],
         meta=[{} for _ in range(b)], sampler_hash=cfg.hash(completion_len),
+        step_version=step_version.cpu() if version != policy_version else None,
     )

@@ -46,6 +46,11 @@ TRAJECTORY_SCHEMA = pa.schema(
     metadata={META_VERSION: str(SCHEMA_VERSION).encode(), META_KIND: KIND.encode()},
 )
 
+# Optional columns: written only when a batch has them, ignored by a reader that does not know them
+# (check_schema checks the columns above and no others), so version 1 still names the schema.
+# step_version: the adapter version of the step that committed each position (in-flight refresh).
+STEP_VERSION = pa.field("step_version", pa.list_(pa.int32()), nullable=False)
+
 _INT32 = np.iinfo(np.int32)
 
 
@@ -109,6 +114,9 @@ def to_arrow(batch: TrajectoryBatch) -> pa.Table:
     schema = TRAJECTORY_SCHEMA.with_metadata(
         {**TRAJECTORY_SCHEMA.metadata, META_CREATED_AT: repr(float(batch.created_at)).encode()}
     )
+    if batch.step_version is not None:
+        columns[STEP_VERSION.name] = _fixed_list(batch.step_version, "step_version", np.int32, pa.int32())
+        schema = schema.append(STEP_VERSION)
     return pa.Table.from_arrays([columns[f.name] for f in schema], schema=schema)
 
 
@@ -132,6 +140,9 @@ def check_schema(schema: pa.Schema) -> int:
             raise SchemaError(f"missing column {f.name!r}")
         if not schema.field(idx).type.equals(f.type):
             raise SchemaError(f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}")
+    idx = schema.get_field_index(STEP_VERSION.name)
+    if idx >= 0 and not schema.field(idx).type.equals(STEP_VERSION.type):
+        raise SchemaError(f"column {STEP_VERSION.name!r} has type {schema.field(idx).type}, expected {STEP_VERSION.type}")
     return version
 
 
@@ -200,4 +211,6 @@ def from_arrow(table: pa.Table) -> TrajectoryBatch:
         meta=meta,
         sampler_hash=hashes[0] if hashes else "",
         created_at=created,
+        step_version=(_fixed_tensor(table, STEP_VERSION.name, torch.long, length)
+                      if table.schema.get_field_index(STEP_VERSION.name) >= 0 else None),
     )
