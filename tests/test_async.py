@@ -490,3 +490,42 @@ def test_miles_stop_ends_samplers_and_learner_cleanly_and_the_run_resumes(tmp_pa
     assert SamplerWorker(run, "w0", 0, str(tmp_path / "s1")).run()["committed"] == 2
     done = AsyncLearner(run, str(tmp_path / "l2")).run()
     assert done["done"] and done["consumed"] == 2
+
+
+def test_in_flight_refresh_commits_steps_of_two_versions_that_the_learner_learns_from(
+        tmp_path: Path, base_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sampler with ``async_rl.refresh_every=1`` whose rollout starts on v0 while the learner has
+    published v1 swaps v1 in between two steps: the committed batch records both versions per
+    step, the sampler holds v1 after it, and the learner's update reports the steps' mean age."""
+    from miles_core.asyncrl.refresh import InFlightRefresh
+
+    run, _ = make_run(tmp_path, base_dir, "async_rl.refresh_every=1", "async_rl.batches_per_sampler=2",
+                      "async_rl.max_staleness=4", "sampler.steps=8")
+    learner = AsyncLearner(run, str(tmp_path / "lc"))  # publishes v0
+    sampler = SamplerWorker(run, "w0", 0, str(tmp_path / "sc"))
+    sampler.sync_adapter()
+    first = sampler.make_batch(0)  # nothing newer while it runs: one version, no step versions stored
+    first.reward = torch.arange(len(first), dtype=torch.float32) % 2
+    sampler.batches.commit(assign_advantages(first), batch_id(0, "w0"))
+    learner.max_updates = 1
+    learner.run()  # publishes v1; the sampler still holds v0
+    assert first.step_version is None and sampler.version == 0 and learner.learner.version == 1
+    real = InFlightRefresh.__call__
+
+    def at_step_two_wait_for_the_fetch(self, forwards: int):  # the fetch races a 8-step toy rollout
+        deadline = time.time() + 30
+        while forwards == 2 and self._ready is None and time.time() < deadline:
+            time.sleep(0.01)
+        return real(self, forwards)
+    monkeypatch.setattr(InFlightRefresh, "__call__", at_step_two_wait_for_the_fetch)
+    second = sampler.make_batch(1)
+    assert set(second.step_version.unique().tolist()) == {0, 1} and second.policy_version.unique().tolist() == [0]
+    assert sampler.version == 1 and sampler.span == 1 and sampler.stats["refreshes"] == 1
+    second.reward = torch.arange(len(second), dtype=torch.float32) % 2
+    sampler.batches.commit(assign_advantages(second), batch_id(1, "w0"))
+    stored = learner.rs.trajectories.read_batch(batch_id(1, "w0"))
+    assert torch.equal(stored.step_version, second.step_version)
+    learner.max_updates = 2
+    learner.run()
+    age = learner.history[-1]["step_age"]
+    assert learner.ledger.consumed[-1]["staleness"] == 1 and 0.0 < age < 1.0
