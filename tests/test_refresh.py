@@ -21,7 +21,7 @@ from miles_core.algo.update import update_policy
 from miles_core.asyncrl.refresh import InFlightRefresh
 from miles_core.config import load_recipe
 from miles_core.learner.baseline import new_model
-from miles_core.learner.channels import BatchChannel, PolicyChannel, admits
+from miles_core.learner.channels import BatchChannel, PolicyChannel
 from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import adapter_tensors, add_lora_from, save_adapter
 from miles_core.samplers.sampler import sample
@@ -183,12 +183,6 @@ def test_the_verdict_drops_a_batch_only_when_even_its_newest_step_is_too_old(tmp
     assert ch.verdict(batch, 5) == Verdict.dropped(5)    # its newest step is 3 old; staleness is its oldest's
     batch.step_version = None                            # no refresh: the row versions (0, 1) say it all
     assert ch.verdict(batch, 3) == Verdict.fresh(0) and ch.verdict(batch, 4) == Verdict.dropped(4)
-
-
-def test_admission_with_a_span_bounds_the_newest_step() -> None:
-    # B = 3, S = 2, learner at 1: slots < 12 without refresh; a rollout that advances 2 versions may start 6 later
-    assert admits(11, 1, 3, 2) and not admits(12, 1, 3, 2)
-    assert admits(17, 1, 3, 2, span=2) and not admits(18, 1, 3, 2, span=2)
 
 
 V1_COLUMNS = {  # the columns (and types) a version-1 reader checks, as that reader states them

@@ -99,5 +99,5 @@ class InFlightRefresh:
 
     @property
     def span(self) -> int:
-        """Versions the rollout advanced by (what admission lets the next rollout start early by)."""
+        """Versions the rollout advanced by: how many updates it spanned."""
         return self.version - self.started

@@ -77,7 +77,7 @@ class SamplerWorker:
         self.data = build_task(self.cfg)
         self.reward_fn = reward_for_recipe(self.cfg)
         self.version: int | None = None
-        self.span = 0  # versions the last rollout advanced by (in-flight refresh; admission reads it)
+        self.span = 0  # versions the last rollout advanced by (in-flight refresh)
         self._latest: int | None = None  # the version the last admission poll read
         prev = self.run_store.read_json("samplers", f"{worker}.json") or {}
         self.stats: dict[str, Any] = {"worker": worker, "committed": prev.get("committed", 0),
@@ -121,10 +121,9 @@ class SamplerWorker:
         return self._latest
 
     def admitted(self, slot: int) -> bool:
-        """Whether the learner's version now admits batch slot ``slot`` (``BatchChannel.admits``;
-        with in-flight refresh, by the versions the previous rollout advanced by)."""
+        """Whether the learner's version now admits batch slot ``slot`` (``BatchChannel.admits``)."""
         v = self.learner_version()
-        return v is not None and self.batches.admits(slot, v, self.span)
+        return v is not None and self.batches.admits(slot, v)
 
     def _wait(self, cond, poll: float, key: str = "wait_s") -> bool:
         """Sleep until ``cond()``, each empty poll waiting ``async_rl.poll_backoff`` times longer (up
@@ -161,6 +160,7 @@ class SamplerWorker:
         st["refreshes"] = st.get("refreshes", 0) + refresh.swaps
         st["sync_bytes"] += refresh.fetched_bytes
         st["refresh_lag_s"] = (st.get("refresh_lag_s", []) + refresh.lag_s)[-200:]
+        st["refresh_span"] = refresh.span  # updates the last rollout spanned
         return batch
 
     def run(self) -> dict[str, Any]:

@@ -33,19 +33,18 @@ from miles_core.storage.run import RunStore
 from miles_core.types import Batch
 
 
-def admits(slot: int, version: int, per_update: int, staleness: int, span: int = 0) -> bool:
+def admits(slot: int, version: int, per_update: int, staleness: int) -> bool:
     """Whether batch slot ``slot`` may start while the learner is at ``version``: AReaL's capacity
     rule (areal/infra/staleness_manager.py: capacity = (S + v + 1) B - (accepted + running)), with
     slots numbered in the order they are taken. Update u consumes slots [uB, (u+1)B), so a slot
     admitted at version v >= slot // B - S is at most S versions stale when it is used (unless
     it is much slower than the batches around it; the learner's verdict stays as the guard).
 
-    ``span``: with in-flight refresh (``async_rl.refresh_every``) the rollout's last steps sample
-    with adapters published while it runs, ``span`` versions newer than the first (what the
-    sampler's previous rollout advanced by). Admission then bounds the staleness of the rollout's
-    newest step, v + span >= slot // B - S: the rollout may start ``span`` versions earlier, and
-    its early steps that end up more than S versions old are not learned from (``stale_rows``)."""
-    return slot < (staleness + version + span + 1) * per_update
+    With in-flight refresh the rule is the same: it bounds the rollout's first step, the oldest;
+    its later steps sample with adapters published while it runs and are younger. Admitting a
+    rollout earlier because its last steps will be fresh would make its first steps older than S,
+    and those are not learned from: as many steps lost as completions gained."""
+    return slot < (staleness + version + 1) * per_update
 
 
 def poll_intervals(first: float, backoff: float, cap: float) -> Iterator[float]:
@@ -118,9 +117,9 @@ class BatchChannel:
         self.claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
         self.inbox = inbox
 
-    def admits(self, slot: int, version: int, span: int = 0) -> bool:
+    def admits(self, slot: int, version: int) -> bool:
         """:func:`admits` with this run's B and S."""
-        return admits(slot, version, self.per_update, self.bound, span)
+        return admits(slot, version, self.per_update, self.bound)
 
     def commit(self, batch: Batch, bid: str) -> bool:
         """Commit ``batch`` as ``bid``, then announce it -> False when an earlier attempt's commit
