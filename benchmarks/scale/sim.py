@@ -22,6 +22,13 @@ What it models, and how each part maps to the code:
   is counted with GET. ``prefixes`` spreads keys over that many prefixes (1: Miles' layout).
 * **Polling** every ``poll_s``, growing by ``poll_backoff`` per empty poll up to ``poll_max_s``
   (``async_rl.poll_backoff`` / ``poll_max_interval``).
+* **In-flight refresh** (``refresh``, ``asyncrl/refresh.py``): a rollout's steps (:data:`STEP_POINTS`
+  of them, evenly spaced in its time) each sample with the newest version published at least
+  ``refresh_delay_s`` before (discovering it at the polls' cap and fetching it), never older than
+  the one it started with; the fetches and the polls of ``adapters/LATEST`` during the rollout
+  load the store beside it. The learner drops a batch only when its newest step is more than S
+  versions old, and reports each consumed batch's mean step age and its share of steps older than
+  S (rows the update does not draw; the update's time is charged for all of them).
 
 The building blocks are checked against closed forms (benchmarks/tests/test_scale_model.py: an M/M/1 queue,
 a pipeline without contention) before any prediction is read; benchmarks/scale/emulate.py's runs of the
@@ -30,6 +37,7 @@ real code validate the whole. benchmarks/scale/scale_model.py runs it.
 
 from __future__ import annotations
 
+import bisect
 import math
 import random
 import zlib
@@ -56,7 +64,9 @@ S3_GET_PER_PREFIX = 5500.0
 # any run age (it listed every commit marker before: benchmarks/scale/run_age.py).
 WIRE = {"sampler_start": 12.54, "poll": 3.0, "claim": 2.0, "sync": 6.0, "commit": 4.0, "sampler_status": 1.0,
         "learner_start": 24.0, "rank_start": 12.0, "learner_poll": 2.6, "read": 3.98, "publish": 12.0,
-        "checkpoint": 4.0, "learner_status": 1.0}
+        "checkpoint": 4.0, "learner_status": 1.0, "refresh_poll": 1.5}
+# refresh_poll: an in-flight refresh polls adapters/LATEST alone (a HEAD and a GET), not control/STOP
+STEP_POINTS = 16  # steps of a rollout whose versions the refresh model tracks
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,8 @@ class Params:
     learner_host_s: float = 0.0
     learner_start_s: float = 0.0       # until the learner publishes version 0 (loading, rendezvous)
     startup_poll_s: float = 0.0        # how often samplers polled for version 0, if not the back-off's cap
+    refresh: bool = False              # in-flight refresh between steps (async_rl.refresh_every = 1)
+    refresh_delay_s: float = 0.0       # from a publish to a refreshing sampler's swap (discovery + fetch)
 
 
 class Store:
@@ -168,7 +180,10 @@ class Run:
     end_s: float = 0.0
     staleness: list[int] = field(default_factory=list)
     consumed_at: list[tuple[float, int]] = field(default_factory=list)  # (time, completions) per update
-    waiting: list[tuple[int, int]] = field(default_factory=list)  # committed (seq, version), oldest first
+    waiting: list[tuple[int, int, tuple[int, ...] | None]] = field(default_factory=list)  # (seq, version, steps' versions)
+    published: list[float] = field(default_factory=list)  # when each version was published
+    step_age_sum: float = 0.0          # over consumed batches: each one's mean step age
+    stale_step_sum: float = 0.0        # and its share of steps older than S
 
 
 def _rollout(p: Params, rng: random.Random) -> float:
@@ -193,6 +208,16 @@ def _wait(env: simpy.Environment, p: Params, cond, poll, cap: float = 0.0) -> Ge
             return
         yield env.timeout(interval)
         interval = min(interval * p.poll_backoff, max(cap or p.poll_max_s, p.poll_s))
+
+
+def refresh_steps(p: Params, run: Run, start: int, t0: float, t1: float) -> tuple[int, ...]:
+    """The version each of :data:`STEP_POINTS` evenly spaced steps of a rollout over [t0, t1) took,
+    started on version ``start``: the newest published ``refresh_delay_s`` before the step."""
+    out = []
+    for j in range(STEP_POINTS):
+        t = t0 + (j + 0.5) / STEP_POINTS * (t1 - t0)
+        out.append(max(start, bisect.bisect_right(run.published, t - p.refresh_delay_s) - 1))
+    return tuple(out)
 
 
 def admits(slot: int, version: int, p: Params) -> bool:
@@ -229,10 +254,19 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
         t2 = env.now
         yield env.timeout(_rollout(p, rng))
         run.sampler_compute_s += env.now - t2
+        steps = None
+        if p.refresh:  # its polls and fetches ran beside the rollout: their load, not their time
+            steps = refresh_steps(p, run, version, t2, env.now)
+            polls = w["refresh_poll"] * max(1.0, (env.now - t2) / p.poll_max_s)
+            fetches = len(set(steps)) - 1
+            env.process(store.request("get", "adapters/LATEST", n=polls))
+            if fetches and i % p.adapter_share == 0:
+                env.process(store.request("get", f"adapters/v{steps[-1]}", p.adapter_bytes * fetches, n=w["sync"] * fetches))
+            version = steps[-1]
         yield env.timeout(p.sampler_host_s)
         yield from store.request("put", f"trajectories/{i}-{seq}", p.batch_bytes, n=w["commit"])  # data + marker
         yield from store.request("put", f"samplers/{i}.json", n=w["sampler_status"])
-        run.waiting.append((seq, version))
+        run.waiting.append((seq, steps[0] if steps else version, steps))
         run.committed += 1
         run.sampler_wait_s += t1 - t0
         run.sampler_busy_s += env.now - t1
@@ -250,6 +284,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
     yield simpy.AllOf(env, others)
     slowness = rank_slowness(p, rng)
     run.version = 0
+    run.published.append(env.now)
     interval = p.poll_s
     while run.consumed + run.dropped < p.batches:
         t0 = env.now
@@ -262,7 +297,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
                 t1 = env.now
                 yield env.timeout(_rollout(p, rng))
                 run.learner_compute_s += env.now - t1
-                run.waiting.append((-1, run.version))
+                run.waiting.append((-1, run.version, None))
                 run.learner_busy_s += env.now - t0
                 continue
             yield env.timeout(interval)
@@ -281,11 +316,14 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
                  else [len(taken)])
         yield simpy.AllOf(env, [env.process(ingest(k)) for k in reads if k])
         yield env.timeout(p.learner_host_s)
-        for _, version in taken:
-            if run.version - version > p.max_staleness:
+        for _, version, steps in taken:  # dropped when even its newest step is too old (BatchChannel.verdict)
+            ages = [run.version - v for v in (steps or (version,))]
+            if min(ages) > p.max_staleness:
                 run.dropped += 1
             else:
                 fresh.append(run.version - version)
+                run.step_age_sum += sum(ages) / len(ages)
+                run.stale_step_sum += sum(a > p.max_staleness for a in ages) / len(ages)
         if not fresh:
             run.learner_busy_s += env.now - t0
             continue
@@ -300,6 +338,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
         if p.checkpoint_every and run.version // p.checkpoint_every > before // p.checkpoint_every:
             yield from store.request("put", "learner/checkpoint", p.checkpoint_bytes, n=w["checkpoint"])
         yield from store.request("put", f"adapters/v{run.version}", p.adapter_bytes, n=w["publish"])  # + LATEST
+        run.published.append(env.now)
         yield from store.request("put", "learner/status.json", n=w["learner_status"])
         run.learner_busy_s += env.now - t0
     run.end_s = env.now
@@ -336,6 +375,8 @@ def simulate(p: Params, horizon_s: float = 1e7, warmup_s: float = 0.0) -> dict[s
     return {"seconds": wall, "completions_per_s": run.consumed * p.completions_per_batch / wall if wall else 0.0,
             "steady_completions_per_s": steady, "after_two_updates_completions_per_s": after_two,
             "consumed": run.consumed, "dropped": run.dropped, "self_sampled": run.self_sampled,
+            "step_age_mean": run.step_age_sum / max(run.consumed, 1),
+            "stale_step_frac": run.stale_step_sum / max(run.consumed, 1),
             "learner_idle_fraction": 1 - learner_util, "sampler_idle_fraction": 1 - sampler_util,
             "staleness_hist": hist, "store_requests_per_s": {k: v / wall for k, v in store.counts.items()},
             "requests_per_batch": sum(store.counts.values()) / max(run.committed + run.self_sampled, 1),

@@ -242,7 +242,8 @@ def summarize(run_uri: str, storage_options: dict[str, Any] | None = None) -> di
             "adapter_sync_bytes_mean": sum(s.get("sync_bytes", 0) for s in samplers) / max(syncs, 1),
             "adapter_sync_seconds_mean": sum(s.get("sync_seconds", 0.0) for s in samplers) / max(syncs, 1),
             "adapter_sync_lag_seconds_mean": sum(lags) / max(len(lags), 1),
-            "sampler_restarts": sum(s.get("restarts", 0) for s in samplers)}
+            "sampler_restarts": sum(s.get("restarts", 0) for s in samplers),
+            "refreshes": sum(s.get("refreshes", 0) for s in samplers)}  # adapters swapped in mid-rollout
 
 
 def load_num_samplers(rs: RunStore) -> int:
