@@ -18,7 +18,10 @@ that every batch was consumed exactly once within the staleness bound. ``--slow-
 the last learner rank X times slower all run long, ``--rank-spread CV`` each rank slower or faster
 by a normal draw of that CV (seeded by the process count, so two runs compare like with like);
 ``--deal`` sets ``async_rl.deal`` (even blocks, or dealt by the ranks' measured speed);
-``--rollout-tail P:X`` makes a share P of the rollouts take X times as long (drawn per batch).
+``--rollout-tail P:X`` makes a share P of the rollouts take X times as long (drawn per batch);
+``--global-batch B`` fixes the global batch at B sampler batches (strong scaling: admission then
+holds samplers back), ``--refresh J`` turns on in-flight refresh every J steps and ``--staleness``
+sets S; each run reports its steps' mean age and the adapters swapped in mid-rollout.
 Writes benchmarks/results/emulate.json; benchmarks/scale/scale_model.py validates against it.
 ``--smoke``: one run of 2 processes (1 sampler, 1 learner rank), 5 batches, LLaDA-8B's seconds x 0.002
 and bytes x 1e-4 (emulate_smoke.json).
@@ -133,7 +136,8 @@ def slowness(ranks: int, spread: float, slow_rank: float, seed: int) -> list[flo
 
 
 def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos: bool, deal: str = "even",
-            spread: float = 0.0, slow_rank: float = 1.0, prompts: int = 4) -> dict[str, Any]:
+            spread: float = 0.0, slow_rank: float = 1.0, prompts: int = 4, global_batch: int = 0,
+            refresh: int = 0, staleness: int = STALENESS) -> dict[str, Any]:
     from miles_core.asyncrl.launch import command
     from miles_core.asyncrl.placement import admitting_batch, place
     from miles_core.storage.run import RunStore, prepare_run
@@ -143,11 +147,14 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
     st = json.loads(os.environ["MILES_STANDIN"])
     # weak scaling, as at 4,096 GPUs (benchmarks/scale/scale_model.py): the global batch that admits the
     # balanced split's samplers, lowered by at most 10% so the ranks' shares are equal
-    balanced = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS, procs)
-    pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, STALENESS,
-               admitting_batch(balanced.samplers, STALENESS), probe.train.prompts_per_iter, 0.1)
+    # (or a fixed global batch of ``global_batch`` sampler batches, as a strong-scaling run)
+    balanced = place(procs, st["rollout_s"] / c, st["update_s"] / c, staleness, procs)
+    pl = place(procs, st["rollout_s"] / c, st["update_s"] / c, staleness,
+               global_batch or admitting_batch(balanced.samplers, staleness), probe.train.prompts_per_iter,
+               0.0 if global_batch else 0.1)
     cfg = load_recipe("tiny", [*OVERRIDES, f"train.prompts_per_iter={prompts}", f"async_rl.num_samplers={pl.samplers}",
-                               f"async_rl.deal={deal}",
+                               f"async_rl.deal={deal}", f"async_rl.max_staleness={staleness}",
+                               f"async_rl.refresh_every={refresh}",
                                f"async_rl.batches_per_sampler={batches}", f"async_rl.global_batch={pl.batches_per_update * c}"])
     st = {**st, "rank_slowness": slowness(pl.learner_ranks, spread, slow_rank, procs)}
     run = f"s3://{server.bucket}/emulate/{procs}-{int(time.time())}"
@@ -202,7 +209,8 @@ def one_run(procs: int, batches: int, server: Any, work: Path, base: Path, chaos
         p.wait(60)
     return {**summarize(rs, cfg, pl, st, c, procs, killed, t0), "scale": st["scale"],
             "cpu_busy": (cpu1[0] - cpu0[0]) / max(cpu1[1] - cpu0[1], 1.0), "deal": deal, "rank_spread": spread,
-            "slow_rank": slow_rank, "rank_slowness": st["rank_slowness"], "rollout_tail": list(st["rollout_tail"])}
+            "slow_rank": slow_rank, "rank_slowness": st["rank_slowness"], "rollout_tail": list(st["rollout_tail"]),
+            "global_batch": global_batch, "refresh": refresh}
 
 
 def wire_costs(samp: list[dict], lead: dict, others: list[dict]) -> dict[str, float]:
@@ -253,6 +261,7 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
     learner_host = sum(h.get("read_s", 0) + h.get("checkpoint_s", 0) + h.get("publish_s", 0) for h in history)
     sampler_host = sum(s.get("busy_s", 0.0) - s.get("sample_s", 0.0) for s in samp)
     exactly_once = len(ids) == len(set(ids)) == committed - len(ledger["dropped"]) - len(ledger["quarantined"])
+    aged = [h["step_age"] for h in history if "step_age" in h]
     return {"processes": procs, "samplers": pl.samplers, "learner_ranks": pl.learner_ranks,
             "batches_per_update": pl.batches_per_update, "batches": committed, "completions_per_batch": c,
             "group_size": cfg.train.group_size, "minibatches": cfg.update.num_minibatches,
@@ -261,6 +270,8 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
             "completions_per_s": done / span if span > 0 else float("nan"), "ideal_completions_per_s": ideal,
             "learner_idle": status["idle_fraction_steady"], "sampler_idle": wait / max(wait + busy, 1e-9),
             "dropped": status["dropped"], "staleness_max": status["max_staleness_seen"],
+            "step_age_mean": sum(aged) / max(len(aged), 1), "stale_rows": sum(h.get("stale_rows", 0) for h in history),
+            "refreshes": sum(s.get("refreshes", 0) for s in samp),
             "staleness_bound": status["staleness_bound"], "requests_per_batch": requests / max(committed, 1),
             "updates": status["updates"], "exactly_once": exactly_once, "killed": killed,
             "learner_resumes": status["resumes"], "store": "seaweedfs", "wire": wire_costs(samp, status, ranks),
@@ -303,6 +314,10 @@ def main(argv: list[str] | None = None) -> None:
                          "deal by speed moves whole groups")
     ap.add_argument("--rollout-tail", default="0:1", metavar="P:X",
                     help="a share P of the rollouts takes X times as long (the scale model assumes 0.02:3)")
+    ap.add_argument("--global-batch", type=int, default=0, metavar="B",
+                    help="a fixed global batch of B sampler batches (strong scaling) instead of the admitting one")
+    ap.add_argument("--refresh", type=int, default=0, metavar="J", help="async_rl.refresh_every (in-flight refresh)")
+    ap.add_argument("--staleness", type=int, default=STALENESS, help="async_rl.max_staleness")
     ap.add_argument("--scale", type=float, default=SCALE, help="LLaDA-8B's seconds and bytes times this")
     ap.add_argument("--bytes-scale", type=float, default=None,
                     help="LLaDA-8B's bytes times this instead (default: --scale): 64 processes at --scale 0.5 hold "
@@ -339,10 +354,12 @@ def main(argv: list[str] | None = None) -> None:
             chaos = args.chaos and procs == max(args.processes)
             print(f"emulating {procs} processes{' with chaos' if chaos else ''} ...", flush=True)
             runs.append({**one_run(procs, args.batches, server, work, base, chaos, args.deal, args.rank_spread,
-                                   args.slow_rank, args.prompts), **store_cost})
+                                   args.slow_rank, args.prompts, args.global_batch, args.refresh, args.staleness),
+                         **store_cost})
             r = runs[-1]
             print(f"  {r['samplers']}:{r['learner_ranks']} B={r['batches_per_update']} eff {r['efficiency']:.3f} "
-                  f"req/batch {r['requests_per_batch']:.1f} dropped {r['dropped']}", flush=True)
+                  f"req/batch {r['requests_per_batch']:.1f} dropped {r['dropped']} step age {r['step_age_mean']:.2f} "
+                  f"swaps {r['refreshes']}", flush=True)
             if not r["measured_rollout_s"] >= 0.9 * r["rollout_s"]:  # a sampler's passes last their waits at least
                 raise MeasuredNothing(f"benchmarks.emulate: rollouts took {r['measured_rollout_s']:.3f}s, the stand-in "
                                       f"plans {r['rollout_s']:.3f}s: the samplers ran without it")
@@ -358,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
              f"{r['whole_run_efficiency']:.3f}"] for r in runs]
     finish("emulate", {"runs": runs, "scale": args.scale,
                        "bytes_scale": args.scale if args.bytes_scale is None else args.bytes_scale,
-                       "cpus": usable_cpus(), "staleness_bound": STALENESS,
+                       "cpus": usable_cpus(), "staleness_bound": args.staleness,
                        "smoke": args.smoke}, rows,
            ["procs", "S:D", "B", "eff", "L idle", "S idle", "dropped", "max stale", "req/batch", "once",
             "rollout s meas/plan", "update s meas/plan", "CPU busy", "whole run"], out=args.out,

@@ -9,10 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from dataclasses import replace
+
 from benchmarks.sim import Params, simulate
 
-# the model's predictions for straggler_configs(), written by --predict before those runs (committed)
-PREDICTIONS = Path(__file__).resolve().parents[2] / "docs" / "results" / "records" / "predictions-stragglers.json"
+# the model's predictions for straggler_configs() and refresh_configs(), written by --predict before
+# those runs (committed)
+RECORDS = Path(__file__).resolve().parents[2] / "docs" / "results" / "records"
+PREDICTIONS = RECORDS / "predictions-stragglers.json"
+REFRESH_PREDICTIONS = RECORDS / "predictions-refresh.json"
 
 CALIBRATED = ("measured_rollout_s", "measured_update_s", "learner_host_s", "sampler_host_s", "learner_start_s",
               "startup_poll_interval_s")
@@ -92,9 +97,11 @@ def tail_share(samplers: int, per_sampler: int, p: float) -> float:
 
 
 def is_plain(run: dict[str, Any]) -> bool:
-    """An emulated run of equal ranks dealt evenly, without a rollout tail (what calibrates)."""
+    """An emulated run of equal ranks dealt evenly, without a rollout tail, at its admitting batch
+    and without refresh (what calibrates)."""
     return (run.get("slow_rank", 1.0) == 1.0 and not run.get("rank_spread") and run.get("deal", "even") == "even"
-            and tuple(run.get("rollout_tail", (0.0, 1.0)))[0] == 0.0)
+            and tuple(run.get("rollout_tail", (0.0, 1.0)))[0] == 0.0 and not run.get("global_batch")
+            and not run.get("refresh"))
 
 
 def straggler_configs(prompts: int = 32) -> list[dict[str, Any]]:
@@ -109,6 +116,29 @@ def straggler_configs(prompts: int = 32) -> list[dict[str, Any]]:
             "deal": deal} for slow, spread in ((1.1, 0.0), (1.0, 0.05)) for deal in ("even", "speed")]
     return out + [{"processes": 16, "prompts": prompts, "slow_rank": 1.0, "rank_spread": 0.05, "rollout_tail": (0.1, 3.0),
                    "deal": "speed"}]
+
+
+def refresh_configs(batches: int = 4) -> list[dict[str, Any]]:
+    """The emulated strong-scaling pair whose figures the model predicts before they run: 16
+    processes, a fixed global batch of 2 sampler batches (admission holds samplers back, and a
+    rollout spans updates), S = 6, without and with in-flight refresh (``python -m
+    benchmarks.emulate --processes 16 --global-batch 2 --refresh 1``)."""
+    return [{"processes": 16, "prompts": 4, "slow_rank": 1.0, "rank_spread": 0.0, "rollout_tail": (0.0, 1.0),
+             "deal": "even", "global_batch": 2, "staleness": 6, "refresh": r, "batches": batches} for r in (0, 1)]
+
+
+def _fixed_split(like: dict, c: dict[str, Any]) -> dict[str, Any]:
+    """The split, batch and budget emulate.py gives a fixed global batch (``c["global_batch"]``), and
+    the refresh model's delay (half the polls' cap to discover a version, then its fetch)."""
+    from miles_core.asyncrl.placement import place
+
+    n = like["completions_per_batch"]
+    pl = place(c["processes"], like["rollout_s"] / n, like["update_s"] / n, c["staleness"], c["global_batch"],
+               c["prompts"], 0.0)
+    fetch = like["wire"]["sync"] * like["store_latency_s"] + like["adapter_bytes"] / like["store_bytes_s"]
+    return {"samplers": pl.samplers, "learner_ranks": pl.learner_ranks, "batches_per_update": pl.batches_per_update,
+            "batches": pl.samplers * c["batches"], "max_staleness": c["staleness"], "refresh": bool(c["refresh"]),
+            "refresh_delay_s": like["poll_max_s"] / 2 + fetch}
 
 
 def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict]:
@@ -130,8 +160,12 @@ def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple
         p, x = c.get("rollout_tail", (0.0, 1.0))
         share = tail_share(like["samplers"], like["batches"] // like["samplers"], p)
         fit["measured_rollout_s"] *= 1 + share * (x - 1)
-        r = simulate(emulated_params({**like, **fit, "deal": c["deal"], "rank_slowness": slow, "rollout_tail": (share, x)}))
+        fixed = _fixed_split(like, c) if c.get("global_batch") else {}
+        params = emulated_params({**like, **fit, "deal": c["deal"], "rank_slowness": slow, "rollout_tail": (share, x),
+                                  **fixed})
+        r = simulate(replace(params, refresh=fixed.get("refresh", False), refresh_delay_s=fixed.get("refresh_delay_s", 0.0)))
         out.append({**c, "predicted": r["after_two_updates_completions_per_s"] / like["ideal_completions_per_s"],
+                    "predicted_step_age": r["step_age_mean"], "predicted_dropped": r["dropped"],
                     "tail_share": share,
                     "plain_measured": like["efficiency"], "learner_ranks": like["learner_ranks"],
                     "groups_per_rank": like["batches_per_update"] * like["completions_per_batch"]
@@ -141,12 +175,14 @@ def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple
 
 def checked(predictions: list[dict], runs: list[dict]) -> list[dict[str, Any]]:
     """Predictions written before their runs against the emulated runs that match them, error with sign."""
-    key = ("processes", "slow_rank", "rank_spread", "deal")
+    key = ("processes", "slow_rank", "rank_spread", "deal", "global_batch", "refresh")
+    UNSET = {"global_batch": 0, "refresh": 0}  # runs and predictions from before those options
     out = []
     for pr in predictions:
-        run = next((r for r in runs if all(r.get(k) == pr[k] for k in key)
+        run = next((r for r in runs if all(r.get(k, UNSET.get(k)) == pr.get(k, UNSET.get(k)) for k in key)
                     and r["completions_per_batch"] == 2 * pr.get("prompts", 4)
                     and list(r.get("rollout_tail", (0.0, 1.0))) == list(pr.get("rollout_tail", (0.0, 1.0)))), None)
         if run is not None:
-            out.append({**pr, "measured": run["efficiency"], "error": pr["predicted"] / run["efficiency"] - 1})
+            out.append({**pr, "measured": run["efficiency"], "error": pr["predicted"] / run["efficiency"] - 1,
+                        "measured_step_age": run.get("step_age_mean"), "measured_dropped": run.get("dropped")})
     return out

@@ -60,7 +60,8 @@ from typing import Any
 
 from benchmarks.harness import RESULTS, add_smoke, table, write_result
 from benchmarks.host_costs import LORA_PARAMS, SMOKE_LORA, SMOKE_POINTS, host_seconds, measure, one
-from benchmarks.model_fit import PREDICTIONS, checked, is_plain, predict, straggler_configs, validation
+from benchmarks.model_fit import (PREDICTIONS, REFRESH_PREDICTIONS, checked, is_plain, predict, refresh_configs,
+                                  straggler_configs, validation)
 from benchmarks.sim import Params, simulate
 from benchmarks.update_pace import largest_share, shares
 from miles_core.asyncrl.placement import Placement, admitting_batch, place
@@ -261,23 +262,28 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--runs-from", default=str(RESULTS), metavar="DIR",
                     help="the emulated runs to validate against: emulate*.json in DIR (docs/results/records: the "
                          "committed ones the published validation rests on)")
-    ap.add_argument("--predict", default=None, metavar="FILE", nargs="?", const=str(PREDICTIONS),
-                    help="only write the straggler runs' predictions (from the plain emulated runs in --runs-from) "
-                         "to FILE, before those runs")
+    ap.add_argument("--predict", default=None, metavar="FILE", nargs="?", const="",
+                    help="only write the --configs runs' predictions (from the plain emulated runs in --runs-from) "
+                         "to FILE (default: docs/results/records/predictions-CONFIGS.json), before those runs")
+    ap.add_argument("--configs", choices=["stragglers", "refresh"], default="stragglers",
+                    help="which emulated runs --predict predicts: the straggler runs or the in-flight refresh pair")
     args = ap.parse_args(argv)
-    if args.predict:
+    if args.predict is not None:
+        target = args.predict or str(PREDICTIONS if args.configs == "stragglers" else REFRESH_PREDICTIONS)
         plain = emulated_runs(Path(args.runs_from))
         if not plain:
             raise SystemExit(f"no emulated runs in {args.runs_from}: run python -m benchmarks.emulate (and its "
                              "--prompts 32 runs, model_fit.straggler_configs) first")
-        preds = predict(plain, straggler_configs())
+        preds = predict(plain, straggler_configs() if args.configs == "stragglers" else refresh_configs())
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-        Path(args.predict).write_text(json.dumps({"commit": commit, "calibrated_on": [4, 16], "predictions": preds},
-                                                 indent=1) + "\n")
+        Path(target).write_text(json.dumps({"commit": commit, "calibrated_on": [4, 16], "predictions": preds},
+                                           indent=1) + "\n")
         print(table([[p["processes"], p["slow_rank"], p["rank_spread"], "{}:{}".format(*p["rollout_tail"]), p["deal"],
-                      f"{p['predicted']:.3f}", f"{p['plain_measured']:.3f}"] for p in preds],
-                    ["procs", "slow rank", "spread", "tail P:X", "deal", "predicted", "plain run measured"]))
-        print(f"wrote {args.predict}")
+                      p.get("global_batch", "-"), p.get("refresh", "-"), f"{p['predicted']:.3f}",
+                      f"{p['predicted_step_age']:.2f}", p["predicted_dropped"], f"{p['plain_measured']:.3f}"] for p in preds],
+                    ["procs", "slow rank", "spread", "tail P:X", "deal", "fixed B", "refresh", "predicted",
+                     "step age", "dropped", "plain run measured"]))
+        print(f"wrote {target}")
         return
     if args.smoke:
         vars(args).update(SMOKE)

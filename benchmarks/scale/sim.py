@@ -257,7 +257,7 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
         steps = None
         if p.refresh:  # its polls and fetches ran beside the rollout: their load, not their time
             steps = refresh_steps(p, run, version, t2, env.now)
-            polls = w["refresh_poll"] * max(1.0, (env.now - t2) / p.poll_max_s)
+            polls = w.get("refresh_poll", WIRE["refresh_poll"]) * max(1.0, (env.now - t2) / p.poll_max_s)
             fetches = len(set(steps)) - 1
             env.process(store.request("get", "adapters/LATEST", n=polls))
             if fetches and i % p.adapter_share == 0:
