@@ -5,6 +5,7 @@ a pipeline whose time is fill + n x the slowest stage, and the ring all-reduce i
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 import statistics
 
 import pytest
@@ -232,3 +233,20 @@ def test_steady_rate_does_not_move_with_where_the_horizon_ends_in_the_update_cyc
     cycle = 8 / rates[0]
     assert 0.5 <= cycle < 0.51  # the update plus the fast store's requests
     assert max(rates) == pytest.approx(min(rates), rel=1e-9)
+
+
+def test_the_refresh_model_gives_each_step_the_newest_version_published_a_delay_before_it() -> None:
+    from benchmarks.sim import STEP_POINTS, Run, refresh_steps
+
+    run = Run(published=[0.0, 10.0, 20.0, 30.0])  # versions 0-3
+    p = Params(refresh=True, refresh_delay_s=4.0)
+    steps = refresh_steps(p, run, 1, 0.0, 32.0)  # 16 steps at 1, 3, ..., 31 s; a version counts 4 s after its publish
+    want = [max(1, sum(t - 4.0 >= v for v in run.published) - 1) for t in (1.0 + 2 * j for j in range(STEP_POINTS))]
+    assert list(steps) == want and steps[0] == 1 and steps[-1] == 3
+    # without refresh every step is the start version; with it the steps are younger, and a batch whose
+    # newest step is within the bound is kept where a batch judged by its first step would be dropped
+    base = Params(samplers=4, batches=120, rollout_s=2.0, update_s=0.4, max_staleness=2, batches_per_update=1,
+                  learner_samples=False, shared_budget=False, rollout_cv=0.3, poll_s=0.01)
+    plain, fresh = simulate(base), simulate(replace(base, refresh=True, refresh_delay_s=0.05))
+    assert fresh["step_age_mean"] < plain["step_age_mean"] and fresh["dropped"] <= plain["dropped"]
+    assert plain["stale_step_frac"] == 0.0 and fresh["consumed"] + fresh["dropped"] == 120
