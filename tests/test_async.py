@@ -73,6 +73,7 @@ def test_the_learner_still_drops_what_admission_let_go_stale(tmp_path: Path, bas
     assert [e["id"] for e in dropped] == [batch_id(s, "w0") for s in (2, 3, 4)]
     assert all(e["staleness"] > 1 for e in dropped)
     assert out["max_staleness_seen"] <= out["staleness_bound"] == 1 and out["dropped"] == 3 and out["done"]
+    assert learner.policy.admission() == (learner.learner.version, 3)  # each drop freed its slot of the window
 
 
 def test_the_learner_reads_the_inbox_and_lists_the_markers_only_when_stuck(tmp_path: Path, base_dir: Path,

@@ -24,6 +24,7 @@ def test_the_batch_channel_admits_judges_and_commits_once(tmp_path: Path) -> Non
     for v in (0, 3):  # slot k starts only while k < (S + v + 1) B
         assert ch.admits((2 + v + 1) * b - 1, v) and not ch.admits((2 + v + 1) * b, v)
     assert admits(9, 1, 3, 2) and not admits(12, 1, 3, 2)
+    assert admits(13, 1, 3, 2, passed=2) and not admits(14, 1, 3, 2, passed=2)  # 2 dropped: 2 more slots
     batch = make_batch(version=3)  # rows sampled by versions 3 and 2: fresh while its newest is within S
     assert ch.verdict(batch, 4) == Verdict.fresh(2) and ch.verdict(batch, 5) == Verdict.fresh(2)
     assert ch.verdict(batch, 6) == Verdict.dropped(4)  # the staleness of its oldest rows
@@ -80,3 +81,15 @@ def test_an_inbox_channel_announces_each_commit_and_lists_only_what_is_not_retir
     legacy = BatchChannel(rs, cfg)
     assert legacy.waiting() == rs.trajectories.list_batches()
     assert uses_inbox({"protocol": {"inbox": True}}) and not uses_inbox({"cfg": {}})
+
+
+def test_latest_names_the_batches_passed_without_an_update_so_a_drop_frees_its_slot(tmp_path: Path) -> None:
+    ch = PolicyChannel(RunStore(str(tmp_path / "run")))
+    assert ch.admission() == (None, 0)
+    ch.pass_on(3)  # nothing published yet: nothing to rewrite, and no sampler is admitted before v0
+    assert ch.admission() == (None, 0)
+    save_adapter(_lora(1), tmp_path / "v0")
+    ch.publish(tmp_path / "v0", 0, passed=1)
+    assert ch.admission() == (0, 1) and ch.latest() == 0
+    ch.pass_on(4)  # a drop between two versions: the same version, the new count
+    assert ch.admission() == (0, 4) and ch.latest() == 0

@@ -220,9 +220,9 @@ def refresh_steps(p: Params, run: Run, start: int, t0: float, t1: float) -> tupl
     return tuple(out)
 
 
-def admits(slot: int, version: int, p: Params) -> bool:
-    """learner/channels.py::admits: slot < (S + v + 1) B."""
-    return slot < (p.max_staleness + version + 1) * p.batches_per_update
+def admits(slot: int, run: Run, p: Params) -> bool:
+    """learner/channels.py::admits: slot < (S + v + 1) B + the batches dropped (each frees its slot)."""
+    return slot < (p.max_staleness + run.version + 1) * p.batches_per_update + run.dropped
 
 
 def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, rng: random.Random) -> Generator:
@@ -245,7 +245,7 @@ def sampler(env: simpy.Environment, p: Params, store: Store, run: Run, i: int, r
         else:
             slot = seq * p.samplers + i
         t0 = env.now
-        yield from _wait(env, p, lambda: admits(slot, run.version, p), poll)
+        yield from _wait(env, p, lambda: admits(slot, run, p), poll)
         t1 = env.now
         if run.version != version:
             version = run.version
@@ -291,7 +291,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
         yield from store.request("get", "trajectories/", n=w["learner_poll"])  # list + control/STOP
         need = min(p.batches_per_update, p.batches - run.consumed - run.dropped)
         if len(run.waiting) < need:
-            if p.learner_samples and run.claimed < p.batches and admits(run.claimed, run.version, p):
+            if p.learner_samples and run.claimed < p.batches and admits(run.claimed, run, p):
                 run.claimed += 1
                 run.self_sampled += 1
                 t1 = env.now

@@ -91,7 +91,7 @@ class AsyncLearner(LearnerRun):
             self._next_seq += 1
             self._redo.append((bid, got))
             slot = got
-        if not self.batches.admits(slot, self.learner.version):
+        if not self.batches.admits(slot, self.learner.version, self.passed):
             return False  # claimed, sampled once the version admits it
         self._redo.pop(0)
         t0 = time.perf_counter()

@@ -79,6 +79,7 @@ class SamplerWorker:
         self.version: int | None = None
         self.span = 0  # versions the last rollout advanced by (in-flight refresh)
         self._latest: int | None = None  # the version the last admission poll read
+        self._passed = 0                 # and the batches the learner had passed without an update
         prev = self.run_store.read_json("samplers", f"{worker}.json") or {}
         self.stats: dict[str, Any] = {"worker": worker, "committed": prev.get("committed", 0),
                                       "next_seq": prev.get("next_seq", 0), "sync_bytes": prev.get("sync_bytes", 0),
@@ -117,13 +118,13 @@ class SamplerWorker:
     def learner_version(self) -> int | None:
         """The newest published adapter version (``adapters/LATEST``: one small read)."""
         self.stats["polls"] = self.stats.get("polls", 0) + 1
-        self._latest = self.policy.latest()
+        self._latest, self._passed = self.policy.admission()
         return self._latest
 
     def admitted(self, slot: int) -> bool:
         """Whether the learner's version now admits batch slot ``slot`` (``BatchChannel.admits``)."""
         v = self.learner_version()
-        return v is not None and self.batches.admits(slot, v)
+        return v is not None and self.batches.admits(slot, v, self._passed)
 
     def _wait(self, cond, poll: float, key: str = "wait_s") -> bool:
         """Sleep until ``cond()``, each empty poll waiting ``async_rl.poll_backoff`` times longer (up

@@ -33,18 +33,22 @@ from miles_core.storage.run import RunStore
 from miles_core.types import Batch
 
 
-def admits(slot: int, version: int, per_update: int, staleness: int) -> bool:
+def admits(slot: int, version: int, per_update: int, staleness: int, passed: int = 0) -> bool:
     """Whether batch slot ``slot`` may start while the learner is at ``version``: AReaL's capacity
     rule (areal/infra/staleness_manager.py: capacity = (S + v + 1) B - (accepted + running)), with
-    slots numbered in the order they are taken. Update u consumes slots [uB, (u+1)B), so a slot
-    admitted at version v >= slot // B - S is at most S versions stale when it is used (unless
+    slots numbered in the order they are taken. After ``passed`` batches taken without an update
+    (dropped or quarantined), update u consumes slots [uB + passed, (u+1)B + passed), so a slot
+    admitted while slot < (S + v + 1) B + passed is at most S versions stale when it is used (unless
     it is much slower than the batches around it; the learner's verdict stays as the guard).
+    Without ``passed`` each dropped batch would hold one slot of the window for the rest of the
+    run: the window shrinks by one per drop, and with B drops a version's worth of samplers waits
+    for good (AReaL's capacity counts only accepted rollouts for the same reason).
 
     With in-flight refresh the rule is the same: it bounds the rollout's first step, the oldest;
     its later steps sample with adapters published while it runs and are younger. Admitting a
     rollout earlier because its last steps will be fresh would make its first steps older than S,
     and those are not learned from: as many steps lost as completions gained."""
-    return slot < (staleness + version + 1) * per_update
+    return slot < (staleness + version + 1) * per_update + passed
 
 
 def poll_intervals(first: float, backoff: float, cap: float) -> Iterator[float]:
@@ -117,9 +121,9 @@ class BatchChannel:
         self.claims = SlotClaims(rs, a.num_samplers * a.batches_per_sampler)
         self.inbox = inbox
 
-    def admits(self, slot: int, version: int) -> bool:
+    def admits(self, slot: int, version: int, passed: int = 0) -> bool:
         """:func:`admits` with this run's B and S."""
-        return admits(slot, version, self.per_update, self.bound)
+        return admits(slot, version, self.per_update, self.bound, passed)
 
     def commit(self, batch: Batch, bid: str) -> bool:
         """Commit ``batch`` as ``bid``, then announce it -> False when an earlier attempt's commit
@@ -167,16 +171,29 @@ class PolicyChannel:
     def __init__(self, rs: RunStore) -> None:
         self.rs = rs
 
-    def publish(self, local_dir: str | Path, version: int) -> None:
-        """Upload the adapter folder ``local_dir`` as ``version`` and move ``LATEST`` to it; a
+    def publish(self, local_dir: str | Path, version: int, passed: int = 0) -> None:
+        """Upload the adapter folder ``local_dir`` as ``version`` and move ``LATEST`` to it, naming
+        the ``passed`` batches taken without an update (admission reads both, :func:`admits`); a
         version committed already (an attempt that failed after its commit marker, a resumed run)
         is left as it is."""
         rs = self.rs
         try:
-            rs.retry(lambda: rs.adapters.publish(local_dir, version=version, metadata={"published_unix": time.time()}),
-                     f"publishing adapter v{version}")
+            rs.retry(lambda: rs.adapters.publish(local_dir, version=version, metadata={"published_unix": time.time()},
+                                                 pointer={"passed": passed}), f"publishing adapter v{version}")
         except AdapterExistsError:
             pass
+
+    def pass_on(self, passed: int) -> None:
+        """Say in ``LATEST`` that ``passed`` batches were taken without an update (a drop between
+        two versions frees its slot of the admission window at once)."""
+        rs = self.rs
+        rs.retry(lambda: rs.adapters.repoint({"passed": passed}), "updating adapters/LATEST")
+
+    def admission(self) -> tuple[int | None, int]:
+        """(the version ``LATEST`` names, the batches passed without an update): one small read."""
+        rs = self.rs
+        doc = rs.retry(rs.adapters.pointer_doc, "polling adapters/LATEST")
+        return (None, 0) if doc is None else (int(doc["version"]), int(doc.get("passed", 0)))
 
     def latest(self) -> int | None:
         """The version ``adapters/LATEST`` names: one small read, what samplers poll."""

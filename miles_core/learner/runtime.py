@@ -140,7 +140,12 @@ class LearnerRun:
             return
         with tempfile.TemporaryDirectory(dir=self.cache) as tmp, self.rs.requests.phase("publish"):
             self.learner.save_adapter(tmp, getattr(torch, self.cfg.async_rl.sync_dtype), tensors)
-            self.policy.publish(tmp, v)
+            self.policy.publish(tmp, v, self.passed)
+
+    @property
+    def passed(self) -> int:
+        """Batches taken without an update (dropped, quarantined): admission's window counts them."""
+        return len(self.ledger.dropped) + len(self.ledger.quarantined)
 
     def adapter_uri(self, version: int | None = None) -> str:
         return f"{self.rs.uri}/adapters/v{self.learner.version if version is None else version:06d}"
@@ -235,7 +240,9 @@ class LearnerRun:
         t_read, world = time.perf_counter(), self.world if self.world.size > 1 else None
         dropped_before = len(self.ledger.dropped)
         fresh, batch, keys = self._read_share(bids)
-        if not fresh:
+        if not fresh:  # no update, no publish: the samplers still learn of the slots freed
+            if self.world.is_main:
+                self.policy.pass_on(self.passed)
             return ("dropped" if len(self.ledger.dropped) > dropped_before else "quarantined"), {}
         version_before = self.learner.version
         staleness = version_before - min(v for _, v, _ in fresh)

@@ -91,14 +91,16 @@ class AdapterRegistry:
         return committed[-1] if committed else None
 
     def publish(
-        self, local_adapter_dir: str | os.PathLike[str], metadata: dict[str, Any] | None = None, version: int | None = None
+        self, local_adapter_dir: str | os.PathLike[str], metadata: dict[str, Any] | None = None, version: int | None = None,
+        pointer: dict[str, Any] | None = None,
     ) -> int:
         """Upload every file of ``local_adapter_dir`` as the next version (or ``version``); return it.
 
         Files first, then ``miles_metadata.json``, then ``COMMITTED`` (exclusive create), then the
         ``LATEST`` pointer (only moved forward). An uncommitted leftover folder at the chosen number
         is wiped and reused, so numbers stay contiguous after a crash; a committed one raises
-        :class:`AdapterExistsError`. Assumes one publisher per registry (the learner).
+        :class:`AdapterExistsError`. Assumes one publisher per registry (the learner). ``pointer``:
+        fields the publisher adds to ``LATEST`` beside the version (what pollers read in the same GET).
         """
         src = Path(local_adapter_dir)
         if not src.is_dir():
@@ -138,8 +140,25 @@ class AdapterRegistry:
             raise AdapterExistsError(f"adapter version {version} was committed concurrently at {vdir}") from e
         current = self.pointer()
         if current is None or version > current or not self.is_committed(current):
-            U.write_bytes_atomic(self.fs, U.join(self.root, "LATEST"), U.dumps({"version": version}))
+            U.write_bytes_atomic(self.fs, U.join(self.root, "LATEST"), U.dumps({**(pointer or {}), "version": version}))
         return version
+
+    def pointer_doc(self) -> dict[str, Any] | None:
+        """The whole ``LATEST`` document (the version and what the publisher added), one small read."""
+        try:
+            doc = U.read_json(self.fs, U.join(self.root, "LATEST"))
+        except (FileNotFoundError, ValueError):
+            return None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("version"), int) else None
+
+    def repoint(self, fields: dict[str, Any]) -> bool:
+        """Rewrite ``LATEST`` with new publisher ``fields``, naming the same version (one publisher)
+        -> False when nothing is published yet (there is no pointer to rewrite)."""
+        v = self.pointer()
+        if v is None:
+            return False
+        U.write_bytes_atomic(self.fs, U.join(self.root, "LATEST"), U.dumps({**fields, "version": v}))
+        return True
 
     def manifest(self, version: int) -> dict[str, Any]:
         """The publish record: ``version``, ``published_at``, ``files`` (sha256, bytes), ``metadata``."""
