@@ -119,12 +119,13 @@ def straggler_configs(prompts: int = 32) -> list[dict[str, Any]]:
 
 
 def refresh_configs(batches: int = 4) -> list[dict[str, Any]]:
-    """The emulated strong-scaling pair whose figures the model predicts before they run: 16
-    processes, a fixed global batch of 2 sampler batches (admission holds samplers back, and a
-    rollout spans updates), S = 6, without and with in-flight refresh (``python -m
-    benchmarks.emulate --processes 16 --global-batch 2 --refresh 1``)."""
-    return [{"processes": 16, "prompts": 4, "slow_rank": 1.0, "rank_spread": 0.0, "rollout_tail": (0.0, 1.0),
-             "deal": "even", "global_batch": 2, "staleness": 6, "refresh": r, "batches": batches} for r in (0, 1)]
+    """The emulated strong-scaling pairs whose figures the model predicts before they run: 16 and
+    64 processes, a fixed global batch of one sampler batch per 8 processes (admission holds
+    samplers back, and a rollout spans updates), S = 6, without and with in-flight refresh
+    (``python -m benchmarks.emulate --processes 16 --global-batch 2 --refresh 1``; 64: 8)."""
+    return [{"processes": n, "prompts": 4, "slow_rank": 1.0, "rank_spread": 0.0, "rollout_tail": (0.0, 1.0),
+             "deal": "even", "global_batch": n // 8, "staleness": 6, "refresh": r, "batches": batches}
+            for n in (16, 64) for r in (0, 1)]
 
 
 def _fixed_split(like: dict, c: dict[str, Any]) -> dict[str, Any]:
