@@ -5,6 +5,7 @@ the stored checkpoint alone."""
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
@@ -157,7 +158,9 @@ def test_an_arm_trains_through_the_run_a_user_trains(tmp_path: Path, monkeypatch
     from miles_core.samplers import sampler as sampler_module
     thresholds = []
     real_sample = sampler_module.sample
-    monkeypatch.setattr(sampler_module, "sample", lambda *a, **k: thresholds.append(a[-1]) or real_sample(*a, **k))
+    threshold = lambda *a, **k: inspect.signature(real_sample).bind(*a, **k).arguments["threshold"]  # noqa: E731
+    monkeypatch.setattr(sampler_module, "sample", lambda *a, **k: thresholds.append(threshold(*a, **k))
+                        or real_sample(*a, **k))
     out = harness.train_arm(cfg, ckpt)
     assert [a[0] for a in seen["collect"]] == [0, 1, 2, 3, 4]
     assert [a[0] for a in seen["consume"]] == [f"{i:06d}-learner" for i in range(5)]

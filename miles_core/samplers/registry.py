@@ -25,7 +25,8 @@ SampleFn = Callable[..., Any]
 def _masked(model: Any, tok: Any, ids: list[list[int]], cfg: SamplerConfig, renoise_cfg: RenoiseConfig,
             completion_len: int, generator: torch.Generator, group_id: Tensor | None, policy_version: int,
             threshold: float | None, refresh: sampler.Refresh | None) -> Any:
-    return sampler.sample(model, tok, ids, cfg, completion_len, generator, group_id, policy_version, threshold, refresh)
+    return sampler.sample(model, tok, ids, cfg, completion_len, generator, group_id, policy_version, threshold,
+                          refresh=refresh)
 
 
 def _renoise(model: Any, tok: Any, ids: list[list[int]], cfg: SamplerConfig, renoise_cfg: RenoiseConfig,
