@@ -64,8 +64,7 @@ S3_GET_PER_PREFIX = 5500.0
 # any run age (it listed every commit marker before: benchmarks/scale/run_age.py).
 WIRE = {"sampler_start": 12.54, "poll": 3.0, "claim": 2.0, "sync": 6.0, "commit": 4.0, "sampler_status": 1.0,
         "learner_start": 24.0, "rank_start": 12.0, "learner_poll": 2.6, "read": 3.98, "publish": 12.0,
-        "checkpoint": 4.0, "learner_status": 1.0, "refresh_poll": 1.5}
-# refresh_poll: an in-flight refresh polls adapters/LATEST alone (a HEAD and a GET), not control/STOP
+        "checkpoint": 4.0, "learner_status": 1.0, "refresh_poll": 1.5}  # refresh: LATEST alone (HEAD + GET)
 STEP_POINTS = 16  # steps of a rollout whose versions the refresh model tracks
 
 
@@ -182,8 +181,8 @@ class Run:
     consumed_at: list[tuple[float, int]] = field(default_factory=list)  # (time, completions) per update
     waiting: list[tuple[int, int, tuple[int, ...] | None]] = field(default_factory=list)  # (seq, version, steps' versions)
     published: list[float] = field(default_factory=list)  # when each version was published
-    step_age_sum: float = 0.0          # over consumed batches: each one's mean step age
-    stale_step_sum: float = 0.0        # and its share of steps older than S
+    step_age_sum: float = 0.0          # over consumed batches: each one's mean step age, and
+    stale_step_sum: float = 0.0        # its share of steps older than S
 
 
 def _rollout(p: Params, rng: random.Random) -> float:
