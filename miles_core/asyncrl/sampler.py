@@ -3,8 +3,9 @@
 The loop, per batch:
 
     take the batch's slot k of the run's sample budget (its own stripe, or a claimed slot)
-    wait until the learner's version v admits it: k < (S + v + 1) x B (learner/channels.py), reading
-        only ``adapters/LATEST`` (and ``control/STOP``) per poll, with back-off
+    wait until the learner's version v admits it: k < (S + v + 1) x B + the batches it passed without
+        an update (learner/channels.py), reading only ``adapters/LATEST`` (and ``control/STOP``) per
+        poll, with back-off
     load the newest published adapter if it changed (LoRA tensors only: the base stays put)
     sample prompts_per_iter prompts x G completions, score rewards, group advantages (with
         ``async_rl.refresh_every``, newer adapters swapped in between steps: asyncrl/refresh.py)
