@@ -154,7 +154,7 @@ class BatchChannel:
         steps newer adapters took, and the update gives no weight to those older than S
         (``Learner.update``); without refresh every step of a batch is its one version."""
         oldest = int(batch.policy_version.min())
-        newest = int(batch.versions().max()) if len(batch) else oldest
+        newest = int(batch.versions().max())
         if version - newest > self.bound:
             return Verdict.dropped(version - oldest)
         return Verdict.fresh(oldest)

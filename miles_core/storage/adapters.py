@@ -76,11 +76,19 @@ class AdapterRegistry:
 
     def pointer(self) -> int | None:
         """The version ``LATEST`` names: one small read, what pollers read (moved after the commit)."""
+        doc = self.pointer_doc()
+        return None if doc is None else doc["version"]
+
+    def pointer_doc(self) -> dict[str, Any] | None:
+        """The whole ``LATEST`` document (the version and what the publisher added), one small read."""
         try:
-            v = U.read_json(self.fs, U.join(self.root, "LATEST")).get("version")
+            doc = U.read_json(self.fs, U.join(self.root, "LATEST"))
         except (FileNotFoundError, ValueError):
             return None
-        return int(v) if isinstance(v, int) else None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("version"), int) else None
+
+    def _write_pointer(self, version: int, fields: dict[str, Any] | None) -> None:
+        U.write_bytes_atomic(self.fs, U.join(self.root, "LATEST"), U.dumps({**(fields or {}), "version": version}))
 
     def latest_version(self) -> int | None:
         """Latest committed version: the ``LATEST`` pointer if it names a committed version, else a scan."""
@@ -140,16 +148,8 @@ class AdapterRegistry:
             raise AdapterExistsError(f"adapter version {version} was committed concurrently at {vdir}") from e
         current = self.pointer()
         if current is None or version > current or not self.is_committed(current):
-            U.write_bytes_atomic(self.fs, U.join(self.root, "LATEST"), U.dumps({**(pointer or {}), "version": version}))
+            self._write_pointer(version, pointer)
         return version
-
-    def pointer_doc(self) -> dict[str, Any] | None:
-        """The whole ``LATEST`` document (the version and what the publisher added), one small read."""
-        try:
-            doc = U.read_json(self.fs, U.join(self.root, "LATEST"))
-        except (FileNotFoundError, ValueError):
-            return None
-        return doc if isinstance(doc, dict) and isinstance(doc.get("version"), int) else None
 
     def repoint(self, fields: dict[str, Any]) -> bool:
         """Rewrite ``LATEST`` with new publisher ``fields``, naming the same version (one publisher)
@@ -157,7 +157,7 @@ class AdapterRegistry:
         v = self.pointer()
         if v is None:
             return False
-        U.write_bytes_atomic(self.fs, U.join(self.root, "LATEST"), U.dumps({**fields, "version": v}))
+        self._write_pointer(v, fields)
         return True
 
     def manifest(self, version: int) -> dict[str, Any]:

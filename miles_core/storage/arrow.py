@@ -134,15 +134,14 @@ def check_schema(schema: pa.Schema) -> int:
     kind = md.get(META_KIND, b"").decode()
     if kind != KIND:
         raise SchemaError(f"{META_KIND.decode()}={kind!r}, expected {KIND!r}")
-    for f in TRAJECTORY_SCHEMA:
+    for f in (*TRAJECTORY_SCHEMA, STEP_VERSION):
         idx = schema.get_field_index(f.name)
         if idx < 0:
+            if f is STEP_VERSION:  # optional
+                continue
             raise SchemaError(f"missing column {f.name!r}")
         if not schema.field(idx).type.equals(f.type):
             raise SchemaError(f"column {f.name!r} has type {schema.field(idx).type}, expected {f.type}")
-    idx = schema.get_field_index(STEP_VERSION.name)
-    if idx >= 0 and not schema.field(idx).type.equals(STEP_VERSION.type):
-        raise SchemaError(f"column {STEP_VERSION.name!r} has type {schema.field(idx).type}, expected {STEP_VERSION.type}")
     return version
 
 
