@@ -84,6 +84,16 @@ def sync_arm(cfg_json: str, base: str, threads: int, out: str) -> None:
     Path(out, "timing.json").write_text(json.dumps({"rollout_s": roll, "update_s": upd, "batches": n, "rows": rows}))
 
 
+def sync_process(cfg: Any, base: str, threads: int, out: Path) -> float:
+    """:func:`sync_arm` in its own process (so start-up costs match the async arm's) -> its seconds."""
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import sys; from benchmarks.async_vs_sync import sync_arm; "
+                    "sync_arm(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])",
+                    json.dumps(cfg.to_dict()), base, str(threads), str(out)],
+                   check=True, cwd=Path(__file__).resolve().parents[2])
+    return time.perf_counter() - t0
+
+
 # ---- the compute floor of the async run: its own work, redone with no asynchrony at all
 #
 # The compute floor of one asynchronous run: its own work, redone with no asynchrony at all.
@@ -234,12 +244,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"SFT checkpoint trained in {sft['seconds']:.0f}s", flush=True)
 
     # --- sync
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import sys; from benchmarks.async_vs_sync import sync_arm; "
-                    "sync_arm(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])",
-                    json.dumps(cfg.to_dict()), base, str(cores), str(work / "sync_adapter")],
-                   check=True, cwd=Path(__file__).resolve().parents[2])
-    sync_seconds = time.perf_counter() - t0
+    sync_seconds = sync_process(cfg, base, cores, work / "sync_adapter")
     timing = json.loads((work / "sync_adapter" / "timing.json").read_text())
     print(f"sync: {sync_seconds:.1f}s (rollout {timing['rollout_s']:.1f}s, update {timing['update_s']:.1f}s)", flush=True)
 

@@ -20,27 +20,14 @@ Run: python -m benchmarks.refresh [--seeds 0 1 2] [--smoke]. Writes benchmarks/r
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.async_vs_sync import DEFAULT_OVERRIDES, SMOKE_OVERRIDES
+from benchmarks.async_vs_sync import DEFAULT_OVERRIDES, SMOKE_OVERRIDES, sync_process
 from benchmarks.harness import bench_args, evaluate_adapter, paired, sft_checkpoint, table, usable_cpus, workdir, write_result
 
 ARMS = {"rollout": 0, "in-flight": 1}  # asynchronous arms: async_rl.refresh_every
-
-
-def sync_arm(cfg: Any, base: str, out: Path) -> float:
-    """The synchronous run in its own process (start-up as in the asynchronous arms) -> seconds."""
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import sys; from benchmarks.async_vs_sync import sync_arm; "
-                    "sync_arm(*sys.argv[1:3], int(sys.argv[3]), sys.argv[4])",
-                    json.dumps(cfg.to_dict()), base, str(usable_cpus()), str(out)],
-                   check=True, cwd=Path(__file__).resolve().parents[2])
-    return time.perf_counter() - t0
 
 
 def async_arm(cfg: Any, base: str, work: Path) -> dict[str, Any]:
@@ -72,7 +59,7 @@ def one_seed(seed: int, overrides: list[str], base: str, work: Path) -> dict[str
 
     out: dict[str, Any] = {}
     cfg = load_recipe("arith", [*overrides, f"train.seed={seed}"])
-    seconds = sync_arm(cfg, base, work / "sync")
+    seconds = sync_process(cfg, base, usable_cpus(), work / "sync")
     p1, correct = evaluate_adapter(cfg, base, work / "sync")
     out["sync"] = {"seconds": seconds, "pass1": p1, "correct": correct}
     for arm, every in ARMS.items():

@@ -27,7 +27,8 @@ from dataclasses import replace
 from typing import Any
 
 from benchmarks.harness import add_smoke, table, write_result
-from benchmarks.scale_model import below, configure, host_costs, llada_8b, simulate_seeds
+from benchmarks.scale_model import below, configure, host_costs, llada_8b, simulate_point
+from benchmarks.sim import refresh_delay
 
 BATCHES = (8_192, 16_384)
 GPUS = (64, 128, 256, 512, 1024, 2048, 4096)
@@ -35,20 +36,12 @@ ARMS = {"S=6": (6, False), "S=6 refresh": (6, True), "S=10": (10, False), "S=10 
 SMOKE = {"rollouts": 4, "seeds": 1}
 
 
-def refresh_delay(p: Any) -> float:
-    """Seconds from a publish to a refreshing sampler's swap: discovery at the polls' cap (half of
-    it on average) plus fetching the adapter (its requests' latency and its bytes)."""
-    return p.poll_max_s / 2 + p.wire["sync"] * p.store_latency_s + p.adapter_bytes / p.store_bytes_s
-
-
 def point(base: Any, costs: dict[str, Any], gpus: int, batch: int, staleness: int, refresh: bool,
           rollouts: int, hours: float, seeds: int) -> dict[str, Any]:
     """One arm at one size: placement's split for ``batch`` completions, simulated for ``seeds`` seeds."""
     arm = replace(base, max_staleness=staleness, refresh=refresh, refresh_delay_s=refresh_delay(base))
     p, pl = configure(arm, gpus, batch, costs)
-    warm = 8 * p.rollout_s + p.learner_start_s
-    span = max(rollouts, 20 * p.batches_per_update // max(min(p.samplers, pl.admitted), 1))
-    r = simulate_seeds(p, warm + span * p.rollout_s, warm, seeds, hours)
+    r = simulate_point(p, pl, rollouts, hours, seeds)
     return {"gpus": gpus, "batch": batch, "max_staleness": staleness, "refresh": refresh,
             "samplers": p.samplers, "learner_ranks": p.learner_ranks, "admitted_samplers": pl.admitted,
             "global_batch": p.batches_per_update * p.completions_per_batch, "steady": r["steady"],

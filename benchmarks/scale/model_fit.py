@@ -11,7 +11,7 @@ from typing import Any
 
 from dataclasses import replace
 
-from benchmarks.sim import Params, simulate
+from benchmarks.sim import Params, refresh_delay, simulate
 
 # the model's predictions for straggler_configs() and refresh_configs(), written by --predict before
 # those runs (committed)
@@ -136,10 +136,9 @@ def _fixed_split(like: dict, c: dict[str, Any]) -> dict[str, Any]:
     n = like["completions_per_batch"]
     pl = place(c["processes"], like["rollout_s"] / n, like["update_s"] / n, c["staleness"], c["global_batch"],
                c["prompts"], 0.0)
-    fetch = like["wire"]["sync"] * like["store_latency_s"] + like["adapter_bytes"] / like["store_bytes_s"]
     return {"samplers": pl.samplers, "learner_ranks": pl.learner_ranks, "batches_per_update": pl.batches_per_update,
             "batches": pl.samplers * c["batches"], "max_staleness": c["staleness"], "refresh": bool(c["refresh"]),
-            "refresh_delay_s": like["poll_max_s"] / 2 + fetch}
+            "refresh_delay_s": refresh_delay(emulated_params(like))}
 
 
 def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple[int, ...] = (4, 16)) -> list[dict]:

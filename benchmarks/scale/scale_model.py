@@ -184,6 +184,14 @@ def simulate_seeds(p: Params, horizon: float, warm: float, seeds: int, hours: fl
             "steady_range": [min(steady), max(steady)], "whole_run_range": [min(whole), max(whole)]}
 
 
+def simulate_point(p: Params, pl: Placement, rollouts: int, hours: float, seeds: int) -> dict[str, Any]:
+    """``p`` (split ``pl``) past its fill (start-up and 8 rollouts), for ``rollouts`` rollouts or
+    enough for 20 updates at least, however few samplers fill one global batch: :func:`simulate_seeds`."""
+    warm = 8 * p.rollout_s + p.learner_start_s
+    span = max(rollouts, 20 * p.batches_per_update // max(min(p.samplers, pl.admitted), 1))
+    return simulate_seeds(p, warm + span * p.rollout_s, warm, seeds, hours)
+
+
 def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: float,
           seeds: int, sizes: tuple[int, ...] = GPUS) -> list[dict[str, Any]]:
     """Weak ("weak", "weak_capped" at :data:`CAPPED`) or strong scaling over ``sizes``
@@ -194,10 +202,7 @@ def curve(kind: str, base: Params, costs: dict[str, Any], rollouts: int, hours: 
         cap = {"weak": WEAK_CAP, "weak_capped": CAPPED}.get(kind)
         completions = min(WEAK_PER_GPU * gpus, cap) if cap else STRONG_BATCH
         p, pl = configure(base, gpus, completions, costs, ROUND_DOWN if cap else 0.0)
-        warm = 8 * p.rollout_s + p.learner_start_s
-        # enough rollouts for 20 updates at least, however few samplers fill one global batch
-        span = max(rollouts, 20 * p.batches_per_update // max(min(p.samplers, pl.admitted), 1))
-        r = simulate_seeds(p, warm + span * p.rollout_s, warm, seeds, hours)
+        r = simulate_point(p, pl, rollouts, hours, seeds)
         out.append({"curve": kind, "gpus": gpus, "samplers": p.samplers, "learner_ranks": p.learner_ranks,
                     "global_batch": p.batches_per_update * p.completions_per_batch,
                     "batches_per_update": p.batches_per_update, "admitted_samplers": pl.admitted,

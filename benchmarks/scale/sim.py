@@ -219,6 +219,12 @@ def refresh_steps(p: Params, run: Run, start: int, t0: float, t1: float) -> tupl
     return tuple(out)
 
 
+def refresh_delay(p: Params) -> float:
+    """Seconds from a publish to a refreshing sampler's swap: discovery at the polls' cap (half of
+    it on average) plus fetching the adapter (its requests' latency and its bytes)."""
+    return p.poll_max_s / 2 + p.wire["sync"] * p.store_latency_s + p.adapter_bytes / p.store_bytes_s
+
+
 def admits(slot: int, run: Run, p: Params) -> bool:
     """learner/channels.py::admits: slot < (S + v + 1) B + the batches dropped (each frees its slot)."""
     return slot < (p.max_staleness + run.version + 1) * p.batches_per_update + run.dropped
