@@ -13,7 +13,7 @@ from test_core_train import TOK, base_model, scored_batch
 from miles_core.algo.advantages import group_advantages, wd1_weights
 from miles_core.algo.estimators import get_estimator
 from miles_core.algo.rows import MaskedCopy, row_inputs
-from miles_core.algo.update import update_policy, as_draws, update_on_rows
+from miles_core.algo.update import UpdateRows, update_policy, as_draws, update_on_rows
 from miles_core.config import UpdateConfig
 from tests.helpers.update_cfg import update_and_own
 from miles_core.models.lora import add_lora
@@ -116,9 +116,9 @@ def test_masks_are_redrawn_every_epoch_and_the_proximal_policy_follows(estimator
 
     adv = torch.nan_to_num(batch.advantage, nan=0.0)
     # two minibatches: the first takes pi_prox from its own forward, the second from the stale pass
-    bad = update_on_rows(model, torch.optim.SGD(params, lr=0.0), StaleProx(), rows, adv,
-                        float(len(batch) * batch.completion_len), replace(cfg, num_minibatches=2),
-                        torch.Generator().manual_seed(0))
+    u = UpdateRows(StaleProx(), rows, adv, float(len(batch) * batch.completion_len),
+                   as_draws(torch.Generator().manual_seed(0), len(batch)))
+    bad = update_on_rows(model, torch.optim.SGD(params, lr=0.0), u, replace(cfg, num_minibatches=2))
     assert bad["approx_kl"] > 1e-6  # the check above can fail
 
 

@@ -18,7 +18,7 @@ from torch import nn
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.rows import MaskedStepRows, RecordedStep, Rows
 from miles_core.algo.step_choice import inclusion_probs, step_uncertainty, uncertainty_rows
-from miles_core.algo.update import update_policy, as_draws, update_on_rows
+from miles_core.algo.update import UpdateRows, update_policy, as_draws, update_on_rows
 from miles_core.config import AdpoSettings, ConfigError, UpdateConfig, load_recipe
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import TrajectoryBatch
@@ -60,8 +60,8 @@ def grad_of(rows: Rows, tb: TrajectoryBatch, cfg: UpdateConfig, seed: int) -> to
     """The engine's gradient (SGD at lr 0, so nothing moves) of the ADPO loss over ``rows``."""
     model = TwoToken(seed)
     scorer = MaskedStepRows(tb, TOK, 1.0, RecordedStep(None))
-    update_on_rows(model, torch.optim.SGD(model.parameters(), lr=0.0), scorer, rows, tb.advantage.double(), 6.0, cfg,
-                  torch.Generator().manual_seed(0))
+    u = UpdateRows(scorer, rows, tb.advantage.double(), 6.0, as_draws(torch.Generator().manual_seed(0), len(tb)))
+    update_on_rows(model, torch.optim.SGD(model.parameters(), lr=0.0), u, cfg)
     return torch.cat([model.theta.grad, model.phi.grad[None]])
 
 

@@ -1,9 +1,10 @@
 """One ADPO policy update over a batch of recorded trajectories: the one update engine.
 
 :func:`update_on_rows` is the loop every path runs (synchronous and asynchronous learners, the
-torchrun learner with a ``World``, the continuous trainer): proximal log-probs, epochs x
-minibatches x row chunks, the ADPO loss, gradient sync, clipping, the optimizer and LR steps, and
-the stats. What differs between kinds of trajectory is only how a row is scored, behind a
+torchrun learner with a ``World``, the continuous trainer), top down: proximal log-probs, then
+epochs x minibatches x row chunks (score, loss, backward), clipping, the optimizer and LR steps,
+and the stats. What data-parallel ranks add (gradient sums, FSDP's padding passes) is one object,
+:class:`~miles_core.algo.ranks.Ranks`, that a process alone never builds. What differs between kinds of trajectory is only how a row is scored, behind a
 :class:`~miles_core.algo.rows.RowScorer`; what differs between estimators (what a row is, the
 loss, the advantage transform) is looked up by ``update.estimator`` in the registry,
 :mod:`miles_core.algo.estimators`, so nothing here names one. See ARCHITECTURE.md.
@@ -16,7 +17,8 @@ peak memory depends on the chunk size, not on the number of denoising steps.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,99 +26,80 @@ from torch import Tensor
 from miles_core.algo.draws import Draws, minibatches
 from miles_core.algo.estimators import get_estimator
 from miles_core.algo.loss import SUM_KEYS
+from miles_core.algo.ranks import Ranks
 from miles_core.algo.rows import NoRows, Rows, RowScorer, no_rows
 from miles_core.config import UpdateConfig
 from miles_core.models.lora import reference_policy, trainable_parameters
-from miles_core.parallel import World, full_tensors
+from miles_core.parallel import World
 from miles_core.tokenizer import CharTokenizer
 from miles_core.types import Batch, TrajectoryBatch
-from miles_core.models.window import capabilities, inner
+from miles_core.models.window import capabilities
 
-__all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateStats", "update_policy", "deterministic_forward",
-           "minibatch_step", "update_on_rows", "proximal_logprobs"]
+__all__ = ["ChunkPlan", "Draws", "RowScorer", "UpdateRows", "UpdateStats", "update_policy", "deterministic_forward",
+           "update_on_rows", "proximal_logprobs"]
+
+
+@dataclass
+class UpdateRows:
+    """What one update learns from: the rows, how they are scored, and per trajectory its
+    advantage and random draws. ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` (tokens)
+    is the whole global batch's, fixed for the update, so chunked backward passes add up to the
+    full-batch gradient; ``draws`` deal each row to a minibatch (algo/draws.py); ``fresh`` [B]:
+    trajectories sampled by the weights this update starts from (their pi_prox is their mu)."""
+
+    scorer: RowScorer
+    rows: Rows
+    adv: Tensor
+    normaliser: float
+    draws: Draws
+    fresh: Tensor | None = None
 
 
 class ChunkPlan:
-    """Phase 1, the chunk plan: which of ``rows`` each forward/backward of this rank carries.
+    """Which of ``rows`` each forward/backward carries. ``update.chunk_tokens`` > 0 is a memory
+    budget in positions per forward/backward (a row costs its sequence plus its scored positions
+    weighted by what their logits hold, ``Capabilities.head_weight``, so a chunk's activations are
+    the same size whatever K and the lengths); otherwise chunks of ``update.row_chunk`` rows."""
 
-    ``update.chunk_tokens`` > 0 is a memory budget in positions per forward/backward (a row costs its
-    sequence plus its scored positions weighted by what their logits hold, ``Capabilities.head_weight``,
-    so a chunk's activations are the same size whatever K and the lengths); otherwise chunks of
-    ``update.row_chunk`` rows. ``rows`` are this rank's (data parallel: the rows of the trajectories
-    it holds, learner/shares.py). Sharded (FSDP2), every rank runs as many chunks as the busiest
-    one, padded with None, since every forward and backward there is a collective (parallel.py);
-    a padding chunk runs one row of ``pad`` (scorer and rows: default this rank's own)."""
+    def __init__(self, model: Any, scorer: RowScorer, rows: Rows, cfg: UpdateConfig) -> None:
+        self.row_chunk, self.budget = cfg.row_chunk, cfg.chunk_tokens
+        self.cost = scorer.row_cost(rows.traj, rows.step, capabilities(model).head_weight) if self.budget > 0 else None
 
-    def __init__(self, model: Any, scorer: RowScorer, rows: Rows, cfg: UpdateConfig, world: World | None,
-                 pad: tuple[RowScorer, Rows] | None = None) -> None:
-        self.rows, self.cfg, self.world = rows, cfg, world
-        self.sharded = world is not None and world.sharded
-        self.pad = pad or (scorer, rows)
-        if self.sharded and self.pad[1].traj.numel() == 0:
-            raise ValueError("a sharded update needs a row to pad with on every rank (update_policy passes one)")
-        self.cost = scorer.row_cost(rows.traj, rows.step, capabilities(model).head_weight) if cfg.chunk_tokens > 0 else None
-
-    def chunks(self, idx: Tensor) -> Iterator[Tensor]:
+    def chunks(self, idx: Tensor) -> list[Tensor]:
         if self.cost is None:
-            for s in range(0, idx.numel(), self.cfg.row_chunk):
-                yield idx[s:s + self.cfg.row_chunk]
-            return
+            return [idx[s:s + self.row_chunk] for s in range(0, idx.numel(), self.row_chunk)]
         c = self.cost[idx]
-        group = ((c.cumsum(0) - c) // self.cfg.chunk_tokens).long()           # rows starting in one budget
-        for g in group.unique_consecutive().tolist():
-            yield idx[group == g]
-
-    def mine(self, idx: Tensor) -> list[Tensor | None]:
-        """This rank's chunks of ``idx`` (None: a padding chunk, sharded only)."""
-        cs: list[Tensor | None] = list(self.chunks(idx))
-        if self.sharded:
-            cs += [None] * (int(self.world.max_over_ranks(len(cs))) - len(cs))
-        return cs
+        group = ((c.cumsum(0) - c) // self.budget).long()                     # rows starting in one budget
+        return [idx[group == g] for g in group.unique_consecutive().tolist()]
 
 
-def pad_pass(plan: ChunkPlan, model: Any, backward: bool) -> None:
-    """A padding chunk: one row of ``plan.pad`` through the same passes as a real chunk, its loss
-    x 0 (non-finite log-probs zeroed first), so FSDP's collectives match across ranks and nothing
-    is added to the gradient or the stats."""
-    scorer, rows, cfg = plan.pad[0], plan.pad[1], plan.cfg
-    t, k = rows.traj[:1], rows.step[:1]
-    logp = scorer.score(model, t, k)[0]
-    if backward and cfg.kl_coef > 0:
-        with torch.no_grad(), reference_policy(model) as ref_model:
-            scorer.score(ref_model, t, k)
-    if backward:
-        (torch.nan_to_num(logp, 0.0, 0.0, 0.0).sum() * 0.0).backward()
-
-
-def proximal_logprobs(model: Any, scorer: RowScorer, plan: ChunkPlan, first: Tensor, mu_all: Tensor | None,
-                      fresh: Tensor | None, device: torch.device) -> list[Tensor]:
-    """Phase 2, pi_prox [R, L] per epoch (one for all epochs unless ``scorer.per_epoch``): the
-    policy before this update, frozen, scored by a no-grad pass only where it is not known. The
-    ``first`` minibatch's rows take it from their own forward in phase 3 (the weights have not
+def proximal_logprobs(model: Any, u: UpdateRows, plan: ChunkPlan, cfg: UpdateConfig, first: Tensor,
+                      mu_all: Tensor | None, device: torch.device, ranks: Ranks | None = None) -> list[Tensor]:
+    """pi_prox [R, L] per epoch (one for all epochs unless ``scorer.per_epoch``): the policy
+    before this update, frozen, scored by a no-grad pass only where it is not known. The
+    ``first`` minibatch's rows take it from their own forward in the update (the weights have not
     stepped yet); rows of a ``fresh`` trajectory whose every token has a recorded mu take mu (the
     sampler ran the same step function on the same weights). Empty when one optimizer step is all
     the update takes (pi_prox is then the forward's own log-probs). Each rank scores its own rows
     only: nothing here is exchanged."""
-    rows, cfg = plan.rows, plan.cfg
+    rows, scorer = u.rows, u.scorer
     n_rows = rows.traj.numel()
     if cfg.num_minibatches * cfg.epochs <= 1:
         return []
     own_pass = torch.ones(n_rows, dtype=torch.bool)
     own_pass[first] = False
     by_mu = torch.zeros_like(own_pass)   # rows sampled by these very weights with every token's mu recorded
-    if fresh is not None and mu_all is not None:
-        by_mu = fresh[rows.traj].cpu() & ~mu_all.isnan().any(1).cpu()
+    if u.fresh is not None and mu_all is not None:
+        by_mu = u.fresh[rows.traj].cpu() & ~mu_all.isnan().any(1).cpu()
     own_pass &= ~by_mu
     proxes = []
     for e in range(cfg.epochs if scorer.per_epoch else 1):
         if scorer.per_epoch:
             scorer.set_epoch(e)
         prox = torch.zeros(n_rows, scorer.width, device=device)
+        cs = plan.chunks(torch.arange(n_rows)[own_pass] if e == 0 else torch.arange(n_rows))
         with torch.no_grad():
-            for c in plan.mine(torch.arange(n_rows)[own_pass] if e == 0 else torch.arange(n_rows)):
-                if c is None:
-                    pad_pass(plan, model, backward=False)
-                    continue
+            for c in cs if ranks is None else ranks.chunks(model, cs, backward=False):
                 prox[c] = scorer.score(model, rows.traj[c], rows.step[c])[0].to(device)
         if by_mu.any():
             prox[by_mu.to(device)] = mu_all[by_mu.to(mu_all.device)].to(device, prox.dtype)
@@ -155,81 +138,27 @@ class UpdateStats:
         return stats
 
 
-def minibatch_step(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, plan: ChunkPlan, mb: Tensor,
-                   loss_fn: Any, adv: Tensor, normaliser: float, prox: Tensor | None, prox_from_forward: bool,
-                   mu_all: Tensor | None, params: list, stats: UpdateStats, scheduler: Any = None) -> None:
-    """Phase 3, one optimizer step over minibatch ``mb``: this rank's chunks forward and backward
-    (the graph of one chunk at a time: one denoising step per row), gradients summed over ranks,
-    clipped, stepped. ``prox_from_forward``: the first minibatch, whose pi_prox is its own detached
-    log-probs (written into ``prox`` for later epochs)."""
-    rows, cfg, world = plan.rows, plan.cfg, plan.world
-    optimizer.zero_grad(set_to_none=True)
-    cs = plan.mine(mb)
-    for i, c in enumerate(cs):
-        if plan.sharded:  # accumulate unsharded; reduce-scatter once, after the minibatch's last chunk
-            inner(model).set_requires_gradient_sync(i == len(cs) - 1)
-        if c is None:
-            pad_pass(plan, model, backward=True)
-            continue
-        t_idx, s_idx = rows.traj[c], rows.step[c]
-        logp, ent, commit = scorer.score(model, t_idx, s_idx)
-        if prox is None or prox_from_forward:
-            prox_c = logp.detach()
-            if prox is not None:  # later epochs of the same rows read it back
-                prox[c] = prox_c.to(prox.device)
-        else:
-            prox_c = prox[c]
-        behav = None if mu_all is None else mu_all[c.to(mu_all.device)]
-        ref = None
-        if cfg.kl_coef > 0:
-            with torch.no_grad(), reference_policy(model) as ref_model:
-                ref = scorer.score(ref_model, t_idx, s_idx)[0]
-        mu = prox_c if behav is None else torch.where(behav.isnan(), prox_c, behav.to(logp.device))  # NaN: no recorded mu
-        out = loss_fn(logp, prox_c, mu, adv[t_idx].to(logp.device),
-                      commit, rows.weight[c].to(logp.device), normaliser / cfg.num_minibatches, ref, ent)
-        # sharded, x D: FSDP averages
-        (out.loss * world.size if plan.sharded else out.loss).backward()
-        stats.add(out)
-    if world is not None and not plan.sharded:  # (FSDP reduce-scattered in the last backward)
-        world.sync_grads(params)  # sum over ranks: the loss is already / global normaliser
-    stats.grad_norm = full_tensors(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)).to(stats.device)
-    optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+def update_on_rows(model: Any, optimizer: torch.optim.Optimizer, u: UpdateRows, cfg: UpdateConfig,
+                   scheduler: Any = None, ranks: Ranks | None = None) -> dict[str, float]:
+    """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``u.rows``.
+    Each row (a recorded denoising step, or an estimator's masked copy) is scored on its own, so
+    nothing is backpropagated through the chain and memory follows the chunk, not K.
 
-
-def update_on_rows(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScorer, rows: Rows, adv: Tensor,
-                  normaliser: float, cfg: UpdateConfig, draws: Draws | torch.Generator, scheduler: Any = None,
-                  world: World | None = None, fresh: Tensor | None = None,
-                  pad: tuple[RowScorer, Rows] | None = None) -> dict[str, float]:
-    """The one update engine: ``num_minibatches`` x ``epochs`` optimizer steps over ``rows``, in four
-    phases (as verl marks its phases): the chunk plan (:class:`ChunkPlan`), the proximal log-probs
-    (:func:`proximal_logprobs`), the minibatch steps (:func:`minibatch_step`) and the stats
-    (:meth:`UpdateStats.reduce`).
-
-    ``adv`` [B] is indexed by ``rows.traj``; ``normaliser`` is fixed for the update (the whole
-    global batch's), so chunked backward passes add up to the full-batch gradient. ``draws``: the
-    trajectories' own random draws (algo/draws.py; a generator: keyed by position), which deal
-    each row to a minibatch.
-    ``world`` (data parallel): ``rows`` are the rows of the trajectories this rank holds (it read
-    its share of the global batch, learner/shares.py); gradients are summed over ranks before
-    clipping and the step (by FSDP's reduce-scatter when ``world.sharded``; ``pad``: what a rank
-    with no rows of its own pads with). Since no draw depends on other ranks' trajectories, the D
-    ranks together make one process's update of the whole batch. ``fresh`` [B]: trajectories
-    sampled by the weights this update starts from (their pi_prox is their recorded mu).
-    """
-    n_rows = rows.traj.numel()
-    draws = as_draws(draws, adv.numel())
+    ``ranks`` (data parallel, algo/ranks.py): ``u.rows`` are the rows of the trajectories this rank
+    holds; gradients are summed over ranks before clipping. No draw depends on other ranks'
+    trajectories, so the D ranks together make one process's update of the whole batch."""
+    rows, scorer = u.rows, u.scorer
     loss_fn = get_estimator(cfg.estimator).loss(cfg)
     params = trainable_parameters(model)
     device = params[0].device if params else torch.device("cpu")
-    plan = ChunkPlan(model, scorer, rows, cfg, world, pad)
-    batches = [minibatches(rows.traj, draws, cfg.num_minibatches, e) for e in range(cfg.epochs)]
+    plan = ChunkPlan(model, scorer, rows, cfg)
+    batches = [minibatches(rows.traj, u.draws, cfg.num_minibatches, e) for e in range(cfg.epochs)]
     # the first minibatch's forward runs on exactly the weights before the update: exact only for a
     # deterministic forward (with active dropout every row gets its own no-grad pass)
     first = batches[0][0] if deterministic_forward(model) else rows.traj[:0]
     mu_all = scorer.behaviour(rows.traj, rows.step)  # [R, L] recorded mu (NaN: none); None: on-policy rows
-    proxes = proximal_logprobs(model, scorer, plan, first, mu_all, fresh, device)
+    proxes = proximal_logprobs(model, u, plan, cfg, first, mu_all, device, ranks)
+    scale = 1.0 if ranks is None else ranks.loss_scale
     stats = UpdateStats(device)
     model.train()
     for epoch in range(cfg.epochs):
@@ -237,10 +166,44 @@ def update_on_rows(model: Any, optimizer: torch.optim.Optimizer, scorer: RowScor
             scorer.set_epoch(epoch)
         prox = proxes[epoch if scorer.per_epoch else 0] if proxes else None
         for i_mb, mb in enumerate(batches[epoch]):
-            from_forward = epoch == 0 and i_mb == 0 and first.numel() > 0
-            minibatch_step(model, optimizer, scorer, plan, mb, loss_fn, adv, normaliser, prox, from_forward,
-                           mu_all, params, stats, scheduler)
-    return stats.reduce(world, n_rows)
+            from_forward = prox is None or (epoch == 0 and i_mb == 0 and first.numel() > 0)
+            optimizer.zero_grad(set_to_none=True)
+            cs = plan.chunks(mb)
+            for c in cs if ranks is None else ranks.chunks(model, cs, backward=True):
+                out = chunk_loss(model, u, c, loss_fn, prox, from_forward, mu_all, cfg)
+                (out.loss * scale).backward()
+                stats.add(out)
+            if ranks is not None:
+                ranks.sum_grads(params)  # the loss is already / the global normaliser
+            norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+            stats.grad_norm = (norm if ranks is None else ranks.full(norm)).to(device)
+            optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
+    return stats.reduce(None if ranks is None else ranks.world, rows.traj.numel())
+
+
+def chunk_loss(model: Any, u: UpdateRows, c: Tensor, loss_fn: Any, prox: Tensor | None, from_forward: bool,
+               mu_all: Tensor | None, cfg: UpdateConfig) -> Any:
+    """The loss of rows ``c`` (indices into ``u.rows``): their current log-probs against pi_prox
+    (``from_forward``: this forward's own, detached, and written into ``prox`` for later epochs),
+    each token's recorded behaviour mu (NaN or none: pi_prox) and, with ``kl_coef``, the reference."""
+    t_idx, s_idx = u.rows.traj[c], u.rows.step[c]
+    logp, ent, commit = u.scorer.score(model, t_idx, s_idx)
+    if from_forward:
+        prox_c = logp.detach()
+        if prox is not None:  # later epochs of the same rows read it back
+            prox[c] = prox_c.to(prox.device)
+    else:
+        prox_c = prox[c]
+    behav = None if mu_all is None else mu_all[c.to(mu_all.device)]
+    ref = None
+    if cfg.kl_coef > 0:
+        with torch.no_grad(), reference_policy(model) as ref_model:
+            ref = u.scorer.score(ref_model, t_idx, s_idx)[0]
+    mu = prox_c if behav is None else torch.where(behav.isnan(), prox_c, behav.to(logp.device))
+    return loss_fn(logp, prox_c, mu, u.adv[t_idx].to(logp.device), commit, u.rows.weight[c].to(logp.device),
+                   u.normaliser / cfg.num_minibatches, ref, ent)
 
 
 def deterministic_forward(model: Any) -> bool:
@@ -312,7 +275,7 @@ def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, cf
                                "stale_rows": stale_all}
     if n_rows == 0:  # no kept trajectory, or renoising rows that all stopped after one step
         return stats
-    pad = None
+    pad = (scorer, rows)
     if world is not None and world.sharded and rows.traj.numel() == 0:  # FSDP: pad with a row of our own
         one = torch.arange(1)
         source = batch.select(one) if len(batch) else TrajectoryBatch.empty(batch.completion_len, 1, tok.pad_id)
@@ -324,6 +287,7 @@ def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, cf
     normaliser = float((kept if cfg.loss_norm == "informative" else total) * batch.completion_len)
     adv = estimator.advantages(torch.nan_to_num(sub.advantage, nan=0.0), sub) if keep.numel() else torch.zeros(0)
     fresh = None if version is None else sub.policy_version == version
-    stats.update(update_on_rows(model, optimizer, scorer, rows, adv, normaliser, cfg, draws.select(keep), scheduler,
-                               world, fresh, pad))
+    u = UpdateRows(scorer, rows, adv, normaliser, draws.select(keep), fresh)
+    stats.update(update_on_rows(model, optimizer, u, cfg, scheduler,
+                                None if world is None else Ranks(world, pad, cfg.kl_coef)))
     return stats

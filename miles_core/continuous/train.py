@@ -20,7 +20,8 @@ from torch import Tensor
 
 from miles_core.algo.advantages import group_advantages
 from miles_core.algo.rows import FixedRows, Rows
-from miles_core.algo.update import update_on_rows
+from miles_core.algo.ranks import Ranks
+from miles_core.algo.update import UpdateRows, as_draws, update_on_rows
 from miles_core.config import AdpoSettings, UpdateConfig
 from miles_core.continuous.sde import DEFAULT_SCHEDULE, ContinuousBatch, NoiseSchedule, ddim_step, sample_ode, sample_sde
 from miles_core.continuous.task import ConstraintTask
@@ -141,8 +142,10 @@ def update_policy(model, optimizer: torch.optim.Optimizer, batch: ContinuousBatc
     rows.traj = keep[rows.traj]
     per_traj = float(rows.weight.sum()) / keep.numel()  # eligible steps per trajectory, whatever the subsampling
     normaliser = per_traj * (keep.numel() if cfg.loss_norm == "informative" else len(batch))
-    stats.update(update_on_rows(model, optimizer, GaussianStepRows(batch, schedule), rows, adv_all, normaliser, cfg,
-                               generator, scheduler, world))
+    scorer = GaussianStepRows(batch, schedule)
+    u = UpdateRows(scorer, rows, adv_all, normaliser, as_draws(generator, len(batch)))
+    stats.update(update_on_rows(model, optimizer, u, cfg, scheduler,
+                                None if world is None else Ranks(world, (scorer, rows), cfg.kl_coef)))
     return stats
 
 

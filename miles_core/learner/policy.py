@@ -123,7 +123,7 @@ class Learner:
             self.guard.accept(h)
         draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys)
         stats = update_policy(self.model, self.opt, batch, self.cfg.update, self.tok, self.cfg.sampler.temperature,
-                              draws, self.sched, world, self.version, self.cfg.own(),
+                              draws, scheduler=self.sched, world=world, version=self.version, own=self.cfg.own(),
                               oldest=self.version - self.cfg.async_rl.max_staleness)
         self.version += 1
         if self.guard is not None:
