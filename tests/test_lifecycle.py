@@ -217,8 +217,10 @@ def test_tracking_uris_that_cannot_work_fail_fast_naming_themselves(tmp_path: Pa
 
 def _env(tmp: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "MLFLOW_"))}
+    # the temporary Prefect server a fresh process starts gets CI's start-up allowance (.ci/run): the
+    # default 20 s is not enough on two busy cores
     env.update({"PYTHONPATH": str(REPO), "PREFECT_HOME": str(tmp / "prefect"),
-                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
                 "MLFLOW_TRACKING_URI": f"sqlite:///{tmp / 'mlruns' / 'mlflow.db'}"})
     return env
 
