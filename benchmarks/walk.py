@@ -20,8 +20,11 @@ The iteration traced is the run's second (the first builds lazily what every lat
 taken in the same run: every Miles call one of whose arguments is the recipe or one of its
 sections, from the flow's load through ``init_learner`` and the traced iteration.
 
-Run: python -m benchmarks.walk [--smoke] [--iteration N]   (``--smoke``: a one-step SFT; the
-walk is already one small iteration)
+The traced update must learn from some rows (its batch's rewards differ within a group): an
+update on none returns before the engine, and the run fails rather than count a path without it.
+
+Run: python -m benchmarks.walk [--smoke] [--iteration N]   (about 2 minutes, most of it the SFT
+base; ``--smoke``: a one-step SFT, whose update learns from nothing, so the rows are not checked)
 """
 
 from __future__ import annotations
@@ -34,13 +37,16 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterator
 
-from benchmarks.harness import add_smoke, finish
+from benchmarks.harness import MeasuredNothing, add_smoke, finish
 
 OWN = ("flows", "tasks", "miles_core")
-# a small arith iteration: the same code path as the recipe's defaults, in seconds
-OVERRIDES = ["sft.steps=2", "sft.eval_every=2", "train.prompts_per_iter=2", "train.group_size=4",
+# a small arith iteration on the recipe's code path, from an SFT base trained far enough that the
+# batch's rewards differ within groups, so the traced update learns (an update on no rows returns
+# before the engine: the walk would leave out the very path it exists to count)
+OVERRIDES = ["sft.steps=600", "sft.eval_every=600", "train.prompts_per_iter=8", "train.group_size=8",
              "train.iterations=2", "task.num_test=4", "task.num_val=4", "torch_threads=1"]
-SMOKE = ["sft.steps=1", "sft.eval_every=1"]
+# --smoke: a one-step SFT and a smaller batch, so its update learns from nothing (not checked)
+SMOKE = ["sft.steps=1", "sft.eval_every=1", "train.prompts_per_iter=2", "train.group_size=4"]
 
 
 class ReaderTrace:
@@ -161,14 +167,18 @@ def walk(work: Path, smoke: bool = False, iteration: int = 1) -> dict[str, Any]:
                 trace.mark("collect")
                 co = training.collect.fn(lr, iteration)
                 trace.mark("update")
-                training.update.fn(lr, co["batch_id"], local_copy=False)
+                up = training.update.fn(lr, co["batch_id"], local_copy=False)
     finally:
         for m in patched:
             m.load_recipe = real_load
     trace.recipe_calls[:0] = init.recipe_calls
     stored = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*.json")
                     if '"train"' in p.read_text(errors="ignore") and '"sampler"' in p.read_text(errors="ignore"))
-    return {**trace.summary(), "parses": parses[0], "stored_copies": stored, "iteration": iteration}
+    if not smoke and not up["stats"].get("rows"):
+        raise MeasuredNothing(f"benchmarks.walk: the traced update learned from no rows ({up['stats']}): "
+                              "its batch carried no reward spread")
+    return {**trace.summary(), "parses": parses[0], "stored_copies": stored, "iteration": iteration,
+            "update_rows": up["stats"]["rows"]}
 
 
 @contextlib.contextmanager
@@ -219,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
             ["returns to a module already left (collect / update)",
              f"{r['returns_to_a_module_left']} ({ph['collect']['returns']} / {ph['update']['returns']})"],
             ["functions read", r["functions_read"]],
+            ["rows the traced update learned from", f"{r['update_rows']:.0f}"],
             ["modules the recipe or a section is handed to", r["recipe_module_count"]],
             ["recipe parses (load_recipe), the flow's own included", r["parses"]],
             ["stored copies of the whole recipe", f"{len(r['stored_copies'])} ({', '.join(r['stored_copies'])})"]]
