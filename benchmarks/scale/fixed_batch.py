@@ -1,7 +1,8 @@
 """A fixed, field-sized global batch from 64 to 4,096 GPUs, with and without in-flight refresh:
 where each curve falls below 0.9 efficiency, and how old the learned-from steps are.
 
-Run: python -m benchmarks.host_costs && python -m benchmarks.fixed_batch [--smoke]
+Run: python -m benchmarks.host_costs && python -m benchmarks.fixed_batch [--gpus N ...] [--batches N ...]
+[--staleness S ...] [--seeds N] [--smoke]
 
 The model is scale_model's (benchmarks/scale/sim.py at LLaDA-8B's shape, ``scale_model.llada_8b``,
 with the measured host costs and placement's split for each batch), at 8,192 and 16,384
@@ -32,8 +33,13 @@ from benchmarks.sim import refresh_delay
 
 BATCHES = (8_192, 16_384)
 GPUS = (64, 128, 256, 512, 1024, 2048, 4096)
-ARMS = {"S=6": (6, False), "S=6 refresh": (6, True), "S=10": (10, False), "S=10 refresh": (10, True)}
+STALENESS = (6, 10)  # each bound without and with refresh
 SMOKE = {"rollouts": 4, "seeds": 1}
+
+
+def bound_arms(staleness: list[int]) -> dict[str, tuple[int, bool]]:
+    """Each bound S without and with refresh: {"S=6": (6, False), "S=6 refresh": (6, True), ...}."""
+    return {f"S={s}{' refresh' if r else ''}": (s, r) for s in staleness for r in (False, True)}
 
 
 def point(base: Any, costs: dict[str, Any], gpus: int, batch: int, staleness: int, refresh: bool,
@@ -55,17 +61,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rollouts", type=int, default=24, help="simulated rollouts per sampler after the fill")
     ap.add_argument("--hours", type=float, default=24.0, help="the whole run's length")
     ap.add_argument("--seeds", type=int, default=1, help="simulations per point (efficiency averaged)")
+    ap.add_argument("--gpus", type=int, nargs="+", default=list(GPUS), help="cluster sizes")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES), help="completions per update")
+    ap.add_argument("--staleness", type=int, nargs="+", default=list(STALENESS),
+                    help="staleness bounds S, each an arm without and one with refresh")
     ap.add_argument("--out", default=None, metavar="FILE", help="the result JSON (default: benchmarks/results/NAME.json)")
     args = ap.parse_args(argv)
     if args.smoke:
         vars(args).update(SMOKE)
-    sizes = (8, 64) if args.smoke else GPUS
+    sizes = (8, 64) if args.smoke else tuple(args.gpus)
+    named = bound_arms(args.staleness)
     costs, source = host_costs(args.smoke)
     base = llada_8b()
     curves: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for batch in BATCHES:
+    for batch in args.batches:
         curves[str(batch)] = {}
-        for name, (s, refresh) in ARMS.items():
+        for name, (s, refresh) in named.items():
             curves[str(batch)][name] = [point(base, costs, g, batch, s, refresh, args.rollouts, args.hours, args.seeds)
                                         for g in sizes]
             print(f"{batch:,} completions, {name}: " + ", ".join(f"{pt['gpus']} {pt['steady']:.3f}"
@@ -84,19 +95,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {name}: " + (f"below 0.9 from {drop['gpus']:,} GPUs ({drop['steady']:.3f})" if drop
                                    else f"never below 0.9 up to {sizes[-1]:,} GPUs"))
     at = 1024 if 1024 in sizes else sizes[-1]
-    pick = lambda arm: next(pt for pt in curves["16384"][arm] if pt["gpus"] == at)  # noqa: E731
-    low, high = pick("S=6"), pick("S=10 refresh")
-    print(f"\nat {at:,} GPUs, 16,384 completions: S=6 without refresh {low['steady']:.3f} (steps {low['step_age_mean']:.2f} "
-          f"versions old on average), S=10 with refresh {high['steady']:.3f} ({high['step_age_mean']:.2f}): "
+    big = str(max(args.batches))
+    lo, hi = f"S={min(args.staleness)}", f"S={max(args.staleness)} refresh"
+    pick = lambda arm: next(pt for pt in curves[big][arm] if pt["gpus"] == at)  # noqa: E731
+    low, high = pick(lo), pick(hi)
+    print(f"\nat {at:,} GPUs, {int(big):,} completions: {lo} without refresh {low['steady']:.3f} (steps "
+          f"{low['step_age_mean']:.2f} versions old on average), {hi} {high['steady']:.3f} ({high['step_age_mean']:.2f}): "
           + ("younger steps and more throughput" if high["step_age_mean"] <= low["step_age_mean"] else
              "more throughput, older steps"))
     path = write_result("fixed_batch", {
         "curves": curves, "below_0_9_at": {b: {n: d["gpus"] if d else None for n, d in arms.items()}
                                            for b, arms in drops.items()},
-        "at_1024_16384": {"S=6": low, "S=10 refresh": high}, "host_costs_source": source, "gpus": list(sizes),
+        "compared": {"gpus": at, "batch": int(big), lo: low, hi: high}, "host_costs_source": source, "gpus": list(sizes),
         "settings": vars(args), "smoke": args.smoke},
         args.out, positive=[f"curves.*.*.*.{k}" for k in ("steady", "consumed")] + [
-            "at_1024_16384.S=6.steady"],
+            f"compared.{lo}.steady"],
         present=["below_0_9_at", "curves.*.*.*.stale_step_frac", "curves.*.*.*.step_age_mean"])
     print(f"wrote {path}")
 
