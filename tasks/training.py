@@ -73,7 +73,7 @@ class LearnerSession:
             if not self._started:
                 raise RuntimeError(f"the learner of {self.run_dir} was not started: call init_learner first")
             if self._run is None:
-                self._run = open_step_run(self.run_dir)
+                self._run = open_step_run(self.run_dir)  # its checkpoint restores the process's generator
                 if self._run.cfg.torch_threads > 0:
                     torch.set_num_threads(self._run.cfg.torch_threads)
             return self._run
@@ -123,6 +123,7 @@ def init_learner(session: LearnerSession, cfg: RecipeConfig, base_checkpoint: st
     session.drop()
     if cfg.torch_threads > 0:
         torch.set_num_threads(cfg.torch_threads)
+    torch.manual_seed(cfg.train.seed)  # this process's generator (LoRA dropout's draws): the task owns it
     run_dir = session.run_dir
     run, resumed = start_step_run(run_dir, cfg, base_checkpoint, store_uri, resume)
     session.start(run)

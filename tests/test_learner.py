@@ -114,3 +114,27 @@ def test_sft_patience_stops_after_evaluations_without_a_strict_gain(tmp_path, mo
     assert seen == [10, 20, 30, 40]
     saved = load_checkpoint(tmp_path / "sft")[0].state_dict()
     assert all(torch.equal(saved[k], snapshots[2][k]) for k in snapshots[2])
+
+
+def test_building_a_policy_seeds_lora_from_the_recipe_and_leaves_the_process_generator_alone(tmp_path):
+    """LoRA's init draws from torch's global generator (peft takes none): build_policy seeds it from
+    ``train.seed`` in a fork, so the adapter is the recipe's whatever the process's state, and the
+    process's generator is where the caller left it."""
+    from miles_core.learner.policy import build_policy
+
+    torch.set_num_threads(1)
+    cfg = load_recipe("tiny", ["sft.steps=1"])
+    train_baseline(cfg, build_task(cfg), tmp_path / "sft")
+
+    def lora(model) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in model.state_dict().items() if "lora_A" in k}
+
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    first = lora(build_policy(cfg, tmp_path / "sft")[0])
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(99)
+    again = lora(build_policy(cfg, tmp_path / "sft")[0])
+    other = lora(build_policy(load_recipe("tiny", ["sft.steps=1", "train.seed=1"]), tmp_path / "sft")[0])
+    assert first and all(torch.equal(first[k], again[k]) for k in first)
+    assert any(not torch.equal(first[k], other[k]) for k in first)

@@ -4,10 +4,11 @@
 torchrun learner with a ``World``, the continuous trainer), top down: proximal log-probs, then
 epochs x minibatches x row chunks (score, loss, backward), clipping, the optimizer and LR steps,
 and the stats. What data-parallel ranks add (gradient sums, FSDP's padding passes) is one object,
-:class:`~miles_core.algo.ranks.Ranks`, that a process alone never builds. What differs between kinds of trajectory is only how a row is scored, behind a
-:class:`~miles_core.algo.rows.RowScorer`; what differs between estimators (what a row is, the
-loss, the advantage transform) is looked up by ``update.estimator`` in the registry,
-:mod:`miles_core.algo.estimators`, so nothing here names one. See ARCHITECTURE.md.
+:class:`~miles_core.algo.ranks.Ranks`, that a process alone never builds. What differs between
+kinds of trajectory is only how a row is scored, behind a :class:`~miles_core.algo.rows.RowScorer`;
+what differs between estimators (what a row is, the loss, the advantage transform) is looked up by
+``update.estimator`` in the registry, :mod:`miles_core.algo.estimators`, so nothing here names
+one. See ARCHITECTURE.md.
 
 Every recorded step is an independent row (trajectory b, step k): its state is rebuilt from
 ``step_map``, scored with the same step function that sampled it, and backpropagated on its own

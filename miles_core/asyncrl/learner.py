@@ -45,6 +45,7 @@ class AsyncLearner(LearnerRun):
                  max_updates: int | None = None, world: World | None = None) -> None:
         cfg = load_recipe(RunStore(run_uri, storage_options).read_spec()["cfg"])
         torch.set_num_threads(cfg.async_rl.learner_threads)
+        torch.manual_seed(cfg.train.seed)  # the learner process's generator (LoRA dropout's draws)
         apply_heap_setting(cfg.async_rl.retain_heap_mb)  # else its self-sampled batches fault in fresh pages every step
         # one update per B sampler batches: the LR schedule spans the run's budget of updates
         super().__init__(run_uri, cache_dir, storage_options, cfg,

@@ -35,17 +35,23 @@ def build_policy(cfg: RecipeConfig, base_dir: str | Path, adapter_dir: str | Pat
     """The policy every role runs, built one way: the recipe's base (frozen) on ``model.device``
     with LoRA on it, either ``adapter_dir``'s or the recipe's ``lora`` section initialised from
     ``train.seed``. ``trainable``: the learner's; a sampler's (False) has no LoRA dropout, since it
-    only samples and its adapter's tensors are replaced in place at every version."""
-    base, tok = load_base(cfg, base_dir)
-    for p in base.parameters():
-        p.requires_grad_(False)
+    only samples and its adapter's tensors are replaced in place at every version. Torch's global
+    generators are left as they were: a process that wants LoRA dropout's draws repeatable seeds
+    them itself (the training tasks and the asynchronous learner's process do, from ``train.seed``)."""
     device = resolve_device(cfg.model.device)
-    base.to(device)  # before LoRA: a sampler's adapter swaps copy into tensors already there
-    if adapter_dir is not None:
-        model = load_adapter(base, adapter_dir, trainable=trainable)
-    else:
-        torch.manual_seed(cfg.train.seed)
-        model = add_lora_from(base, cfg.lora, dropout=None if trainable else 0.0)
+    # building the base draws from torch's global generators (its layers' init, then overwritten by
+    # the checkpoint) and so does LoRA's init (peft takes no generator): both run in a fork of them,
+    # LoRA's seeded from train.seed, so building a policy leaves the process's generators as they were
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        base, tok = load_base(cfg, base_dir)
+        for p in base.parameters():
+            p.requires_grad_(False)
+        base.to(device)  # before LoRA: a sampler's adapter swaps copy into tensors already there
+        if adapter_dir is not None:
+            model = load_adapter(base, adapter_dir, trainable=trainable)
+        else:
+            torch.manual_seed(cfg.train.seed)
+            model = add_lora_from(base, cfg.lora, dropout=None if trainable else 0.0)
     return model.to(device), tok
 
 
