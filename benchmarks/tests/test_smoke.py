@@ -29,9 +29,9 @@ BENCHMARKS = [m for m in MODULES if m not in HELPERS]
 OWN_TEST = {"real_model": "benchmarks/tests/test_real_model.py"}
 # The lane in three files of about equal time, so pytest workers (--dist loadfile) finish them
 # together: the benchmarks below in test_smoke_lane2.py and test_smoke_lane3.py, the rest here
-# (a benchmark added later lands here). Seconds each took in the lane on 2 quiet cores (-n 3,
-# 2026-12-07): lane 2 ~228; lane 3 ~162, after benchmarks/tests/test_real_model.py's ~59 on the
-# same worker (loadfile hands the fourth file to the first worker free); here ~223.
+# (a benchmark added later lands here). Seconds each file took in the lane on 2 quiet cores
+# (-n 3, 2026-12-07, 245 s in all): lane 2 ~226; lane 3 ~180, after test_real_model.py's ~51 on
+# the same worker (loadfile hands the fourth file to the first worker free); here ~227.
 LANE2 = ["async_vs_sync", "code", "estimators", "grad_snr", "learner_ranks", "learning", "nsd", "refresh"]
 LANE3 = ["chaos", "emulate", "fixed_batch", "run_age", "scale_model", "scaling", "sft_ceiling", "step_merge"]
 OTHERS = [m for m in BENCHMARKS if m not in OWN_TEST and m not in LANE2 and m not in LANE3]
