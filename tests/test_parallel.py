@@ -16,7 +16,7 @@ from miles_core.algo.update import update_policy
 from miles_core.config import AdpoSettings, SamplerConfig, UpdateConfig
 from miles_core.algo.draws import Draws, minibatches, trajectory_keys
 from miles_core.algo.step_choice import build_rows
-from miles_core.learner.shares import RankSpeeds, agree, cuts, first_reader, my_share, owned_groups, owned_rows
+from miles_core.learner.shares import RankSpeeds, agree, cuts, first_reader, my_share, owned_units, owned_rows
 from miles_core.learner.ledger import Verdict
 from miles_core.models.lora import add_lora
 from miles_core.models.tiny import TinyConfig, TinyDenoiser
@@ -70,12 +70,18 @@ def test_ranks_own_equal_blocks_of_whole_groups_and_read_only_the_batches_they_t
     assert [int(owned_rows(0, 8, 1, 2, World(r, 4)).sum()) for r in range(4)] == [2, 2, 2, 2]
     # fewer groups than ranks (a short last update): the last ranks own none
     assert [int(owned_rows(0, 8, 1, 2, World(r, 5)).sum()) for r in range(5)] == [2, 2, 2, 2, 0]
-    with pytest.raises(ValueError, match="train.group_size=3"):
+    with pytest.raises(ValueError, match="not whole units of 3 rows"):
         owned_rows(0, 8, 1, 3, World(0, 2))
+    # dealt single trajectories (an estimator that reads no group): 28 over 3 ranks, rows 0-9 /
+    # 10-18 / 19-27, so the group of rows 18-19 straddles ranks 1 and 2 and both read batch 4
+    one = [torch.cat([owned_rows(j, 4, 7, 1, World(r, 3)) for j in range(7)]) for r in range(3)]
+    assert [int(o.sum()) for o in one] == [10, 9, 9] and bool(sum(o.int() for o in one).eq(1).all())
+    assert [my_share(7, 4, 1, World(r, 3)) for r in range(3)] == [[0, 1, 2], [2, 3, 4], [4, 5, 6]]
+    assert [first_reader(4, 4, 7, 1, World(r, 3)) for r in range(3)] == [False, True, False]
 
 
 def test_share_closed_forms_equal_the_row_by_row_deal() -> None:
-    """my_share, first_reader and owned_groups in closed form against their definitions through
+    """my_share, first_reader and owned_units in closed form against their definitions through
     owned_rows (which batches hold a row the rank owns; the lowest such rank), over every small
     shape, uneven and short ones included."""
     for batches in range(1, 8):
@@ -86,7 +92,7 @@ def test_share_closed_forms_equal_the_row_by_row_deal() -> None:
                     world = World(r, d)
                     assert my_share(batches, n, group, world) == [j for j in range(batches) if owned[r][j].any()]
                     groups = sorted({(j * n + i) // group for j in range(batches) for i in range(n) if owned[r][j][i]})
-                    assert list(owned_groups(batches, n, group, world)) == groups
+                    assert list(owned_units(batches, n, group, world)) == groups
                     for j in range(batches):
                         lowest = min((q for q in range(d) if owned[q][j].any()), default=None)
                         assert first_reader(j, n, batches, group, world) == (lowest == r), (batches, n, group, d, r, j)
@@ -156,3 +162,29 @@ def test_trajectory_draws_do_not_depend_on_the_batch_around_them() -> None:
     sizes = [len(m) for m in mb_whole]
     assert abs(sizes[0] - sizes[1]) <= 3 and sum(sizes) == rows.traj.numel()  # a group's remainder at most
     assert not torch.equal(build_rows(batch, 0.5, Draws(12, keys)).step, rows.step)  # another update draws anew
+
+
+def test_a_group_split_between_ranks_deals_its_rows_to_the_one_process_minibatches() -> None:
+    """Single trajectories dealt (learner/shares.py): cut anywhere, each piece's rows land in the
+    minibatches the whole batch gives them, told the groups' first members' keys and how many of
+    their rows the earlier pieces hold (what algo/ranks.py::Ranks.rows_before exchanges)."""
+    batch = _batch(_model())
+    keys = trajectory_keys("batch-7", len(batch))
+    leads = keys[torch.arange(len(batch)) // 4 * 4]
+    whole = Draws(11, keys, batch.group_id, leads)
+    rows = build_rows(batch, 0.75, whole)                       # 3 rows a trajectory: odd, so the offset matters
+    for count in (2, 3):
+        at = {int(i): m for m, idx in enumerate(minibatches(rows.traj, whole, count, epoch=1)) for i in idx}
+        assert at == {int(i): m for m, idx in enumerate(minibatches(rows.traj, Draws(11, keys, batch.group_id), count, 1))
+                      for i in idx}                            # leads given or found: the same for whole groups
+        for lo, hi in ((0, 5), (5, 6), (6, 11), (11, 12)):      # groups 0-3, 4-7, 8-11 cut at 5, 6 and 11
+            part = torch.arange(lo, hi)
+            sub = build_rows(batch.select(part), 0.75, whole.select(part))
+            below = torch.tensor([int(((rows.traj < lo) & (rows.traj // 4 == int(t) // 4)).sum()) for t in part])
+            got = minibatches(sub.traj, whole.select(part), count, 1, below)
+            mine = ((rows.traj >= lo) & (rows.traj < hi)).nonzero().squeeze(1)
+            assert [at[int(i)] for i in mine] == [m for i in range(sub.traj.numel()) for m, idx in enumerate(got)
+                                                  if i in idx.tolist()], (count, lo, hi)
+            if int(below[0]) % count:                            # a straddled group: without the count it differs
+                alone = minibatches(sub.traj, whole.select(part), count, 1)
+                assert any(not torch.equal(a, b) for a, b in zip(alone, got)), (lo, hi)

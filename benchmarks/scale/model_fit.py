@@ -28,11 +28,17 @@ def startup_poll_interval(run: dict) -> float:
     return run["learner_start_s"] / run["startup_polls"] if run.get("startup_polls") else 0.0
 
 
+def deal_unit(run: dict) -> int:
+    """Rows per unit the run's learner ranks were dealt: as recorded, else (a record from before
+    the learner dealt single trajectories) a whole group."""
+    return run.get("deal_unit", run.get("group_size", 1))
+
+
 def emulated_params(run: dict) -> Params:
     """The model of one emulated run from its (measured or fitted) costs, split, global batch,
     budget and the store latency that run measured on SeaweedFS."""
     return Params(samplers=run["samplers"], learner_ranks=run["learner_ranks"], batches=run["batches"],
-                  completions_per_batch=run["completions_per_batch"], group_size=run.get("group_size", 1),
+                  completions_per_batch=run["completions_per_batch"], deal_unit=deal_unit(run),
                   minibatches=run.get("minibatches", 1), rollout_s=run["measured_rollout_s"], rollout_cv=0.05,
                   rollout_tail_p=run.get("rollout_tail", (0.0, 1.0))[0], rollout_tail_x=run.get("rollout_tail", (0.0, 1.0))[1],
                   update_s=run["measured_update_s"],
@@ -168,8 +174,8 @@ def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple
                     "predicted_step_age": r["step_age_mean"], "predicted_dropped": r["dropped"],
                     "tail_share": share,
                     "plain_measured": like["efficiency"], "learner_ranks": like["learner_ranks"],
-                    "groups_per_rank": like["batches_per_update"] * like["completions_per_batch"]
-                    / like.get("group_size", 1) / like["learner_ranks"]})
+                    "units_per_rank": like["batches_per_update"] * like["completions_per_batch"]
+                    / deal_unit(like) / like["learner_ranks"]})
     return out
 
 

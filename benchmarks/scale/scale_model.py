@@ -114,7 +114,7 @@ def llada_8b() -> Params:
     rollout = 2 * n * per * (prompt + gen) * steps / (H200_FLOPS * MFU)
     update = update_passes(minibatches) * 2 * n * per * (prompt + gen) * steps * rows / (H200_FLOPS * MFU)
     lora = 32 * (4 * (4096 * 64 * 2) + 3 * (4096 + 12288) * 64)  # r=64 on q,k,v,o,gate,up,down
-    return Params(rollout_s=rollout, update_s=update, completions_per_batch=per, group_size=6, minibatches=minibatches,
+    return Params(rollout_s=rollout, update_s=update, completions_per_batch=per, deal_unit=1, minibatches=minibatches,
                   adapter_bytes=2 * lora, allreduce_bytes=4 * lora, batch_bytes=per * 768 * 10,
                   checkpoint_bytes=12 * lora, rollout_cv=0.3, rollout_tail_p=0.02, rollout_tail_x=3.0, rank_cv=0.01,
                   rank_spread=0.05, deal="speed",
@@ -126,7 +126,7 @@ def charge_host(p: Params, costs: dict[str, Any]) -> Params:
     """``p`` with the measured host seconds (benchmarks/speed/host_costs.py) of its shape: the busiest
     rank's per update (its share, B, the batches it reads) plus rank 0's publish and checkpoint,
     and a sampler's per batch."""
-    b, n, d, g = p.batches_per_update, p.completions_per_batch, p.learner_ranks, p.group_size
+    b, n, d, g = p.batches_per_update, p.completions_per_batch, p.learner_ranks, p.deal_unit
     rank = host_seconds(costs["fit"], largest_share(b, n, d, g), b, max(shares(b, n, d, g)), d)
     extra = costs["rank0_and_sampler"]
     return replace(p, learner_host_s=rank + extra["rank0_per_update_s"], sampler_host_s=extra["sampler_per_batch_s"])
@@ -139,7 +139,7 @@ def configure(base: Params, gpus: int, completions: int, costs: dict[str, Any],
     the horizon."""
     n = base.completions_per_batch
     b = max(1, completions // n)
-    pl = place(gpus, base.rollout_s / n, base.update_s / n, base.max_staleness, b, n // base.group_size, round_down,
+    pl = place(gpus, base.rollout_s / n, base.update_s / n, base.max_staleness, b, n // base.deal_unit, round_down,
                placement_cv(base))
     p = replace(base, samplers=pl.samplers, learner_ranks=pl.learner_ranks, batches=10**9,
                 batches_per_update=pl.batches_per_update)

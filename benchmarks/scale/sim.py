@@ -82,7 +82,7 @@ class Params:
     rollout_tail_x: float = 1.0
     update_s: float = 0.18             # one learner rank's update of a whole batch
     min_update_s: float = 0.0          # floor per update however many ranks share it (kernel launches, ...)
-    group_size: int = 1                # completions per prompt: ranks hold whole groups (learner/shares.py)
+    deal_unit: int = 1                 # rows per unit ranks are dealt: 1, or a group (learner/shares.py)
     rank_cv: float = 0.0               # spread of one rank's optimizer-step time: the slowest of D sets the pace
     # each rank's own persistent slowness (a GPU slower all run long: Sinha et al., SC22), a
     # normal CV drawn once per rank; and how rows are dealt: "even" blocks (the slowest GPU sets
@@ -317,7 +317,7 @@ def learner(env: simpy.Environment, p: Params, store: Store, run: Run, rng: rand
         def ingest(share: int) -> Generator:  # one rank reads its share: marker and data of each batch
             for _ in range(share):
                 yield from store.request("get", "trajectories/batch", p.batch_bytes, n=w["read"])
-        reads = (shares(len(taken), p.completions_per_batch, p.learner_ranks, p.group_size) if p.learner_ranks > 1
+        reads = (shares(len(taken), p.completions_per_batch, p.learner_ranks, p.deal_unit) if p.learner_ranks > 1
                  else [len(taken)])
         yield simpy.AllOf(env, [env.process(ingest(k)) for k in reads if k])
         yield env.timeout(p.learner_host_s)

@@ -60,7 +60,7 @@ def paced_rows(p: Params, batches: int, slowness: list[float] | None = None) -> 
     learner measures it)."""
     from miles_core.learner.shares import cuts
 
-    n, d, g = p.completions_per_batch, p.learner_ranks, p.group_size
+    n, d, g = p.completions_per_batch, p.learner_ranks, p.deal_unit
     if d <= 1:
         return batches * n * (slowness[0] if slowness else 1.0)
     if not slowness or all(x == 1.0 for x in slowness):

@@ -8,14 +8,15 @@ synthetic batches of the real shape: n completions of L tokens committed over K 
 of P tokens): plan its share (``my_share``, ``first_reader``), read it from a local store
 (Parquet), agree on verdicts (the real ``agree``, the collective's receiving side stood in for:
 every rank's verdicts on its share, unpickled), cut its rows out of the batches it read
-and key them, the collapse guard's health, the estimator's rows (ADPO covering a quarter of the
+and key them (and their groups' first members: single trajectories are dealt, learner/shares.py),
+the collapse guard's health, the estimator's rows (ADPO covering a quarter of the
 steps, algo/step_choice.py), the minibatch deal (algo/draws.py), the chunk plan's row costs and the
 behaviour log-prob gather (algo/update.py). ``after``: the rank's own share (learner/shares.py);
 ``before``: every trajectory of the global batch, as a rank did when each built the whole batch
 (the same functions over all B n trajectories, plus the metadata it then exchanged, pickled and
 unpickled: per row the prompt length, step map, group, version, reward, advantage, NFE and text).
 Each point is measured on rank 0 (which also publishes) and on the rank with the most batches
-to read and groups to hold (``busiest_rank``: the update waits for the slower; the fit is of the
+to read and trajectories to hold (``busiest_rank``: the update waits for the slower; the fit is of the
 slower, with a term in D). Rank 0 also publishes the adapter every update and checkpoints every ``checkpoint_every``
 (LLaDA-8B's r = 64 LoRA, saved as the learner saves them); a sampler loads each new adapter and
 writes its batch. Each (point, mode) runs in a fresh process, so its peak memory is its own
@@ -74,6 +75,14 @@ def _batch(n: int, group: int, seed: int) -> Any:
     return b
 
 
+def deal_unit(group: int) -> int:
+    """Rows per unit the learner ranks are dealt for the estimator timed here (adpo: single
+    trajectories; learner/shares.py)."""
+    from miles_core.algo.estimators import get_estimator
+
+    return group if get_estimator("adpo").whole_groups else 1
+
+
 def _gathered_as(D: int, B: int, n: int, group: int) -> Callable[[Any], list]:
     """``World.all_gather_object`` as rank r of D sees it: every rank's verdicts on the batches it
     read (``my_share``), pickled on their side (outside the timer), unpickled on this one."""
@@ -81,7 +90,8 @@ def _gathered_as(D: int, B: int, n: int, group: int) -> Callable[[Any], list]:
     from miles_core.learner.shares import my_share
     from miles_core.parallel import World
 
-    sent = [pickle.dumps({j: Verdict.fresh(0) for j in my_share(B, n, group, World(r, D))}) for r in range(D)]
+    sent = [pickle.dumps({j: Verdict.fresh(0) for j in my_share(B, n, deal_unit(group), World(r, D))})
+            for r in range(D)]
 
     def all_gather_object(obj: Any) -> list:
         return [pickle.loads(blob) for blob in sent]
@@ -112,8 +122,9 @@ def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[st
     gather = _gathered_as(D, B, n, group) if D > 1 and mode == "after" else None
     t: dict[str, float] = {}
     t0 = time.perf_counter()
-    share = my_share(B, n, group, world)
-    first = [j for j in share if first_reader(j, n, B, group, world)]  # the batches it would quarantine
+    unit = deal_unit(group)
+    share = my_share(B, n, unit, world)
+    first = [j for j in share if first_reader(j, n, B, unit, world)]  # the batches it would quarantine
     t["share_plan"] = time.perf_counter() - t0
     with tempfile.TemporaryDirectory() as tmp:
         store = TrajectoryStore(tmp)
@@ -145,24 +156,26 @@ def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[st
         t0 = time.perf_counter()
         local = TrajectoryBatch.concat(list(read.values()) + others)
         keys = torch.cat([trajectory_keys(f"b{j:05d}", n) for j in range(B)])
+        leads = None
         t["share"] = time.perf_counter() - t0
     else:
         t0 = time.perf_counter()
-        held = [held_rows(f"b{j:05d}", j, b, B, group, world) for j, b in read.items()]
-        local = TrajectoryBatch.concat([part for part, _ in held])
-        keys = torch.cat([k for _, k in held])
+        held = [held_rows(f"b{j:05d}", j, b, B, unit, group, world) for j, b in read.items()]
+        local = TrajectoryBatch.concat([part for part, _, _ in held])
+        keys, leads = torch.cat([k for _, k, _ in held]), torch.cat([x for _, _, x in held])
         t["share"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     batch_health(local)
     t["health"] = time.perf_counter() - t0
     cfg = UpdateConfig(num_minibatches=4, chunk_tokens=8192)
     t0 = time.perf_counter()
-    draws = Draws(1, keys, local.group_id)
+    draws = Draws(1, keys, local.group_id, leads)
     rows, scorer = get_estimator("adpo").rows(local, AdpoSettings(step_fraction=0.25), cfg.epochs, CharTokenizer(), 1.0,
                                                draws)
     t["rows"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    minibatches(rows.traj, draws, cfg.num_minibatches, 0)
+    before = None if leads is None else torch.zeros(len(local), dtype=torch.long)  # Ranks.rows_before's answer
+    minibatches(rows.traj, draws, cfg.num_minibatches, 0, before)
     scorer.row_cost(rows.traj, rows.step, 1.0)
     mu = scorer.behaviour(rows.traj, rows.step)
     t["plan"] = time.perf_counter() - t0
@@ -239,13 +252,14 @@ def host_seconds(model: dict[str, float], trajectories: float, batches: float, r
 
 
 def busiest_rank(B: int, D: int, n: int, group: int) -> int:
-    """The rank with the most sampler batches to read, then the most groups (closed forms, O(D)):
-    a rank whose groups straddle a batch boundary reads two batches where its neighbours read one."""
-    from miles_core.learner.shares import my_share, owned_groups
+    """The rank with the most sampler batches to read, then the most units (closed forms, O(D)):
+    a rank whose share straddles a batch boundary reads two batches where its neighbours read one."""
+    from miles_core.learner.shares import my_share, owned_units
     from miles_core.parallel import World
 
-    return max(range(D), key=lambda r: (len(my_share(B, n, group, World(r, D))),
-                                        len(owned_groups(B, n, group, World(r, D))), -r))
+    unit = deal_unit(group)
+    return max(range(D), key=lambda r: (len(my_share(B, n, unit, World(r, D))),
+                                        len(owned_units(B, n, unit, World(r, D))), -r))
 
 
 def in_fresh_process(job: Sequence[Any]) -> dict[str, Any]:

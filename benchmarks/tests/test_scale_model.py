@@ -89,13 +89,13 @@ def test_placement_balances_the_sides_for_the_recipes_global_batch() -> None:
     assert "admits 4 samplers" in small.describe()
     # ranks share whole groups and the busiest sets the pace: 4 ranks over 6 groups work as 3
     assert even_ranks(4, 6) == 3 and even_ranks(3, 6) == 3 and even_ranks(5, 7) == 3.5
-    assert place(10, 3.0, 2.0, 6, 3, groups_per_batch=2).learner_ranks == 3  # 4 is worth no more than 3
-    assert place(40, 3.0, 2.0, 6, 1, groups_per_batch=2).learner_ranks == 2  # never more ranks than groups
+    assert place(10, 3.0, 2.0, 6, 3, units_per_batch=2).learner_ranks == 3  # 4 is worth no more than 3
+    assert place(40, 3.0, 2.0, 6, 1, units_per_batch=2).learner_ranks == 2  # never more ranks than groups
     # rounding the batch down (never up) so the ranks of the balanced split hold equal shares
     assert even_batch(1365, 16, 1760, 0.1) == 1320 and even_batch(1365, 16, 1755, 0.1) == 1365
     assert even_batch(10, 3, 4, 0.0) == 10 and even_batch(12, 3, 4, 0.0) == 12
-    fixed = place(7, 3.0, 2.0, 6, 5, groups_per_batch=1)          # 5 groups: 3 ranks work as 2.5
-    rounded = place(7, 3.0, 2.0, 6, 5, groups_per_batch=1, round_down=0.2)
+    fixed = place(7, 3.0, 2.0, 6, 5, units_per_batch=1)          # 5 groups: 3 ranks work as 2.5
+    rounded = place(7, 3.0, 2.0, 6, 5, units_per_batch=1, round_down=0.2)
     assert fixed.batches_per_update == 5 and rounded.batches_per_update <= 5
     assert (rounded.batches_per_update, rounded.learner_ranks) == (4, 2) or rounded.learner_idle <= fixed.learner_idle
     with pytest.raises(ValueError, match="at least 2 devices"):
@@ -154,8 +154,8 @@ def test_a_persistently_slow_gpu_sets_an_even_deals_pace_and_not_a_deal_by_speed
     evenly it carries 12 groups at 1.25 (the pace, 45 rows' time against 36); dealt by speed
     (learner/shares.py::cuts) it gets 10, the others 13, 13, 12: the busiest 39 rows' time."""
     slow = [1.0, 1.0, 1.25, 1.0]
-    even, speed = Params(learner_ranks=4, completions_per_batch=12, group_size=3), \
-        Params(learner_ranks=4, completions_per_batch=12, group_size=3, deal="speed")
+    even, speed = Params(learner_ranks=4, completions_per_batch=12, deal_unit=3), \
+        Params(learner_ranks=4, completions_per_batch=12, deal_unit=3, deal="speed")
     assert paced_rows(even, 12) == paced_rows(even, 12, [1.0] * 4) == 36
     assert paced_rows(even, 12, slow) == pytest.approx(45.0)
     assert paced_rows(speed, 12, slow) == pytest.approx(39.0)

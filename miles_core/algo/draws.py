@@ -49,19 +49,24 @@ class Draws:
 
     ``seed``: the update's seed (the learner draws it once per update from its generator, so a
     resume repeats it); ``keys`` [B] int64: one per trajectory of the batch these draws serve;
-    ``groups`` [B] (optional): each trajectory's group id, which :func:`minibatches` deals by."""
+    ``groups`` [B] (optional): each trajectory's group id, which :func:`minibatches` deals by;
+    ``leads`` [B] (optional): the key of each trajectory's group's first member, for a batch that
+    may hold part of a group only (learner ranks dealt single trajectories, learner/shares.py);
+    without them a group's first member here is its first."""
 
-    def __init__(self, seed: int, keys: Tensor, groups: Tensor | None = None) -> None:
-        if keys.dim() != 1 or (groups is not None and groups.shape != keys.shape):
-            raise ValueError(f"Draws: keys and groups must be one int per trajectory, got shapes {tuple(keys.shape)}"
-                             f" and {None if groups is None else tuple(groups.shape)}")
+    def __init__(self, seed: int, keys: Tensor, groups: Tensor | None = None, leads: Tensor | None = None) -> None:
+        for name, t in (("groups", groups), ("leads", leads)):
+            if keys.dim() != 1 or (t is not None and t.shape != keys.shape):
+                raise ValueError(f"Draws: keys and {name} must be one int per trajectory, got shapes "
+                                 f"{tuple(keys.shape)} and {None if t is None else tuple(t.shape)}")
         self.seed, self.keys, self.groups = int(seed) & MASK64, keys.long(), groups
+        self.leads = None if leads is None else leads.long()
 
     @classmethod
-    def seeded(cls, generator: torch.Generator, keys: Tensor) -> Draws:
-        """Draws for trajectories ``keys``, the update's seed drawn from ``generator`` (one draw
-        per update, so a seeded generator repeats the update)."""
-        return cls(int(torch.randint(1 << 62, (1,), generator=generator)), keys)
+    def seeded(cls, generator: torch.Generator, keys: Tensor, leads: Tensor | None = None) -> Draws:
+        """Draws for trajectories ``keys`` (their groups' first members ``leads``), the update's
+        seed drawn from ``generator`` (one draw per update, so a seeded generator repeats the update)."""
+        return cls(int(torch.randint(1 << 62, (1,), generator=generator)), keys, leads=leads)
 
     @classmethod
     def positional(cls, generator: torch.Generator, n: int) -> Draws:
@@ -73,14 +78,19 @@ class Draws:
 
     def select(self, idx: Tensor) -> Draws:
         """The draws of trajectories ``idx`` (a sub-batch keeps each trajectory's own draws)."""
-        return Draws(self.seed, self.keys[idx], None if self.groups is None else self.groups[idx])
+        return Draws(self.seed, self.keys[idx], None if self.groups is None else self.groups[idx],
+                     None if self.leads is None else self.leads[idx])
 
     def with_groups(self, groups: Tensor) -> Draws:
-        return Draws(self.seed, self.keys, groups)
+        return Draws(self.seed, self.keys, groups, self.leads)
 
     def gen(self, b: int, stream: int = STREAM_ROWS) -> torch.Generator:
         """Trajectory b's generator for ``stream``: a function of (seed, key, stream) only."""
-        x = splitmix64(self.seed ^ splitmix64(int(self.keys[b]) & MASK64) ^ splitmix64(stream + 0x5EED))
+        return self.gen_key(int(self.keys[b]), stream)
+
+    def gen_key(self, key: int, stream: int) -> torch.Generator:
+        """The generator of the trajectory named ``key`` (held here or not) for ``stream``."""
+        x = splitmix64(self.seed ^ splitmix64(key & MASK64) ^ splitmix64(stream + 0x5EED))
         return torch.Generator().manual_seed(x >> 1)
 
     def cat(self, fn: Callable[[int, torch.Generator], Tensor], dim: int, stream: int = STREAM_ROWS) -> Tensor:
@@ -91,16 +101,20 @@ class Draws:
         return torch.cat([fn(b, self.gen(b, stream)) for b in range(len(self))], dim)
 
 
-def minibatches(traj: Tensor, draws: Draws, count: int, epoch: int) -> list[Tensor]:
+def minibatches(traj: Tensor, draws: Draws, count: int, epoch: int, before: Tensor | None = None) -> list[Tensor]:
     """The rows (indices into ``traj`` [R]) of each of ``count`` minibatches in ``epoch``.
 
     Each group (``draws.groups``; without them each trajectory alone) deals its rows, member
-    after member, round-robin over the minibatches from an offset its first member draws (stream
-    ``STREAM_MINIBATCH + epoch``): a group of G one-row trajectories puts G / count in each, a
-    trajectory's many rows spread evenly over the optimizer steps, and a row's minibatch depends
-    on nothing outside its group (never split between ranks, learner/shares.py). The minibatch
-    sizes are then equal up to each group's remainder, as a global shuffle's are, without any
-    rank seeing the others' rows. Within a minibatch rows keep their order in ``traj``."""
+    after member (each member's rows in the order given), round-robin over the minibatches from an
+    offset its first member draws (stream ``STREAM_MINIBATCH + epoch``): a group of G one-row
+    trajectories puts G / count in each, a trajectory's many rows spread evenly over the
+    optimizer steps, and the minibatch sizes are equal up to each group's remainder, as a global
+    shuffle's are, without any rank seeing the others' rows. A row's minibatch depends on its
+    group alone: on a rank holding part of a group (learner/shares.py deals single trajectories)
+    the offset comes from the first member's key (``draws.leads``) and ``before`` [B] says how many
+    of the group's rows lower ranks hold (algo/ranks.py::Ranks.rows_before), so the rows land
+    where one process holding the whole group would put them. Within a minibatch rows keep their
+    order in ``traj``."""
     b = len(draws)
     if draws.groups is None:
         leader = torch.arange(b)
@@ -110,12 +124,16 @@ def minibatches(traj: Tensor, draws: Draws, count: int, epoch: int) -> list[Tens
             0, inv, torch.arange(b), "amin")
         leader = first[inv]                                                          # [B]
     lead = leader[traj]                                                              # [R]
-    order = (lead * (traj.numel() + 1) + torch.arange(traj.numel())).argsort()      # rows by group, then as given
+    r = traj.numel()
+    order = ((lead * (b + 1) + traj) * (r + 1) + torch.arange(r)).argsort()         # by group, member, as given
     counts = torch.bincount(lead, minlength=b)                                       # [B] rows per group (at its leader)
     within = torch.empty_like(traj)                                                  # [R] row's index in its group
-    within[order] = torch.arange(traj.numel()) - (counts.cumsum(0) - counts)[lead[order]]
+    within[order] = torch.arange(r) - (counts.cumsum(0) - counts)[lead[order]]
+    if before is not None:                                                           # rows of its group on lower ranks
+        within += before.long()[lead]
     offset = torch.zeros(b, dtype=torch.long)
     for g in leader.unique().tolist():
-        offset[g] = int(torch.randint(count, (1,), generator=draws.gen(g, STREAM_MINIBATCH + epoch)))
+        key = int(draws.keys[g] if draws.leads is None else draws.leads[g])
+        offset[g] = int(torch.randint(count, (1,), generator=draws.gen_key(key, STREAM_MINIBATCH + epoch)))
     slot = (offset[lead] + within) % count
     return [(slot == m).nonzero().squeeze(1) for m in range(count)]

@@ -6,7 +6,9 @@ together must be one process's update of the whole batch. That needs three thing
 summed over ranks before clipping (one all-reduce; sharded, FSDP's reduce-scatter after the last
 backward of a minibatch, parallel.py), FSDP's average made that sum (each rank's loss x D), and,
 sharded, every rank running as many forwards and backwards as the busiest one (each is a
-collective): padding passes of one row whose loss is multiplied by 0.
+collective): padding passes of one row whose loss is multiplied by 0. Dealt single trajectories
+(learner/shares.py), a group can straddle ranks; then a rank also learns how many of its first
+group's rows the lower ranks hold, so each row's minibatch is the one a process alone would give it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, Iterator
 import torch
 from torch import Tensor
 
+from miles_core.algo.draws import Draws
 from miles_core.algo.rows import Rows, RowScorer
 from miles_core.models.lora import reference_policy
 from miles_core.models.window import inner
@@ -63,6 +66,29 @@ class Ranks:
                 scorer.score(ref_model, t, k)
         if backward:
             (torch.nan_to_num(logp, 0.0, 0.0, 0.0).sum() * 0.0).backward()
+
+    def rows_before(self, traj: Tensor, draws: Draws) -> Tensor | None:
+        """[B] for each trajectory here, the rows of its group the lower ranks hold (traj [R]: the
+        rows' trajectories), for algo/draws.py::minibatches; None when groups are held whole (no
+        ``draws.leads``). Ranks hold trajectories in the global batch's order, so only a rank's
+        first group can have members below it, and only a lower rank's last group can be that
+        group: each rank sends its last group's id and rows (one all-reduce of 3 D numbers, group
+        ids exact in float64)."""
+        if draws.leads is None:
+            return None
+        if draws.groups is None:
+            raise ValueError("Ranks.rows_before: draws with leads need each trajectory's group id")
+        world, b = self.world, len(draws)
+        sent = torch.zeros(world.size, 3, dtype=torch.float64)  # [D, (holds any, last group id, its rows)]
+        if b:
+            last = draws.groups[-1]
+            sent[world.rank] = torch.tensor([1.0, float(last), float((draws.groups[traj] == last).sum())])
+        seen = world.all_reduce_(sent)
+        out = torch.zeros(b, dtype=torch.long)
+        if b:
+            first, low = float(draws.groups[0]), seen[:world.rank]
+            out[draws.groups == draws.groups[0]] = int(low[(low[:, 0] > 0) & (low[:, 1] == first), 2].sum())
+        return out
 
     def sum_grads(self, params: list) -> None:
         """Gradients summed over ranks (sharded: FSDP reduce-scattered them in the last backward)."""

@@ -153,7 +153,8 @@ def update_on_rows(model: Any, optimizer: torch.optim.Optimizer, u: UpdateRows, 
     params = trainable_parameters(model)
     device = params[0].device if params else torch.device("cpu")
     plan = ChunkPlan(model, scorer, rows, cfg)
-    batches = [minibatches(rows.traj, u.draws, cfg.num_minibatches, e) for e in range(cfg.epochs)]
+    before = None if ranks is None or cfg.num_minibatches == 1 else ranks.rows_before(rows.traj, u.draws)
+    batches = [minibatches(rows.traj, u.draws, cfg.num_minibatches, e, before) for e in range(cfg.epochs)]
     # the first minibatch's forward runs on exactly the weights before the update: exact only for a
     # deterministic forward (with active dropout every row gets its own no-grad pass)
     first = batches[0][0] if deterministic_forward(model) else rows.traj[:0]

@@ -18,11 +18,11 @@ samplers sample at once (:func:`admitted_samplers`); more wait in admission, whi
 cost of a global batch small for the fleet (strong scaling), and :func:`place` then gives the
 devices to learner ranks, which shorten the versions, instead. :func:`admitting_batch` is the
 smallest global batch that keeps S samplers admitted (what weak scaling grows with the fleet).
-Learner ranks split the update in whole groups (learner/shares.py) and the busiest rank sets the
-update's pace, so D ranks over U groups work as U / ceil(U / D) even ones: :func:`place` weighs
-that (never more ranks than groups), and with ``round_down`` may lower the global batch by at
-most that fraction (never raise it) to one whose groups divide evenly over the ranks of a better
-split. With ``rank_cv`` (the spread of one rank's update time, stated: nothing here measures it)
+Learner ranks split the update in units, single trajectories or whole groups for an estimator
+that reads them (learner/shares.py), and the busiest rank sets the update's pace, so D ranks over
+U units work as U / ceil(U / D) even ones: :func:`place` weighs that (never more ranks than
+units), and with ``round_down`` may lower the global batch by at most that fraction (never raise
+it) to one whose units divide evenly over the ranks of a better split. With ``rank_cv`` (the spread of one rank's update time, stated: nothing here measures it)
 the slowest of D ranks is expected to take 1 + cv E[max of D standard normals] times the mean,
 and the split leaves the learner that margin.
 """
@@ -71,11 +71,11 @@ def admitting_batch(samplers: int, max_staleness: int) -> int:
     return max(1, math.ceil(samplers / max(max_staleness - 1 - SLACK_VERSIONS, 1)))
 
 
-def even_ranks(learner_ranks: int, groups: int | None, rank_cv: float = 0.0) -> float:
-    """What D ranks sharing U whole groups are worth in even ranks: U / ceil(U / D) (the busiest
-    holds ceil(U / D) groups and the others wait for it; D itself when U is not given), over the
-    slowest rank's expected factor :func:`straggler`."""
-    even = learner_ranks if groups is None else groups / math.ceil(groups / learner_ranks)
+def even_ranks(learner_ranks: int, units: int | None, rank_cv: float = 0.0) -> float:
+    """What D ranks sharing U units (learner/shares.py) are worth in even ranks: U / ceil(U / D)
+    (the busiest holds ceil(U / D) units and the others wait for it; D itself when U is not
+    given), over the slowest rank's expected factor :func:`straggler`."""
+    even = learner_ranks if units is None else units / math.ceil(units / learner_ranks)
     return even / straggler(learner_ranks, rank_cv)
 
 
@@ -89,7 +89,7 @@ def straggler(ranks: int, rank_cv: float) -> float:
 
 
 def predict(samplers: int, learner_ranks: int, rollout_s: float, update_s: float, max_staleness: int,
-            batches_per_update: int = 1, groups_per_update: int | None = None, rank_cv: float = 0.0) -> Placement:
+            batches_per_update: int = 1, units_per_update: int | None = None, rank_cv: float = 0.0) -> Placement:
     """Idle fractions of a given split, from seconds per completion on one device."""
     if samplers < 1 or learner_ranks < 1 or rollout_s <= 0 or update_s <= 0:
         raise ValueError("placement needs >= 1 sampler, >= 1 learner rank and positive seconds per completion "
@@ -97,36 +97,36 @@ def predict(samplers: int, learner_ranks: int, rollout_s: float, update_s: float
     admitted = admitted_samplers(batches_per_update, max_staleness)
     # completions per second each side can do (samplers beyond the window wait in admission)
     make = min(samplers, admitted) / rollout_s
-    take = even_ranks(learner_ranks, groups_per_update, rank_cv) / update_s
+    take = even_ranks(learner_ranks, units_per_update, rank_cv) / update_s
     pace = min(make, take)
     return Placement(samplers, learner_ranks, 1 - pace / (samplers / rollout_s), 1 - pace / take,
                      batches_per_update, admitted, pace)
 
 
-def even_batch(batches: int, groups_per_batch: int, ranks: int, round_down: float) -> int:
+def even_batch(batches: int, units_per_batch: int, ranks: int, round_down: float) -> int:
     """The largest global batch (in sampler batches) in [batches x (1 - round_down), batches] whose
-    groups divide evenly over ``ranks``; ``batches`` itself when there is none."""
-    step = ranks // math.gcd(ranks, groups_per_batch)       # B' x g divisible by D <=> B' divisible by step
+    units divide evenly over ``ranks``; ``batches`` itself when there is none."""
+    step = ranks // math.gcd(ranks, units_per_batch)       # B' x g divisible by D <=> B' divisible by step
     even = batches // step * step
     return even if even >= max(1, batches * (1 - round_down)) else batches
 
 
 def place(devices: int, rollout_s: float, update_s: float, max_staleness: int, batches_per_update: int = 1,
-          groups_per_batch: int | None = None, round_down: float = 0.0, rank_cv: float = 0.0) -> Placement:
+          units_per_batch: int | None = None, round_down: float = 0.0, rank_cv: float = 0.0) -> Placement:
     """The split of ``devices`` (>= 2) with the highest throughput for the global batch of
-    ``batches_per_update`` sampler batches of ``groups_per_batch`` groups (when given: at most as
-    many ranks as groups, the busiest one's share setting the pace; with ``round_down`` the batch
+    ``batches_per_update`` sampler batches of ``units_per_batch`` units (when given: at most as
+    many ranks as units, the busiest one's share setting the pace; with ``round_down`` the batch
     may be lowered by that fraction so the ranks hold equal shares). Ties go to the larger batch,
     then to fewer learner ranks."""
     if devices < 2:
         raise ValueError(f"placement needs at least 2 devices (one sampler, one learner rank), got {devices}")
     splits = []
     for d in range(1, devices):
-        b = batches_per_update if groups_per_batch is None else even_batch(batches_per_update, groups_per_batch, d,
+        b = batches_per_update if units_per_batch is None else even_batch(batches_per_update, units_per_batch, d,
                                                                            round_down)
-        groups = None if groups_per_batch is None else b * groups_per_batch
-        if groups is None or d <= groups:
-            splits.append(predict(devices - d, d, rollout_s, update_s, max_staleness, b, groups, rank_cv))
+        units = None if units_per_batch is None else b * units_per_batch
+        if units is None or d <= units:
+            splits.append(predict(devices - d, d, rollout_s, update_s, max_staleness, b, units, rank_cv))
     return max(splits, key=lambda p: (p.pace, p.batches_per_update, -p.learner_ranks))
 
 

@@ -99,7 +99,8 @@ class Learner:
         the worker and ``seq``, never by state the learner carries)."""
         return sample_batch(self.cfg, self.model, self.tok, data, self.reward_fn, worker, index, seq, self.version)
 
-    def update(self, batch: Batch, world: World | None = None, keys: torch.Tensor | None = None) -> dict[str, float]:
+    def update(self, batch: Batch, world: World | None = None, keys: torch.Tensor | None = None,
+               leads: torch.Tensor | None = None) -> dict[str, float]:
         """One ADPO update on ``batch``, unless the collapse guard sees in it that the policy collapsed:
         then the batch is skipped and (first sign of it; for a reward drop, the ``guard.confirm``-th
         unhealthy batch in a row) the last healthy policy is restored and published as a new
@@ -107,7 +108,8 @@ class Learner:
         Raises CollapseError when rolling back no longer helps. ``keys`` [B]: each trajectory's
         name for its random draws (algo/draws.py; default its position). ``world``: data-parallel
         ranks (torchrun), ``batch`` being this rank's share of the global batch and ``keys`` its
-        trajectories' keys (learner/shares.py); the guard sees the whole batch's health on every rank.
+        trajectories' keys (learner/shares.py) and ``leads`` [B] their groups' first members' keys
+        (a group may straddle ranks); the guard sees the whole batch's health on every rank.
         Steps sampled more than ``async_rl.max_staleness`` versions ago are not learned from (a
         batch sampled with in-flight refresh can hold such steps beside fresh ones)."""
         self.guard_event = ""
@@ -127,7 +129,7 @@ class Learner:
                 return {"rows": 0.0, "rolled_back": 1.0, "policy_version": float(self.version),
                         "guard_rollbacks": float(self.guard.rollbacks)}
             self.guard.accept(h)
-        draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys)
+        draws = Draws.seeded(self.gen, torch.arange(len(batch)) if keys is None else keys, leads)
         stats = update_policy(self.model, self.opt, batch, self.cfg.update, self.tok, self.cfg.sampler.temperature,
                               draws, scheduler=self.sched, world=world, version=self.version, own=self.cfg.own(),
                               oldest=self.version - self.cfg.async_rl.max_staleness)

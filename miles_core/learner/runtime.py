@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from miles_core.algo.estimators import get_estimator
 from miles_core.algo.rl import batch_id
 from miles_core.algo.update import global_counts
 from miles_core.config import RecipeConfig, load_recipe
@@ -194,21 +195,24 @@ class LearnerRun:
         verdict = self.batches.verdict(batch, self.learner.version)
         return verdict, batch if verdict.kind == "fresh" else None
 
-    def _read_share(self, bids: list[str]) -> tuple[list[tuple[str, int, int]], Batch, Tensor | None]:
+    def _read_share(self, bids: list[str]) -> tuple[list[tuple[str, int, int]], Batch, Tensor | None, Tensor | None]:
         """Judge the batches ``bids`` of one global batch and record the quarantined and dropped ones
         in the ledger -> (the fresh ones as (id, behaviour version, rows), this rank's rows of them,
-        their trajectories' keys). With D ranks each reads only its share (learner/shares.py) and
-        the ranks exchange their verdicts alone."""
+        their trajectories' keys, with D ranks their groups' first members' keys). With D ranks
+        each reads only its share (learner/shares.py: single trajectories, or whole groups for an
+        estimator that reads them) and the ranks exchange their verdicts alone."""
         world, m = self.world, len(bids)
         group = self.cfg.train.group_size
+        unit = group if get_estimator(self.cfg.update.estimator).whole_groups else 1
         n = self.cfg.train.prompts_per_iter * group  # rows of a sampler batch
         multi, speeds = world.size > 1, self.speeds.speeds if self.speeds else None
-        share = my_share(m, n, group, world, speeds) if multi else range(m)
-        judged = {j: self._judge(bids[j], first_reader(j, n, m, group, world, speeds)) for j in share}
+        share = my_share(m, n, unit, world, speeds) if multi else range(m)
+        judged = {j: self._judge(bids[j], first_reader(j, n, m, unit, world, speeds)) for j in share}
         verdicts = agree(m, {j: v for j, (v, _) in judged.items()}, world)
         fresh: list[tuple[str, int, int]] = []
         parts: list[Batch] = []                 # this rank's rows of each fresh batch it read
         keys: list[Tensor] = []                 # their trajectories' keys (algo/draws.py)
+        leads: list[Tensor] = []                # their groups' first members' keys
         for j, (bid, verdict) in enumerate(zip(bids, verdicts)):
             if verdict.kind == "quarantined":
                 self.ledger.quarantine(bid, verdict.reason)
@@ -220,15 +224,16 @@ class LearnerRun:
             fresh.append((bid, verdict.version, n if batch is None else len(batch)))
             if batch is None:
                 continue
-            if multi and len(batch) != n:
-                raise ValueError(f"batch {bid} has {len(batch)} rows; the ranks split sampler batches of "
-                                 f"{n} (train.prompts_per_iter x train.group_size)")
-            part, part_keys = held_rows(bid, j, batch, m, group, world, speeds)
+            if multi and (len(batch) != n or bool((batch.group_id.reshape(-1, group) != batch.group_id[::group, None]).any())):
+                raise ValueError(f"batch {bid} is not {n} rows in groups of {group} consecutive rows; the ranks split "
+                                 f"sampler batches of train.prompts_per_iter x train.group_size rows")
+            part, part_keys, part_leads = held_rows(bid, j, batch, m, unit, group, world, speeds)
             parts.append(part)
             keys.append(part_keys)
+            leads.append(part_leads)
         rows: Batch = (parts[0] if len(parts) == 1 else type(parts[0]).concat(parts) if parts
                        else TrajectoryBatch.empty(self.cfg.task.completion_len))
-        return fresh, rows, torch.cat(keys) if keys else None
+        return fresh, rows, torch.cat(keys) if keys else None, torch.cat(leads) if leads and multi else None
 
     def consume(self, bids: str | list[str]) -> tuple[str, dict[str, float]]:
         """One update on the committed batches ``bids`` (one global batch: ``async_rl.global_batch``
@@ -239,7 +244,7 @@ class LearnerRun:
         bids = [bids] if isinstance(bids, str) else list(bids)
         t_read, world = time.perf_counter(), self.world if self.world.size > 1 else None
         dropped_before = len(self.ledger.dropped)
-        fresh, batch, keys = self._read_share(bids)
+        fresh, batch, keys, leads = self._read_share(bids)
         if not fresh:  # no update, no publish: the samplers still learn of the slots freed
             if self.world.is_main:
                 self.policy.pass_on(self.passed)
@@ -247,7 +252,7 @@ class LearnerRun:
         version_before = self.learner.version
         staleness = version_before - min(v for _, v, _ in fresh)
         t0, waited = time.perf_counter(), self.world.waited_s
-        stats = self.learner.update(batch, world=world, keys=keys)
+        stats = self.learner.update(batch, world=world, keys=keys, leads=leads)
         t1 = time.perf_counter()
         if self.speeds is not None:  # its own work: the update less its waits in collectives
             self.speeds.observe(self.world, len(batch), t1 - t0 - (self.world.waited_s - waited))

@@ -1,6 +1,7 @@
 """Run under torchrun (D ranks, gloo): a global batch of B sampler batches, each rank updating on
-its own share only (learner/shares.py::owned_rows: whole groups, uneven when D does not divide
-them), against one process updating on the whole batch, for several estimators. Rank 0 prints
+its own share only (learner/shares.py::owned_rows: single trajectories, so groups straddle ranks,
+or whole groups for an estimator that reads them; uneven when D does not divide them), against
+one process updating on the whole batch, for several estimators. Rank 0 prints
 one ``estimator=... max_abs_diff=... moved=...`` line each, and every rank prints how many
 trajectories it passed to the row builder (``built=rank:count``), which must be its share.
 Args: D-independent sizes: sampler batches B, groups per batch; optionally the ranks' speeds,
@@ -17,6 +18,7 @@ from test_parallel import TOK, _model  # noqa: E402
 import miles_core.algo.estimators.adpo as adpo_module  # noqa: E402
 from miles_core.algo.advantages import group_advantages  # noqa: E402
 from miles_core.algo.draws import Draws, trajectory_keys  # noqa: E402
+from miles_core.algo.estimators import get_estimator  # noqa: E402
 from miles_core.algo.update import update_policy  # noqa: E402
 from miles_core.config import SamplerConfig  # noqa: E402
 from tests.helpers.update_cfg import update_and_own  # noqa: E402
@@ -45,34 +47,38 @@ def sampler_batch(j: int) -> TrajectoryBatch:
 
 batches = [sampler_batch(j) for j in range(B)]
 keys = [trajectory_keys(f"b{j}", n) for j in range(B)]
+leads = [k[torch.arange(n) // G * G] for k in keys]  # each trajectory's group's first member's key
 built: list[int] = []
 real_build = adpo_module.build_rows
 adpo_module.build_rows = lambda batch, *a, **k: built.append(len(batch)) or real_build(batch, *a, **k)
 
 for estimator in ("adpo", "espo", "wd1"):
-    cfg, own = update_and_own(estimator, draws=2, num_minibatches=2, epochs=2, row_chunk=3, kl_coef=0.1,
+    cfg, own = update_and_own(estimator, draws=2, num_minibatches=3, epochs=2, row_chunk=3, kl_coef=0.1,
                               max_grad_norm=1e9, where_declared={"step_fraction": 0.5})
+
+    unit = G if get_estimator(estimator).whole_groups else 1  # what the learner runtime deals
 
     def update(mine: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
         model = _model()
         opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
         if mine is None:  # one process, the whole global batch
-            local, k = TrajectoryBatch.concat(batches), torch.cat(keys)
+            local, k, lead = TrajectoryBatch.concat(batches), torch.cat(keys), None
         else:
             idx = [m.nonzero().squeeze(1) for m in mine]
             held = [b.select(i) for b, i in zip(batches, idx) if i.numel()]
             local = TrajectoryBatch.concat(held) if held else TrajectoryBatch.empty(batches[0].completion_len)
             k = torch.cat([kk[i] for kk, i in zip(keys, idx)])
-        update_policy(model, opt, local, cfg, TOK, 1.0, Draws(2026, k.long()), world=world if mine is not None else None,
-                      own=own)
+            lead = torch.cat([ll[i] for ll, i in zip(leads, idx)])
+        update_policy(model, opt, local, cfg, TOK, 1.0, Draws(2026, k.long(), leads=lead),
+                      world=world if mine is not None else None, own=own)
         return {name: v.detach().clone() for name, v in model.state_dict().items() if "lora_" in name}
 
     built.clear()
-    shares = update([owned_rows(j, n, B, G, world, speeds) for j in range(B)])
+    shares = update([owned_rows(j, n, B, unit, world, speeds) for j in range(B)])
     mine_built = sum(built)
     one = update(None)
     if estimator == "adpo":
-        held = sum(int(owned_rows(j, n, B, G, world, speeds).sum()) for j in range(B))
+        held = sum(int(owned_rows(j, n, B, unit, world, speeds).sum()) for j in range(B))
         print(f"built={world.rank}:{mine_built}:{held}\n", end="", flush=True)  # one write: ranks share stdout, unbuffered under PYTHONUNBUFFERED
     if world.rank == 0:
         diff = max(float((one[k] - shares[k]).abs().max()) for k in one)

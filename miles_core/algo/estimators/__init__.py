@@ -41,6 +41,9 @@ class Estimator:
     name: ClassVar[str] = ""
     settings: ClassVar[type]                # its own knobs: a config.Section dataclass (``estimators.NAME``)
     builders: ClassVar[dict[str, RowBuilder]] = {}  # batch kind (TrajectoryBatch.kind ...) -> its rows
+    # whether its rows or advantages read a trajectory's group (ESPO's stratified counts, wd1's
+    # softmax): then learner ranks are dealt whole groups, else single trajectories (learner/shares.py)
+    whole_groups: ClassVar[bool] = False
 
     def row_builders(self) -> dict[str, RowBuilder]:
         """Batch kind (``TrajectoryBatch.kind``, ``RenoiseBatch.kind``) -> the rows built for it."""

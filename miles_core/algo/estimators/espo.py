@@ -78,6 +78,7 @@ def espo_rows(sub: TrajectoryBatch, own: EspoSettings, epochs: int, tok: CharTok
 @register_estimator("espo")
 class ESPO(Estimator):
     settings = EspoSettings
+    whole_groups = True  # its copies' counts are stratified over each group
 
     builders = {"masked": espo_rows}  # batch kind -> its rows
 

@@ -20,6 +20,7 @@ from miles_core.config import UpdateConfig, Wd1Settings
 
 @register_estimator("wd1")
 class WD1(Estimator):
+    whole_groups = True  # its weights are a softmax over each group
     settings = Wd1Settings
 
     builders = {"masked": meanfield_rows}  # batch kind -> its rows
