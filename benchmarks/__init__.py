@@ -21,7 +21,7 @@ HELPERS = {
     "harness": "arguments, SFT checkpoints, seeds in processes, paired tests, result files",
     "real_model_decode": "real_model's decoding measurements (latency, NSD FLOPs, the AR original)",
     "sim": "the discrete-event model scale_model runs",
-    "update_pace": "sim's update time on D ranks: shares in whole groups, the slowest rank, the all-reduce",
+    "update_pace": "sim's update time on D ranks: shares in units of the deal, the slowest rank, the all-reduce",
     "model_fit": "scale_model against the emulated runs: calibration, out-of-sample and straggler predictions",
     "standin": "emulate's calibrated compute stand-in process (python -m benchmarks.standin sampler|learner)",
 }

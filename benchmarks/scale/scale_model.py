@@ -6,7 +6,7 @@ Run: python -m benchmarks.host_costs && python -m benchmarks.emulate && python -
 
 The design as built (miles_core/asyncrl): admission (a sampler starts slot k only while
 k < (S + v + 1) B), updates on the recipe's global batch of B sampler batches, each learner rank
-reading, building and scoring only its share in whole groups (learner/shares.py; the busiest
+reading, building and scoring only its share, single trajectories (learner/shares.py; the busiest
 rank's share and the slowest rank set the pace), samplers polling ``adapters/LATEST`` with
 back-off, and the split of ``asyncrl/placement.py`` for that global batch.
 

@@ -1,5 +1,6 @@
 """How long one update takes on D learner ranks, for the scale model (benchmarks/scale/sim.py):
-the ranks' shares of a global batch in whole groups (learner/shares.py in closed form, and its
+the ranks' shares of a global batch in units of the deal (single trajectories, or whole groups for
+an estimator that reads them: learner/shares.py in closed form, and its
 ``cuts`` when GPUs differ in speed), the busiest rank's time, the slowest rank at every optimizer
 step, and the ring all-reduce of the gradient."""
 
@@ -34,7 +35,7 @@ def shares(batches: int, n: int, d: int, group: int = 1) -> list[int]:
 
 
 def largest_share(batches: int, n: int, d: int, group: int = 1) -> int:
-    """Rows of the busiest rank's share (whole groups): it sets the update's pace."""
+    """Rows of the busiest rank's share (whole units of ``group`` rows): it sets the update's pace."""
     units = batches * n // group
     return -(-units // d) * group
 
@@ -55,7 +56,7 @@ def rank_slowness(p: Params, rng: random.Random) -> list[float]:
 
 
 def paced_rows(p: Params, batches: int, slowness: list[float] | None = None) -> float:
-    """Rows the update's pace is set by: the busiest rank's share times its slowness (whole groups,
+    """Rows the update's pace is set by: the busiest rank's share times its slowness (whole units,
     dealt as learner/shares.py::cuts deals them: equal blocks, or by speed, 1 / slowness, as the
     learner measures it)."""
     from miles_core.learner.shares import cuts
@@ -71,7 +72,7 @@ def paced_rows(p: Params, batches: int, slowness: list[float] | None = None) -> 
 
 def update_time(p: Params, batches: int = 1, rng: random.Random | None = None,
                 slowness: list[float] | None = None) -> float:
-    """One update of ``batches`` batches split over the ranks in whole groups (the busiest rank's
+    """One update of ``batches`` batches split over the ranks in units of the deal (the busiest rank's
     share, times its persistent ``slowness``, sets the pace: :func:`paced_rows`), plus
     ``minibatches`` gradient all-reduces. With ``rng`` and ``rank_cv``, each rank's time varies
     (normal, that CV) and the slowest of the D sets the pace: the max of D normals is drawn as

@@ -87,7 +87,7 @@ def test_placement_balances_the_sides_for_the_recipes_global_batch() -> None:
     small = place(20, rollout_s=3.0, update_s=2.0, max_staleness=6, batches_per_update=2)
     assert small.admitted == 4 and small.learner_ranks >= 3 and small.sampler_idle > 0.5
     assert "admits 4 samplers" in small.describe()
-    # ranks share whole groups and the busiest sets the pace: 4 ranks over 6 groups work as 3
+    # ranks share whole units and the busiest sets the pace: 4 ranks over 6 units work as 3
     assert even_ranks(4, 6) == 3 and even_ranks(3, 6) == 3 and even_ranks(5, 7) == 3.5
     assert place(10, 3.0, 2.0, 6, 3, units_per_batch=2).learner_ranks == 3  # 4 is worth no more than 3
     assert place(40, 3.0, 2.0, 6, 1, units_per_batch=2).learner_ranks == 2  # never more ranks than groups

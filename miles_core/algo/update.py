@@ -250,7 +250,7 @@ def update_policy(model: Any, optimizer: torch.optim.Optimizer, batch: Batch, cf
     drawn (the staleness bound, counted per step: with in-flight refresh a trajectory's early steps
     can be older than its late ones; ``stale_rows`` counts them).
 
-    ``world`` (data parallel): ``batch`` is this rank's share (whole groups, learner/shares.py);
+    ``world`` (data parallel): ``batch`` is this rank's share (learner/shares.py);
     what the update needs of the whole global batch is two counts (kept trajectories, all
     trajectories), summed over ranks; everything else is per trajectory."""
     assert batch.advantage is not None
