@@ -18,6 +18,8 @@ from benchmarks.sim import Params, refresh_delay, simulate
 RECORDS = Path(__file__).resolve().parents[2] / "docs" / "results" / "records"
 PREDICTIONS = RECORDS / "predictions-stragglers.json"
 REFRESH_PREDICTIONS = RECORDS / "predictions-refresh.json"
+TRAJECTORY_PREDICTIONS = RECORDS / "predictions-trajectories.json"
+EMULATE_GROUP = 2  # emulate.py's train.group_size: the unit its runs were dealt before single trajectories
 
 CALIBRATED = ("measured_rollout_s", "measured_update_s", "learner_host_s", "sampler_host_s", "learner_start_s",
               "startup_poll_interval_s")
@@ -31,7 +33,7 @@ def startup_poll_interval(run: dict) -> float:
 def deal_unit(run: dict) -> int:
     """Rows per unit the run's learner ranks were dealt: as recorded, else (a record from before
     the learner dealt single trajectories) a whole group."""
-    return run.get("deal_unit", run.get("group_size", 1))
+    return run.get("deal_unit", run.get("group_size", EMULATE_GROUP))
 
 
 def emulated_params(run: dict) -> Params:
@@ -124,6 +126,16 @@ def straggler_configs(prompts: int = 32) -> list[dict[str, Any]]:
                    "deal": "speed"}]
 
 
+def trajectory_configs(prompts: int = 32) -> list[dict[str, Any]]:
+    """The straggler runs dealt by speed again, now that the learner deals single trajectories
+    (learner/shares.py): one rank 10% slower, and every rank spread 5% (``python -m
+    benchmarks.emulate --processes 16 --prompts 32 --slow-rank 1.1 --deal speed``). In whole
+    groups the slow rank could not be fully made up (16 groups: 15 x 1.1 > 16); in 32 trajectories
+    it can, to 1 / 32."""
+    return [{**c, "deal_unit": 1} for c in straggler_configs(prompts)
+            if c["deal"] == "speed" and c["rollout_tail"] == (0.0, 1.0)]
+
+
 def refresh_configs(batches: int = 4) -> list[dict[str, Any]]:
     """The emulated strong-scaling pairs whose figures the model predicts before they run: 16 and
     64 processes, a fixed global batch of one sampler batch per 8 processes (admission holds
@@ -168,14 +180,14 @@ def predict(runs: list[dict], configs: list[dict[str, Any]], calibrate_on: tuple
         fit["measured_rollout_s"] *= 1 + share * (x - 1)
         fixed = _fixed_split(like, c) if c.get("global_batch") else {}
         params = emulated_params({**like, **fit, "deal": c["deal"], "rank_slowness": slow, "rollout_tail": (share, x),
-                                  **fixed})
+                                  "deal_unit": deal_unit(c), **fixed})
         r = simulate(replace(params, refresh=fixed.get("refresh", False), refresh_delay_s=fixed.get("refresh_delay_s", 0.0)))
         out.append({**c, "predicted": r["after_two_updates_completions_per_s"] / like["ideal_completions_per_s"],
                     "predicted_step_age": r["step_age_mean"], "predicted_dropped": r["dropped"],
                     "tail_share": share,
                     "plain_measured": like["efficiency"], "learner_ranks": like["learner_ranks"],
                     "units_per_rank": like["batches_per_update"] * like["completions_per_batch"]
-                    / deal_unit(like) / like["learner_ranks"]})
+                    / deal_unit(c) / like["learner_ranks"]})
     return out
 
 
@@ -186,7 +198,7 @@ def checked(predictions: list[dict], runs: list[dict]) -> list[dict[str, Any]]:
     out = []
     for pr in predictions:
         run = next((r for r in runs if all(r.get(k, UNSET.get(k)) == pr.get(k, UNSET.get(k)) for k in key)
-                    and r["completions_per_batch"] == 2 * pr.get("prompts", 4)
+                    and r["completions_per_batch"] == 2 * pr.get("prompts", 4) and deal_unit(r) == deal_unit(pr)
                     and list(r.get("rollout_tail", (0.0, 1.0))) == list(pr.get("rollout_tail", (0.0, 1.0)))), None)
         if run is not None:
             out.append({**pr, "measured": run["efficiency"], "error": pr["predicted"] / run["efficiency"] - 1,

@@ -60,8 +60,8 @@ from typing import Any
 
 from benchmarks.harness import RESULTS, add_smoke, table, write_result
 from benchmarks.host_costs import LORA_PARAMS, SMOKE_LORA, SMOKE_POINTS, host_seconds, measure, one
-from benchmarks.model_fit import (PREDICTIONS, REFRESH_PREDICTIONS, checked, is_plain, predict, refresh_configs,
-                                  straggler_configs, validation)
+from benchmarks.model_fit import (PREDICTIONS, REFRESH_PREDICTIONS, TRAJECTORY_PREDICTIONS, checked, deal_unit,
+                                  is_plain, predict, refresh_configs, straggler_configs, trajectory_configs, validation)
 from benchmarks.sim import Params, simulate
 from benchmarks.update_pace import largest_share, shares
 from miles_core.asyncrl.placement import Placement, admitting_batch, place
@@ -81,6 +81,9 @@ VARIANTS = {"as stated": {}, "no rank spread": {"rank_cv": 0.0, "rank_spread": 0
             "no heavy tail": {"rollout_tail_p": 0.0}, "a store that never queues": {"put_rate": 1e9, "get_rate": 1e9}}
 STRONG_BATCH = 4_608                   # completions per update (48 sampler batches of 96)
 SEED_CLAIM = 0.946
+# --predict's --configs: where each set of emulated runs' predictions is written, and the runs
+CONFIGS = {"stragglers": (PREDICTIONS, straggler_configs), "refresh": (REFRESH_PREDICTIONS, refresh_configs),
+           "trajectories": (TRAJECTORY_PREDICTIONS, trajectory_configs)}
 SMOKE = {"rollouts": 4, "seeds": 2}    # --smoke: short horizons (20 updates still), at SMOKE_GPUS
 SMOKE_GPUS = (8, 64)
 
@@ -270,16 +273,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--predict", default=None, metavar="FILE", nargs="?", const="",
                     help="only write the --configs runs' predictions (from the plain emulated runs in --runs-from) "
                          "to FILE (default: docs/results/records/predictions-CONFIGS.json), before those runs")
-    ap.add_argument("--configs", choices=["stragglers", "refresh"], default="stragglers",
-                    help="which emulated runs --predict predicts: the straggler runs or the in-flight refresh pair")
+    ap.add_argument("--configs", choices=list(CONFIGS), default="stragglers",
+                    help="which emulated runs --predict predicts: the straggler runs, the in-flight refresh pair, or "
+                         "the straggler runs dealt single trajectories")
     args = ap.parse_args(argv)
     if args.predict is not None:
-        target = args.predict or str(PREDICTIONS if args.configs == "stragglers" else REFRESH_PREDICTIONS)
+        target = args.predict or str(CONFIGS[args.configs][0])
         plain = emulated_runs(Path(args.runs_from))
         if not plain:
             raise SystemExit(f"no emulated runs in {args.runs_from}: run python -m benchmarks.emulate (and its "
                              "--prompts 32 runs, model_fit.straggler_configs) first")
-        preds = predict(plain, straggler_configs() if args.configs == "stragglers" else refresh_configs())
+        preds = predict(plain, CONFIGS[args.configs][1]())
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
         Path(target).write_text(json.dumps({"commit": commit, "calibrated_on": [4, 16], "predictions": preds},
                                            indent=1) + "\n")
@@ -325,12 +329,16 @@ def main(argv: list[str] | None = None) -> None:
     else:
         print("\nno emulated runs validated against" + (" (--smoke reads no results)" if args.smoke else
                                                           " in benchmarks/results/ (run python -m benchmarks.emulate)"))
-    straggle = checked(json.loads(PREDICTIONS.read_text())["predictions"], runs) if PREDICTIONS.exists() else []
-    if straggle:
-        print("\nstraggler runs, predicted before they ran (" + str(PREDICTIONS.relative_to(PREDICTIONS.parents[3])) + ")")
-        print(table([[p["processes"], p["slow_rank"], p["rank_spread"], "{}:{}".format(*p["rollout_tail"]), p["deal"],
-                      f"{p['predicted']:.3f}", f"{p['measured']:.3f}", f"{100 * p['error']:+.1f}%"] for p in straggle],
-                    ["procs", "slow rank", "spread", "tail P:X", "deal", "predicted", "measured", "error"]))
+    straggle = []
+    for file in (PREDICTIONS, TRAJECTORY_PREDICTIONS):
+        done = checked(json.loads(file.read_text())["predictions"], runs) if file.exists() else []
+        straggle += done
+        if done:
+            print("\nstraggler runs, predicted before they ran (" + str(file.relative_to(file.parents[3])) + ")")
+            print(table([[p["processes"], p["slow_rank"], p["rank_spread"], "{}:{}".format(*p["rollout_tail"]), p["deal"],
+                          deal_unit(p), f"{p['predicted']:.3f}", f"{p['measured']:.3f}", f"{100 * p['error']:+.1f}%"]
+                         for p in done],
+                        ["procs", "slow rank", "spread", "tail P:X", "deal", "unit", "predicted", "measured", "error"]))
     top = curves["weak"][-1]
     drops = {kind: below(pts) for kind, pts in curves.items()}
     print(f"\nweak scaling at {top['gpus']:,} GPUs (llada_8b, global batch {top['global_batch']:,}, GPUs spread "
