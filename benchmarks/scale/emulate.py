@@ -312,8 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rank-spread", type=float, default=0.0, help="each learner rank's persistent slowness, a normal CV")
     ap.add_argument("--slow-rank", type=float, default=1.0, help="the last learner rank this many times slower")
     ap.add_argument("--prompts", type=int, default=4,
-                    help="prompts per sampler batch (groups of 2): a rank's share is B x prompts / D groups, and a "
-                         "deal by speed moves whole groups")
+                    help="prompts per sampler batch (groups of 2): a rank's share is 2 B x prompts / D trajectories "
+                         "(whole groups for an estimator that reads them), what a deal by speed moves")
     ap.add_argument("--rollout-tail", default="0:1", metavar="P:X",
                     help="a share P of the rollouts takes X times as long (the scale model assumes 0.02:3)")
     ap.add_argument("--global-batch", type=int, default=0, metavar="B",
