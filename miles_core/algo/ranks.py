@@ -72,22 +72,22 @@ class Ranks:
         rows' trajectories), for algo/draws.py::minibatches; None when groups are held whole (no
         ``draws.leads``). Ranks hold trajectories in the global batch's order, so only a rank's
         first group can have members below it, and only a lower rank's last group can be that
-        group: each rank sends its last group's id and rows (one all-reduce of 3 D numbers, group
-        ids exact in float64)."""
+        group: each rank sends its last group's first-member key (two 32-bit halves, exact in
+        float64) and its rows there, one all-reduce of 4 D numbers."""
         if draws.leads is None:
             return None
-        if draws.groups is None:
-            raise ValueError("Ranks.rows_before: draws with leads need each trajectory's group id")
         world, b = self.world, len(draws)
-        sent = torch.zeros(world.size, 3, dtype=torch.float64)  # [D, (holds any, last group id, its rows)]
+        sent = torch.zeros(world.size, 4, dtype=torch.float64)  # [D, (holds any, key high, key low, rows)]
         if b:
-            last = draws.groups[-1]
-            sent[world.rank] = torch.tensor([1.0, float(last), float((draws.groups[traj] == last).sum())])
-        seen = world.all_reduce_(sent)
+            last = int(draws.leads[-1])
+            sent[world.rank] = torch.tensor([1.0, float(last >> 32), float(last & 0xFFFFFFFF),
+                                             float((draws.leads[traj] == last).sum())], dtype=torch.float64)
+        seen = world.all_reduce_(sent)[:world.rank]
         out = torch.zeros(b, dtype=torch.long)
         if b:
-            first, low = float(draws.groups[0]), seen[:world.rank]
-            out[draws.groups == draws.groups[0]] = int(low[(low[:, 0] > 0) & (low[:, 1] == first), 2].sum())
+            first = int(draws.leads[0])
+            same = (seen[:, 0] > 0) & (seen[:, 1] == float(first >> 32)) & (seen[:, 2] == float(first & 0xFFFFFFFF))
+            out[draws.leads == first] = int(seen[same, 3].sum())
         return out
 
     def sum_grads(self, params: list) -> None:
