@@ -45,10 +45,10 @@ from unittest import mock
 from benchmarks.harness import MeasuredNothing, bench_args, finish, seaweed, usable_cpus
 from benchmarks.standin import SCALE, settings
 from benchmarks.update_pace import draw_slowness
-from miles_core.algo.estimators import get_estimator
 from miles_core.asyncrl.launch import WarmProcess
 from miles_core.asyncrl.launch import summarize as run_summary
 from miles_core.config import load_recipe
+from miles_core.learner.shares import deal_unit
 
 REPO = Path(__file__).resolve().parents[2]
 STALENESS = 6
@@ -266,7 +266,7 @@ def summarize(rs: Any, cfg: Any, pl: Any, st: dict[str, Any], c: int, procs: int
     return {"processes": procs, "samplers": pl.samplers, "learner_ranks": pl.learner_ranks,
             "batches_per_update": pl.batches_per_update, "batches": committed, "completions_per_batch": c,
             "group_size": cfg.train.group_size, "minibatches": cfg.update.num_minibatches,
-            "deal_unit": cfg.train.group_size if get_estimator(cfg.update.estimator).whole_groups else 1,
+            "deal_unit": deal_unit(cfg.train.group_size, cfg.update.estimator),
             "efficiency": done / span / ideal if span > 0 else float("nan"),
             "whole_run_efficiency": sum(h["batches"] for h in history) * c / (history[-1]["at"] - started) / ideal,
             "completions_per_s": done / span if span > 0 else float("nan"), "ideal_completions_per_s": ideal,

@@ -75,22 +75,14 @@ def _batch(n: int, group: int, seed: int) -> Any:
     return b
 
 
-def deal_unit(group: int) -> int:
-    """Rows per unit the learner ranks are dealt for the estimator timed here (adpo: single
-    trajectories; learner/shares.py)."""
-    from miles_core.algo.estimators import get_estimator
-
-    return group if get_estimator("adpo").whole_groups else 1
-
-
 def _gathered_as(D: int, B: int, n: int, group: int) -> Callable[[Any], list]:
     """``World.all_gather_object`` as rank r of D sees it: every rank's verdicts on the batches it
     read (``my_share``), pickled on their side (outside the timer), unpickled on this one."""
     from miles_core.learner.ledger import Verdict
-    from miles_core.learner.shares import my_share
+    from miles_core.learner.shares import deal_unit, my_share
     from miles_core.parallel import World
 
-    sent = [pickle.dumps({j: Verdict.fresh(0) for j in my_share(B, n, deal_unit(group), World(r, D))})
+    sent = [pickle.dumps({j: Verdict.fresh(0) for j in my_share(B, n, deal_unit(group, "adpo"), World(r, D))})
             for r in range(D)]
 
     def all_gather_object(obj: Any) -> list:
@@ -110,7 +102,7 @@ def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[st
     from miles_core.algo.guard import batch_health
     from miles_core.config import AdpoSettings, UpdateConfig
     from miles_core.learner.ledger import Verdict
-    from miles_core.learner.shares import agree, first_reader, held_rows, my_share
+    from miles_core.learner.shares import agree, deal_unit, first_reader, held_rows, my_share
     from miles_core.parallel import World
     from miles_core.storage import TrajectoryStore
     from miles_core.tokenizer import CharTokenizer
@@ -122,7 +114,7 @@ def one(B: int, D: int, n: int, group: int, mode: str, rank: int = 0) -> dict[st
     gather = _gathered_as(D, B, n, group) if D > 1 and mode == "after" else None
     t: dict[str, float] = {}
     t0 = time.perf_counter()
-    unit = deal_unit(group)
+    unit = deal_unit(group, "adpo")  # the estimator timed here
     share = my_share(B, n, unit, world)
     first = [j for j in share if first_reader(j, n, B, unit, world)]  # the batches it would quarantine
     t["share_plan"] = time.perf_counter() - t0
@@ -254,10 +246,10 @@ def host_seconds(model: dict[str, float], trajectories: float, batches: float, r
 def busiest_rank(B: int, D: int, n: int, group: int) -> int:
     """The rank with the most sampler batches to read, then the most units (closed forms, O(D)):
     a rank whose share straddles a batch boundary reads two batches where its neighbours read one."""
-    from miles_core.learner.shares import my_share, owned_units
+    from miles_core.learner.shares import deal_unit, my_share, owned_units
     from miles_core.parallel import World
 
-    unit = deal_unit(group)
+    unit = deal_unit(group, "adpo")  # the estimator timed here
     return max(range(D), key=lambda r: (len(my_share(B, n, unit, World(r, D))),
                                         len(owned_units(B, n, unit, World(r, D))), -r))
 

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_core.algo.estimators import get_estimator
 from miles_core.algo.rl import batch_id
 from miles_core.algo.update import global_counts
 from miles_core.config import RecipeConfig, load_recipe
@@ -41,7 +40,7 @@ from miles_core.learner.channels import BatchChannel, PolicyChannel, uses_inbox
 from miles_core.learner.policy import Learner
 from miles_core.learner import ledger as ledger_parts
 from miles_core.learner.ledger import Ledger, Verdict
-from miles_core.learner.shares import RankSpeeds, agree, first_reader, held_rows, my_share
+from miles_core.learner.shares import RankSpeeds, agree, deal_unit, first_reader, held_rows, my_share
 from miles_core.parallel import World
 from miles_core.storage import CorruptBatchError
 from miles_core.types import Batch, TrajectoryBatch
@@ -203,7 +202,7 @@ class LearnerRun:
         estimator that reads them) and the ranks exchange their verdicts alone."""
         world, m = self.world, len(bids)
         group = self.cfg.train.group_size
-        unit = group if get_estimator(self.cfg.update.estimator).whole_groups else 1
+        unit = deal_unit(group, self.cfg.update.estimator)
         n = self.cfg.train.prompts_per_iter * group  # rows of a sampler batch
         multi, speeds = world.size > 1, self.speeds.speeds if self.speeds else None
         share = my_share(m, n, unit, world, speeds) if multi else range(m)

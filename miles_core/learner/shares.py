@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from miles_core.algo.draws import trajectory_keys
+from miles_core.algo.estimators import get_estimator
 from miles_core.learner.ledger import Verdict
 from miles_core.parallel import World
 from miles_core.types import Batch
@@ -69,6 +70,12 @@ def cuts(units: int, size: int, speeds: Sequence[float] | None = None) -> list[i
         blocks[r] += 1
         heapq.heappush(left, ((blocks[r] + 1) / speeds[r], r))
     return [0, *itertools.accumulate(blocks)]
+
+
+def deal_unit(group: int, estimator: str) -> int:
+    """Rows per unit of the deal for ``update.estimator``: a whole group (``train.group_size``)
+    for an estimator that reads its trajectories' groups in the update, else one trajectory."""
+    return group if get_estimator(estimator).whole_groups else 1
 
 
 def owned_rows(j: int, n: int, batches: int, unit: int, world: World,

@@ -18,11 +18,10 @@ from test_parallel import TOK, _model  # noqa: E402
 import miles_core.algo.estimators.adpo as adpo_module  # noqa: E402
 from miles_core.algo.advantages import group_advantages  # noqa: E402
 from miles_core.algo.draws import Draws, trajectory_keys  # noqa: E402
-from miles_core.algo.estimators import get_estimator  # noqa: E402
 from miles_core.algo.update import update_policy  # noqa: E402
 from miles_core.config import SamplerConfig  # noqa: E402
 from tests.helpers.update_cfg import update_and_own  # noqa: E402
-from miles_core.learner.shares import owned_rows  # noqa: E402
+from miles_core.learner.shares import deal_unit, owned_rows  # noqa: E402
 from miles_core.parallel import init_world  # noqa: E402
 from miles_core.samplers.sampler import sample  # noqa: E402
 from miles_core.types import TrajectoryBatch  # noqa: E402
@@ -56,7 +55,7 @@ for estimator in ("adpo", "espo", "wd1"):
     cfg, own = update_and_own(estimator, draws=2, num_minibatches=3, epochs=2, row_chunk=3, kl_coef=0.1,
                               max_grad_norm=1e9, where_declared={"step_fraction": 0.5})
 
-    unit = G if get_estimator(estimator).whole_groups else 1  # what the learner runtime deals
+    unit = deal_unit(G, estimator)  # what the learner runtime deals
 
     def update(mine: list[torch.Tensor] | None) -> dict[str, torch.Tensor]:
         model = _model()
